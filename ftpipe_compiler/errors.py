@@ -1,0 +1,31 @@
+"""One exception hierarchy; the CLI catches `FtpipeError` once and prints its message."""
+
+
+class FtpipeError(Exception):
+    """Bad input or an impossible request: the message says what is wrong and what to do."""
+
+
+class UnknownNameError(FtpipeError, ValueError):
+    """An unknown model, hardware, task, partitioner or schedule name."""
+
+
+class TraceError(FtpipeError):
+    """The model could not be exported into an operator graph."""
+
+
+class InfeasibleError(FtpipeError):
+    """No plan fits the GPUs' memory."""
+
+
+class PlanFormatError(FtpipeError):
+    """A plan or graph file is missing, truncated, or written by another version."""
+
+
+class OutputExistsError(FtpipeError):
+    """The output folder exists and --force was not given."""
+
+
+def unknown(kind: str, name: str, choices) -> UnknownNameError:
+    """`unknown("partitioner", "foo", PARTITIONERS)` -> the standard unknown-name error."""
+    listed = ", ".join(sorted(choices))
+    return UnknownNameError(f"unknown {kind} {name!r}; choose from {listed}")

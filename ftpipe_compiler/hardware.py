@@ -1,0 +1,42 @@
+"""Hardware specs (`configs/hardware/*.json`) and the roofline that turns work into time."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .errors import unknown
+from .resources import config_names, load_config
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    memory_bytes: int
+    peak_flops: float
+    memory_bandwidth: float  # bytes/s
+    link_bandwidth: float  # bytes/s between two devices
+    efficiency: float = 0.5  # fraction of peak that real kernels reach
+    kernel_overhead_s: float = 0.0
+    description: str = ""
+
+    def op_time(self, flops: float, bytes_moved: float) -> float:
+        """Roofline time of one kernel: compute- or memory-bound, whichever is slower."""
+        if flops == 0 and bytes_moved == 0:
+            return 0.0
+        compute = flops / (self.peak_flops * self.efficiency)
+        memory = bytes_moved / (self.memory_bandwidth * self.efficiency)
+        return max(compute, memory) + self.kernel_overhead_s
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> Hardware:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+def get_hardware(name: str) -> Hardware:
+    d = load_config("hardware", name)
+    if d is None:
+        raise unknown("hardware", name, config_names("hardware"))
+    return Hardware.from_json(d)

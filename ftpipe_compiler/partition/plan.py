@@ -1,0 +1,331 @@
+"""The plan: which stage runs every node, which GPU runs every stage, what crosses between.
+
+    plan = build_plan(problem, stage_of={"linear": 0, ...}, gpu_of={0: 0, 1: 1}, partitioner="mixed")
+    plan.validate(); plan.period_s; plan.to_json(); Plan.from_json(d)
+
+Stages are renumbered in a topological order of the stage graph, so a stage only ever
+receives from lower-numbered stages. The plan carries every figure the simulator needs
+(stage times, bytes, memory), so `ftpipe simulate plan.json` needs nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+
+import networkx as nx
+
+from ..errors import FtpipeError, PlanFormatError
+from ..graph import _tupled, read_json
+from ..memory import gpu_memory_bytes
+from ..version import PLAN_FORMAT, __version__
+from .problem import Problem
+
+
+@dataclass(frozen=True)
+class Stage:
+    id: int
+    gpu: int
+    nodes: tuple[str, ...]  # graph node ids, in execution order
+    fwd_s: float
+    bwd_s: float
+    recompute_s: float
+    recompute: bool  # does this stage recompute under the plan's schedule?
+    depth: int  # stages on the longest path from here to the loss stage
+    params: tuple[str, ...]  # canonical names of all parameters read (tied ones too)
+    inputs: tuple[str, ...]  # transfers received (producer node ids)
+    outputs: tuple[str, ...]  # transfers sent
+    model_inputs: tuple[str, ...]  # model inputs read straight from the data
+    input_bytes: int  # per micro-batch: transfers received + model inputs
+    act_bytes: int  # per micro-batch: activations kept for backward without recompute
+
+    @property
+    def compute_s(self) -> float:
+        return self.fwd_s + self.bwd_s + (self.recompute_s if self.recompute else 0.0)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    tensor: str  # producing node id
+    producer: int  # stage
+    consumers: tuple[int, ...]  # stages
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    requires_grad: bool  # a gradient flows back along it
+
+
+@dataclass(frozen=True)
+class PlanParam:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    static_bytes: int  # weights + gradients + optimizer state
+    trainable: bool
+    aliases: tuple[str, ...]
+    stages: tuple[int, ...]  # stages reading it; several GPUs: gradients are summed
+
+
+@dataclass(frozen=True)
+class Plan:
+    partitioner: str
+    gpus: int
+    schedule: str
+    micro_batches: int
+    optimizer: str
+    bandwidth: float
+    memory_bytes: int  # per GPU
+    stages: tuple[Stage, ...]
+    transfers: tuple[Transfer, ...]
+    params: tuple[PlanParam, ...]
+    loss_stage: int
+    lower_bound_s: float = 0.0
+    search_seconds: float = 0.0
+    # Everything about where the plan came from, for the reader and the code generator.
+    model: dict = field(default_factory=dict)  # spec, task, micro_batch, inputs, family, hardware
+    competitors: tuple[dict, ...] = ()
+    simulated: dict = field(default_factory=dict)
+    command: str = ""
+    version: str = __version__
+
+    # --- figures ---
+    def stages_on(self, gpu: int) -> list[Stage]:
+        return [s for s in self.stages if s.gpu == gpu]
+
+    def gpu_compute_s(self, gpu: int) -> float:
+        return sum(s.compute_s for s in self.stages_on(gpu))
+
+    def gpu_comm_s(self, gpu: int) -> tuple[float, float]:
+        """(forward bytes sent, gradient bytes sent) / bandwidth, each tensor once per GPU."""
+        gpu_of = {s.id: s.gpu for s in self.stages}
+        fwd = bwd = 0
+        for t in self.transfers:
+            dests = {gpu_of[c] for c in t.consumers} - {gpu_of[t.producer]}
+            if gpu_of[t.producer] == gpu:
+                fwd += t.bytes * len(dests)
+            elif gpu in dests and t.requires_grad:
+                bwd += t.bytes
+        return fwd / self.bandwidth, bwd / self.bandwidth
+
+    def gpu_period_s(self, gpu: int) -> float:
+        """FTPipe eq. 1 with all stages of the GPU summed: compute, plus what transfers do not hide."""
+        c = self.gpu_compute_s(gpu)
+        f, b = self.gpu_comm_s(gpu)
+        return c + max(0.0, f - c) + max(0.0, b - c)
+
+    @property
+    def period_s(self) -> float:
+        return max(self.gpu_period_s(g) for g in range(self.gpus))
+
+    @property
+    def expected_speedup(self) -> float:
+        """Total compute / the slowest GPU's period: how many GPUs the plan keeps busy."""
+        total = sum(s.compute_s for s in self.stages)
+        return total / self.period_s if self.period_s > 0 else 0.0
+
+    @property
+    def comm_bytes(self) -> int:
+        """Bytes crossing between GPUs per micro-batch, forward and backward."""
+        gpu_of = {s.id: s.gpu for s in self.stages}
+        total = 0
+        for t in self.transfers:
+            dests = len({gpu_of[c] for c in t.consumers} - {gpu_of[t.producer]})
+            total += t.bytes * dests * (2 if t.requires_grad else 1)
+        return total
+
+    def gpu_memory(self, gpu: int, in_flight: dict[int, int] | None = None) -> int:
+        """Peak bytes on a GPU; in-flight micro-batches per stage from the schedule unless given."""
+        from ftpipe_runtime.schedules import get_schedule
+
+        sched = get_schedule(self.schedule)
+        stages = self.stages_on(gpu)
+        names = {p for s in stages for p in s.params}
+        static = sum(p.static_bytes for p in self.params if p.name in names)
+        rows = []
+        for s in stages:
+            k = in_flight[s.id] if in_flight else sched.in_flight(s.depth, self.micro_batches)
+            rows.append((s.input_bytes, s.act_bytes, s.recompute, k))
+        return gpu_memory_bytes(static, rows)
+
+    @property
+    def max_memory_bytes(self) -> int:
+        return max(self.gpu_memory(g) for g in range(self.gpus))
+
+    @property
+    def feasible(self) -> bool:
+        return self.max_memory_bytes <= self.memory_bytes
+
+    # --- checks ---
+    def validate(self) -> None:
+        """Every node in one stage, stage graph acyclic, every GPU within memory."""
+        seen: set[str] = set()
+        for s in self.stages:
+            dup = seen.intersection(s.nodes)
+            if dup:
+                raise FtpipeError(f"nodes {sorted(dup)[:3]} are in two stages")
+            seen.update(s.nodes)
+            if not 0 <= s.gpu < self.gpus:
+                raise FtpipeError(f"stage {s.id} is on GPU {s.gpu}, outside 0..{self.gpus - 1}")
+        if "nodes" in self.model and set(self.model["nodes"]) != seen:
+            raise FtpipeError("the plan does not place every node of the graph")
+        g = nx.DiGraph()
+        g.add_nodes_from(s.id for s in self.stages)
+        for t in self.transfers:
+            for c in t.consumers:
+                if c <= t.producer:
+                    raise FtpipeError(f"stage {c} receives from a later stage {t.producer}")
+                g.add_edge(t.producer, c)
+        if not nx.is_directed_acyclic_graph(g):
+            raise FtpipeError("the stage graph has a cycle")
+        for gpu in range(self.gpus):
+            ids = [s.id for s in self.stages_on(gpu)]
+            if ids != sorted(ids):
+                raise FtpipeError(f"stages on GPU {gpu} are not in topological order")
+        over = [g for g in range(self.gpus) if self.gpu_memory(g) > self.memory_bytes]
+        if over:
+            raise FtpipeError(
+                f"GPU {over[0]} needs {self.gpu_memory(over[0]) / 2**30:.1f} GiB, more than its "
+                f"{self.memory_bytes / 2**30:.1f} GiB"
+            )
+
+    # --- serialisation ---
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d = {"format": PLAN_FORMAT, "kind": "ftpipe-plan", **d}
+        d["summary"] = {
+            "period_s": self.period_s,
+            "expected_speedup": self.expected_speedup,
+            "max_memory_bytes": self.max_memory_bytes,
+            "comm_bytes": self.comm_bytes,
+            "feasible": self.feasible,
+        }
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> Plan:
+        if not isinstance(d, dict) or d.get("kind") != "ftpipe-plan":
+            raise PlanFormatError("this file is not an ftpipe plan; make one with `ftpipe partition` or `ftpipe compile`")
+        if d.get("format") != PLAN_FORMAT:
+            raise PlanFormatError(
+                f"plan format {d.get('format')} was written by ftpipe {d.get('version', '?')}; this "
+                f"ftpipe reads format {PLAN_FORMAT}: run `ftpipe compile` again with this version"
+            )
+        try:
+            return cls(
+                **{k: d[k] for k in ("partitioner", "gpus", "schedule", "micro_batches", "optimizer",
+                                     "bandwidth", "memory_bytes", "loss_stage", "lower_bound_s",
+                                     "search_seconds", "model", "simulated", "command", "version")},
+                stages=tuple(_tupled(Stage, s) for s in d["stages"]),
+                transfers=tuple(_tupled(Transfer, t) for t in d["transfers"]),
+                params=tuple(_tupled(PlanParam, p) for p in d["params"]),
+                competitors=tuple(d.get("competitors", ())),
+            )
+        except (KeyError, TypeError) as e:
+            raise PlanFormatError(f"the plan file is incomplete ({e}); write it again with `ftpipe compile`") from None
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+
+    @classmethod
+    def load(cls, path) -> Plan:
+        return cls.from_json(read_json(path, "plan"))
+
+    def with_(self, **changes) -> Plan:
+        return replace(self, **changes)
+
+
+def build_plan(problem: Problem, stage_of: dict[str, int], gpu_of: dict[int, int], partitioner: str,
+               search_seconds: float = 0.0) -> Plan:
+    """Turn a node -> stage and stage -> GPU assignment into a Plan (stages renumbered)."""
+    graph = problem.graph
+    missing = [n.id for n in graph.nodes if n.id not in stage_of]
+    if missing:
+        raise FtpipeError(f"{partitioner}: {len(missing)} nodes have no stage (e.g. {missing[0]})")
+    # Stage graph and a deterministic topological numbering.
+    sg = nx.DiGraph()
+    first = {}
+    for n in graph.nodes:
+        s = stage_of[n.id]
+        sg.add_node(s)
+        first.setdefault(s, graph.index[n.id])
+    for e in graph.edges:
+        a, b = stage_of[e.src], stage_of[e.dst]
+        if a != b:
+            sg.add_edge(a, b)
+    if not nx.is_directed_acyclic_graph(sg):
+        raise FtpipeError(f"{partitioner} produced a cyclic stage graph")
+    order = list(nx.lexicographical_topological_sort(sg, key=lambda s: first[s]))
+    renum = {old: new for new, old in enumerate(order)}
+    sid = {n: renum[s] for n, s in stage_of.items()}
+    loss_stage = sid[graph.output]
+    rg = nx.relabel_nodes(sg, renum)
+    depth = {s: 0 for s in rg}
+    for s in reversed(list(nx.topological_sort(rg))):
+        depth[s] = max((depth[t] + 1 for t in rg.successors(s)), default=0)
+    sched = problem.sched
+
+    members: dict[int, list[str]] = {s: [] for s in range(len(order))}
+    for n in graph.nodes:
+        members[sid[n.id]].append(n.id)
+    consumers: dict[str, set[int]] = {}
+    for e in graph.edges:
+        if sid[e.src] != sid[e.dst]:
+            consumers.setdefault(e.src, set()).add(sid[e.dst])
+    input_bytes = {i.name: _numel(i.shape) * _itemsize(i.dtype) for i in graph.inputs}
+
+    stages = []
+    for s, ids in members.items():
+        nodes = [graph.node[i] for i in ids]
+        ins = sorted({p for i in ids for p in graph.preds[i] if sid[p] != s}, key=graph.index.get)
+        model_inputs = tuple(dict.fromkeys(x for n in nodes for x in n.inputs))
+        stages.append(Stage(
+            id=s, gpu=gpu_of[order[s]], nodes=tuple(ids),
+            fwd_s=sum(n.fwd_s for n in nodes), bwd_s=sum(n.bwd_s for n in nodes),
+            recompute_s=sum(n.recompute_s for n in nodes), recompute=sched.recompute(s == loss_stage),
+            depth=depth[s], params=tuple(dict.fromkeys(p for n in nodes for p in n.params)),
+            inputs=tuple(ins), outputs=tuple(i for i in ids if i in consumers),
+            model_inputs=model_inputs,
+            input_bytes=sum(graph.node[i].out_bytes for i in ins) + sum(input_bytes[x] for x in model_inputs),
+            act_bytes=sum(n.act_bytes for n in nodes),
+        ))
+    transfers = tuple(
+        Transfer(tensor=t, producer=sid[t], consumers=tuple(sorted(c)), shape=graph.node[t].shape,
+                 dtype=graph.node[t].dtype, bytes=graph.node[t].out_bytes,
+                 requires_grad=graph.node[t].requires_grad)
+        for t, c in sorted(consumers.items(), key=lambda kv: graph.index[kv[0]])
+    )
+    readers: dict[str, list[int]] = {}
+    for st in stages:
+        for p in st.params:
+            readers.setdefault(p, []).append(st.id)
+    params = tuple(
+        PlanParam(name=p.name, shape=p.shape, dtype=p.dtype, bytes=p.bytes,
+                  static_bytes=problem.static_bytes[p.name], trainable=p.trainable,
+                  aliases=p.aliases, stages=tuple(readers.get(p.name, ())))
+        for p in graph.params
+    )
+    return Plan(
+        partitioner=partitioner, gpus=problem.gpus, schedule=problem.schedule,
+        micro_batches=problem.micro_batches, optimizer=problem.optimizer,
+        bandwidth=problem.bandwidth, memory_bytes=problem.memory, stages=tuple(stages),
+        transfers=transfers, params=params, loss_stage=loss_stage,
+        lower_bound_s=problem.lower_bound(), search_seconds=search_seconds,
+        model={**graph.meta, "spec": graph.model, "hardware": problem.hardware.name,
+               "granularity": graph.granularity, "profile": graph.profile,
+               "inputs": {i.name: [list(i.shape), i.dtype] for i in graph.inputs}},
+    )
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()

@@ -1,0 +1,262 @@
+"""Tracing: `torch.export` (non-strict) of the training forward, loss included, into an OpGraph.
+
+    traced = trace_model(spec, task, micro_batch=4)   # on `meta`: a 3B model costs no memory
+    traced.graph      # OpGraph at op granularity
+    traced.program    # the ExportedProgram (kept in memory for costs and code generation)
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from .errors import TraceError
+from .graph import Edge, ModelInput, Node, OpGraph, Param
+from .zoo import ModelSpec, Task
+
+# Tracing artefacts with no effect on the computation.
+_DROP = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default"}
+# Ops that only re-describe memory: no flops, no bytes, no saved activations.
+VIEW_OPS = {
+    "aten.view.default", "aten.reshape.default", "aten.transpose.int", "aten.unsqueeze.default",
+    "aten.squeeze.dim", "aten.squeeze.default", "aten.expand.default", "aten.permute.default",
+    "aten.t.default", "aten.slice.Tensor", "aten.select.int", "aten.alias.default",
+    "aten.detach.default", "aten.unflatten.int", "aten.flatten.using_ints", "aten.split.Tensor",
+    "aten.chunk.default", "aten.unbind.int", "aten.lift_fresh_copy.default", "_operator.getitem",
+    "aten.dropout.default" if False else "",
+}
+VIEW_OPS.discard("")
+WRAPPER_PREFIX = "m."
+
+
+@dataclass
+class Traced:
+    graph: OpGraph
+    program: torch.export.ExportedProgram
+    # placeholder name -> ("param", canonical name) | ("input", input name)
+    placeholders: dict[str, tuple[str, str]]
+
+
+def trace_model(spec: ModelSpec, task: Task, micro_batch: int, device="meta", model=None) -> Traced:
+    model = model if model is not None else spec.build(device)
+    inputs = spec.example_inputs(task, micro_batch, device)
+    try:
+        program = torch.export.export(model, tuple(inputs.values()), strict=False)
+    except Exception as e:  # the exporter raises many types; all mean the same to a user
+        reason = textwrap.shorten(f"{type(e).__name__}: {e}", 600)
+        raise TraceError(
+            f"torch.export could not trace {spec.spec}: {reason} -- try --granularity layer, or "
+            "give a package.module:function spec whose model returns the loss from plain tensors"
+        ) from None
+    return Traced(*_to_graph(spec, task, micro_batch, model, inputs, program))
+
+
+def _canonical_params(model: torch.nn.Module) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """alias -> canonical name (first name of each tensor), canonical -> tensor."""
+    first: dict[int, str] = {}
+    alias: dict[str, str] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    named = list(model.named_parameters(remove_duplicate=False))
+    named += list(model.named_buffers(remove_duplicate=False))
+    for name, t in named:
+        name = name.removeprefix(WRAPPER_PREFIX)
+        key = id(t)
+        if key not in first:
+            first[key] = name
+            tensors[name] = t
+        alias[name] = first[key]
+    return alias, tensors
+
+
+def _to_graph(spec, task, micro_batch, model, inputs, program):
+    sig = program.graph_signature
+    alias, tensors = _canonical_params(model)
+    placeholders: dict[str, tuple[str, str]] = {}
+    input_names = list(inputs)
+    user_inputs = iter(input_names)
+    for s in sig.input_specs:
+        kind = s.kind.name
+        if kind in ("PARAMETER", "BUFFER", "CONSTANT_TENSOR"):
+            target = s.target.removeprefix(WRAPPER_PREFIX)
+            if kind == "CONSTANT_TENSOR":
+                tensors[target] = program.constants[s.target]
+                alias[target] = target
+            placeholders[s.arg.name] = ("param", alias[target])
+        elif kind == "USER_INPUT":
+            placeholders[s.arg.name] = ("input", next(user_inputs))
+    graph = program.graph
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    loss = out_node.args[0][0]
+    live = _live_nodes(graph, loss)
+
+    params_used: dict[str, set] = {}
+    nodes: list[Node] = []
+    edges: list[Edge] = []
+    grad: dict[str, bool] = {}
+    out_bytes: dict[str, int] = {}
+    for n in graph.nodes:
+        if n.op != "call_function" or n not in live:
+            continue
+        op = _op_name(n.target)
+        preds, params, ins = [], [], []
+        for a in _node_args(n):
+            if a.op == "placeholder":
+                kind, name = placeholders[a.name]
+                (params if kind == "param" else ins).append(name)
+            elif a.op == "call_function":
+                preds.append(a.name)
+        shape, dtype, nbytes = _describe(n.meta.get("val"))
+        float_out = dtype.startswith("float") or dtype.startswith("bfloat")
+        needs = float_out and (
+            any(tensors[p].requires_grad for p in params) or any(grad[p] for p in preds)
+        )
+        grad[n.name] = needs
+        out_bytes[n.name] = nbytes
+        scope, mtype = _scope(n)
+        nodes.append(Node(
+            id=n.name, op=op, scope=scope, module_type=mtype, shape=shape, dtype=dtype,
+            out_bytes=nbytes, params=tuple(dict.fromkeys(params)), inputs=tuple(dict.fromkeys(ins)),
+            requires_grad=needs, members=(n.name,),
+        ))
+        for p in params:
+            params_used.setdefault(p, set())
+        for p in dict.fromkeys(preds):
+            b = nbytes if op == "_operator.getitem" else out_bytes[p]
+            edges.append(Edge(p, n.name, b))
+    params = []
+    by_canon: dict[str, list[str]] = {}
+    for a, c in alias.items():
+        by_canon.setdefault(c, []).append(a)
+    for name in params_used:
+        t = tensors[name]
+        params.append(Param(
+            name=name, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
+            bytes=t.numel() * t.element_size(),
+            aliases=tuple(a for a in by_canon[name] if a != name),
+            trainable=isinstance(t, torch.nn.Parameter) and t.requires_grad,
+        ))
+    g = OpGraph(
+        model=spec.spec, nodes=tuple(nodes), edges=tuple(edges), params=tuple(params),
+        inputs=tuple(ModelInput(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in inputs.items()),
+        output=loss.name, meta=_meta(spec, task, micro_batch),
+    )
+    g.validate()
+    return g, program, placeholders
+
+
+def _meta(spec: ModelSpec, task: Task, micro_batch: int) -> dict:
+    """What later steps (codegen, the runtime's synthetic data) need to know of the model."""
+    return {
+        "task": task.name, "family": spec.family, "micro_batch": micro_batch,
+        "batch": task.batch, "optimizer": task.optimizer, "lr": task.lr,
+        "vocab_size": int(spec.config.get("vocab_size", 0)), "hf_class": spec.hf_class,
+        "config": spec.config, "model_kind": spec.kind, "model_name": spec.name,
+    }
+
+
+def _live_nodes(graph: fx.Graph, loss: fx.Node) -> set:
+    """Nodes the loss depends on: drops asserts, guards and other dead artefacts."""
+    live, stack = set(), [loss]
+    while stack:
+        n = stack.pop()
+        if n in live:
+            continue
+        live.add(n)
+        stack.extend(a for a in _node_args(n) if a not in live)
+    return {n for n in live if n.op != "call_function" or _op_name(n.target) not in _DROP}
+
+
+def _node_args(n: fx.Node) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg((n.args, n.kwargs), found.append)
+    return found
+
+
+def _op_name(target) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return f"aten.{target._schema.name.split('::')[1]}.{target._overloadname}" if target.namespace == "aten" else str(target)
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', str(target))}".lstrip(".")
+
+
+def _scope(n: fx.Node) -> tuple[str, str]:
+    stack = n.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "", ""
+    path, mtype = list(stack.values())[-1]
+    mtype = mtype if isinstance(mtype, str) else getattr(mtype, "__name__", str(mtype))
+    path = path.removeprefix("m").removeprefix(".") if path in ("m",) or path.startswith(WRAPPER_PREFIX) else path
+    return path, mtype.rsplit(".", 1)[-1]
+
+
+def _describe(val) -> tuple[tuple[int, ...], str, int]:
+    """(first output's shape, its dtype, bytes of all outputs) from a node's fake value."""
+    if isinstance(val, torch.Tensor):
+        return tuple(int(s) for s in val.shape), str(val.dtype).removeprefix("torch."), val.numel() * val.element_size()
+    if isinstance(val, (tuple, list)):
+        parts = [_describe(v) for v in val if v is not None]
+        if not parts:
+            return (), "none", 0
+        return parts[0][0], parts[0][1], sum(p[2] for p in parts)
+    return (), type(val).__name__, 0
+
+
+def collapse(graph: OpGraph, key=None) -> OpGraph:
+    """`layer` granularity: merge runs of consecutive nodes that share a layer scope.
+
+    Runs of a topological order are merged, never scattered nodes, so the result stays
+    acyclic whatever the scopes are.
+    """
+    key = key or layer_key
+    groups: list[list[Node]] = []
+    for n in graph.nodes:
+        if groups and layer_key(groups[-1][0].scope) == key(n.scope):
+            groups[-1].append(n)
+        else:
+            groups.append([n])
+    where = {}
+    merged = []
+    for grp in groups:
+        gid = grp[-1].id if len(grp) == 1 else f"{key(grp[0].scope) or 'top'}#{grp[0].id}"
+        for n in grp:
+            where[n.id] = gid
+        last = grp[-1]
+        merged.append(Node(
+            id=gid, op=last.op if len(grp) == 1 else "layer", scope=key(grp[0].scope),
+            module_type=grp[0].module_type if len(grp) == 1 else _common_type(grp),
+            shape=last.shape, dtype=last.dtype, out_bytes=sum(
+                n.out_bytes for n in grp if any(where.get(s, s) != gid for s in graph.succs[n.id]) or n.id == graph.output
+            ),
+            params=tuple(dict.fromkeys(p for n in grp for p in n.params)),
+            inputs=tuple(dict.fromkeys(i for n in grp for i in n.inputs)),
+            requires_grad=any(n.requires_grad for n in grp),
+            members=tuple(m for n in grp for m in n.members),
+            flops=sum(n.flops for n in grp), bytes_moved=sum(n.bytes_moved for n in grp),
+            fwd_s=sum(n.fwd_s for n in grp), bwd_s=sum(n.bwd_s for n in grp),
+            recompute_s=sum(n.recompute_s for n in grp), act_bytes=sum(n.act_bytes for n in grp),
+        ))
+    weights: dict[tuple[str, str], int] = {}
+    for e in graph.edges:
+        s, d = where[e.src], where[e.dst]
+        if s != d:
+            weights[(s, d)] = weights.get((s, d), 0) + e.bytes
+    edges = tuple(Edge(s, d, b) for (s, d), b in weights.items())
+    out = graph.with_nodes(merged, edges=edges, output=where[graph.output], granularity="layer")
+    out.validate()
+    return out
+
+
+def layer_key(scope: str) -> str:
+    """'encoder.block.3.layer.0.SelfAttention' -> 'encoder.block.3'; other scopes kept to 2 parts."""
+    parts = scope.split(".") if scope else []
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:2])
+
+
+def _common_type(grp) -> str:
+    types = {n.module_type for n in grp}
+    return types.pop() if len(types) == 1 else "mixed"
