@@ -15,13 +15,18 @@ from .resources import config_names, load_config
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def models(as_json):
     """The models, hardware and tasks that ship with ftpipe."""
-    rows = {kind: [load_config(kind, n) for n in config_names(kind)] for kind in ("models", "hardware", "tasks")}
+    rows = {
+        kind: [load_config(kind, n) for n in config_names(kind)]
+        for kind in ("models", "hardware", "tasks")
+    }
     if as_json:
         echo_json(rows)
         return
     click.echo("Models (--model NAME, or a local HuggingFace folder, or package.module:function):")
     for m in rows["models"]:
-        click.echo(f"  {m['name']:<12} {m['parameters'] / 1e6:>10,.1f} M params  task {m['default_task']:<10} {m['description']}")
+        click.echo(
+            f"  {m['name']:<12} {m['parameters'] / 1e6:>10,.1f} M params  task {m['default_task']:<10} {m['description']}"
+        )
     click.echo("\nHardware (--hardware NAME):")
     for h in rows["hardware"]:
         click.echo(
@@ -31,20 +36,50 @@ def models(as_json):
     click.echo("\nTasks (--task NAME):")
     for t in rows["tasks"]:
         shapes = ", ".join(f"{k} {v[0]}" for k, v in t["inputs"].items())
-        click.echo(f"  {t['name']:<10} {t['family']:<5} micro-batch {t['micro_batch']:<3} {t['optimizer']:<9} {shapes}")
+        click.echo(
+            f"  {t['name']:<10} {t['family']:<5} micro-batch {t['micro_batch']:<3} {t['optimizer']:<9} {shapes}"
+        )
 
 
 def model_options(f):
     """Options shared by `profile` and `compile`: what to trace and how to cost it."""
     options = [
-        click.option("--model", "-m", required=True, help="Shipped name (ftpipe models), HF folder, or module:function."),
-        click.option("--task", "-t", default=None, help="Task whose input shapes to trace (default: the model's)."),
-        click.option("--seq-len", type=int, default=None, help="Override the (encoder) sequence length."),
-        click.option("--micro-batch", "-b", type=int, default=None, help="Micro-batch size (default: the task's)."),
-        click.option("--hardware", default="rtx2080ti", show_default=True, help="GPU spec for the costs."),
-        click.option("--granularity", type=click.Choice(GRANULARITIES), default="op", show_default=True),
-        click.option("--profile", "profiler", type=click.Choice(PROFILERS), default="analytic", show_default=True,
-                     help="analytic: FLOPs and bytes on a roofline; measured: time every block."),
+        click.option(
+            "--model",
+            "-m",
+            required=True,
+            help="Shipped name (ftpipe models), HF folder, or module:function.",
+        ),
+        click.option(
+            "--task",
+            "-t",
+            default=None,
+            help="Task whose input shapes to trace (default: the model's).",
+        ),
+        click.option(
+            "--seq-len", type=int, default=None, help="Override the (encoder) sequence length."
+        ),
+        click.option(
+            "--micro-batch",
+            "-b",
+            type=int,
+            default=None,
+            help="Micro-batch size (default: the task's).",
+        ),
+        click.option(
+            "--hardware", default="rtx2080ti", show_default=True, help="GPU spec for the costs."
+        ),
+        click.option(
+            "--granularity", type=click.Choice(GRANULARITIES), default="op", show_default=True
+        ),
+        click.option(
+            "--profile",
+            "profiler",
+            type=click.Choice(PROFILERS),
+            default="analytic",
+            show_default=True,
+            help="analytic: FLOPs and bytes on a roofline; measured: time every block.",
+        ),
     ]
     for o in reversed(options):
         f = o(f)
@@ -53,12 +88,20 @@ def model_options(f):
 
 @cli.command()
 @model_options
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help="Write the costed graph here.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the costed graph here.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def profile(model, task, seq_len, micro_batch, hardware, granularity, profiler, output, as_json):
     """Trace a model into an operator graph and cost every node."""
     t0 = time.perf_counter()
-    spec, t, _, graph = costed_graph(model, task, hardware, micro_batch, seq_len, granularity, profiler)
+    spec, t, _, graph = costed_graph(
+        model, task, hardware, micro_batch, seq_len, granularity, profiler
+    )
     seconds = time.perf_counter() - t0
     if output:
         graph.save(output)
@@ -66,22 +109,40 @@ def profile(model, task, seq_len, micro_batch, hardware, granularity, profiler, 
     bwd = sum(n.bwd_s for n in graph.nodes)
     top = sorted(graph.nodes, key=lambda n: -(n.fwd_s + n.bwd_s))[:5]
     summary = {
-        "model": spec.name, "task": t.name, "micro_batch": graph.meta["micro_batch"],
-        "granularity": graph.granularity, "profile": graph.profile, "hardware": graph.hardware,
-        "nodes": len(graph.nodes), "edges": len(graph.edges), "parameters": graph.num_parameters,
-        "parameter_bytes": graph.param_bytes, "forward_flops": graph.total_flops,
-        "forward_s": fwd, "backward_s": bwd, "seconds": seconds,
-        "biggest": [{"id": n.id, "scope": n.scope, "op": n.op, "fwd_s": n.fwd_s, "bwd_s": n.bwd_s} for n in top],
+        "model": spec.name,
+        "task": t.name,
+        "micro_batch": graph.meta["micro_batch"],
+        "granularity": graph.granularity,
+        "profile": graph.profile,
+        "hardware": graph.hardware,
+        "nodes": len(graph.nodes),
+        "edges": len(graph.edges),
+        "parameters": graph.num_parameters,
+        "parameter_bytes": graph.param_bytes,
+        "forward_flops": graph.total_flops,
+        "forward_s": fwd,
+        "backward_s": bwd,
+        "seconds": seconds,
+        "biggest": [
+            {"id": n.id, "scope": n.scope, "op": n.op, "fwd_s": n.fwd_s, "bwd_s": n.bwd_s}
+            for n in top
+        ],
     }
     if as_json:
         echo_json(summary)
         return
-    click.echo(f"{spec.name} ({t.name}, micro-batch {summary['micro_batch']}, {graph.granularity} granularity, "
-               f"{graph.profile} costs on {graph.hardware})")
-    click.echo(f"  nodes {len(graph.nodes):,}  edges {len(graph.edges):,}  parameters {graph.num_parameters:,} "
-               f"({graph.param_bytes / 2**30:.2f} GiB)")
-    click.echo(f"  forward {graph.total_flops / 1e12:.3f} TFLOP, {fwd * 1e3:.1f} ms; backward {bwd * 1e3:.1f} ms "
-               "per micro-batch")
+    click.echo(
+        f"{spec.name} ({t.name}, micro-batch {summary['micro_batch']}, {graph.granularity} granularity, "
+        f"{graph.profile} costs on {graph.hardware})"
+    )
+    click.echo(
+        f"  nodes {len(graph.nodes):,}  edges {len(graph.edges):,}  parameters {graph.num_parameters:,} "
+        f"({graph.param_bytes / 2**30:.2f} GiB)"
+    )
+    click.echo(
+        f"  forward {graph.total_flops / 1e12:.3f} TFLOP, {fwd * 1e3:.1f} ms; backward {bwd * 1e3:.1f} ms "
+        "per micro-batch"
+    )
     click.echo("  biggest nodes:")
     for n in top:
         click.echo(f"    {n.id:<24} {n.op:<32} {(n.fwd_s + n.bwd_s) * 1e3:8.2f} ms  {n.scope}")

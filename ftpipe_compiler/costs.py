@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from .graph import OpGraph
 from .hardware import Hardware
-from .trace import VIEW_OPS, Traced, collapse
+from .trace import VIEW_OPS, Traced, collapse, retarget
 
 BACKWARD_FACTOR = 2.0
 
@@ -54,6 +54,11 @@ def count_flops(traced: Traced) -> dict[str, float]:
                 flops[n.name] = float(counter.get_total_flops() - before)
             return out
 
+        def call_function(self, target, args, kwargs):
+            # A program traced on a real device bakes that device into factory calls.
+            args, kwargs = retarget(args, kwargs, torch.device("meta"))
+            return super().call_function(target, args, kwargs)
+
     with counter, torch.no_grad():
         Counting(gm).run(*args)
     return flops
@@ -62,17 +67,38 @@ def count_flops(traced: Traced) -> dict[str, float]:
 def analytic_costs(traced: Traced, hw: Hardware, granularity: str = "op") -> OpGraph:
     graph = traced.graph
     flops = count_flops(traced)
+    input_bytes = {
+        i.name: _numel(i.shape) * torch.empty((), dtype=getattr(torch, i.dtype)).element_size()
+        for i in graph.inputs
+    }
     nodes = []
     for n in graph.nodes:
         f = sum(flops.get(m, 0.0) for m in n.members)
         view = n.op in VIEW_OPS
-        read = sum(graph.node[p].out_bytes for p in graph.preds[n.id]) + sum(
-            graph.param[p].bytes for p in n.params
+        read = (
+            sum(graph.node[p].out_bytes for p in graph.preds[n.id])
+            + sum(graph.param[p].bytes for p in n.params)
+            + sum(input_bytes[i] for i in n.inputs)
         )
         moved = 0.0 if view else float(read + n.out_bytes)
         fwd = 0.0 if view else hw.op_time(f, moved)
-        bwd = 0.0 if (view or not n.requires_grad) else hw.op_time(BACKWARD_FACTOR * f, BACKWARD_FACTOR * moved)
+        bwd = (
+            0.0
+            if (view or not n.requires_grad)
+            else hw.op_time(BACKWARD_FACTOR * f, BACKWARD_FACTOR * moved)
+        )
         act = 0 if (view or not n.requires_grad) else n.out_bytes
-        nodes.append(replace(n, flops=f, bytes_moved=moved, fwd_s=fwd, bwd_s=bwd, recompute_s=fwd, act_bytes=act))
+        nodes.append(
+            replace(
+                n, flops=f, bytes_moved=moved, fwd_s=fwd, bwd_s=bwd, recompute_s=fwd, act_bytes=act
+            )
+        )
     costed = graph.with_nodes(nodes, profile="analytic", hardware=hw.name)
     return collapse(costed) if granularity == "layer" else costed
+
+
+def _numel(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out

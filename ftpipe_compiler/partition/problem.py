@@ -1,7 +1,7 @@
 """What a partitioner is asked: a costed graph, the GPUs, and how they will be used.
 
-    problem = Problem(graph, gpus=8, hardware=get_hardware("rtx2080ti"), schedule="ftpipe",
-                      optimizer="adafactor", micro_batches=10)
+problem = Problem(graph, gpus=8, hardware=get_hardware("rtx2080ti"), schedule="ftpipe",
+                  optimizer="adafactor", micro_batches=10)
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ class Problem:
         if self.gpus < 1:
             raise FtpipeError(f"--gpus must be at least 1, not {self.gpus}")
         if self.optimizer not in OPTIMIZERS:
-            raise FtpipeError(f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
+            raise FtpipeError(
+                f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}"
+            )
         get_schedule(self.schedule)  # raises on an unknown name
         if self.graph.profile == "none":
             raise FtpipeError("the graph has no costs; profile it first (ftpipe profile)")
@@ -92,5 +94,8 @@ class Problem:
         w_max = max(self.work_last.values(), default=0.0)
         r = 0.0
         if not self.sched.recompute(True):
-            r = max((n.recompute_s / g.work(n, True) for n in g.nodes if g.work(n, True) > 0), default=0.0)
+            r = max(
+                (n.recompute_s / g.work(n, True) for n in g.nodes if g.work(n, True) > 0),
+                default=0.0,
+            )
         return max(total / (self.gpus + r), w_max)

@@ -1,0 +1,1 @@
+"""Data package: the shipped model, hardware and task configs (JSON)."""

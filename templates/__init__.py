@@ -1,0 +1,1 @@
+"""Data package: the Jinja templates of generated packages and reports."""

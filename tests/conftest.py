@@ -1,0 +1,48 @@
+"""Shared fixtures: a seed, and traced tiny models (traced once per session: tracing takes seconds)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ftpipe_compiler.costs import analytic_costs
+from ftpipe_compiler.hardware import get_hardware
+from ftpipe_compiler.trace import trace_model
+from ftpipe_compiler.zoo import resolve_model, resolve_task
+
+
+@pytest.fixture
+def seed() -> int:
+    random.seed(0)
+    torch.manual_seed(0)
+    return 0
+
+
+def _traced(name: str):
+    spec = resolve_model(name)
+    task = resolve_task(spec, None)
+    model = spec.build("cpu", dropout=0.0, seed=0)
+    traced = trace_model(spec, task, task.micro_batch, device="cpu", model=model)
+    return spec, task, model, traced
+
+
+@pytest.fixture(scope="session")
+def tiny_t5():
+    return _traced("t5-tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2():
+    return _traced("gpt2-tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_bert():
+    return _traced("bert-tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_t5_costed(tiny_t5):
+    return analytic_costs(tiny_t5[3], get_hardware("rtx2080ti"))

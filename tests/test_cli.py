@@ -1,0 +1,44 @@
+import json
+
+from click.testing import CliRunner
+
+from ftpipe_compiler.cli import cli
+
+
+def run(*args):
+    return CliRunner().invoke(cli, list(args))
+
+
+def test_help_and_models():
+    assert run("--help").exit_code == 0
+    r = run("models")
+    assert r.exit_code == 0
+    assert "t5-3b" in r.output and "rtx2080ti" in r.output and "rte" in r.output
+    data = json.loads(run("models", "--json").output)
+    assert {m["name"] for m in data["models"]} >= {"t5-3b", "gpt2-xl", "bert-large", "t5-tiny"}
+
+
+def test_profile_writes_graph_and_summary(tmp_path):
+    out = tmp_path / "g.json"
+    r = run("profile", "--model", "t5-tiny", "-o", str(out))
+    assert r.exit_code == 0, r.output
+    assert "nodes" in r.output and out.exists()
+    r = run("profile", "--model", "gpt2-tiny", "--granularity", "layer", "--json")
+    summary = json.loads(r.output)
+    assert summary["parameters"] == 31_616 and summary["granularity"] == "layer"
+    assert summary["forward_s"] > 0 and summary["backward_s"] > 0
+
+
+def test_errors_are_one_sentence_and_exit_1():
+    cases = [
+        (("profile", "--model", "t5-4b"), "unknown model 't5-4b'"),
+        (("profile", "--model", "t5-tiny", "--hardware", "tpu"), "unknown hardware 'tpu'"),
+        (("profile", "--model", "t5-tiny", "--task", "nope"), "unknown task 'nope'"),
+        (("profile", "--model", "t5-tiny", "--task", "tiny-bert"), "for bert models"),
+        (("profile", "--model", "zoo_fixtures:untraceable_model"), "torch.export could not trace"),
+    ]
+    for args, message in cases:
+        r = run(*args)
+        assert r.exit_code == 1, (args, r.output)
+        assert message in r.output
+        assert "Traceback" not in r.output

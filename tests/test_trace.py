@@ -1,0 +1,75 @@
+import pytest
+import torch
+
+from ftpipe_compiler.errors import TraceError
+from ftpipe_compiler.interpret import run_graph
+from ftpipe_compiler.trace import collapse, layer_key, trace_model
+from ftpipe_compiler.zoo import resolve_model, resolve_task
+
+
+@pytest.mark.parametrize("fixture", ["tiny_t5", "tiny_gpt2", "tiny_bert"])
+@pytest.mark.parametrize("granularity", ["op", "layer"])
+def test_graph_executes_to_the_eager_loss(request, fixture, granularity, seed):
+    spec, task, model, traced = request.getfixturevalue(fixture)
+    inputs = spec.example_inputs(task, task.micro_batch, "cpu", seed=3)
+    eager = model(*inputs.values())
+    graph = traced.graph if granularity == "op" else collapse(traced.graph)
+    loss = run_graph(traced, graph, dict(model.named_parameters()), inputs)
+    torch.testing.assert_close(loss, eager, rtol=1e-6, atol=0)
+
+
+def test_layer_granularity_groups_t5_blocks(tiny_t5):
+    graph = collapse(tiny_t5[3].graph)
+    scopes = {n.scope for n in graph.nodes}
+    assert {"encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"} <= scopes
+    assert len(graph.nodes) < len(tiny_t5[3].graph.nodes) / 5
+    # Collapsing keeps every traced op exactly once.
+    members = [m for n in graph.nodes for m in n.members]
+    assert sorted(members) == sorted(n.id for n in tiny_t5[3].graph.nodes)
+
+
+def test_layer_key():
+    assert layer_key("encoder.block.3.layer.0.SelfAttention") == "encoder.block.3"
+    assert layer_key("transformer.h.11.attn") == "transformer.h.11"
+    assert layer_key("encoder.final_layer_norm") == "encoder.final_layer_norm"
+
+
+def test_t5_tied_embedding_appears_once(tiny_t5):
+    graph = tiny_t5[3].graph
+    tied = [p for p in graph.params if p.aliases]
+    assert len(tied) == 1
+    assert tied[0].name == "shared.weight"
+    assert set(tied[0].aliases) == {
+        "encoder.embed_tokens.weight",
+        "decoder.embed_tokens.weight",
+        "lm_head.weight",
+    }
+    model = tiny_t5[2]
+    assert graph.num_parameters == sum(p.numel() for p in model.parameters())
+
+
+def test_gpt2_tied_embedding_appears_once(tiny_gpt2):
+    graph = tiny_gpt2[3].graph
+    names = [p.name for p in graph.params] + [a for p in graph.params for a in p.aliases]
+    assert len(names) == len(set(names))
+    wte = graph.param["transformer.wte.weight"]
+    assert wte.aliases == ("lm_head.weight",)
+    # Every parameter has exactly one owner node.
+    assert set(graph.owner) == {p.name for p in graph.params}
+
+
+def test_validate_and_node_facts(tiny_t5):
+    graph = tiny_t5[3].graph
+    graph.validate()
+    assert graph.output == graph.nodes[-1].id
+    linear = next(n for n in graph.nodes if n.op == "aten.linear.default")
+    assert linear.params and linear.requires_grad and linear.scope.startswith("encoder.block.0")
+    assert linear.module_type == "Linear"
+    mask_ops = [n for n in graph.nodes if n.dtype in ("int64", "bool")]
+    assert mask_ops and not any(n.requires_grad for n in mask_ops)
+
+
+def test_untraceable_model_gets_the_exporters_reason():
+    spec = resolve_model("zoo_fixtures:untraceable_model")
+    with pytest.raises(TraceError, match="--granularity layer"):
+        trace_model(spec, resolve_task(spec, None), 4)
