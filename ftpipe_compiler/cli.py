@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 
 import click
@@ -13,6 +14,10 @@ from .version import __version__
 
 class _Group(click.Group):
     """Turns an FtpipeError from any command into one line on stderr and exit code 1."""
+
+    def parse_args(self, ctx, args):
+        ctx.meta["ftpipe.argv"] = list(args)  # for the headers of what we generate
+        return super().parse_args(ctx, args)
 
     def invoke(self, ctx):
         try:
@@ -40,7 +45,9 @@ def cli(ctx, debug):
 
 def command_line() -> str:
     """The command that is running, for the headers of generated files."""
-    return " ".join(["ftpipe", *sys.argv[1:]]) if sys.argv else "ftpipe"
+    ctx = click.get_current_context(silent=True)
+    argv = ctx.meta.get("ftpipe.argv") if ctx else None
+    return shlex.join(["ftpipe", *(sys.argv[1:] if argv is None else argv)])
 
 
 def echo_json(obj) -> None:

@@ -3,6 +3,29 @@
 Generated packages import this and torch, never the compiler.
 """
 
-from .schedules import SCHEDULES, Action, Schedule, get_schedule
+from .errors import PeerFailure, PipelineConfigError
+from .run import run
+from .schedules import (
+    SCHEDULES,
+    Action,
+    Schedule,
+    StageInfo,
+    actions,
+    get_schedule,
+    interleave,
+    sync_groups,
+)
 
-__all__ = ["SCHEDULES", "Action", "Schedule", "get_schedule"]
+__all__ = [
+    "PeerFailure",
+    "PipelineConfigError",
+    "run",
+    "SCHEDULES",
+    "Action",
+    "Schedule",
+    "StageInfo",
+    "actions",
+    "get_schedule",
+    "interleave",
+    "sync_groups",
+]

@@ -6,7 +6,10 @@ problem = Problem(graph, gpus=8, hardware=get_hardware("rtx2080ti"), schedule="f
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
+import math
 from dataclasses import dataclass
 
 from ftpipe_runtime.schedules import get_schedule
@@ -84,18 +87,34 @@ class Problem:
         return out
 
     def lower_bound(self) -> float:
-        """No plan's period is below this: max(W / P', w_max).
+        """No plan's period is below this: max(w_max, the least T with P*T + saved(T) >= W).
 
-        With a last stage that does not recompute, at most a fraction r of that stage's
-        time is saved, so P' = P + r (r = the largest recompute share of any node).
+        W is the total work with recompute everywhere. A loss stage that does not recompute
+        saves its nodes' recompute time; on one GPU of period T it saves at most saved(T),
+        a fractional knapsack of the nodes with the best recompute/(forward+backward) ratio
+        filling T. Without that saving this is the classic max(W / P, w_max).
         """
         g = self.graph
         total = sum(self.work_recompute.values())
         w_max = max(self.work_last.values(), default=0.0)
-        r = 0.0
-        if not self.sched.recompute(True):
-            r = max(
-                (n.recompute_s / g.work(n, True) for n in g.nodes if g.work(n, True) > 0),
-                default=0.0,
-            )
-        return max(total / (self.gpus + r), w_max)
+        if self.sched.recompute(True):
+            return max(total / self.gpus, w_max)
+        items = sorted(
+            ((n.recompute_s, n.fwd_s + n.bwd_s) for n in g.nodes if n.recompute_s > 0),
+            key=lambda x: -x[0] / x[1] if x[1] > 0 else -math.inf,
+        )
+        cost = list(itertools.accumulate(c for _, c in items))
+        gain = list(itertools.accumulate(r for r, _ in items))
+
+        def saved(t: float) -> float:
+            k = bisect.bisect_right(cost, t)
+            done = gain[k - 1] if k else 0.0
+            if k < len(items) and items[k][1] > 0:
+                done += items[k][0] * (t - (cost[k - 1] if k else 0.0)) / items[k][1]
+            return done
+
+        lo, hi = total / (self.gpus + 1), total / self.gpus
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if self.gpus * mid + saved(mid) >= total else (mid, hi)
+        return max(hi, w_max)

@@ -1,0 +1,197 @@
+"""The event loop under `simulate`: GPUs running action lists, links carrying tensors.
+
+    loop = EventLoop(plan, lists, groups, total_mbs=40, timeline_steps=3, micro_batches=4)
+    loop.go()   # then loop.busy, loop.step_end, loop.sent, loop.peak, loop.timeline
+
+A GPU starts the head of its list once it is free and the action's inputs are there. A
+finished F puts its tensors on the links (one per ordered GPU pair, one tensor at a time,
+in the order they were produced); a finished B sends a gradient back once all consumers of
+that tensor on its GPU are done. The first S of a synchronised group on each GPU waits for
+all the group's GPUs, which then all-reduce their tied weights together.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from ..partition.plan import Plan
+from .result import Event
+
+
+class EventLoop:
+    """The event loop. Arrivals are counted per (stage, micro-batch) in flat lists for speed."""
+
+    def __init__(
+        self, plan: Plan, lists, groups, total_mbs: int, timeline_steps: int, micro_batches: int
+    ):
+        self.lists, self.cap_steps = lists, timeline_steps
+        self.cap_mbs = timeline_steps * micro_batches
+        self.bw = plan.bandwidth
+        st = {s.id: s for s in plan.stages}
+        self.gpu = {s: x.gpu for s, x in st.items()}
+        self.fwd = {s: x.fwd_s for s, x in st.items()}
+        self.bwd = {s: x.bwd_s for s, x in st.items()}
+        self.rec = {s: x.recompute_s for s, x in st.items()}
+        # Forward: per producer, [(bytes, dest GPU, consumers there)]; backward: one gradient
+        # "slot" per (tensor, consumer GPU) that the producer waits for.
+        self.out = {s: [] for s in st}
+        self.grads = {s: [] for s in st}  # consumer -> [slot]
+        self.need_f = dict.fromkeys(st, 0)
+        self.need_b = dict.fromkeys(st, 0)
+        self.slot_count: list[list[int]] = []
+        for t in plan.transfers:
+            by_gpu: dict[int, list[int]] = {}
+            for c in t.consumers:
+                by_gpu.setdefault(self.gpu[c], []).append(c)
+                self.need_f[c] += 1
+            self.out[t.producer] += [(t.bytes, g, cs) for g, cs in sorted(by_gpu.items())]
+            if t.requires_grad:
+                for g, cs in sorted(by_gpu.items()):
+                    slot = (len(self.slot_count), len(cs), t.producer, t.bytes, g)
+                    self.slot_count.append([0] * total_mbs)
+                    self.need_b[t.producer] += 1
+                    for c in cs:
+                        self.grads[c].append(slot)
+        self.fcount = {s: [0] * total_mbs for s in st}
+        self.ftime = {s: [0.0] * total_mbs for s in st}
+        self.bcount = {s: [0] * total_mbs for s in st}
+        self.btime = {s: [0.0] * total_mbs for s in st}
+        # Tied-weight groups: which GPUs meet, and how long their all-reduce takes.
+        self.group_of = {s: grp for grp in groups for s in grp}
+        self.group_gpus = {grp: {self.gpu[s] for s in grp} for grp in groups}
+        shared = [
+            p for p in plan.params if p.trainable and len({self.gpu[s] for s in p.stages}) > 1
+        ]
+        self.group_s = {
+            grp: 2 * sum(p.bytes for p in shared if set(p.stages) <= set(grp)) / self.bw
+            for grp in groups
+        }
+        self.arrived: dict[tuple, dict[int, float]] = {}
+        self.released: set[tuple] = set()
+
+        self.pos = dict.fromkeys(lists, 0)
+        self.free = dict.fromkeys(lists, 0.0)
+        self.start = dict.fromkeys(lists, 0.0)
+        self.running = dict.fromkeys(lists, False)
+        self.waiting: dict[int, tuple] = {}
+        self.link_free: dict[tuple[int, int], float] = {}
+        self.sent: dict[int, float] = {}
+        self.busy: dict[int, list[tuple[float, float]]] = {g: [] for g in lists}
+        self.step_end: dict[int, dict[int, float]] = {g: {} for g in lists}
+        self.held = dict.fromkeys(st, 0)
+        self.peak = dict.fromkeys(st, 0)
+        self.timeline: list[Event] = []
+        self.heap: list[tuple[float, int, int]] = []
+        self.seq = 0
+
+    def go(self) -> None:
+        for g in self.lists:
+            self.try_start(g)
+        while self.heap:
+            t, _, g = heapq.heappop(self.heap)
+            self.complete(g, t)
+        stuck = [g for g in self.lists if self.pos[g] < len(self.lists[g])]
+        if stuck:  # the schedules are built not to deadlock; this would be a bug
+            raise RuntimeError(
+                f"simulation deadlocked at {self.lists[stuck[0]][self.pos[stuck[0]]]}"
+            )
+
+    def _push(self, g: int, start: float, end: float) -> None:
+        self.running[g] = True
+        self.start[g] = start
+        self.seq += 1
+        heapq.heappush(self.heap, (end, self.seq, g))
+
+    def try_start(self, g: int) -> None:
+        lst = self.lists[g]
+        if self.running[g] or self.pos[g] >= len(lst):
+            return
+        a = lst[self.pos[g]]
+        s, m = a.stage, a.mb
+        if a.kind == "F":
+            if self.fcount[s][m] < self.need_f[s]:
+                self.waiting[g] = ("F", s, m)
+                return
+            ready, dur = self.ftime[s][m], self.fwd[s]
+        elif a.kind == "B":
+            if self.bcount[s][m] < self.need_b[s]:
+                self.waiting[g] = ("B", s, m)
+                return
+            ready, dur = self.btime[s][m], self.bwd[s] + (self.rec[s] if a.recompute else 0.0)
+        else:
+            grp = self.group_of.get(s)
+            if grp is not None and (grp, m, g) not in self.released:
+                self._barrier(grp, m, g)
+                return
+            ready, dur = 0.0, 0.0
+        start = max(self.free[g], ready)
+        self._push(g, start, start + dur)
+
+    def _barrier(self, grp, step: int, g: int) -> None:
+        """The first S of a tied group on a GPU waits until every GPU of the group is there."""
+        here = self.arrived.setdefault((grp, step), {})
+        here[g] = self.free[g]
+        if len(here) < len(self.group_gpus[grp]):
+            return
+        t0, dur = max(here.values()), self.group_s[grp]
+        for h in here:
+            self.released.add((grp, step, h))
+            self.sent[h] = self.sent.get(h, 0) + dur * self.bw
+            self._push(h, t0, t0 + dur)
+
+    def _send(self, src: int, dst: int, nbytes: int, t: float) -> float:
+        if src == dst:
+            return t
+        start = max(self.link_free.get((src, dst), 0.0), t)
+        self.link_free[src, dst] = arrive = start + nbytes / self.bw
+        self.sent[src] = self.sent.get(src, 0) + nbytes
+        return arrive
+
+    def complete(self, g: int, t: float) -> None:
+        a = self.lists[g][self.pos[g]]
+        self.pos[g] += 1
+        self.running[g] = False
+        self.free[g] = t
+        s, m, start = a.stage, a.mb, self.start[g]
+        if a.kind == "S":
+            self.step_end[g][m] = max(self.step_end[g].get(m, 0.0), t)
+        else:
+            self.busy[g].append((start, t))
+        if m < (self.cap_steps if a.kind == "S" else self.cap_mbs):
+            kind = "R" if a.recompute else a.kind
+            self.timeline.append(Event(g, s, kind, m, start, t))
+        if a.kind == "F":
+            self.held[s] += 1
+            self.peak[s] = max(self.peak[s], self.held[s])
+            for nbytes, dst, consumers in self.out[s]:
+                arrive = self._send(g, dst, nbytes, t)
+                for c in consumers:
+                    self._arrive(
+                        self.fcount[c], self.ftime[c], m, arrive, self.need_f[c], ("F", c, m)
+                    )
+        elif a.kind == "B":
+            self.held[s] -= 1
+            for idx, n, producer, nbytes, _ in self.grads[s]:
+                counts = self.slot_count[idx]
+                counts[m] += 1
+                if counts[m] == n:  # the last consumer on this GPU: send the summed gradient
+                    arrive = self._send(g, self.gpu[producer], nbytes, t)
+                    self._arrive(
+                        self.bcount[producer],
+                        self.btime[producer],
+                        m,
+                        arrive,
+                        self.need_b[producer],
+                        ("B", producer, m),
+                    )
+        self.try_start(g)
+
+    def _arrive(self, count, times, m: int, arrive: float, need: int, key: tuple) -> None:
+        count[m] += 1
+        if arrive > times[m]:
+            times[m] = arrive
+        if count[m] == need:
+            g = self.gpu[key[1]]
+            if self.waiting.get(g) == key:
+                del self.waiting[g]
+                self.try_start(g)

@@ -1,0 +1,106 @@
+"""What a simulation reports: throughput, bubbles, and per-GPU busy time, memory and traffic.
+
+result = simulate(plan)             # SimResult
+result.step_time_s, result.samples_per_s, result.gpus[0].peak_memory_bytes
+result.summary()                    # the `ftpipe simulate --json` object
+SimResult.from_json(result.to_json())
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from ..errors import PlanFormatError
+
+
+@dataclass(frozen=True)
+class GpuResult:
+    gpu: int
+    busy_fraction: float  # compute time / steady-state window
+    peak_memory_bytes: int  # weights, grads, optimizer state, in-flight activations
+    memory_bytes: int  # capacity
+    stages: tuple[int, ...]
+    bytes_sent: int  # per step: activations, gradients and tied-weight all-reduces
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory_bytes <= self.memory_bytes
+
+
+@dataclass(frozen=True)
+class Event:
+    """One action on the timeline; kind F, B, R (recompute + backward) or S (step, mb = step)."""
+
+    gpu: int
+    stage: int
+    kind: str
+    mb: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    schedule: str
+    micro_batches: int  # per optimizer step
+    micro_batch_size: int  # samples per micro-batch
+    steps: int
+    # Steady state: the slowest GPU's step ends E_k; step time is the mean of E_k - E_{k-1}
+    # over the last half of the steps (the whole first step when there is only one).
+    step_time_s: float
+    samples_per_s: float
+    bubble_fraction: float  # 1 - mean busy fraction over the steady-state window
+    window_s: tuple[float, float]  # the steady-state window the fractions are measured over
+    step_ends_s: tuple[float, ...]  # E_k for every step
+    in_flight: tuple[int, ...]  # per stage: most micro-batches held between F and B at once
+    gpus: tuple[GpuResult, ...]
+    timeline: tuple[Event, ...] = ()  # the first few steps, for the report
+
+    @property
+    def max_memory_bytes(self) -> int:
+        return max((g.peak_memory_bytes for g in self.gpus), default=0)
+
+    @property
+    def fits(self) -> bool:
+        return all(g.fits for g in self.gpus)
+
+    def summary(self) -> dict:
+        """The figures `ftpipe simulate --json` prints."""
+        return {
+            "schedule": self.schedule,
+            "micro_batches": self.micro_batches,
+            "step_time_s": self.step_time_s,
+            "samples_per_s": self.samples_per_s,
+            "bubble_fraction": self.bubble_fraction,
+            "gpus": [
+                {
+                    "gpu": g.gpu,
+                    "busy_fraction": g.busy_fraction,
+                    "peak_memory_bytes": g.peak_memory_bytes,
+                    "memory_bytes": g.memory_bytes,
+                    "stages": list(g.stages),
+                    "bytes_sent": g.bytes_sent,
+                }
+                for g in self.gpus
+            ],
+        }
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        # A timeline holds thousands of events: rows, not objects.
+        d["timeline"] = [[e.gpu, e.stage, e.kind, e.mb, e.start, e.end] for e in self.timeline]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> SimResult:
+        try:
+            names = {f.name for f in fields(cls)} - {"gpus", "timeline"}
+            return cls(
+                **{k: tuple(d[k]) if isinstance(d[k], list) else d[k] for k in names},
+                gpus=tuple(GpuResult(**{**g, "stages": tuple(g["stages"])}) for g in d["gpus"]),
+                timeline=tuple(Event(*row) for row in d.get("timeline", ())),
+            )
+        except (KeyError, TypeError) as e:
+            raise PlanFormatError(
+                f"the simulation result is incomplete ({e}); simulate again"
+            ) from None

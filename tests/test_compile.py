@@ -1,0 +1,53 @@
+import json
+
+from click.testing import CliRunner
+
+from ftpipe_compiler.cli import cli
+from ftpipe_compiler.partition.plan import Plan
+
+
+def test_compile_writes_plan_report_and_package(tmp_path):
+    out = tmp_path / "out"
+    r = CliRunner().invoke(cli, ["compile", "--model", "t5-tiny", "--gpus", "2", "-o", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output[r.output.index("{") :])
+    assert data["winner"] in {row["partitioner"] for row in data["results"]}
+    assert {row["partitioner"] for row in data["results"]} == {"mixed", "pipedream", "acyclic", "metis", "gpipe", "params"}
+    # The winner is the fastest plan by simulation among the feasible ones.
+    feasible = [row for row in data["results"] if row["feasible"]]
+    fastest = min(row["simulated_step_time_s"] for row in feasible)
+    winner = next(row for row in data["results"] if row["partitioner"] == data["winner"])
+    assert winner["simulated_step_time_s"] == fastest
+    plan = Plan.load(out / "plan.json")
+    assert plan.partitioner == data["winner"] and len(plan.competitors) == 6
+    assert plan.simulated["step_time_s"] == data["simulated"]["step_time_s"]
+    assert "ftpipe compile --model t5-tiny" in plan.command
+    assert (out / "report.html").read_text().count("<svg") >= 1
+    pkg = out / "t5_tiny_pipeline"
+    assert (pkg / "stages.py").exists() and (pkg / "__main__.py").exists()
+    assert "ftpipe compile --model t5-tiny" in (pkg / "stages.py").read_text()[:500]
+
+
+def test_compile_refuses_to_overwrite_without_force(tmp_path):
+    out = tmp_path / "out"
+    args = ["compile", "--model", "gpt2-tiny", "--gpus", "2", "-o", str(out), "-p", "gpipe"]
+    assert CliRunner().invoke(cli, args).exit_code == 0
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 1
+    assert "already exists; pass --force" in r.output and "Traceback" not in r.output
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before
+    r = CliRunner().invoke(cli, [*args[:-1], "params", "--force"])
+    assert r.exit_code == 0, r.output
+    assert Plan.load(out / "plan.json").partitioner == "params"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left
+
+
+def test_compile_failure_leaves_existing_output(tmp_path):
+    out = tmp_path / "out"
+    assert CliRunner().invoke(cli, ["compile", "--model", "gpt2-tiny", "--gpus", "2", "-o", str(out), "-p", "gpipe"]).exit_code == 0
+    before = (out / "plan.json").read_bytes()
+    r = CliRunner().invoke(cli, ["compile", "--model", "gpt2-tiny", "--gpus", "2", "-o", str(out), "-p", "nope", "--force"])
+    assert r.exit_code == 1 and "unknown partitioner 'nope'" in r.output
+    assert (out / "plan.json").read_bytes() == before
