@@ -1,0 +1,222 @@
+"""Turn a stage's traced values into the straight-line body of its `forward`.
+
+One line per ATen call, `aten.<op>.<overload>(...)` exactly as traced, with three rewrites:
+devices baked in by tracing become the stage's `device`, dropout's `train` flag becomes
+`self.training`, and an in-place op on a tensor the stage received works on a copy (the
+sender's tensor is not the stage's to change).
+"""
+
+from __future__ import annotations
+
+import keyword
+import math
+import operator
+
+import torch
+from torch import fx
+
+from ..errors import FtpipeError
+from ..trace import layer_key
+from .layout import Layout, StageLayout
+from .names import Namer, module_stack, value_base
+
+MAX_LINE = 100
+_OPERATORS = {getattr(operator, k): k for k in ("add", "sub", "mul", "truediv", "floordiv", "neg")}
+
+
+def value_names(fx_graph: fx.Graph, placeholders: dict, model_inputs) -> dict[str, str]:
+    """One readable, unique identifier per traced value, the same in every stage."""
+    namer = Namer(taken=model_inputs)
+    names: dict[str, str] = {}
+    calls = [n for n in fx_graph.nodes if n.op == "call_function"]
+    bases = {n.name: value_base(n) for n in calls}
+    for n in calls:  # values outside modules keep their traced names: the plan's names
+        if not bases[n.name] and n.target is not operator.getitem:
+            names[n.name] = namer.fresh(n.name)
+    for n in fx_graph.nodes:
+        if n.op == "placeholder":
+            kind, name = placeholders.get(n.name, ("input", n.name))
+            if kind == "input":
+                names[n.name] = name
+        elif n.op == "call_function" and n.name not in names:
+            if n.target is operator.getitem and n.args[0].name in names:
+                names[n.name] = namer.fresh(f"{names[n.args[0].name]}_{n.args[1]}")
+            else:
+                names[n.name] = namer.fresh(bases[n.name] or n.name)
+    return names
+
+
+class StageEmitter:
+    """Writes the body of one stage's forward."""
+
+    def __init__(
+        self, st: StageLayout, lay: Layout, names: dict[str, str], placeholders: dict, param_expr
+    ):
+        self.st, self.lay, self.names = st, lay, dict(names)
+        self.placeholders = placeholders
+        self.param_expr = param_expr
+        self.uses_operator = False
+        self.uses_device = False
+
+    def body(self) -> list[str]:
+        lines = [f'{name} = tensors["{name}"]' for name in self.st.model_inputs]
+        for w in self.st.inputs:
+            src = self.lay.wires[w]
+            note = f"  # {tuple(src.shape)} {src.dtype} from stage {src.producer}"
+            lines.append(f'{self.names[w]} = tensors["{w}"]{note}')
+        code = self._nodes()
+        if self.uses_device:
+            first = self.st.model_inputs[:1] or [self.names[w] for w in self.st.inputs[:1]]
+            lines.append(f"device = {first[0]}.device" if first else "device = self.device")
+        lines += code
+        return lines + self._return()
+
+    def _nodes(self) -> list[str]:
+        lines: list[str] = []
+        block = sub = None
+        for n in self.st.nodes:
+            stack = module_stack(n)
+            scope = stack[-1][0] if stack else ""
+            types = dict(stack)
+            b = layer_key(scope)
+            if b != block:
+                block, sub = b, None
+                mtype = types.get(b) or (stack[0][1] if stack and not b else "")
+                lines.append(f"# {b or 'top level'}" + (f" ({mtype})" if mtype else ""))
+            inner = [s for s, _ in stack if s.startswith(b + ".") and s != b] if b else []
+            if inner and inner[0] != sub:
+                sub = inner[0]
+                lines.append(f"# - {sub[len(b) + 1 :]} ({types[sub]})")
+            lines.append(self._statement(n))
+        return lines
+
+    def _statement(self, n: fx.Node) -> str:
+        name = self.names[n.name]
+        target = n.target
+        if target is operator.getitem:
+            return f"{name} = {self._arg(n.args[0])}[{n.args[1]!r}]"
+        args = list(n.args)
+        kwargs = dict(n.kwargs)
+        if isinstance(target, torch._ops.OpOverload):
+            _follow_training_mode(target, args, kwargs)
+            if kwargs.get("pin_memory") is False:
+                del kwargs["pin_memory"]  # the default: noise from tracing
+            mutated = _mutated_arg(target)
+            parts = [self._arg(a) for a in args] + [
+                f"{k}={self._arg(v)}" for k, v in kwargs.items()
+            ]
+            if mutated is not None and mutated < len(args) and self._is_received(args[mutated]):
+                parts[mutated] += ".clone()"
+                self.names[args[mutated].name] = name  # later reads see the changed copy
+            return _wrap(f"{name} = ", _op_path(target), parts)
+        if target in _OPERATORS:
+            self.uses_operator = True
+            return _wrap(
+                f"{name} = ", f"operator.{_OPERATORS[target]}", [self._arg(a) for a in args]
+            )
+        raise FtpipeError(
+            f"cannot generate code for {n.name} ({target}): only ATen operators are supported; "
+            "try --granularity layer or a model without this construct"
+        )
+
+    def _is_received(self, a) -> bool:
+        return isinstance(a, fx.Node) and (
+            a.name in self.st.inputs
+            or (a.op == "placeholder" and self.placeholders.get(a.name, ("",))[0] == "input")
+        )
+
+    def _arg(self, a) -> str:
+        if isinstance(a, fx.Node):
+            if a.op == "placeholder":
+                kind, name = self.placeholders[a.name]
+                return self.param_expr(name) if kind == "param" else self.names[a.name]
+            return self.names[a.name]
+        if isinstance(a, torch.device):
+            self.uses_device = True  # tracing ran on `meta`: run where the stage lives
+            return "device"
+        if isinstance(a, _Raw):
+            return a.text
+        if isinstance(a, list):
+            return "[" + ", ".join(self._arg(x) for x in a) + "]"
+        if isinstance(a, tuple):
+            inner = ", ".join(self._arg(x) for x in a)
+            return f"({inner},)" if len(a) == 1 else f"({inner})"
+        return constant(a)
+
+    def _return(self) -> list[str]:
+        if self.st.is_loss:
+            return [f'return {{"loss": {self.names[self.lay.loss.name]}}}']
+        # gloo sends only contiguous tensors (masks are stride-0 expands, biases permuted).
+        items = [f'"{w}": {self.names[w]}.contiguous()' for w in self.st.outputs]
+        line = "return {" + ", ".join(items) + "}"
+        if len(line) + 8 <= MAX_LINE:
+            return [line]
+        return ["return {", *(f"    {i}," for i in items), "}"]
+
+
+class _Raw:
+    """Source text placed as is (`self.training`)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+
+def constant(a) -> str:
+    """A traced constant as Python source."""
+    if isinstance(a, torch.dtype):
+        return str(a)
+    if isinstance(a, (torch.layout, torch.memory_format)):
+        return str(a)
+    if isinstance(a, float):
+        if math.isnan(a):
+            return 'float("nan")'
+        if math.isinf(a):
+            return 'float("inf")' if a > 0 else '-float("inf")'
+        return repr(a)
+    if a is None or isinstance(a, (bool, int, str, slice)) or a is Ellipsis:
+        return repr(a)
+    raise FtpipeError(f"cannot write the traced constant {a!r} ({type(a).__name__}) as code")
+
+
+def _op_path(target: torch._ops.OpOverload) -> str:
+    ns, packet = target._schema.name.split("::")
+    overload = target._overloadname
+    base = "aten" if ns == "aten" else f"torch.ops.{ns}"
+    if keyword.iskeyword(packet) or keyword.iskeyword(overload):
+        return f'getattr(getattr({base}, "{packet}"), "{overload}")'
+    return f"{base}.{packet}.{overload}"
+
+
+def _follow_training_mode(target: torch._ops.OpOverload, args: list, kwargs: dict) -> None:
+    """Tracing ran in training mode and baked it in: dropout's `train`, batch norm's
+    `training`, attention's `dropout_p`. Make them follow the stage's own mode instead."""
+    for i, arg in enumerate(target._schema.arguments):
+        if i < len(args):
+            where, key = args, i
+        elif arg.name in kwargs:
+            where, key = kwargs, arg.name
+        else:
+            continue
+        value = where[key]
+        if arg.name in ("train", "training") and value is True:
+            where[key] = _Raw("self.training")
+        elif arg.name == "dropout_p" and isinstance(value, float) and value > 0:
+            where[key] = _Raw(f"{value!r} if self.training else 0.0")
+
+
+def _mutated_arg(target: torch._ops.OpOverload) -> int | None:
+    """Index of the argument an in-place op writes to (add_, copy_...), or None."""
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            return i
+    return None
+
+
+def _wrap(head: str, fn: str, parts: list[str]) -> str:
+    """`x = f(a, b)` on one line; else the arguments on the next line; else one per line."""
+    args = ", ".join(parts)
+    if len(head) + len(fn) + len(args) + 2 + 8 <= MAX_LINE:
+        return f"{head}{fn}({args})"
+    if len(args) + 12 <= MAX_LINE:
+        return f"{head}{fn}(\n    {args}\n)"
+    return f"{head}{fn}(\n" + "".join(f"    {p},\n" for p in parts) + ")"

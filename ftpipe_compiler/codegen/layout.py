@@ -1,0 +1,186 @@
+"""From a Plan over graph nodes to what each generated stage computes and sends.
+
+A plan speaks of graph nodes (one ATen call, or a whole layer at `layer` granularity); code
+speaks of traced fx values. `layout()` maps every traced value to its stage and finds the
+*wires*: the tensors that really cross between stages. They differ from the plan's transfers
+in two ways the runtime must see:
+
+- a layer node may send several values (the hidden state and T5's position bias), each its
+  own wire, named by the traced value;
+- a tuple never crosses: the `getitem` that picks an element runs in the producing stage and
+  the element is sent (tensors go over the wire, tuples do not).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from ..errors import FtpipeError
+from ..graph import OpGraph
+from ..partition.plan import Plan
+from ..trace import Traced
+
+
+@dataclass(frozen=True)
+class Wire:
+    name: str  # the traced value's name: what the plan.json of the package calls the tensor
+    producer: int
+    consumers: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    requires_grad: bool
+    node: str  # the graph node (plan level) that produces it
+
+    def to_json(self) -> dict:
+        return {
+            "tensor": self.name,
+            "producer": self.producer,
+            "consumers": list(self.consumers),
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "bytes": self.bytes,
+            "requires_grad": self.requires_grad,
+        }
+
+
+@dataclass
+class StageLayout:
+    id: int
+    gpu: int
+    nodes: list[fx.Node] = field(default_factory=list)  # in execution order
+    model_inputs: list[str] = field(default_factory=list)
+    params: list[str] = field(default_factory=list)  # canonical names, by first use
+    inputs: list[str] = field(default_factory=list)  # wires received
+    outputs: list[str] = field(default_factory=list)  # wires sent
+    is_loss: bool = False
+
+
+@dataclass
+class Layout:
+    stages: list[StageLayout]
+    wires: dict[str, Wire]
+    loss: fx.Node
+    requires_grad: dict[str, bool]  # per traced value
+
+
+def layout(traced: Traced, graph: OpGraph, plan: Plan) -> Layout:
+    fx_graph = traced.program.graph
+    by_name = {n.name: n for n in fx_graph.nodes}
+    stage_of: dict[str, int] = {}
+    node_of: dict[str, str] = {}  # traced value -> graph node id
+    for st in plan.stages:
+        for nid in st.nodes:
+            for member in graph.node[nid].members:
+                stage_of[member] = st.id
+                node_of[member] = nid
+    out = next(n for n in fx_graph.nodes if n.op == "output")
+    loss = out.args[0][0]
+    if stage_of.get(loss.name) != plan.loss_stage:
+        raise FtpipeError(
+            "the plan's loss stage does not compute the loss; was it made for this graph?"
+        )
+    for n in fx_graph.nodes:  # in order, so chains of getitem follow their final source
+        if n.op == "call_function" and n.target is operator.getitem and n.name in stage_of:
+            src = n.args[0]
+            if src.name in stage_of and stage_of[src.name] != stage_of[n.name]:
+                stage_of[n.name] = stage_of[src.name]
+    missing = [m for m in stage_of if m not in by_name]
+    if missing:
+        raise FtpipeError(f"the plan names traced values {missing[:3]} the program does not have")
+
+    grad = _requires_grad(fx_graph, traced.placeholders, {p.name: p.trainable for p in plan.params})
+    stages = {
+        st.id: StageLayout(st.id, st.gpu, is_loss=st.id == plan.loss_stage) for st in plan.stages
+    }
+    input_order = list(plan.model.get("inputs") or [])
+    producers: dict[str, set[int]] = {}
+    for n in fx_graph.nodes:
+        if n.name not in stage_of:
+            continue
+        s = stage_of[n.name]
+        st = stages[s]
+        st.nodes.append(n)
+        for a in _args(n):
+            if a.op == "placeholder":
+                kind, name = traced.placeholders[a.name]
+                bucket = st.params if kind == "param" else st.model_inputs
+                if name not in bucket:
+                    bucket.append(name)
+            elif a.op == "call_function":
+                t = stage_of[a.name]
+                if t > s:
+                    raise FtpipeError(f"stage {s} reads {a.name} from the later stage {t}")
+                if t != s:
+                    producers.setdefault(a.name, set()).add(s)
+    wires = {}
+    for n in fx_graph.nodes:
+        if n.name in producers:
+            wires[n.name] = _wire(n, stage_of[n.name], producers[n.name], grad[n.name], node_of)
+    for st in stages.values():
+        st.model_inputs.sort(
+            key=lambda x: input_order.index(x) if x in input_order else len(input_order)
+        )
+    for w in wires.values():
+        stages[w.producer].outputs.append(w.name)
+        for c in w.consumers:
+            stages[c].inputs.append(w.name)
+    return Layout([stages[k] for k in sorted(stages)], wires, loss, grad)
+
+
+def _wire(n: fx.Node, producer: int, consumers: set[int], grad: bool, node_of) -> Wire:
+    val = n.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise FtpipeError(
+            f"{n.name} ({type(val).__name__}) would cross between stages, but only tensors can; "
+            "try another partitioner or --granularity layer"
+        )
+    dtype = str(val.dtype).removeprefix("torch.")
+    return Wire(
+        name=n.name,
+        producer=producer,
+        consumers=tuple(sorted(consumers)),
+        shape=tuple(int(s) for s in val.shape),
+        dtype=dtype,
+        bytes=val.numel() * val.element_size(),
+        requires_grad=grad and val.is_floating_point(),
+        node=node_of.get(n.name, n.name),
+    )
+
+
+def _requires_grad(fx_graph: fx.Graph, placeholders, trainable: dict[str, bool]) -> dict[str, bool]:
+    """Does a gradient flow into each traced value? (floating, and fed by a trainable weight)"""
+    grad: dict[str, bool] = {}
+    for n in fx_graph.nodes:
+        if n.op == "placeholder":
+            kind, name = placeholders.get(n.name, ("input", n.name))
+            grad[n.name] = kind == "param" and trainable.get(name, False)
+        elif n.op == "call_function":
+            val = n.meta.get("val")
+            floating = not isinstance(val, torch.Tensor) or val.is_floating_point()
+            grad[n.name] = floating and any(grad.get(a.name, False) for a in _args(n))
+    return grad
+
+
+def _args(n: fx.Node) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg((n.args, n.kwargs), found.append)
+    return found
+
+
+def package_plan(plan: Plan, lay: Layout, extra_model: dict, generated_by: str) -> dict:
+    """The plan as the package runs it: the same schema, with wires as the transfers."""
+    d = plan.to_json()
+    d = {"generated_by": generated_by, **d}
+    d["model"] = {**d["model"], **extra_model}
+    d["transfers"] = [w.to_json() for w in lay.wires.values()]
+    for sd, st in zip(d["stages"], lay.stages):
+        sd["inputs"] = list(st.inputs)
+        sd["outputs"] = list(st.outputs)
+        sd["model_inputs"] = list(st.model_inputs)
+    d["wires"] = {w.name: w.node for w in lay.wires.values()}
+    return d

@@ -1,0 +1,244 @@
+"""Write the pipeline package: stages.py, plan.json, __init__, __main__, check, README.
+
+    generate_package(traced, graph, plan, spec, Path("out"), command="ftpipe compile ...")
+    # -> out/t5_tiny_pipeline/
+
+The package is written into a temporary folder next to its destination and renamed at the
+end, so a failure never leaves half a package behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import keyword
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import jinja2
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from ..errors import FtpipeError, OutputExistsError
+from ..graph import OpGraph
+from ..partition.plan import Plan
+from ..resources import templates_dir
+from ..trace import WRAPPER_PREFIX, Traced
+from ..version import __version__
+from ..zoo import ModelSpec
+from .emit import StageEmitter, value_names
+from .layout import layout, package_plan
+from .summary import describe
+
+TEMPLATES = ("stages.py", "__init__.py", "__main__.py", "check.py", "README.md")
+
+
+def generate_package(
+    traced: Traced,
+    graph: OpGraph,
+    plan: Plan,
+    spec: ModelSpec,
+    out_dir: Path,
+    command: str,
+    force: bool = False,
+) -> Path:
+    """Render `plan` into `out_dir/<spec.package_name>/`; returns that folder."""
+    out_dir = Path(out_dir)
+    final = out_dir / spec.package_name
+    if final.exists() and not force:
+        raise OutputExistsError(
+            f"{final} already exists; pass --force to replace it, or choose another output folder"
+        )
+    lay = layout(traced, graph, plan)
+    names = value_names(
+        traced.program.graph, traced.placeholders, list(plan.model.get("inputs") or [])
+    )
+    info = {p.name: p for p in plan.params}
+    generated_by = f"ftpipe {__version__}: {command}"
+    stages = []
+    uses_operator = False
+    summaries = describe(lay.stages)
+    for st in tqdm(lay.stages, desc="generating stages", unit="stage", disable=None):
+        emitter = StageEmitter(
+            st, lay, names, traced.placeholders, lambda n: param_expr(n, info[n].trainable)
+        )
+        body = emitter.body()
+        uses_operator |= emitter.uses_operator
+        stages.append(
+            {
+                "id": st.id,
+                "gpu": st.gpu,
+                "is_loss": st.is_loss,
+                "held": summaries[st.id],
+                "inputs": py_tuple(st.model_inputs + st.inputs),
+                "outputs": py_tuple(["loss"] if st.is_loss else st.outputs),
+                "params": [_param_row(info[p]) for p in st.params],
+                "n_params": sum(_numel(info[p].shape) for p in st.params if info[p].trainable),
+                "body": [ln for line in body for ln in line.split("\n")],
+                "receives": [(w, lay.wires[w].producer) for w in st.inputs],
+                "sends": [(w, lay.wires[w].consumers) for w in st.outputs],
+            }
+        )
+    buffers = _buffer_values(
+        traced,
+        spec,
+        [
+            p.name
+            for p in plan.params
+            if not p.trainable and any(p.name in st.params for st in lay.stages)
+        ],
+    )
+    extra = {"path": spec.path} if spec.path else {}
+    pplan = package_plan(plan, lay, extra, generated_by)
+    context = {
+        "generated_by": generated_by,
+        "command": command,
+        "version": __version__,
+        "package": spec.package_name,
+        "model_name": spec.name,
+        "plan": pplan,
+        "stages": stages,
+        "uses_operator": uses_operator,
+        "has_buffers": bool(buffers),
+        "weights_dir": spec.path if _has_safetensors(spec.path) else "",
+    }
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir() / "package")),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    env.filters["thousands"] = lambda n: f"{n:,}"
+    env.filters["figure"] = _figure
+    files = {name: env.get_template(f"{name}.j2").render(**context) for name in TEMPLATES}
+    files["plan.json"] = json.dumps(pplan, indent=1) + "\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_atomically(final, files, buffers, generated_by)
+    return final
+
+
+def param_expr(name: str, trainable: bool) -> str:
+    """`self.encoder.block[3].layer[0].SelfAttention.q.weight`, or a lookup by name when a
+    part cannot be an attribute (a keyword, or a name nn.Module already uses)."""
+    from ftpipe_runtime.stage_api import Scope, StageModule
+
+    parts = name.split(".")
+    taken = set(dir(StageModule)) | set(dir(Scope)) | {"training"}
+    ok = (
+        not parts[0].isdigit()
+        and not parts[-1].isdigit()
+        and all(
+            p.isdigit() or (p.isidentifier() and not keyword.iskeyword(p) and p not in taken)
+            for p in parts
+        )
+    )
+    if not ok:
+        return f'self.get_{"parameter" if trainable else "buffer"}("{name}")'
+    return "self" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in parts)
+
+
+def py_tuple(items) -> str:
+    """A tuple of strings as source with double quotes: ("a", "b") or ("a",)."""
+    inner = ", ".join(json.dumps(x) for x in items)
+    return f"({inner},)" if len(items) == 1 else f"({inner})"
+
+
+def _param_row(p) -> str:
+    shape = "(" + ", ".join(str(s) for s in p.shape) + ("," if len(p.shape) == 1 else "") + ")"
+    return (
+        f"({json.dumps(p.name)}, {shape}, {json.dumps(p.dtype)}, {p.trainable}, "
+        f"{py_tuple(list(p.aliases))})"
+    )
+
+
+def _figure(v) -> str:
+    """Numbers for the README: 4 significant digits, thousands separated."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return str(v)
+    return f"{v:,}" if isinstance(v, int) else f"{v:,.4g}"
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _has_safetensors(path: str) -> bool:
+    return bool(path) and any(Path(path).glob("*.safetensors"))
+
+
+def _buffer_values(traced: Traced, spec: ModelSpec, names: list[str]) -> dict[str, torch.Tensor]:
+    """Values of the non-trainable tensors the stages hold (position ids...).
+
+    A program traced on a real device has them; one traced on `meta` does not, so the model
+    is built once more on the CPU with its parameters on `meta` (no memory for weights).
+    """
+    if not names:
+        return {}
+    program = traced.program
+    found: dict[str, torch.Tensor] = {}
+    for s in program.graph_signature.input_specs:
+        kind, canonical = traced.placeholders.get(s.arg.name, ("input", ""))
+        value = program.state_dict.get(s.target, program.constants.get(s.target))
+        if (
+            kind == "param"
+            and canonical in names
+            and isinstance(value, torch.Tensor)
+            and value.device.type != "meta"
+        ):
+            found[canonical] = value.detach().cpu().clone()
+    missing = [n for n in names if n not in found]
+    if missing:
+        with _parameters_on_meta():
+            model = spec.build("cpu", dropout=0.0)
+        held = {
+            k.removeprefix(WRAPPER_PREFIX): v
+            for k, v in model.named_buffers(remove_duplicate=False)
+        }
+        for n in missing:
+            if n not in held or held[n].device.type == "meta":
+                raise FtpipeError(f"cannot recover the value of the constant {n}; trace on the CPU")
+            found[n] = held[n].detach().clone()
+    return found
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    original = nn.Module.register_parameter
+
+    def register(self, name, param):
+        if param is not None:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(self, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def _write_atomically(final: Path, files: dict[str, str], buffers: dict, generated_by: str):
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    try:
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+        if buffers:
+            torch.save({"generated_by": generated_by, "tensors": buffers}, tmp / "buffers.pt")
+        if final.exists():
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
