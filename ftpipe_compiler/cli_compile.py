@@ -16,10 +16,9 @@ from tqdm import tqdm
 
 from .cli import cli, command_line, echo_json
 from .cli_commands import model_options
-from .cli_partition import problem_from_graph, table
 from .codegen import generate_package
 from .output import check_writable, output_folder
-from .partition import PARTITIONERS, pick_best, run_partitioners
+from .partition import PARTITIONERS, pick_best, problem_from_graph, run_partitioners
 from .profiling import costed_graph
 from .simulate import simulate, write_report
 
@@ -101,6 +100,8 @@ def compile_command(model, task, seq_len, micro_batch, hardware, granularity, pr
     click.echo(f"{spec.name}: {len(graph.nodes):,} nodes, {graph.num_parameters:,} parameters, "
                f"{gpus} x {problem.hardware.name}, schedule {schedule}, {problem.optimizer}, "
                f"{problem.micro_batches} micro-batches of {graph.meta.get('micro_batch')}")
+    from .cli_partition import table  # a sibling command module: imported late, no cycle
+
     click.echo(table(results, problem.lower_bound()))
     click.echo("simulated (steady state):")
     for r in rows:

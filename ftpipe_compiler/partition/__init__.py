@@ -1,0 +1,143 @@
+"""Partitioners that compete: each is a function `Problem -> Plan`, registered by name.
+
+    results = run_partitioners(problem)                 # every partitioner, or names=[...]
+    best = pick_best(results)                           # lowest period (or score=simulator)
+    best.plan.save("plan.json"); best.to_json()
+
+A partitioner that cannot fit the model raises `InfeasibleError`; `run_partitioners`
+records that as an infeasible `Result` and goes on with the others.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from ..errors import FtpipeError, InfeasibleError, unknown
+
+# Modules, not their functions: `partition.mixed` must stay the module of that name.
+from . import acyclic, baselines, metis, mixed, pipedream
+from .plan import Plan, build_plan
+from .problem import Problem
+
+__all__ = [
+    "PARTITIONERS",
+    "Plan",
+    "Problem",
+    "Result",
+    "build_plan",
+    "get_partitioner",
+    "pick_best",
+    "problem_from_graph",
+    "run_partitioners",
+]
+
+PARTITIONERS: dict[str, Callable[[Problem], Plan]] = {
+    "mixed": mixed.mixed,
+    "pipedream": pipedream.pipedream,
+    "acyclic": acyclic.acyclic,
+    "metis": metis.metis,
+    "gpipe": baselines.gpipe,
+    "params": baselines.params,
+}
+
+
+def problem_from_graph(
+    graph,
+    gpus: int,
+    hardware: str | None = None,
+    schedule: str = "ftpipe",
+    optimizer: str | None = None,
+    micro_batches: int | None = None,
+    seed: int = 0,
+) -> Problem:
+    """A Problem with the graph's defaults: its hardware, the task's optimizer, and the task's
+    batch / micro-batch as micro-batches per step."""
+    from ..hardware import get_hardware
+
+    meta = graph.meta or {}
+    if micro_batches is None:
+        mb, batch = meta.get("micro_batch"), meta.get("batch")
+        micro_batches = max(1, batch // mb) if mb and batch else 4
+    return Problem(
+        graph,
+        gpus,
+        get_hardware(hardware or graph.hardware or "rtx2080ti"),
+        schedule,
+        optimizer or meta.get("optimizer", "adamw"),
+        micro_batches=micro_batches,
+        seed=seed,
+    )
+
+
+def get_partitioner(name: str) -> Callable[[Problem], Plan]:
+    try:
+        return PARTITIONERS[name]
+    except KeyError:
+        raise unknown("partitioner", name, PARTITIONERS) from None
+
+
+@dataclass(frozen=True)
+class Result:
+    partitioner: str
+    plan: Plan | None
+    feasible: bool
+    error: str = ""
+    search_seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        p = self.plan
+        d = {
+            "partitioner": self.partitioner,
+            "feasible": self.feasible,
+            "period_s": p.period_s if p else None,
+            "expected_speedup": p.expected_speedup if p else None,
+            "stages": len(p.stages) if p else None,
+            "max_memory_bytes": p.max_memory_bytes if p else None,
+            "comm_bytes": p.comm_bytes if p else None,
+            "search_seconds": self.search_seconds,
+        }
+        if not self.feasible:
+            d["error"] = self.error
+        return d
+
+
+def run(problem: Problem, name: str) -> Result:
+    """One partitioner; an infeasible problem or a plan that fails its checks is a Result."""
+    fn = get_partitioner(name)
+    t0 = time.perf_counter()
+    try:
+        plan = fn(problem)
+    except InfeasibleError as e:
+        return Result(name, None, False, str(e), time.perf_counter() - t0)
+    try:
+        plan.validate()
+    except FtpipeError as e:
+        return Result(name, plan, False, f"{name}: {e}", plan.search_seconds)
+    return Result(name, plan, True, "", plan.search_seconds)
+
+
+def run_partitioners(problem: Problem, names=None, progress: bool = True) -> list[Result]:
+    names = list(PARTITIONERS) if names is None else list(names)
+    for n in names:
+        get_partitioner(n)  # unknown names fail before any work
+    out = []
+    bar = tqdm(names, desc="partitioning", file=sys.stderr, disable=not progress, leave=False)
+    for n in bar:
+        bar.set_postfix_str(n)
+        out.append(run(problem, n))
+    return out
+
+
+def pick_best(results: list[Result], score: Callable[[Plan], float] | None = None) -> Result:
+    """The feasible result with the lowest score (default: period), then fewer bytes, then name."""
+    score = score or (lambda plan: plan.period_s)
+    ok = [r for r in results if r.feasible]
+    if not ok:
+        why = "; ".join(r.error for r in results if r.error) or "no partitioner ran"
+        raise InfeasibleError(f"no partitioner found a plan that fits: {why}")
+    return min(ok, key=lambda r: (score(r.plan), r.plan.comm_bytes, r.partitioner))

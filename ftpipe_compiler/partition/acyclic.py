@@ -1,0 +1,154 @@
+"""Greedy acyclic partitioning (after Herrmann et al., multilevel acyclic DAG partitioning).
+
+Slices of a topological order always form an acyclic partition. For a few seeded orders
+of the atoms (zero-cost nodes and heavy outputs folded in), binary-search the smallest
+period T for which a greedy walk cuts the order into at most P slices, each within T of
+compute and within memory; then refine by legal single-atom moves and keep the best.
+
+The walk goes backwards from the loss: the first slice is the loss stage (its costs
+without recompute where the schedule allows), and the i-th slice from the end has depth i,
+so the in-flight micro-batches it must hold are known when it is cut.
+
+    plan = acyclic(problem)
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+
+from .coarsen import atoms
+from .indexed import Costs, infeasible
+from .layout import Layout
+from .plan import Plan, build_plan
+from .refine import refine
+
+ORDERS = (0.0, 2.0, 8.0, 32.0)  # noise (in atoms) added to the graph's order; 0: the order itself
+
+
+def acyclic(problem) -> Plan:
+    t0 = time.perf_counter()
+    costs = Costs.of(problem)
+    coarse = atoms(costs)
+    units = coarse.groups()
+    rng = random.Random(problem.seed)
+    best = None
+    for noise in ORDERS:
+        order = seeded_order(coarse, rng, noise)
+        slices = bisect(costs, order, problem.gpus)
+        if slices is None:
+            continue
+        stage_of = [0] * costs.n
+        for s, sl in enumerate(slices):
+            for u in sl:
+                for i in u:
+                    stage_of[i] = s
+        lay = Layout(costs, stage_of, list(range(len(slices))))
+        refine(lay, units)
+        key = (round(lay.period(), 12), lay.comm_bytes())
+        if lay.fits() and (best is None or key < best[0]):
+            best = (key, lay)
+    if best is None:
+        raise infeasible(problem, "acyclic", "no slicing of a topological order fits")
+    lay = best[1]
+    return build_plan(problem, lay.stage_of(), lay.gpu_of(), "acyclic", time.perf_counter() - t0)
+
+
+def seeded_order(coarse, rng: random.Random, noise: float) -> list[list[int]]:
+    """A topological order of the atoms: Kahn's algorithm, priority = position + noise."""
+    live = coarse.live()
+    prio = {g: k + (rng.gauss(0.0, noise) if noise else 0.0) for k, g in enumerate(live)}
+    indeg = {g: len(coarse.pred[g]) for g in live}
+    heap = [(prio[g], g) for g in live if not indeg[g]]
+    heapq.heapify(heap)
+    out = []
+    while heap:
+        _, g = heapq.heappop(heap)
+        out.append(coarse.members[g])
+        for s in coarse.succ[g]:
+            indeg[s] -= 1
+            if not indeg[s]:
+                heapq.heappush(heap, (prio[s], s))
+    return out
+
+
+def bisect(costs: Costs, order: list[list[int]], gpus: int, rounds: int = 24):
+    """Smallest period (to 0.1%) whose greedy walk needs at most `gpus` slices."""
+    lo = max(costs.problem.lower_bound(), 1e-12)
+    hi = sum(costs.rec) + 1e-12
+    best = greedy(costs, order, hi, gpus)
+    if best is None:
+        return None
+    for _ in range(rounds):
+        if hi <= lo * 1.001:
+            break
+        mid = (lo + hi) / 2
+        got = greedy(costs, order, mid, gpus)
+        if got is None:
+            lo = mid
+        else:
+            hi, best = mid, got
+    return best
+
+
+def greedy(costs: Costs, order: list[list[int]], period: float, gpus: int):
+    """Cut `order` from its end into slices within `period` and memory; None if > gpus."""
+    mem = costs.problem.memory
+    slices: list[list[list[int]]] = []
+    cur: list[list[int]] = []
+    state = _Slice(costs, depth=0)
+    for u in reversed(order):
+        if not state.add(u, period, mem):
+            if not cur:
+                return None  # one atom alone is over the period or the memory
+            slices.append(cur[::-1])
+            if len(slices) >= gpus:
+                return None
+            cur, state = [], _Slice(costs, depth=len(slices))
+            if not state.add(u, period, mem):
+                return None
+        cur.append(u)
+    slices.append(cur[::-1])
+    return slices[::-1]
+
+
+class _Slice:
+    """Running compute and memory of a slice grown leftwards (towards the graph's inputs)."""
+
+    def __init__(self, costs: Costs, depth: int):
+        self.c, self.k = costs, costs.in_flight(depth)
+        self.rec = self.last = 0.0
+        self.act = self.inb = self.static = 0
+        self.has_out = False
+        self.counted: set[int] = set()
+        self.params: set[int] = set()
+        self.inputs: set[int] = set()
+
+    def add(self, u: list[int], period: float, mem: int) -> bool:
+        """Take atom u if the slice stays within period and memory."""
+        c = self.c
+        rec = self.rec + sum(c.rec[i] for i in u)
+        last = self.last + sum(c.last[i] for i in u)
+        act = self.act + sum(c.act[i] for i in u)
+        has_out = self.has_out or c.output in u
+        mine = set(u)
+        inb = self.inb - sum(c.out[i] for i in u if i in self.counted)
+        ext = {p for i in u for p in c.preds[i] if p not in mine} - self.counted
+        inb += sum(c.out[p] for p in ext)
+        new_in = {x for i in u for x in c.inputs[i]} - self.inputs
+        inb += sum(c.input_bytes[x] for x in new_in)
+        new_p = {p for i in u for p in c.params[i]} - self.params
+        static = self.static + sum(c.pstatic[p] for p in new_p)
+        if c.recompute(has_out):
+            need = static + self.k * inb + act
+        else:
+            need = static + self.k * act
+        if (last if has_out else rec) > period or need > mem:
+            return False
+        self.rec, self.last, self.act, self.inb, self.static = rec, last, act, inb, static
+        self.has_out = has_out
+        self.counted = (self.counted - mine) | ext
+        self.params |= new_p
+        self.inputs |= new_in
+        return True

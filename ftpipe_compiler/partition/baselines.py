@@ -1,0 +1,67 @@
+"""The baselines every comparison shows, run with the same costs and memory model.
+
+- `gpipe`: contiguous, the same number of transformer layers on every GPU (what GPipe and
+  torch.distributed.pipelining users write by hand); where the count does not divide,
+  the DP picks which GPUs take one more layer.
+- `params`: contiguous, balanced by parameter memory (DeepSpeed's default, PipeTransformer).
+
+A layer is a run of nodes under one numbered module (`encoder.block.3`); nodes outside any
+layer (embeddings, final norm, loss) travel with the neighbouring layer.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..trace import layer_key
+from .chain import Chain, runs
+from .indexed import Costs, infeasible
+from .plan import Plan, build_plan
+
+
+def layers(costs: Costs) -> list[list[int]]:
+    """Layer units; loose runs join the next layer (the last layer takes trailing ones)."""
+    out: list[list[int]] = []
+    loose: list[int] = []
+    nodes = costs.problem.graph.nodes
+    for run in runs(costs, layer_key):
+        if any(p.isdigit() for p in layer_key(nodes[run[0]].scope).split(".")):
+            out.append(loose + run)
+            loose = []
+        else:
+            loose.extend(run)
+    if not out:  # no numbered modules: every run is a layer
+        return runs(costs, layer_key)
+    out[-1].extend(loose)
+    return out
+
+
+def gpipe(problem) -> Plan:
+    t0 = time.perf_counter()
+    costs = Costs.of(problem)
+    chain = Chain(costs, layers(costs))
+    U = len(chain)
+    stages = min(problem.gpus, U)
+    q, r = divmod(U, stages)
+    count = np.arange(U)[None, :] - np.arange(U)[:, None] + 1  # layers in segment k..j
+    allowed = (count == q) | ((count == q + 1) & (r > 0))
+    segs = chain.split(chain.period, stages, exact=True, allowed=allowed)
+    if segs is None:
+        raise infeasible(
+            problem,
+            "gpipe",
+            f"{U} layers split {q}{'-' + str(q + 1) if r else ''} per GPU do not fit",
+        )
+    return build_plan(problem, *chain.assignment(segs), "gpipe", time.perf_counter() - t0)
+
+
+def params(problem) -> Plan:
+    t0 = time.perf_counter()
+    costs = Costs.of(problem)
+    chain = Chain(costs, layers(costs))
+    segs = chain.split(chain.static.astype(float), problem.gpus, exact=True)
+    if segs is None:
+        raise infeasible(problem, "params", "no contiguous split by layers fits")
+    return build_plan(problem, *chain.assignment(segs), "params", time.perf_counter() - t0)

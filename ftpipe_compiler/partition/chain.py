@@ -1,0 +1,169 @@
+"""Contiguous splits of a topological chain of units: segment figures and the exact DP.
+
+A unit is a run of consecutive nodes in the graph's (topological) order. For every
+segment k..j of units we precompute its period (FTPipe eq. 1 with the loss stage not
+recomputing when the schedule says so) and its memory as `base + in_flight(depth) *
+held`, so the DP can check memory at the depth where a segment would sit.
+
+    ch = Chain(costs, units)            # units: lists of node indices, in order
+    segs = ch.split(ch.period, gpus)    # [(k, j), ...] or None when nothing fits
+
+Exact for contiguous splits when each tensor crosses to at most one later stage (a chain);
+otherwise a tensor sent to several later stages is counted once here (the plan counts it
+once per destination GPU), and depth is bounded by the stages after a segment.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from tqdm import tqdm
+
+from .indexed import Costs
+
+
+class Chain:
+    def __init__(self, costs: Costs, units: list[list[int]], progress: bool = False):
+        self.c, self.units = costs, units
+        U = len(units)
+        uo = [0] * costs.n
+        for k, nodes in enumerate(units):
+            for i in nodes:
+                uo[i] = k
+        last_use = [max((uo[s] for s in costs.succs[i]), default=-1) for i in range(costs.n)]
+        cons, prod_out, ends = (
+            [[] for _ in range(U)],
+            [[] for _ in range(U)],
+            [[] for _ in range(U)],
+        )
+        for j, nodes in enumerate(units):
+            ext = sorted({p for i in nodes for p in costs.preds[i] if uo[p] != j})
+            cons[j] = [(p, uo[p], costs.out[p], costs.grad[p]) for p in ext]
+            for i in nodes:
+                if last_use[i] > j:
+                    prod_out[j].append(costs.out[i])
+                    ends[last_use[i]].append((uo[i], costs.out[i]))
+        out_unit = uo[costs.output]
+        bw = costs.problem.bandwidth
+        inf = float("inf")
+        self.period = np.full((U, U), inf)
+        self.base = np.full((U, U), inf)
+        self.held = np.full((U, U), inf)
+        self.static = np.full((U, U), inf)
+        rng = tqdm(range(U), desc="chain segments", leave=False, disable=None if progress else True)
+        for k in rng:
+            rec = last = 0.0
+            act = inb = bwd = send = static = 0
+            seen, seen_in, params = set(), set(), set()
+            has_out = False
+            for j in range(k, U):
+                for i in units[j]:
+                    rec += costs.rec[i]
+                    last += costs.last[i]
+                    act += costs.act[i]
+                    for p in costs.params[i]:
+                        if p not in params:
+                            params.add(p)
+                            static += costs.pstatic[p]
+                    for x in costs.inputs[i]:
+                        if x not in seen_in:
+                            seen_in.add(x)
+                            inb += costs.input_bytes[x]
+                has_out = has_out or j == out_unit
+                for p, pu, b, g in cons[j]:
+                    if pu < k and p not in seen:
+                        seen.add(p)
+                        inb += b
+                        bwd += b if g else 0
+                send += sum(prod_out[j])
+                send -= sum(b for pu, b in ends[j] if k <= pu < j)
+                c = last if has_out else rec
+                self.period[k, j] = c + max(0.0, send / bw - c) + max(0.0, bwd / bw - c)
+                if costs.recompute(has_out):
+                    self.base[k, j], self.held[k, j] = static + act, inb
+                else:
+                    self.base[k, j], self.held[k, j] = static, act
+                self.static[k, j] = static
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    def split(
+        self,
+        objective: np.ndarray,
+        gpus: int,
+        exact: bool = False,
+        allowed: np.ndarray | None = None,
+    ) -> list[tuple[int, int]] | None:
+        """Minimise the largest `objective[k, j]` over splits into at most (or exactly) `gpus`
+        segments whose memory fits at their depth; ties prefer fewer stages."""
+        c = self.c
+        U, mem = len(self), c.problem.memory
+        stages = min(gpus, U)
+        inf = float("inf")
+        B = np.full((stages, U + 1), inf)
+        choice = np.zeros((stages, U), dtype=int)
+        for d in range(stages):
+            ok = self.base + c.in_flight(d) * self.held <= mem
+            if allowed is not None:
+                ok &= allowed
+            obj = np.where(ok, objective, inf)
+            if d == 0:
+                B[0, :U] = obj[:, U - 1]
+                continue
+            for k in range(U - 1):
+                row = np.maximum(obj[k, k : U - 1], B[d - 1, k + 1 : U])
+                j = int(np.argmin(row))
+                B[d, k], choice[d, k] = row[j], k + j
+        ds = [stages - 1] if exact else range(stages)
+        d = min(ds, key=lambda d: (B[d, 0], d))
+        if not np.isfinite(B[d, 0]):
+            return None
+        segs, k = [], 0
+        while d > 0:
+            j = int(choice[d, k])
+            segs.append((k, j))
+            k, d = j + 1, d - 1
+        segs.append((k, U - 1))
+        return segs
+
+    def assignment(self, segs: list[tuple[int, int]]) -> tuple[dict[str, int], dict[int, int]]:
+        """stage_of and gpu_of for build_plan: segment s on GPU s."""
+        stage_of = {}
+        for s, (k, j) in enumerate(segs):
+            for u in range(k, j + 1):
+                for i in self.units[u]:
+                    stage_of[self.c.ids[i]] = s
+        return stage_of, {s: s for s in range(len(segs))}
+
+
+def runs(costs: Costs, key) -> list[list[int]]:
+    """Runs of consecutive nodes (graph order) whose scopes share `key(scope)`."""
+    nodes = costs.problem.graph.nodes
+    out: list[list[int]] = []
+    prev = None
+    for i, n in enumerate(nodes):
+        k = key(n.scope)
+        if out and k == prev:
+            out[-1].append(i)
+        else:
+            out.append([i])
+        prev = k
+    return out
+
+
+def compress(costs: Costs, units: list[list[int]], max_units: int) -> list[list[int]]:
+    """Join consecutive units until about `max_units` remain, each near an equal share of work."""
+    if len(units) <= max_units:
+        return units
+    share = sum(costs.rec) / max_units
+    out: list[list[int]] = []
+    acc = 0.0
+    for u in units:
+        w = sum(costs.rec[i] for i in u)
+        if out and acc + w <= share:
+            out[-1].extend(u)
+            acc += w
+        else:
+            out.append(list(u))
+            acc = w
+    return out

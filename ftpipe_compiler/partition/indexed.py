@@ -1,0 +1,119 @@
+"""The problem as flat lists indexed by a node's position in the graph, for fast searches.
+
+costs = Costs.of(problem); costs.rec[i], costs.preds[i], costs.params[i] ...
+topological_stages(costs, stage_of)       # stage ids renumbered along the stage graph
+raise infeasible(problem, "mixed")        # "mixed: infeasible: needs 3 GPUs / 31.2 GB ..."
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from ..errors import FtpipeError, InfeasibleError
+from .plan import _itemsize, _numel
+from .problem import Problem
+
+
+@dataclass
+class Costs:
+    """The problem's figures as flat lists indexed by a node's position in the graph."""
+
+    problem: Problem
+    ids: list[str]
+    rec: list[float]  # work per micro-batch when the node's stage recomputes
+    last: list[float]  # ... when it sits in the loss stage
+    act: list[int]
+    out: list[int]
+    grad: list[bool]
+    preds: list[tuple[int, ...]]
+    succs: list[tuple[int, ...]]
+    params: list[tuple[int, ...]]
+    pstatic: list[int]  # weights + gradients + optimizer state, by parameter index
+    inputs: list[tuple[int, ...]]
+    input_bytes: list[int]  # by model-input index
+    output: int
+
+    @classmethod
+    def of(cls, problem: Problem) -> Costs:
+        g = problem.graph
+        idx = g.index
+        pidx = {p.name: k for k, p in enumerate(g.params)}
+        iidx = {x.name: k for k, x in enumerate(g.inputs)}
+        return cls(
+            problem=problem,
+            ids=[n.id for n in g.nodes],
+            rec=[problem.work_recompute[n.id] for n in g.nodes],
+            last=[problem.work_last[n.id] for n in g.nodes],
+            act=[n.act_bytes for n in g.nodes],
+            out=[n.out_bytes for n in g.nodes],
+            grad=[n.requires_grad for n in g.nodes],
+            preds=[tuple(sorted({idx[p] for p in g.preds[n.id]})) for n in g.nodes],
+            succs=[tuple(sorted({idx[s] for s in g.succs[n.id]})) for n in g.nodes],
+            params=[tuple(dict.fromkeys(pidx[p] for p in n.params)) for n in g.nodes],
+            pstatic=[problem.static_bytes[p.name] for p in g.params],
+            inputs=[tuple(dict.fromkeys(iidx[x] for x in n.inputs)) for n in g.nodes],
+            input_bytes=[_numel(x.shape) * _itemsize(x.dtype) for x in g.inputs],
+            output=idx[g.output],
+        )
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+    def in_flight(self, depth: int) -> int:
+        return self.problem.sched.in_flight(depth, self.problem.micro_batches)
+
+    def recompute(self, is_loss: bool) -> bool:
+        return self.problem.sched.recompute(is_loss)
+
+
+def topological_stages(costs: Costs, stage_of: list[int]) -> list[int]:
+    """Renumber stages 0..S-1 so every edge goes from a lower or equal stage to a higher one.
+
+    Ties go to the stage whose first node comes first, as `build_plan` numbers them.
+    """
+    first: dict[int, int] = {}
+    for i, s in enumerate(stage_of):
+        first.setdefault(s, i)
+    succ: dict[int, set[int]] = {s: set() for s in first}
+    for i, s in enumerate(stage_of):
+        for j in costs.succs[i]:
+            if stage_of[j] != s:
+                succ[s].add(stage_of[j])
+    indeg = dict.fromkeys(first, 0)
+    for s in succ:
+        for t in succ[s]:
+            indeg[t] += 1
+    heap = [(first[s], s) for s in first if not indeg[s]]
+    heapq.heapify(heap)
+    renum: dict[int, int] = {}
+    while heap:
+        _, s = heapq.heappop(heap)
+        renum[s] = len(renum)
+        for t in succ[s]:
+            indeg[t] -= 1
+            if not indeg[t]:
+                heapq.heappush(heap, (first[t], t))
+    if len(renum) != len(first):
+        raise FtpipeError("internal error: a partitioner produced a cyclic stage graph")
+    return [renum[s] for s in stage_of]
+
+
+def infeasible(problem: Problem, partitioner: str, why: str = "") -> InfeasibleError:
+    """'infeasible: needs 3 GPUs / 31.2 GB' when the weights alone need more GPUs; when they
+    would fit, activations or indivisible layers are what is missing: 'needs more than P'."""
+    total = sum(problem.static_bytes.values())
+    need = max(1, -(-total // problem.memory))
+    have = f"have {problem.gpus} x {problem.memory / 1e9:.1f} GB"
+    tail = f" ({why})" if why else ""
+    if need > problem.gpus:
+        return InfeasibleError(
+            f"{partitioner}: infeasible: needs {need} GPUs / {total / 1e9:.1f} GB of weights, "
+            f"gradients and optimizer state; {have}{tail}"
+        )
+    return InfeasibleError(
+        f"{partitioner}: infeasible: needs more than {problem.gpus} GPUs / {total / 1e9:.1f} GB: the "
+        f"weights, gradients and optimizer state fit in {need}, but not with the activations and "
+        f"layer sizes; {have}{tail}"
+    )

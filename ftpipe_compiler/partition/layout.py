@@ -1,0 +1,204 @@
+"""A partition under search: incremental plan figures for the partitioners' inner loops.
+
+`build_plan` is exact but rebuilds every stage; a search that tries thousands of moves
+keeps a `Layout` instead: nodes are integers (graph order), and moving one node updates
+only what it touches. Its period, communication and memory follow `Plan` to the byte
+(tests compare the two), so a layout that fits here fits as a plan.
+
+    lay = Layout(Costs.of(problem), stage_of=[...], gpu_of=[...])  # stages renumbered topologically
+    lay.move([i, j], stage); lay.period(); lay.fits()
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .indexed import Costs, topological_stages
+
+
+class Layout:
+    """Node -> stage (stages numbered topologically), stage -> GPU, with running figures."""
+
+    def __init__(self, costs: Costs, stage_of: list[int], gpu_of: dict[int, int] | list[int]):
+        c = self.c = costs
+        old = list(stage_of)
+        self.stage = topological_stages(costs, old)
+        self.nstages = max(self.stage) + 1
+        self.gpu = [0] * self.nstages
+        for i, s in enumerate(self.stage):
+            self.gpu[s] = gpu_of[old[i]]
+        self.gpus = costs.problem.gpus
+        self.on = [[s for s in range(self.nstages) if self.gpu[s] == g] for g in range(self.gpus)]
+        S, G = self.nstages, self.gpus
+        self.size, self.rec, self.last, self.act = [0] * S, [0.0] * S, [0.0] * S, [0] * S
+        self.inb = [0] * S
+        self.cs = [defaultdict(int) for _ in range(c.n)]  # consumers of a tensor per stage
+        self.cg = [defaultdict(int) for _ in range(c.n)]  # ... per GPU
+        self.mi = [defaultdict(int) for _ in range(S)]  # readers of a model input per stage
+        self.pc = [defaultdict(int) for _ in range(G)]  # readers of a parameter per GPU
+        self.static, self.fwd, self.bwd = [0] * G, [0] * G, [0] * G
+        self.se: dict[tuple[int, int], int] = defaultdict(int)  # node edges between stages
+        # Build by "moving" every node in from nowhere (stage -1) so one code path keeps the books.
+        place, self.stage = self.stage, [-1] * c.n
+        for i in range(c.n):
+            self._move_node(i, place[i])
+        self._depths()
+
+    # --- figures ---
+    @property
+    def loss(self) -> int:
+        return self.stage[self.c.output]
+
+    def compute(self, g: int) -> float:
+        loss = self.loss
+        return sum(self.last[s] if s == loss else self.rec[s] for s in self.on[g])
+
+    def gpu_period(self, g: int) -> float:
+        c = self.compute(g)
+        bw = self.c.problem.bandwidth
+        f, b = self.fwd[g] / bw, self.bwd[g] / bw
+        return c + max(0.0, f - c) + max(0.0, b - c)
+
+    def periods(self) -> list[float]:
+        return [self.gpu_period(g) for g in range(self.gpus)]
+
+    def period(self) -> float:
+        return max(self.periods())
+
+    def comm_bytes(self) -> int:
+        return sum(self.fwd) + sum(self.bwd)
+
+    def memory(self, g: int) -> int:
+        if self._dirty:
+            self._depths()
+        held = transient = 0
+        loss = self.loss
+        for s in self.on[g]:
+            if not self.size[s]:
+                continue
+            k = self.c.in_flight(self.depth[s])
+            if self.c.recompute(s == loss):
+                held += k * self.inb[s]
+                transient = max(transient, self.act[s])
+            else:
+                held += k * self.act[s]
+        return self.static[g] + held + transient
+
+    def fits(self, gpus=None) -> bool:
+        mem = self.c.problem.memory
+        return all(self.memory(g) <= mem for g in (range(self.gpus) if gpus is None else gpus))
+
+    def stage_of(self) -> dict[str, int]:
+        return dict(zip(self.c.ids, self.stage))
+
+    def gpu_of(self) -> dict[int, int]:
+        return dict(enumerate(self.gpu))
+
+    # --- moves ---
+    def move(self, nodes, t: int) -> list[int]:
+        """Move nodes to stage t; returns their previous stages (for `undo`)."""
+        before = [self.stage[i] for i in nodes]
+        for i in nodes:
+            self._move_node(i, t)
+        return before
+
+    def undo(self, nodes, before: list[int]) -> None:
+        for i, s in zip(reversed(nodes), reversed(before)):
+            self._move_node(i, s)
+
+    def _move_node(self, i: int, t: int) -> None:
+        c, a = self.c, self.stage[i]
+        if a == t:
+            return
+        ga, gt = (self.gpu[a] if a >= 0 else -1), self.gpu[t]
+        touched = (i, *c.preds[i]) if ga != gt else ()
+        for u in touched:
+            self._tensor(u, -1)
+        # Tensor i: stages that now receive it, or no longer do.
+        if a >= 0 and self.cs[i].get(a):
+            self.inb[a] += c.out[i]
+        if self.cs[i].get(t):
+            self.inb[t] -= c.out[i]
+        for j in c.succs[i]:
+            sj = self.stage[j]
+            if sj >= 0:
+                self._edge(a, sj, -1)
+                self._edge(t, sj, +1)
+        for u in c.preds[i]:
+            su = self.stage[u]
+            if a >= 0:
+                self._consumer(u, su, a, ga, -1)
+                self._edge(su, a, -1)
+            self._consumer(u, su, t, gt, +1)
+            self._edge(su, t, +1)
+        for x in c.inputs[i]:
+            if a >= 0:
+                self.mi[a][x] -= 1
+                if not self.mi[a][x]:
+                    self.inb[a] -= c.input_bytes[x]
+            if not self.mi[t][x]:
+                self.inb[t] += c.input_bytes[x]
+            self.mi[t][x] += 1
+        for p in c.params[i]:
+            if ga >= 0:
+                self.pc[ga][p] -= 1
+                if not self.pc[ga][p]:
+                    self.static[ga] -= c.pstatic[p]
+            if not self.pc[gt][p]:
+                self.static[gt] += c.pstatic[p]
+            self.pc[gt][p] += 1
+        if a >= 0:
+            self.size[a] -= 1
+            self.rec[a] -= c.rec[i]
+            self.last[a] -= c.last[i]
+            self.act[a] -= c.act[i]
+        self.size[t] += 1
+        self.rec[t] += c.rec[i]
+        self.last[t] += c.last[i]
+        self.act[t] += c.act[i]
+        self.stage[i] = t
+        for u in touched:
+            self._tensor(u, +1)
+
+    def _consumer(self, u: int, su: int, s: int, g: int, d: int) -> None:
+        """One more (d=+1) or one fewer (d=-1) consumer of tensor u in stage s on GPU g."""
+        cs = self.cs[u]
+        if d < 0:
+            cs[s] -= 1
+            if not cs[s] and su != s:
+                self.inb[s] -= self.c.out[u]
+        else:
+            if not cs[s] and su != s:
+                self.inb[s] += self.c.out[u]
+            cs[s] += 1
+        self.cg[u][g] += d
+
+    def _tensor(self, u: int, sign: int) -> None:
+        """Add or remove tensor u's transfers: once per destination GPU other than its own."""
+        su = self.stage[u]
+        if su < 0:
+            return
+        gu, b = self.gpu[su], self.c.out[u]
+        dests = [h for h, k in self.cg[u].items() if k and h != gu]
+        self.fwd[gu] += sign * b * len(dests)
+        if self.c.grad[u]:
+            for h in dests:
+                self.bwd[h] += sign * b
+
+    def _edge(self, a: int, b: int, d: int) -> None:
+        if a < 0 or a == b:
+            return
+        k = self.se[(a, b)]
+        self.se[(a, b)] = k + d
+        if k == 0 or k + d == 0:
+            self._dirty = True
+
+    def _depths(self) -> None:
+        succ = defaultdict(list)
+        for (a, b), k in self.se.items():
+            if k:
+                succ[a].append(b)
+        depth = [0] * self.nstages
+        for s in sorted(succ, reverse=True):  # edges go to higher stages: visit those first
+            depth[s] = max(depth[t] + 1 for t in succ[s])
+        self.depth, self._dirty = depth, False

@@ -1,0 +1,171 @@
+"""Mixed-pipe (FTPipe §4.1): coarsen to L blocks, LPT onto GPUs, stages per GPU, refine.
+
+Several coarsenings (blocks by transformer block or by sub-layer; L = P, 2P, 3P, 4P, capped;
+two choices of centres) are tried and the plan with the lowest period that fits is kept. Under a schedule whose loss stage
+does not recompute (§4.3), blocks that land in the loss stage are re-costed without
+recompute and the assignment is redone until the loss stage stops changing.
+
+    plan = mixed(problem)
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..trace import layer_key
+from .coarsen import Coarse, atoms, by_scope, grow_centers
+from .indexed import Costs, infeasible
+from .layout import Layout
+from .plan import Plan, build_plan
+from .refine import refine
+
+ITERATIONS = 4  # §4.3 re-costing rounds: usually stable after two; a repeat also ends them
+MAX_BLOCKS = 64
+
+
+def sublayer_key(scope: str) -> str:
+    """'encoder.block.3.layer.0.SelfAttention.q' -> 'encoder.block.3.layer.0'."""
+    parts = scope.split(".") if scope else []
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 3])
+    return ".".join(parts[:2])
+
+
+def mixed(problem) -> Plan:
+    t0 = time.perf_counter()
+    costs = Costs.of(problem)
+    P = problem.gpus
+    base = atoms(costs)
+    units = base.groups()
+    mem = problem.memory
+
+    def fits(nodes) -> bool:
+        return _static(costs, nodes) + max((costs.act[i] for i in nodes), default=0) <= mem
+
+    variants = [
+        (key, L, offset)
+        for key in (layer_key, sublayer_key)
+        for L in (1, 2, 3, 4)
+        for offset in (0.5, 0.25)  # centres at the middle or a quarter of each share of work
+    ]
+    best: Layout | None = None
+    scoped = {key: by_scope(base.copy(), key) for key in (layer_key, sublayer_key)}
+    tried = set()
+    for key, L, offset in variants:
+        blocks_wanted = min(L * P, len(scoped[key].members), MAX_BLOCKS)
+        if (key, blocks_wanted, offset) in tried:
+            continue
+        tried.add((key, blocks_wanted, offset))
+        blocks = grow_centers(scoped[key].copy(), blocks_wanted, fits, offset).groups()
+        lay = assign(costs, blocks)
+        refine(lay, units)
+        if lay.fits() and (best is None or _key(lay) < _key(best)):
+            best = lay
+    if best is None:
+        raise infeasible(problem, "mixed")
+    return build_plan(problem, best.stage_of(), best.gpu_of(), "mixed", time.perf_counter() - t0)
+
+
+def _key(lay: Layout) -> tuple[float, int, int]:
+    return round(lay.period(), 12), lay.comm_bytes(), lay.nstages
+
+
+def assign(costs: Costs, blocks: list[list[int]]) -> Layout:
+    """LPT + stages, iterated until the blocks in the loss stage stop changing (§4.3)."""
+    loss_blocks: frozenset[int] = frozenset()
+    seen, best = set(), None
+    for _ in range(ITERATIONS):
+        gpu = lpt(costs, blocks, loss_blocks)
+        lay = Layout(costs, *stages(costs, blocks, gpu))
+        if best is None or (not lay.fits(), _key(lay)) < (not best.fits(), _key(best)):
+            best = lay  # one that does not fit may still be repaired by refinement
+        loss = lay.loss
+        now = frozenset(k for k, b in enumerate(blocks) if lay.stage[b[0]] == loss)
+        if now == loss_blocks or now in seen:
+            break
+        seen.add(now)
+        loss_blocks = now
+    return best
+
+
+def lpt(costs: Costs, blocks: list[list[int]], loss_blocks=frozenset()) -> list[int]:
+    """Longest Processing Time first: largest block to the least-loaded GPU where it fits.
+
+    Memory per GPU is estimated before stages exist: static state of the parameters read,
+    the largest block's activations while it recomputes, and inputs kept for the in-flight
+    micro-batches (depth bounded by the blocks after it in topological order).
+    """
+    P, L, mem = costs.problem.gpus, len(blocks), costs.problem.memory
+    work = [
+        sum((costs.last if k in loss_blocks else costs.rec)[i] for i in b)
+        for k, b in enumerate(blocks)
+    ]
+    held, peak = [], []
+    for k, b in enumerate(blocks):
+        if k in loss_blocks and not costs.recompute(True):
+            held.append(sum(costs.act[i] for i in b) * costs.in_flight(0))
+            peak.append(0)
+        else:
+            held.append(_input_bytes(costs, b) * costs.in_flight(L - 1 - k))
+            peak.append(sum(costs.act[i] for i in b))
+    load = [0.0] * P
+    params: list[set[int]] = [set() for _ in range(P)]
+    gheld, gpeak = [0] * P, [0] * P
+    gpu = [0] * L
+    for k in sorted(range(L), key=lambda k: (-work[k], k)):
+        bp = {p for i in blocks[k] for p in costs.params[i]}
+
+        need = {
+            g: sum(costs.pstatic[p] for p in params[g] | bp)
+            + gheld[g]
+            + held[k]
+            + max(gpeak[g], peak[k])
+            for g in range(P)
+        }
+        order = sorted(range(P), key=lambda g: (load[g], g))
+        fitting = [g for g in order if need[g] <= mem]
+        g = fitting[0] if fitting else min(order, key=lambda g: (need[g], g))
+        gpu[k] = g
+        load[g] += work[k]
+        params[g] |= bp
+        gheld[g] += held[k]
+        gpeak[g] = max(gpeak[g], peak[k])
+    return gpu
+
+
+def stages(costs: Costs, blocks: list[list[int]], gpu: list[int]) -> tuple[list[int], list[int]]:
+    """Join connected blocks of one GPU into a stage unless a path leaves the GPU and returns.
+
+    Returns (stage of every node, GPU of every stage).
+    """
+    c = Coarse(costs, blocks)
+    owner = {g: gpu[g] for g in c.members}  # block ids are the group ids Coarse starts from
+    changed = True
+    while changed:
+        changed = False
+        for g in c.live():
+            if g not in c.members:
+                continue
+            for nb in sorted(c.succ[g], key=c.pos.get):
+                if owner[nb] == owner[g] and c.merge(g, nb) is not None:
+                    changed = True
+                    break
+    stage_of = [0] * costs.n
+    gpu_of = []
+    for s, g in enumerate(c.live()):
+        gpu_of.append(owner[g])
+        for i in c.members[g]:
+            stage_of[i] = s
+    return stage_of, gpu_of
+
+
+def _static(costs: Costs, nodes) -> int:
+    return sum(costs.pstatic[p] for p in {p for i in nodes for p in costs.params[i]})
+
+
+def _input_bytes(costs: Costs, nodes) -> int:
+    inside = set(nodes)
+    ext = {p for i in nodes for p in costs.preds[i] if p not in inside}
+    mi = {x for i in nodes for x in costs.inputs[i]}
+    return sum(costs.out[p] for p in ext) + sum(costs.input_bytes[x] for x in mi)

@@ -1,0 +1,36 @@
+"""PipeDream's dynamic program (Narayanan et al., SOSP'19) over a topological chain.
+
+The op graph's order is compressed into a chain of units of about equal work (PipeDream
+itself works on a chain of profiled layers; finer units let it balance as well as a chain
+can), then the DP picks contiguous stages, one per GPU, minimising the slowest stage:
+
+    A(k, d) = min over j of max(S(k..j at depth d), A(j + 1, d - 1))
+
+run from the end of the chain so each stage's depth (and so its in-flight micro-batches)
+is known exactly. Unlike the public implementation it counts boundary transfers (FTPipe
+eq. 1), the loss stage that does not recompute, and memory.
+
+    plan = pipedream(problem)
+"""
+
+from __future__ import annotations
+
+import time
+
+from .chain import Chain, compress
+from .indexed import Costs, infeasible
+from .plan import Plan, build_plan
+
+MAX_UNITS = 384  # chain length: ~0.3% of the work per unit on T5-3B, a second of DP
+
+
+def pipedream(problem, max_units: int = MAX_UNITS) -> Plan:
+    t0 = time.perf_counter()
+    costs = Costs.of(problem)
+    units = compress(costs, [[i] for i in range(costs.n)], max_units)
+    chain = Chain(costs, units, progress=True)
+    segs = chain.split(chain.period, problem.gpus)
+    if segs is None:
+        raise infeasible(problem, "pipedream", "no contiguous split fits")
+    stage_of, gpu_of = chain.assignment(segs)
+    return build_plan(problem, stage_of, gpu_of, "pipedream", time.perf_counter() - t0)

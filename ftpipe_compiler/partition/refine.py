@@ -1,0 +1,168 @@
+"""Refinement by single-unit moves across stage borders (FTPipe §4.1 step 3, Herrmann et al.).
+
+A unit (a node, or an atom of nodes that must stay together) may move to a stage between
+the last stage of its predecessors and the first stage of its successors: with stages
+numbered topologically, every edge still goes forwards, so the stage graph stays acyclic
+by construction. Only the two neighbouring stages of that range are tried (a move to an
+unrelated stage would only add transfers). A start that does not fit first takes the moves
+that lower the memory over the limit most. Then a move is kept when it lowers the slowest
+GPU's period, or keeps it and lowers the sum of squared periods (spreads load away from a
+second bottleneck), or keeps both and lowers the bytes communicated — always within memory.
+
+    refine(layout, units) -> number of moves made
+"""
+
+from __future__ import annotations
+
+from .layout import Layout
+
+EPS = 1e-12
+
+
+def _score(lay: Layout) -> tuple[float, float, int]:
+    per = lay.periods()
+    return max(per), sum(p * p for p in per), lay.comm_bytes()
+
+
+def _better(new: tuple, old: tuple) -> bool:
+    tol = EPS * max(1.0, old[0])
+    if new[0] < old[0] - tol:
+        return True
+    if new[0] > old[0] + tol:
+        return False
+    tol2 = EPS * max(1.0, old[1])
+    if new[1] < old[1] - tol2:
+        return True
+    return new[1] <= old[1] + tol2 and new[2] < old[2]
+
+
+def unit_neighbours(
+    lay: Layout, units: list[list[int]]
+) -> tuple[list[int], list[list[int]], list[list[int]]]:
+    """unit of every node, and each unit's predecessor / successor nodes outside it."""
+    unit_of = [0] * lay.c.n
+    for k, nodes in enumerate(units):
+        for i in nodes:
+            unit_of[i] = k
+    preds, succs = [], []
+    for k, nodes in enumerate(units):
+        preds.append(sorted({p for i in nodes for p in lay.c.preds[i] if unit_of[p] != k}))
+        succs.append(sorted({s for i in nodes for s in lay.c.succs[i] if unit_of[s] != k}))
+    return unit_of, preds, succs
+
+
+def refine(lay: Layout, units: list[list[int]], max_moves: int = 20000) -> int:
+    """Greedy best-move refinement, slowest GPU first; every unit must sit in one stage.
+
+    Stops when no move helps. `max_moves` is a safety net (the models we ship converge in
+    well under a second); it counts moves, not seconds, so the plan never depends on how
+    busy the machine is.
+    """
+    unit_of, preds, succs = unit_neighbours(lay, units)
+    near = [sorted({unit_of[i] for i in preds[k] + succs[k]}) for k in range(len(units))]
+    # Units with a neighbour in another stage, by stage: the only ones that can move.
+    border: dict[int, set[int]] = {s: set() for s in range(lay.nstages)}
+
+    def update(k: int) -> None:
+        s = lay.stage[units[k][0]]
+        for b in border.values():
+            b.discard(k)
+        if any(lay.stage[i] != s for i in preds[k]) or any(lay.stage[i] != s for i in succs[k]):
+            border[s].add(k)
+
+    for k in range(len(units)):
+        update(k)
+    work = [
+        (sum(lay.c.rec[i] for i in u), sum(lay.c.last[i] for i in u), lay.c.output in u)
+        for u in units
+    ]
+    moves = 0
+    while not lay.fits() and moves < max_moves:
+        best = _fit_move(lay, units, border, preds, succs)
+        if best is None:
+            return moves  # no single move brings memory down: leave it to the caller
+        k, t = best
+        lay.move(units[k], t)
+        for m in [k, *near[k]]:
+            update(m)
+        moves += 1
+    cur = _score(lay)
+    while moves < max_moves:
+        per = lay.periods()
+        best = None
+        # The slowest GPU first; when it has no good move, a lighter one may shed load so
+        # that a later move off the slowest becomes possible (lower sum of squares).
+        for g in sorted(range(lay.gpus), key=lambda g: (-per[g], g)):
+            best = _best_move(lay, g, units, border, preds, succs, cur, per, work)
+            if best is not None:
+                break
+        if best is None:
+            break
+        cur, k, t = best
+        lay.move(units[k], t)
+        for m in [k, *near[k]]:
+            update(m)
+        moves += 1
+    return moves
+
+
+def overflow(lay: Layout) -> int:
+    mem = lay.c.problem.memory
+    return sum(max(0, lay.memory(g) - mem) for g in range(lay.gpus))
+
+
+def _fit_move(lay, units, border, preds, succs):
+    """The move off an over-full GPU that lowers the total overflow most (then the period)."""
+    cur = (overflow(lay), lay.period())
+    mem = lay.c.problem.memory
+    best = None
+    for g in range(lay.gpus):
+        if lay.memory(g) <= mem:
+            continue
+        for s in lay.on[g]:
+            for k in sorted(border[s]):
+                for t in _targets(lay, s, preds[k], succs[k]):
+                    if lay.gpu[t] == g:
+                        continue
+                    before = lay.move(units[k], t)
+                    new = (overflow(lay), lay.period())
+                    if new < cur and (best is None or new < best[0]):
+                        best = (new, k, t)
+                    lay.undo(units[k], before)
+    return None if best is None else best[1:]
+
+
+def _best_move(lay, g, units, border, preds, succs, cur, per, work):
+    best = None
+    loss, top = lay.loss, max(per)
+    for s in lay.on[g]:
+        for k in sorted(border[s]):
+            rec, last, has_out = work[k]
+            for t in _targets(lay, s, preds[k], succs[k]):
+                h = lay.gpu[t]
+                if h == g:
+                    continue
+                # A GPU's period is at least its compute: skip moves that must make the
+                # target as slow as the source or the slowest (exact when transfers hide).
+                grown = per[h] + (last if t == loss else rec)
+                if not has_out and (grown > top * (1 + EPS) or grown >= per[g]):
+                    continue
+                before = lay.move(units[k], t)
+                new = _score(lay)
+                if (best is None or _better(new, best[0])) and _better(new, cur) and lay.fits():
+                    best = (new, k, t)
+                lay.undo(units[k], before)
+    return best
+
+
+def _targets(lay: Layout, s: int, preds: list[int], succs: list[int]) -> list[int]:
+    """The legal neighbouring stages of a unit now in stage s (none if it is interior)."""
+    st = lay.stage
+    lo = max((st[p] for p in preds), default=-1)
+    hi = min((st[q] for q in succs), default=lay.nstages)
+    out = []
+    if 0 <= lo != s:
+        out.append(lo)
+    if hi < lay.nstages and hi != s and hi != lo:
+        out.append(hi)
+    return out

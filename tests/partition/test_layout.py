@@ -1,0 +1,87 @@
+"""The incremental Layout must agree with build_plan's Plan to the byte and the second."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import make_graph, make_problem
+
+from ftpipe_compiler.partition.indexed import Costs
+from ftpipe_compiler.partition.layout import Layout
+from ftpipe_compiler.partition.plan import build_plan
+from ftpipe_compiler.partition.refine import refine
+
+
+def random_layout(costs: Costs, rng: random.Random, gpus: int) -> Layout:
+    """Slices of the graph order (always acyclic), several stages per GPU at random."""
+    n = costs.n
+    cuts = sorted(rng.sample(range(1, n), rng.randint(0, min(6, n - 1))))
+    stage_of, s = [], 0
+    for i in range(n):
+        if s < len(cuts) and i == cuts[s]:
+            s += 1
+        stage_of.append(s)
+    gpu_of = [rng.randrange(gpus) for _ in range(len(cuts) + 1)]
+    return Layout(costs, stage_of, gpu_of)
+
+
+def random_legal_moves(lay: Layout, rng: random.Random, count: int) -> None:
+    for _ in range(count):
+        i = rng.randrange(lay.c.n)
+        lo = max((lay.stage[p] for p in lay.c.preds[i]), default=0)
+        hi = min((lay.stage[q] for q in lay.c.succs[i]), default=lay.nstages - 1)
+        lay.move([i], rng.randint(lo, hi))
+
+
+def assert_same_as_plan(lay: Layout, problem) -> None:
+    plan = build_plan(problem, lay.stage_of(), lay.gpu_of(), "test")
+    if plan.feasible:
+        plan.validate()
+    for g in range(problem.gpus):
+        assert lay.gpu_period(g) == pytest.approx(plan.gpu_period_s(g), rel=1e-9, abs=1e-15)
+        assert lay.memory(g) == plan.gpu_memory(g)
+    assert lay.comm_bytes() == plan.comm_bytes
+    assert lay.period() == pytest.approx(plan.period_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["ftpipe", "gpipe", "1f1b"])
+def test_layout_matches_plan_after_random_moves(seed, schedule):
+    rng = random.Random(seed)
+    for trial in range(8):
+        problem = make_problem(
+            make_graph(rng.randint(5, 40), seed + trial, loss=rng.choice([-1, -2, 0])),
+            gpus=rng.randint(1, 4),
+            schedule=schedule,
+        )
+        lay = random_layout(Costs.of(problem), rng, problem.gpus)
+        assert_same_as_plan(lay, problem)
+        random_legal_moves(lay, rng, 30)
+        assert_same_as_plan(lay, problem)
+
+
+def test_undo_restores_every_figure(seed):
+    rng = random.Random(seed)
+    problem = make_problem(make_graph(30, seed), gpus=3)
+    lay = random_layout(Costs.of(problem), rng, 3)
+    before = (lay.periods(), [lay.memory(g) for g in range(3)], lay.comm_bytes(), list(lay.stage))
+    nodes = [5, 6, 7]
+    moved = lay.move(nodes, 0)
+    lay.undo(nodes, moved)
+    after = (lay.periods(), [lay.memory(g) for g in range(3)], lay.comm_bytes(), list(lay.stage))
+    assert after[1:] == before[1:]
+    assert after[0] == pytest.approx(before[0])
+
+
+def test_refine_never_raises_the_period_and_keeps_the_plan_valid(seed):
+    rng = random.Random(seed)
+    for trial in range(6):
+        problem = make_problem(make_graph(40, seed + trial), gpus=3)
+        costs = Costs.of(problem)
+        lay = random_layout(costs, rng, 3)
+        start = lay.period()
+        refine(lay, [[i] for i in range(costs.n)], seconds=2.0)
+        assert lay.period() <= start * (1 + 1e-12)
+        plan = build_plan(problem, lay.stage_of(), lay.gpu_of(), "test")
+        plan.validate()
+        assert plan.period_s == pytest.approx(lay.period())

@@ -1,0 +1,167 @@
+"""`make bench`: measure ftpipe against its peers and write BENCHMARKS.md (+ a JSON of raw figures).
+
+    python tools/bench.py --out BENCHMARKS.md                 # everything (~15 min on 2 cores)
+    python tools/bench.py --sections plans,compile --out B.md # a subset
+
+Sections:
+  plans     every partitioner on the paper's models and hardware, simulated (analytic costs)
+  compile   trace / profile / partition / simulate / codegen seconds for T5-3B
+  runtime   the generated package vs torch.distributed.pipelining, an even split, one process
+  fidelity  simulated vs measured step time of generated packages on CPU (measured profile)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ftpipe_compiler.partition import problem_from_graph, run_partitioners  # noqa: E402
+from ftpipe_compiler.profiling import costed_graph  # noqa: E402
+from ftpipe_compiler.simulate import simulate  # noqa: E402
+from ftpipe_compiler.version import __version__  # noqa: E402
+
+SEQUENTIAL = ("pipedream", "acyclic", "gpipe", "params")
+# (model, task, hardware, gpus): the paper's machine, and V100 boxes of 4 and 8.
+PLAN_CASES = [
+    ("t5-3b", "rte", "rtx2080ti", 8),
+    ("t5-3b", "boolq", "rtx2080ti", 8),
+    ("t5-3b", "rte", "v100-32gb", 4),
+    ("t5-11b", "rte", "v100-32gb", 8),
+    ("gpt2-xl", "wikitext2", "rtx2080ti", 8),
+    ("gpt2-xl", "wikitext2", "v100-32gb", 4),
+    ("bert-large", "squad", "rtx2080ti", 8),
+    ("bert-large", "squad", "v100-32gb", 4),
+]
+
+
+def bench_plans(cases=PLAN_CASES, schedule="ftpipe", steps=20) -> dict:
+    out = []
+    for model, task, hardware, gpus in cases:
+        t0 = time.perf_counter()
+        spec, t, _, graph = costed_graph(model, task, hardware)
+        problem = problem_from_graph(graph, gpus, hardware, schedule, None, None, 0)
+        results = run_partitioners(problem, progress=False)
+        rows = []
+        for r in results:
+            row = r.to_json()
+            if r.feasible:
+                sim = simulate(r.plan, steps=steps)
+                row.update(simulated_step_time_s=sim.step_time_s, samples_per_s=sim.samples_per_s,
+                           bubble_fraction=sim.bubble_fraction, fits=sim.fits)
+            rows.append(row)
+        out.append({"model": model, "task": t.name, "hardware": hardware, "gpus": gpus,
+                    "schedule": schedule, "micro_batch": graph.meta["micro_batch"],
+                    "micro_batches": problem.micro_batches, "optimizer": problem.optimizer,
+                    "nodes": len(graph.nodes), "lower_bound_s": problem.lower_bound(),
+                    "results": rows, "seconds": time.perf_counter() - t0})
+        print(f"  plans: {model} {task} {gpus} x {hardware}: {out[-1]['seconds']:.0f} s", file=sys.stderr)
+    return {"cases": out}
+
+
+def plans_markdown(data: dict) -> str:
+    lines = ["## 1. Plan quality (analytic costs, simulated)", "",
+             "Every partitioner on the same costed graph, memory model and simulator. *period* is "
+             "FTPipe eq. 1 (the slowest GPU's compute plus unhidden transfers, per micro-batch); "
+             "*expected speedup* = total compute / period; throughput is the simulator's steady "
+             "state under the asynchronous `ftpipe` schedule. Mixed vs best sequential compares "
+             "simulated samples/s with the best of pipedream, acyclic, gpipe and params.", ""]
+    for c in data["cases"]:
+        ok = [r for r in c["results"] if r["feasible"] and r.get("fits", True)]
+        best = max(ok, key=lambda r: r["samples_per_s"], default=None)
+        seq = [r for r in ok if r["partitioner"] in SEQUENTIAL]
+        mixed = next((r for r in ok if r["partitioner"] == "mixed"), None)
+        lines += [f"### {c['model']} ({c['task']}, micro-batch {c['micro_batch']} x {c['micro_batches']}, "
+                  f"{c['optimizer']}) on {c['gpus']} x {c['hardware']}", "",
+                  f"{c['nodes']:,} nodes; lower bound {c['lower_bound_s'] * 1e3:.1f} ms per micro-batch.", "",
+                  "| partitioner | samples/s (sim) | period ms | / lower bound | expected speedup | stages "
+                  "| max memory GiB | comm MB | search s |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in c["results"]:
+            name = f"**{r['partitioner']}**" if best and r is best else r["partitioner"]
+            if not r["feasible"]:
+                lines.append(f"| {name} | infeasible: {r.get('error', '')} | | | | | | | {r['search_seconds']:.1f} |")
+                continue
+            lines.append(
+                f"| {name} | {r.get('samples_per_s', 0):.2f} | {r['period_s'] * 1e3:.1f} | "
+                f"{r['period_s'] / c['lower_bound_s']:.3f} | {r['expected_speedup']:.2f} | {r['stages']} | "
+                f"{r['max_memory_bytes'] / 2**30:.2f} | {r['comm_bytes'] / 1e6:.0f} | {r['search_seconds']:.1f} |")
+        if mixed and seq:
+            top = max(seq, key=lambda r: r["samples_per_s"])
+            lines += ["", f"Mixed-pipe vs best sequential ({top['partitioner']}): "
+                      f"{mixed['samples_per_s'] / top['samples_per_s']:.2f}x simulated throughput, "
+                      f"period {top['period_s'] / mixed['period_s']:.2f}x lower."]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def bench_compile(model="t5-3b", gpus=8) -> dict:
+    """The phases of `ftpipe compile`, timed by the command itself."""
+    import tempfile
+
+    from click.testing import CliRunner
+
+    from ftpipe_compiler.cli import cli
+
+    with tempfile.TemporaryDirectory() as tmp:
+        r = CliRunner().invoke(cli, ["compile", "--model", model, "--gpus", str(gpus), "-o", f"{tmp}/out", "--json"])
+        if r.exit_code != 0:
+            raise RuntimeError(r.output)
+        data = json.loads(r.output[r.output.index("{"):])
+    return {"model": model, "gpus": gpus, "timings": data["timings"], "winner": data["winner"]}
+
+
+def compile_markdown(data: dict) -> str:
+    t = data["timings"]
+    return "\n".join([
+        f"## 2. Compile time: `ftpipe compile --model {data['model']} --gpus {data['gpus']}`", "",
+        "| trace + profile | partition (6 methods) | simulate (6 plans) | generate | total |",
+        "|---:|---:|---:|---:|---:|",
+        f"| {t['trace_profile_s']:.1f} s | {t['partition_s']:.1f} s | {t['simulate_s']:.1f} s | "
+        f"{t['generate_s']:.1f} s | {t['total_s']:.1f} s |", "",
+        f"Winner: {data['winner']}. Measured on this machine ({platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads).", ""])
+
+
+SECTIONS = {
+    "plans": (bench_plans, plans_markdown),
+    "compile": (bench_compile, compile_markdown),
+}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--out", default="BENCHMARKS.md")
+    args = ap.parse_args(argv)
+    names = [s.strip() for s in args.sections.split(",") if s.strip()]
+    for s in names:
+        if s not in SECTIONS:
+            sys.exit(f"unknown section {s!r}; choose from {', '.join(SECTIONS)}")
+    raw, parts = {}, []
+    for s in names:
+        t0 = time.perf_counter()
+        print(f"bench: {s}", file=sys.stderr, flush=True)
+        measure, render = SECTIONS[s]
+        raw[s] = measure()
+        raw[s]["bench_seconds"] = time.perf_counter() - t0
+        parts.append(render(raw[s]))
+    head = ["# ftpipe benchmarks", "",
+            f"Written by `make bench` (tools/bench.py) on {datetime.date.today()}, ftpipe {__version__}, "
+            f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}. "
+            f"Raw figures: `{Path(args.out).with_suffix('.json').name}`.", ""]
+    Path(args.out).write_text("\n".join(head + parts))
+    Path(args.out).with_suffix(".json").write_text(json.dumps(raw, indent=1))
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
