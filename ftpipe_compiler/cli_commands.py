@@ -7,6 +7,7 @@ import time
 import click
 
 from .cli import cli, echo_json
+from .measured import DEVICES
 from .profiling import GRANULARITIES, PROFILERS, costed_graph
 from .resources import config_names, load_config
 
@@ -42,7 +43,11 @@ def models(as_json):
 
 
 def model_options(f):
-    """Options shared by `profile` and `compile`: what to trace and how to cost it."""
+    """Options shared by `profile` and `compile`: what to trace and how to cost it.
+
+    The measured profiler's options arrive as `device`, `memory_limit_gb`, `repeats` and
+    `cache`, the keywords `costed_graph` hands to `measured_costs`.
+    """
     options = [
         click.option(
             "--model",
@@ -80,6 +85,33 @@ def model_options(f):
             show_default=True,
             help="analytic: FLOPs and bytes on a roofline; measured: time every block.",
         ),
+        click.option(
+            "--device",
+            type=click.Choice(sorted(DEVICES)),
+            default="cpu",
+            show_default=True,
+            help="Where --profile measured times the blocks.",
+        ),
+        click.option(
+            "--memory-limit",
+            "memory_limit_gb",
+            type=float,
+            default=None,
+            help="GB a measured block may use on the device; a bigger block is an error.",
+        ),
+        click.option(
+            "--repeats",
+            type=int,
+            default=3,
+            show_default=True,
+            help="Timed runs per block (median, after one warm-up).",
+        ),
+        click.option(
+            "--cache/--no-cache",
+            default=True,
+            show_default=True,
+            help="Reuse a cached measured profile; --no-cache profiles again.",
+        ),
     ]
     for o in reversed(options):
         f = o(f)
@@ -96,11 +128,14 @@ def model_options(f):
     help="Write the costed graph here.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def profile(model, task, seq_len, micro_batch, hardware, granularity, profiler, output, as_json):
+def profile(
+    model, task, seq_len, micro_batch, hardware, granularity, profiler, output, as_json, **measured
+):
     """Trace a model into an operator graph and cost every node."""
     t0 = time.perf_counter()
+    # `measured` holds device, memory_limit_gb, repeats and cache: measured_costs' keywords.
     spec, t, _, graph = costed_graph(
-        model, task, hardware, micro_batch, seq_len, granularity, profiler
+        model, task, hardware, micro_batch, seq_len, granularity, profiler, **measured
     )
     seconds = time.perf_counter() - t0
     if output:

@@ -1,0 +1,193 @@
+"""Measured costs with host swapping: time every block of a model too big for the device.
+
+    graph = measured_costs(traced, spec, granularity="layer", device="cpu", memory_limit_gb=1)
+    graph.meta["measured"]     # device, repeats, largest block, peak memory, loss, cache hit
+
+The blocks are the graph's nodes (one ATen op at `op` granularity, one layer at `layer`),
+each timed on its own: no grouping and no apportioning, so at `op` granularity a tiny op's
+time includes its own Python and autograd overhead (the sum of an op-level profile's
+backward times runs about 2-3x the backward of the whole model on small models). Walking
+the blocks in order, only the block's own parameters are on the device (`Weights`: real
+weights from safetensors, else a seeded random init; real buffers), and it is fed the real
+values the earlier blocks produced (`measured_blocks`). Per block, after one warm-up, the
+median of `repeats` runs of:
+
+- fwd_s: forward under `no_grad` (what a recomputing stage runs first),
+- recompute_s: forward with autograd recording (rebuilding the graph before backward; it is
+  also the forward of a stage that keeps its activations),
+- bwd_s: `autograd.grad` of the block's outputs, with a random upstream gradient, w.r.t. its
+  trainable parameters and the float inputs that carry gradient.
+
+act_bytes is what autograd saved for backward, parameters excluded. Timer: perf_counter on
+CPU (threads as torch has them), CUDA events on a GPU. flops and bytes_moved are the
+analytic counts, for reference.
+
+Memory: a block is admitted when its parameters, their gradients, its inputs and every
+member's output fit in `memory_limit_gb`; otherwise nothing runs. The process then needs
+the limit plus a fixed overhead: python, torch and the traced program (about 400 MB of RSS
+for t5-tiny, 446 MB for t5-large on meta) plus a few MB of slack; t5-large with a 1 GB
+limit peaks at 712 MB RSS (tools/check_measured_memory.py prints these figures).
+"""
+
+from __future__ import annotations
+
+import platform
+import resource
+import time
+from dataclasses import replace
+
+import torch
+from tqdm import tqdm
+
+from .costs import analytic_costs
+from .errors import FtpipeError, unknown
+from .graph import OpGraph
+from .hardware import get_hardware
+from .measured_blocks import Block, Timing, plan_blocks, run_blocks
+from .profile_cache import Weights, load_profile, profile_key, save_profile
+from .trace import Traced
+
+GB = 1e9
+
+
+class CpuClock:
+    def __init__(self):
+        self.device = torch.device("cpu")
+        self.name = "cpu"
+        self.per_block_peak = False  # RSS's peak cannot be reset per block without losing it
+        # Timings depend on how many threads ran them; the cache must not mix them.
+        self.identity = f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
+
+    def time(self, fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        return time.perf_counter() - t0, out
+
+    def reset_peak(self) -> None:
+        pass
+
+    def peak_bytes(self) -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+class CudaClock:
+    def __init__(self):
+        if not torch.cuda.is_available():
+            raise FtpipeError("CUDA is not available on this machine; use --device cpu")
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.name = self.identity = torch.cuda.get_device_name(self.device)
+        self.per_block_peak = True
+
+    def time(self, fn, *args):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(self.device)
+        start.record()
+        out = fn(*args)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3, out
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+
+DEVICES = {"cpu": CpuClock, "cuda": CudaClock}
+
+
+def measured_costs(
+    traced: Traced,
+    spec,
+    granularity: str = "op",
+    device: str = "cpu",
+    memory_limit_gb: float | None = None,
+    repeats: int = 3,
+    cache: bool = True,
+    cache_dir=None,
+    seed: int = 0,
+) -> OpGraph:
+    """The costed graph (profile "measured", hardware = the device's name) of `traced`."""
+    if repeats < 1:
+        raise FtpipeError(f"--repeats must be at least 1, not {repeats}")
+    if memory_limit_gb is not None and memory_limit_gb <= 0:
+        raise FtpipeError(f"--memory-limit must be a positive number of GB, not {memory_limit_gb}")
+    clock = clock_for(device)
+    # FLOP and byte counts do not depend on the hardware named here.
+    reference = analytic_costs(traced, get_hardware("rtx2080ti"), granularity)
+    blocks = plan_blocks(traced, [(n.id, n.members) for n in reference.nodes], clock.device)
+    check_memory_limit(blocks, reference, memory_limit_gb, granularity)
+    weights = Weights(traced, spec, clock.device, seed)
+    key = profile_key(
+        spec, reference, granularity=granularity, device=clock.identity, repeats=repeats,
+        seed=seed, weights=weights.source,
+    )  # fmt: skip
+    hit = load_profile(key, reference, cache_dir) if cache else None
+    if hit is not None:
+        return replace(hit, meta={**hit.meta, "measured": {**hit.meta["measured"], "cache": "hit"}})
+    rss_before, t0 = current_rss_bytes(), time.perf_counter()
+    bar = tqdm(total=len(blocks), desc=f"timing blocks on {device}", unit="block", disable=None)
+    run = run_blocks(traced, blocks, weights, clock, repeats, seed, bar.update)
+    bar.close()
+    timed = {b: dict(fwd_s=t.fwd_s, bwd_s=t.bwd_s, recompute_s=t.recompute_s,
+                     act_bytes=t.act_bytes) for b, t in run["timings"].items()}  # fmt: skip
+    nodes = [replace(n, **timed[n.id]) for n in reference.nodes]
+    big = max(blocks, key=lambda b: b.nbytes)
+    figures = {
+        "device": clock.identity,
+        "repeats": repeats,
+        "seed": seed,
+        "weights": weights.source,
+        "memory_limit_bytes": None if memory_limit_gb is None else int(memory_limit_gb * GB),
+        "largest_block": {"id": big.id, "scope": reference.node[big.id].scope, "bytes": big.nbytes},
+        "rss_before_bytes": rss_before,
+        # Peak RSS of the process on CPU; on CUDA max_memory_allocated of the biggest block.
+        "peak_bytes": max(t.peak_bytes for t in run["timings"].values()),
+        "block_peak_bytes": {
+            b: t.peak_bytes for b, t in run["timings"].items() if clock.per_block_peak
+        },
+        "loss": run["loss"],
+        "seconds": time.perf_counter() - t0,
+        "cache": "miss",
+    }
+    meta = {**reference.meta, "measured": figures}
+    graph = reference.with_nodes(nodes, profile="measured", hardware=clock.name, meta=meta)
+    if cache:
+        save_profile(key, graph, cache_dir)
+    return graph
+
+
+def measure_step(traced: Traced, spec, device="cpu", repeats=3, seed=0) -> Timing:
+    """The unpartitioned model timed as ONE block (all parameters at once: small models only)."""
+    clock = clock_for(device)
+    members = tuple(m for n in traced.graph.nodes for m in n.members)
+    blocks = plan_blocks(traced, [("model", members)], clock.device)
+    weights = Weights(traced, spec, clock.device, seed)
+    return run_blocks(traced, blocks, weights, clock, repeats, seed)["timings"]["model"]
+
+
+def clock_for(device: str):
+    if device not in DEVICES:
+        raise unknown("device", device, DEVICES)
+    return DEVICES[device]()
+
+
+def check_memory_limit(blocks: list[Block], graph: OpGraph, limit_gb, granularity: str) -> None:
+    """Fail before timing anything when one block alone needs more than the limit."""
+    if limit_gb is None:
+        return
+    for b in blocks:
+        if b.nbytes > limit_gb * GB:
+            n = graph.node[b.id]
+            advice = "use --granularity op" if granularity != "op" else "raise --memory-limit"
+            raise FtpipeError(
+                f"block {n.scope or n.id} needs {b.nbytes / GB:.2f} GB on its own (parameters, "
+                f"gradients, inputs and activations), more than --memory-limit {limit_gb:g} GB; "
+                f"{advice}"
+            )
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
