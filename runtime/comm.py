@@ -1,0 +1,196 @@
+"""Messages between ranks: point-to-point transfers in a fixed order, and the few collectives.
+
+    init_distributed(rank, world, "cpu", "file:///tmp/x/store", setup_s=300)
+    comm = Comm(rank, world, device, timeout_s, flow, spec_of)
+    comm.send(1, ("act", "add_7", 3), tensor)      # non-blocking
+    x = comm.recv(0, ("act", "add_7", 3))           # waits at most timeout_s, then PeerFailure
+
+Every ordered pair of ranks gets its own process group, used in one direction only, and the
+receiver posts its receives in the order the sender sends (`Dataflow.order`). NCCL matches
+point-to-point messages by order within a communicator and serialises a pair's sends and
+receives on one stream, so mixing directions or orders could deadlock; gloo would also
+match by tag, which we set to the message's position all the same.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .dataflow import Dataflow, Key
+from .errors import PeerFailure
+
+
+def init_distributed(rank: int, world: int, device: str, init_method: str, setup_s: float) -> None:
+    if world == 1 or dist.is_initialized():
+        return
+    backend = "nccl" if device == "cuda" else "gloo"
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=setup_s),
+        )
+    except Exception as e:  # noqa: BLE001 - any rendezvous failure means a peer never came
+        raise PeerFailure(f"rank {rank} could not reach the other ranks ({_short(e)})") from e
+
+
+def describe(key: Key) -> str:
+    kind, name, index = key
+    what = "activation" if kind == "act" else "gradient"
+    return f"{what} {name!r} of micro-batch {index}"
+
+
+class Comm:
+    def __init__(self, rank: int, world: int, device, timeout_s: float, flow: Dataflow, spec_of):
+        self.rank, self.world, self.device = rank, world, torch.device(device)
+        self.timeout = timedelta(seconds=timeout_s)
+        self.flow, self.spec_of = flow, spec_of
+        self.pair_groups: dict[tuple[int, int], object] = {}
+        self.groups: dict[tuple[int, ...], object] = {}
+        self._next_post = {src: 0 for src, dst in flow.order if dst == rank}
+        self._next_send = {dst: 0 for src, dst in flow.order if src == rank}
+        self._posted: dict[tuple[int, Key], tuple] = {}
+        self._sends: list[tuple] = []
+        self.loss_group = None
+        self.listener_error: Exception | None = None
+
+    def make_groups(self, rank_sets, loss_rank: int) -> None:
+        """Create every process group, in one order on every rank (new_group is collective)."""
+        if self.world == 1:
+            return
+        t = self.timeout
+        for src, dst in self.flow.peers():
+            self.pair_groups[(src, dst)] = dist.new_group(sorted({src, dst}), timeout=t)
+        for ranks in sorted({tuple(sorted(r)) for r in rank_sets if len(r) > 1}):
+            self.groups[ranks] = dist.new_group(list(ranks), timeout=t)
+        if loss_rank != 0:  # steps may take long: losses have no deadline of their own
+            self.loss_group = dist.new_group([0, loss_rank], timeout=timedelta(days=1))
+        self._connect(loss_rank)  # needed by NCCL, harmless (and so tested) on gloo
+
+    def _connect(self, loss_rank: int) -> None:
+        """Open every NCCL point-to-point channel now, pair by pair in one global order.
+        NCCL opens one on its first message and blocks the sender until the receiver comes;
+        opened mid-run, a send waiting for a peer that itself waits elsewhere could deadlock."""
+        pairs = sorted(self.pair_groups.items())
+        if self.loss_group is not None:
+            pairs.append(((loss_rank, 0), self.loss_group))
+        token = torch.zeros(1, device=self.device)
+        for (src, dst), group in pairs:
+            if self.rank == src:
+                dist.send(token, dst=dst, group=group)
+            elif self.rank == dst:
+                dist.recv(token, src=src, group=group)
+
+    # --- the per-step losses, from the loss stage's rank to rank 0 (logging) ---
+    def send_loss(self, step: int, message: torch.Tensor) -> None:
+        work = dist.isend(message, dst=0, group=self.loss_group, tag=step)
+        self._sends.append((work, message, 0, ("loss", "", step)))
+
+    def listen_losses(self, src: int, steps: int, size: int, callback) -> threading.Thread:
+        """Receive the losses of `steps` steps in a thread, calling `callback(step, message)`.
+        A thread, because a posted gloo receive reports completion only to `wait`."""
+
+        def loop():
+            try:
+                if self.device.type == "cuda":  # the current device is per thread
+                    torch.cuda.set_device(self.device)
+                for k in range(steps):
+                    buf = torch.empty(size, dtype=torch.float64, device=self.device)
+                    dist.irecv(buf, src=src, group=self.loss_group, tag=k).wait()
+                    callback(k, buf)
+            except Exception as e:  # noqa: BLE001 - reported by the main thread
+                self.listener_error = e
+
+        thread = threading.Thread(target=loop, name="ftpipe-losses", daemon=True)
+        thread.start()
+        return thread
+
+    # --- point to point ---
+    def send(self, dst: int, key: Key, tensor: torch.Tensor) -> None:
+        order = self.flow.order[(self.rank, dst)]
+        i = self._next_send[dst]
+        if i >= len(order) or order[i] != key:
+            due = order[i] if i < len(order) else "nothing"
+            raise RuntimeError(f"rank {self.rank} sends {key} to rank {dst}, but {due} is due")
+        self._next_send[dst] = i + 1
+        t = tensor.detach().contiguous()  # gloo refuses strided views
+        work = dist.isend(t, dst=dst, group=self.pair_groups[(self.rank, dst)], tag=i)
+        self._sends.append((work, t, dst, key))
+        if len(self._sends) > 64:
+            self._reap()
+
+    def recv(self, src: int, key: Key) -> torch.Tensor:
+        work, buf = self._post_until(src, key)
+        del self._posted[(src, key)]
+        self._wait(work, f"waiting for {describe(key)} from rank {src}")
+        return buf
+
+    def _post_until(self, src: int, key: Key) -> tuple:
+        if (src, key) in self._posted:
+            return self._posted[(src, key)]
+        order = self.flow.order.get((src, self.rank), [])
+        i = self._next_post.get(src, 0)
+        while i < len(order):
+            k = order[i]
+            shape, dtype = self.spec_of(k)
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            group = self.pair_groups[(src, self.rank)]
+            self._posted[(src, k)] = (dist.irecv(buf, src=src, group=group, tag=i), buf)
+            i += 1
+            self._next_post[src] = i
+            if k == key:
+                return self._posted[(src, key)]
+        raise RuntimeError(f"rank {src} never sends {key} to rank {self.rank}")
+
+    def _reap(self) -> None:
+        pending = []
+        for entry in self._sends:
+            if entry[0].is_completed():
+                self._wait(entry[0], f"sending {describe(entry[3])} to rank {entry[2]}")
+            else:
+                pending.append(entry)
+        self._sends = pending
+
+    def finish(self) -> None:
+        """Wait for every send to be delivered (a sender's buffers must outlive its sends)."""
+        for work, _, dst, key in self._sends:
+            self._wait(work, f"sending {describe(key)} to rank {dst}")
+        self._sends = []
+
+    # --- collectives ---
+    def all_reduce(self, tensor: torch.Tensor, ranks, what: str) -> torch.Tensor:
+        """Sum over `ranks` in place (a no-op on one rank)."""
+        ranks = tuple(sorted(ranks))
+        if len(ranks) > 1:
+            work = dist.all_reduce(tensor, group=self._group(ranks), async_op=True)
+            self._wait(work, f"summing {what} with ranks {list(ranks)} (one of them stopped)")
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int, ranks, what: str) -> torch.Tensor:
+        ranks = tuple(sorted(ranks))
+        if len(ranks) > 1:
+            work = dist.broadcast(tensor, src=src, group=self._group(ranks), async_op=True)
+            self._wait(work, f"receiving {what} from rank {src}")
+        return tensor
+
+    def _group(self, ranks: tuple[int, ...]):
+        if ranks not in self.groups and len(ranks) == self.world:
+            self.groups[ranks] = dist.group.WORLD
+        return self.groups[ranks]
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            work.wait(timeout=self.timeout)
+        except Exception as e:  # noqa: BLE001 - gloo and NCCL raise several types
+            raise PeerFailure(f"gave up {what}: {_short(e)}") from e
+
+
+def _short(e: Exception) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text if len(text) < 200 else text[:200] + "..."

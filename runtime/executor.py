@@ -1,0 +1,167 @@
+"""Executes one rank's action list: forwards, backwards (with recompute) and steps.
+
+    ex = Executor(topo, rank, modules, flow, comm, data, stepper, micro_batches, device)
+    ex.run(actions, after=callback)       # callback(index, action) after each action
+
+Stage inputs are detached leaves whatever their source (the same rank or a message), so
+every stage backpropagates on its own and hands the input gradients upstream the same way:
+summed over this rank's consumers, then sent once per producer rank. Integer tensors
+(masks, ids) never carry gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from .errors import PipelineConfigError
+
+
+class Executor:
+    def __init__(
+        self, topo, rank, modules, flow, comm, data, stepper, micro_batches, device, on_loss=None
+    ):
+        self.topo, self.rank, self.modules, self.flow = topo, rank, modules, flow
+        self.comm, self.data, self.stepper = comm, data, stepper
+        self.m, self.device, self.on_loss = micro_batches, torch.device(device), on_loss
+        self.mb_offset = 0  # micro-batches done before this run (resume)
+        self.start = time.perf_counter()
+        self.recompute: dict[tuple[int, int], bool] = {}
+        self.acts: dict[tuple[str, int], list] = {}  # (tensor, mb) -> [value, uses left]
+        self.grads: dict[tuple[str, int], torch.Tensor] = {}  # (tensor, mb) -> summed gradient
+        self.saved: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs, rng, outputs
+        self.losses: dict[int, dict[int, torch.Tensor]] = {}  # step -> {mb: loss}
+        self._run = {"F": self.forward, "B": self.backward, "S": self.step}
+
+    def run(self, actions, after=None) -> None:
+        self.start = time.perf_counter()
+        self.recompute = {(a.stage, a.mb): a.recompute for a in actions if a.kind == "B"}
+        for i, a in enumerate(actions):
+            self._run[a.kind](i, a)
+            if after is not None:
+                after(i, a)
+
+    # --- forward ---
+    def forward(self, i: int, a) -> None:
+        s, m = a.stage, a.mb
+        inputs = {
+            n: self.data.get(n, m + self.mb_offset).to(self.device)
+            for n in self.topo.model_inputs[s]
+        }
+        for t in self.topo.inputs[s]:
+            leaf = self._take(t, m).detach()
+            inputs[t] = leaf.requires_grad_(True) if self.topo.transfers[t].grad else leaf
+        keep_graph = not self.recompute.get((s, m), False)
+        rng = None if keep_graph else _rng_state(self.device)
+        with torch.set_grad_enabled(keep_graph):
+            out = self.modules[s](**inputs)
+        self.saved[(s, m)] = (inputs, rng, out if keep_graph else None)
+        for t in self.topo.outputs[s]:
+            value = self._checked(t, out).detach()
+            uses = len(self.topo.local_consumers(t, self.rank))
+            if uses:
+                self.acts[(t, m)] = [value, uses]
+            for dst in self.topo.remote_ranks(t):
+                self.comm.send(dst, ("act", t, m), value)
+        if s == self.topo.loss_stage:
+            self._record_loss(m, out["loss"].detach().float())
+
+    def _take(self, t: str, m: int) -> torch.Tensor:
+        entry = self.acts.get((t, m))
+        if entry is None:
+            src = self.topo.rank_of[self.topo.transfers[t].producer]
+            value = self.comm.recv(src, ("act", t, m))
+            entry = self.acts[(t, m)] = [value, len(self.topo.local_consumers(t, self.rank))]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.acts[(t, m)]
+        return entry[0]
+
+    def _checked(self, t: str, out: dict) -> torch.Tensor:
+        info = self.topo.transfers[t]
+        value = out[t]
+        if tuple(value.shape) != info.shape or value.dtype != info.dtype:
+            raise PipelineConfigError(
+                f"stage {info.producer} made {t} as {tuple(value.shape)} {value.dtype}, the plan "
+                f"says {info.shape} {info.dtype}; the package and the plan disagree"
+            )
+        return value
+
+    def _record_loss(self, m: int, loss: torch.Tensor) -> None:
+        k = m // self.m
+        step = self.losses.setdefault(k, {})
+        step[m] = loss.reshape(())
+        if len(step) < self.m:
+            return
+        # The losses and when this rank finished the step's forwards (ranks start together).
+        values = torch.stack([step[j] for j in sorted(step)]).double().cpu()
+        message = torch.cat([values, torch.tensor([time.perf_counter() - self.start])])
+        del self.losses[k]
+        if self.rank != 0:
+            self.comm.send_loss(k, message.to(self.device))
+        elif self.on_loss is not None:
+            self.on_loss(k, message)
+
+    # --- backward ---
+    def backward(self, i: int, a) -> None:
+        s, m = a.stage, a.mb
+        inputs, rng, out = self.saved.pop((s, m))
+        if out is None:
+            with _replay(rng, self.device), torch.enable_grad():
+                out = self.modules[s](**inputs)
+        roots, grads = [], []
+        if s == self.topo.loss_stage:
+            roots.append(out["loss"] * (1.0 / self.m))  # gradients accumulate over the step
+            grads.append(None)
+        for t in self.topo.outputs[s]:
+            if self.topo.transfers[t].grad:
+                g = self._gather_grad(t, m)
+                if out[t].requires_grad:
+                    roots.append(out[t])
+                    grads.append(g)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        for t in self.topo.inputs[s]:
+            info = self.topo.transfers[t]
+            if not info.grad:
+                continue
+            x = inputs[t]
+            g = x.grad if x.grad is not None else torch.zeros_like(x)
+            have = self.grads.get((t, m))
+            self.grads[(t, m)] = g if have is None else have + g
+            if self.flow.grad_sender.get((self.rank, t, m)) == s:
+                dst = self.topo.rank_of[info.producer]
+                self.comm.send(dst, ("grad", t, m), self.grads.pop((t, m)))
+
+    def _gather_grad(self, t: str, m: int) -> torch.Tensor:
+        """This rank's consumers' gradients (already summed) plus one per consumer rank."""
+        total = self.grads.pop((t, m), None)
+        for src in self.topo.remote_ranks(t):
+            g = self.comm.recv(src, ("grad", t, m))
+            total = g if total is None else total + g
+        if total is None:
+            info = self.topo.transfers[t]
+            total = torch.zeros(info.shape, dtype=info.dtype, device=self.device)
+        return total
+
+    # --- step ---
+    def step(self, i: int, a) -> None:
+        self.stepper.on_step(i, a)
+
+
+def _rng_state(device: torch.device) -> tuple:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+@contextlib.contextmanager
+def _replay(state, device: torch.device):
+    """Run with the RNG as it was at the forward (dropout masks repeat), then restore it."""
+    cpu, cuda = state
+    with torch.random.fork_rng(devices=[device] if cuda is not None else []):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield

@@ -1,0 +1,105 @@
+"""What a run tells its user: per-step loss and throughput on rank 0, memory of every rank.
+
+progress = Progress(enabled=rank == 0, steps=100, first=0, samples_per_step=32)
+progress.loss(step, per_micro_batch_losses)   # logs "step 3/100  loss 4.1234  812 samples/s"
+progress.close()
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+
+try:  # optional: a plain line per step without it
+    from tqdm import tqdm
+except ImportError:  # pragma: no cover - tqdm is in the test environment
+    tqdm = None
+
+
+class Progress:
+    def __init__(
+        self, enabled: bool, steps: int, first: int, samples_per_step: int, log_every: int = 1
+    ):
+        self.enabled, self.steps, self.first = enabled, steps, first
+        self.samples_per_step, self.log_every = samples_per_step, max(1, log_every)
+        self.losses: dict[int, float] = {}
+        self.times: dict[int, float] = {}  # seconds from the start to each step's end
+        self.bar = None
+        if enabled and tqdm is not None:
+            self.bar = tqdm(
+                total=steps - first,
+                desc="steps",
+                unit="step",
+                file=sys.stderr,
+                dynamic_ncols=True,
+                leave=False,
+                disable=None,  # no bar when stderr is not a terminal: log lines only
+            )
+
+    def loss(self, step: int, message: torch.Tensor) -> None:
+        """`message`: the step's micro-batch losses, then seconds since training started."""
+        message = message.double().cpu()
+        self.losses[step] = float(message[:-1].mean())
+        self.times[step] = float(message[-1])
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{self.losses[step]:.4f}")
+        if (step + 1) % self.log_every == 0 or step in (self.first, self.steps - 1):
+            self.write(
+                f"step {step + 1}/{self.steps}  loss {self.losses[step]:.4f}  "
+                f"{self.samples_per_s():.1f} samples/s"
+            )
+
+    def samples_per_s(self) -> float:
+        """Samples of finished steps over the time since training started (pipeline fill too)."""
+        if not self.times:
+            return 0.0
+        return len(self.times) * self.samples_per_step / max(max(self.times.values()), 1e-9)
+
+    def steady_samples_per_s(self) -> float:
+        """The same, from the first finished step on: without the pipeline's fill."""
+        if len(self.times) < 2:
+            return self.samples_per_s()
+        t = sorted(self.times.values())
+        return (len(t) - 1) * self.samples_per_step / max(t[-1] - t[0], 1e-9)
+
+    def write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def peak_memory(device: torch.device) -> int:
+    """Peak bytes: allocated on the GPU, or the process's resident set on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
+
+
+def checksums(modules: dict, topo) -> dict[str, list[float]]:
+    """[sum, sum of squares] of every parameter (a tied one from its owner stage)."""
+    out = {}
+    for s, module in modules.items():
+        for name, p in module.named_parameters():
+            if name in topo.tied and topo.owner(name) != s:
+                continue
+            x = p.detach().double()
+            out[name] = [float(x.sum()), float((x * x).sum())]
+    return out
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

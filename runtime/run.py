@@ -1,0 +1,232 @@
+"""`ftpipe_runtime.run(plan, stages, argv)`: train the pipeline on this rank (torchrun).
+
+    torchrun --nproc_per_node 2 -m t5_tiny_pipeline --steps 20 --schedule gpipe
+    RANK=0 WORLD_SIZE=2 python tests/runtime/runtime_toy.py plan.json \
+        --init-method file:///tmp/x/store ...               # (and RANK=1 beside it)
+
+Rank r builds only the stages on GPU r, executes its action list of the schedule, and
+rank 0 logs the loss of every step (options: `options.py`). A peer that dies or stops answering makes this rank
+print which rank it waited for and exit with status 1 (`os._exit`: a process group with a
+dead member cannot be shut down cleanly). FTPIPE_FAULT=rank:step:exit|hang makes a rank
+fail after that step, for tests of exactly that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint
+from .comm import Comm, init_distributed
+from .data import make_data
+from .dataflow import action_lists, build_dataflow, check_progress
+from .errors import PeerFailure, PipelineConfigError
+from .executor import Executor
+from .optim import lr_at, make_optimizer
+from .options import parse_args
+from .report import Progress, checksums, human_bytes, peak_memory
+from .schedules import get_schedule
+from .stages import build_stages, load_init, sync_tied
+from .stepping import Stepper
+from .topology import Topology
+
+
+def run(plan: dict, stages: dict, argv: list[str] | None = None) -> dict:
+    """Train this rank's stages; returns the run's summary (losses on rank 0)."""
+    args = parse_args(argv, plan)
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        return _train(plan, stages, args, rank)
+    except PeerFailure as e:
+        _die(f"ftpipe rank {rank}: {e}", 1)
+    except PipelineConfigError as e:
+        if dist.is_initialized():  # the others would wait for this rank: do not linger
+            _die(f"ftpipe rank {rank}: {e}", 2)
+        raise SystemExit(f"ftpipe: {e}") from None
+
+
+def _die(message: str, code: int):
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    topo = Topology(plan)
+    if world != topo.world:
+        raise PipelineConfigError(
+            f"the plan is for {topo.world} GPUs but {world} processes started; run "
+            f"torchrun --nproc_per_node {topo.world} ..."
+        )
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise PipelineConfigError("--device cuda, but torch sees no GPU here; use --device cpu")
+    device = torch.device(f"cuda:{local_rank}" if args.device == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+    name = args.schedule or plan["schedule"]
+    sched = get_schedule(name)
+    m = args.micro_batches or int(plan["micro_batches"])
+    first = (checkpoint.latest(args.checkpoint_dir, world) or 0) if args.resume else 0
+    if first >= args.steps:
+        raise PipelineConfigError(f"the checkpoint is at step {first}; ask for more --steps")
+
+    lists = action_lists(topo, name, m, args.steps - first)
+    flow = build_dataflow(topo, lists, m, sched.synchronous)
+    check_progress(topo, lists, flow)
+
+    torch.manual_seed(args.seed * 7919 + rank)  # dropout differs per rank, repeats per run
+    init_distributed(rank, world, device.type, args.init_method, max(args.timeout, 300.0))
+    comm = Comm(rank, world, device, args.timeout, flow, _message_specs(topo))
+    collective_sets = [t.ranks for t in topo.tied.values()]
+    if sched.synchronous and args.clip:
+        collective_sets.append(tuple(range(world)))
+    elif args.clip:
+        collective_sets += [tuple(sorted({topo.rank_of[s] for s in c})) for c in topo.clusters]
+    loss_rank = topo.rank_of[topo.loss_stage]
+    comm.make_groups(collective_sets, loss_rank)
+
+    modules = build_stages(topo, stage_classes, rank, device)
+    if args.init:
+        load_init(modules, args.init, plan)
+    sync_tied(topo, modules, comm, rank)
+    optimizers = {
+        s: make_optimizer(args.optimizer, mod.parameters(), args.lr) for s, mod in modules.items()
+    }
+    if first:
+        for s, mod in modules.items():
+            checkpoint.load_stage(args.checkpoint_dir, first, s, mod, optimizers[s], device)
+        checkpoint.load_rank(args.checkpoint_dir, first, rank)
+
+    micro_batch = next(iter(plan["model"]["inputs"].values()))[0][0]
+    progress = Progress(rank == 0, args.steps, first, m * micro_batch, args.log_every)
+    if args.resume:
+        where = f"step {first} of {args.checkpoint_dir}" if first else "step 0: no checkpoint"
+        if rank == 0:
+            progress.write(f"resuming from {where}")
+    saver = checkpoint.Saver(args.checkpoint_dir, args.save_every, args.steps, rank, world)
+    saver.modules, saver.optimizers = modules, optimizers
+    stepper = Stepper(
+        topo,
+        rank,
+        modules,
+        optimizers,
+        comm,
+        flow.events[rank],
+        lambda k: lr_at(k, args.lr, args.steps, args.warmup, args.decay),
+        args.clip,
+        saver if args.save_every else None,
+    )
+    stepper.step_offset = first
+    data = make_data(plan["model"], args.data, args.seed)
+    executor = Executor(
+        topo,
+        rank,
+        modules,
+        flow,
+        comm,
+        data,
+        stepper,
+        m,
+        device,
+        on_loss=lambda k, v: progress.loss(k + first, v),
+    )
+    executor.mb_offset = first * m
+    fault = _fault(rank, lists[rank], first)
+
+    def after(i, a):
+        if fault and i == fault[0]:
+            comm.finish()
+            if fault[1] == "hang":
+                time.sleep(3600)
+            _die(f"ftpipe rank {rank}: FTPIPE_FAULT stops this rank", 3)
+
+    _barrier(world, "starting")
+    listener = None
+    if rank == 0 and loss_rank != 0:
+        log_loss = lambda k, message: progress.loss(k + first, message)  # noqa: E731
+        listener = comm.listen_losses(loss_rank, args.steps - first, m + 1, log_loss)
+    start = time.perf_counter()
+    executor.run(lists[rank], after)
+    if listener is not None:
+        listener.join(args.timeout)
+        if listener.is_alive() or comm.listener_error:
+            why = comm.listener_error or f"nothing for {args.timeout:.0f} s"
+            raise PeerFailure(f"rank 0 gave up waiting for the losses from rank {loss_rank}: {why}")
+    comm.finish()
+    wall = time.perf_counter() - start
+    progress.close()
+    return _finish(args, plan, topo, modules, progress, device, world, rank, first, m, wall)
+
+
+def _message_specs(topo: Topology):
+    def spec_of(key):
+        t = topo.transfers[key[1]]
+        return t.shape, t.dtype
+
+    return spec_of
+
+
+def _fault(rank: int, acts: list, first: int):
+    """(action index, mode) from FTPIPE_FAULT=rank:step:mode: after this rank's last S of step."""
+    text = os.environ.get("FTPIPE_FAULT", "")
+    if not text:
+        return None
+    r, step, mode = text.split(":")
+    if int(r) != rank:
+        return None
+    idx = [i for i, a in enumerate(acts) if a.kind == "S" and a.mb + first == int(step)]
+    return (idx[-1], mode) if idx else None
+
+
+def _barrier(world: int, what: str) -> None:
+    if world > 1:
+        try:
+            dist.barrier()
+        except Exception as e:  # noqa: BLE001
+            raise PeerFailure(f"a rank never arrived while {what} ({e})") from e
+
+
+def _finish(args, plan, topo, modules, progress, device, world, rank, first, m, wall) -> dict:
+    mine = {"memory": peak_memory(device), "checksums": checksums(modules, topo)}
+    everyone = [mine]
+    if world > 1:
+        everyone = [None] * world
+        try:
+            dist.all_gather_object(everyone, mine)
+        except Exception as e:  # noqa: BLE001
+            raise PeerFailure(f"a rank vanished at the end ({e})") from e
+    summary = {
+        "schedule": args.schedule or plan["schedule"],
+        "steps": args.steps,
+        "first_step": first,
+        "micro_batches": m,
+        "wall_s": wall,
+        "losses": [progress.losses.get(k) for k in range(first, args.steps)],
+        "samples_per_s": progress.samples_per_s(),
+        "steady_samples_per_s": progress.steady_samples_per_s(),
+        "memory_bytes": [e["memory"] for e in everyone],
+        "checksums": {k: v for e in everyone for k, v in sorted(e["checksums"].items())},
+    }
+    if rank == 0:
+        mem = ", ".join(f"rank {r} {human_bytes(b)}" for r, b in enumerate(summary["memory_bytes"]))
+        progress.write(
+            f"done: {args.steps - first} steps in {wall:.1f} s, "
+            f"{summary['samples_per_s']:.1f} samples/s; peak memory {mem}"
+        )
+        if args.log_json:
+            with open(args.log_json, "w") as f:
+                json.dump(summary, f, indent=1)
+    if world > 1:
+        _barrier(world, "finishing")
+        dist.destroy_process_group()
+    return summary

@@ -1,0 +1,89 @@
+"""This rank's stage modules: built from the generated classes, started from one set of weights.
+
+modules = build_stages(topo, {0: Stage0, 1: Stage1}, rank, device)   # only this rank's
+load_init(modules, "weights.pt", plan)     # optional: a state dict by canonical name
+sync_tied(topo, modules, comm, rank)       # copies of a tied weight start identical
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .errors import PipelineConfigError
+
+
+def build_stages(topo, classes: dict, rank: int, device) -> dict[int, nn.Module]:
+    """A stage class is called as `cls(device=..., dtype=None, materialize=True)`; a module
+    instance is taken as it is (moved to the device)."""
+    classes = {int(k): v for k, v in classes.items()}
+    modules = {}
+    for s in topo.stages_on(rank):
+        if s not in classes:
+            raise PipelineConfigError(f"no class for stage {s}; the package and plan disagree")
+        made = classes[s]
+        module = (
+            made.to(device)
+            if isinstance(made, nn.Module)
+            else made(device=str(device), dtype=None, materialize=True)
+        )
+        _check_signature(topo, s, module)
+        modules[s] = module.train()
+    return modules
+
+
+def _check_signature(topo, s: int, module) -> None:
+    want_in = set(topo.model_inputs[s]) | set(topo.inputs[s])
+    have_in = getattr(module, "INPUTS", None)
+    if have_in is not None and set(have_in) != want_in:
+        raise PipelineConfigError(
+            f"stage {s} takes {sorted(have_in)} but the plan gives it {sorted(want_in)}"
+        )
+    want_out = set(topo.outputs[s]) | ({"loss"} if s == topo.loss_stage else set())
+    have_out = getattr(module, "OUTPUTS", None)
+    if have_out is not None and not want_out <= set(have_out):
+        raise PipelineConfigError(
+            f"stage {s} makes {sorted(have_out)} but the plan expects {sorted(want_out)}"
+        )
+
+
+def load_init(modules: dict, path: str, plan: dict) -> None:
+    """Copy every stage tensor from a state dict file (.pt or .safetensors), by name or alias."""
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        state = load_file(path)
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    aliases = {p["name"]: tuple(p.get("aliases", ())) for p in plan.get("params", ())}
+    for s, module in modules.items():
+        trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+        own = module.state_dict()
+        found = {}
+        for name in own:
+            key = next((k for k in (name, *aliases.get(name, ())) if k in state), None)
+            if key is not None:
+                found[name] = state[key]
+        missing = sorted(trainable - set(found))
+        if missing:
+            raise PipelineConfigError(
+                f"{path} lacks {len(missing)} weights of stage {s} (e.g. {missing[0]})"
+            )
+        module.load_state_dict(found, strict=False)
+
+
+@torch.no_grad()
+def sync_tied(topo, modules: dict, comm, rank: int) -> None:
+    """Every copy of a tied parameter takes the value of its owner stage's copy."""
+    for tied in topo.tied.values():
+        if rank not in tied.ranks:
+            continue
+        owner = tied.stages[0]
+        local = [modules[s].get_parameter(tied.name) for s in tied.stages if s in modules]
+        if owner in modules:
+            value = modules[owner].get_parameter(tied.name).detach().clone()
+        else:
+            value = torch.empty_like(local[0])
+        comm.broadcast(value, topo.rank_of[owner], tied.ranks, f"the weight {tied.name}")
+        for p in local:
+            p.copy_(value)

@@ -1,0 +1,104 @@
+"""Optimizer steps of this rank's stages, at the points the dataflow chose.
+
+    stepper = Stepper(topo, rank, modules, optimizers, comm, flow.events[rank], ...)
+    stepper.on_step(index, action)    # at every S action; returns the StepEvent it applied
+
+At a step: sum the gradients of tied copies (locally, then across the ranks holding one),
+clip by the norm over everything stepped together (all ranks when synchronous, the stages
+coupled by tied weights when not), set the learning rate, step, clear the gradients.
+A stage puts its gradients aside at its own S, so backwards of the next step cannot leak
+into them while the stages it steps with catch up.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .optim import clip_coef, squared_norm
+
+
+class Stepper:
+    def __init__(
+        self,
+        topo,
+        rank,
+        modules,
+        optimizers,
+        comm,
+        events,
+        lr_of,
+        clip,
+        on_stepped=None,
+    ):
+        self.topo, self.rank, self.modules, self.optimizers = topo, rank, modules, optimizers
+        self.comm, self.events, self.lr_of, self.clip = comm, events, lr_of, clip
+        self.on_stepped = on_stepped
+        self.step_offset = 0  # steps done before this run (resume)
+        self._aside: dict[tuple[int, int], dict[str, torch.Tensor | None]] = {}
+
+    def on_step(self, index: int, action):
+        self._aside[(action.stage, action.mb)] = {
+            n: p.grad for n, p in self._trainable(action.stage)
+        }
+        for _, p in self._trainable(action.stage):
+            p.grad = None
+        ev = self.events.get(index)
+        if ev is not None:
+            self.apply(ev)
+        return ev
+
+    def apply(self, ev) -> None:
+        for s in ev.stages:
+            aside = self._aside.pop((s, ev.step), {})
+            for n, p in self._trainable(s):
+                p.grad = aside.get(n)
+        self._sum_tied(ev)
+        if self.clip:
+            self._clip(ev)
+        step = ev.step + self.step_offset
+        lr = self.lr_of(step)
+        for s in ev.stages:
+            opt = self.optimizers.get(s)
+            if opt is None:
+                continue
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if self.on_stepped is not None:
+            self.on_stepped(ev, step)
+
+    def _trainable(self, stage: int):
+        return [(n, p) for n, p in self.modules[stage].named_parameters() if p.requires_grad]
+
+    def _sum_tied(self, ev) -> None:
+        """Every copy of a tied parameter gets the sum of all copies' gradients."""
+        for tied in self.topo.tied_of(ev.stages):
+            copies = [
+                self.modules[s].get_parameter(tied.name)
+                for s in tied.stages
+                if self.topo.rank_of[s] == self.rank
+            ]
+            total = torch.zeros_like(copies[0])
+            for p in copies:
+                if p.grad is not None:
+                    total += p.grad
+            self.comm.all_reduce(total, tied.ranks, f"the gradient of {tied.name}")
+            for p in copies:
+                p.grad = total.clone()
+
+    def _clip(self, ev) -> None:
+        grads = []
+        counted = []
+        for s in ev.stages:
+            for n, p in self._trainable(s):
+                if p.grad is None:
+                    continue
+                grads.append(p.grad)
+                if n not in self.topo.tied or self.topo.owner(n) == s:
+                    counted.append(p.grad)  # a tied copy counts once, on its owner
+        total = squared_norm(counted).to(self.comm.device)
+        self.comm.all_reduce(total, ev.ranks, "the gradient norm")
+        coef = clip_coef(total, self.clip)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))

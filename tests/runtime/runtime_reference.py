@@ -1,0 +1,134 @@
+"""Single-process references for the toy pipeline: plain training, and FTPipe's update rule."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+from ftpipe_runtime.data import make_data
+from ftpipe_runtime.optim import lr_at, make_optimizer
+from runtime_toy import STAGES, ToyModel
+from torch.func import functional_call
+
+
+def train_plain(plan, steps, optimizer="adamw", lr=0.01, clip=0.0, seed=0, data=None):
+    """The unpartitioned model, gradient accumulation over the plan's micro-batches."""
+    model = ToyModel()
+    opt = make_optimizer(optimizer, model.parameters(), lr)
+    source = make_data(plan["model"], data, seed)
+    m = plan["micro_batches"]
+    losses, params = [], []
+    for k in range(steps):
+        total = 0.0
+        for mb in range(k * m, (k + 1) * m):
+            loss = model(**{n: source.get(n, mb) for n in plan["model"]["inputs"]})
+            (loss / m).backward()
+            total += loss.item()
+        losses.append(total / m)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(k, lr, steps)
+        opt.step()
+        opt.zero_grad()
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return losses, params
+
+
+def train_stale(
+    plan, lists, steps, optimizer="adamw", lr=0.01, seed=0, data=None, stages=None, init=None
+):
+    """FTPipe's rule, evaluated lazily: the forward of (stage, mb) uses the stage's weights
+    after the steps that precede it in its GPU's action list (stale); a backward recomputes
+    with the weights current at that backward from the stale forward's inputs; the loss
+    stage backpropagates through its forward. Tied copies get the sum of all copies'
+    gradients. `stages`: the stage classes (the toy's by default); `init`: a state dict to
+    start from. Returns per-step losses and each stage's final weights."""
+    classes = stages or STAGES
+    m = plan["micro_batches"]
+    source = make_data(plan["model"], data, seed)
+    transfers = {t["tensor"]: t for t in plan["transfers"]}
+    stages = {s["id"]: s for s in plan["stages"]}
+    holders = {p["name"]: p["stages"] for p in plan["params"]}
+    loss_stage = plan["loss_stage"]
+    v_f, v_b = {}, {}
+    for acts in lists.values():
+        done: dict[int, int] = {}
+        for a in acts:
+            if a.kind == "S":
+                done[a.stage] = done.get(a.stage, 0) + 1
+            else:
+                (v_f if a.kind == "F" else v_b)[(a.stage, a.mb)] = done.get(a.stage, 0)
+    modules = {s: classes[s]() for s in stages}
+    for module in modules.values():
+        if init is not None:
+            own = module.state_dict()
+            module.load_state_dict({k: v for k, v in init.items() if k in own}, strict=False)
+    opts = {s: make_optimizer(optimizer, mod.parameters(), lr) for s, mod in modules.items()}
+    versions = {s: [_snapshot(mod)] for s, mod in modules.items()}
+
+    def weights(s, v):
+        while len(versions[s]) <= v:
+            advance(s)
+        return versions[s][v]
+
+    def inputs_of(s, mb):
+        x = {n: source.get(n, mb) for n in stages[s]["model_inputs"]}
+        return x | {t: forward(transfers[t]["producer"], mb)[t] for t in stages[s]["inputs"]}
+
+    @functools.cache
+    def forward(s, mb):
+        params, x = weights(s, v_f[(s, mb)]), inputs_of(s, mb)
+        with torch.no_grad():
+            return functional_call(modules[s], params, kwargs=x)
+
+    @functools.cache
+    def backward(s, mb):
+        v = v_f[(s, mb)] if s == loss_stage else v_b[(s, mb)]
+        params = {n: p.clone().requires_grad_(True) for n, p in weights(s, v).items()}
+        x = {
+            n: t.clone().requires_grad_(t.is_floating_point()) for n, t in inputs_of(s, mb).items()
+        }
+        out = functional_call(modules[s], params, kwargs=x)
+        roots, grads = ([out["loss"] / m], [None]) if s == loss_stage else ([], [])
+        for t in stages[s]["outputs"]:
+            if transfers[t]["requires_grad"]:
+                roots.append(out[t])
+                grads.append(sum(backward(c, mb)[0][t] for c in transfers[t]["consumers"]))
+        torch.autograd.backward(roots, grads)
+        return {n: t.grad for n, t in x.items()}, {n: p.grad for n, p in params.items()}
+
+    def advance(s):
+        k = len(versions[s]) - 1
+        for name, p in modules[s].named_parameters():
+            p.grad = sum(
+                backward(h, mb)[1][name] for h in holders[name] for mb in range(k * m, k * m + m)
+            )
+        for group in opts[s].param_groups:
+            group["lr"] = lr_at(k, lr, steps)
+        opts[s].step()
+        opts[s].zero_grad()
+        versions[s].append(_snapshot(modules[s]))
+
+    losses = [
+        sum(float(forward(loss_stage, mb)["loss"]) for mb in range(k * m, k * m + m)) / m
+        for k in range(steps)
+    ]
+    return losses, {s: weights(s, steps) for s in stages}
+
+
+def _snapshot(module):
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def checkpoint_params(root, step: int, stages) -> dict[str, torch.Tensor]:
+    """All parameters of a pipeline checkpoint by name; tied copies must agree exactly."""
+    out: dict[str, torch.Tensor] = {}
+    for s in stages:
+        state = torch.load(Path(root) / f"step-{step:06d}" / f"stage-{s}.pt", weights_only=True)
+        for name, value in state["params"].items():
+            if name in out:
+                assert torch.equal(out[name], value), f"tied copies of {name} differ at {step}"
+            out[name] = value
+    return out

@@ -1,0 +1,212 @@
+"""A hand-made four-stage pipeline following the generated-package contract, and its model.
+
+Stages and transfers (ids are topological; stage 3 computes the loss):
+
+    0: x0 = emb[input_ids]; h0 = tanh(l0(x0)); keep = attention_mask    -> h0, x0, keep
+    1: h1 = tanh(l1(h0 + x0))                                            -> h1
+    2: h2 = tanh(l2(h1)) + h0                                            -> h2
+    3: loss = CE((h2 + x0) @ emb.T + head.bias, labels) over keep == 1
+
+h0 goes to stages 1 and 2, x0 to stages 1 and 3 (non-adjacent), `keep` is an integer
+tensor (no gradient), and `emb.weight` is tied between stages 0 and 3. `ToyModel` is the
+same network written in one piece: the single-process reference.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+V, D, L, B = 16, 8, 6, 2  # vocabulary, width, sequence, micro-batch
+PARAMS = {
+    "emb.weight": (V, D),
+    "l0.weight": (D, D),
+    "l0.bias": (D,),
+    "l1.weight": (D, D),
+    "l1.bias": (D,),
+    "l2.weight": (D, D),
+    "l2.bias": (D,),
+    "head.bias": (V,),
+}
+STAGE_PARAMS = {
+    0: ("emb.weight", "l0.weight", "l0.bias"),
+    1: ("l1.weight", "l1.bias"),
+    2: ("l2.weight", "l2.bias"),
+    3: ("emb.weight", "head.bias"),
+}
+LAYOUTS = {"two-ranks": {0: 0, 1: 1, 2: 0, 3: 1}, "three-ranks": {0: 0, 1: 1, 2: 0, 3: 2}}
+
+
+def init_value(name: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(PARAMS[name], generator=gen) * 0.5
+
+
+class _Holder(nn.Module):
+    """Registers parameters under dotted canonical names, like generated stages do."""
+
+    def __init__(self, names, device="cpu"):
+        super().__init__()
+        for name in names:
+            owner: nn.Module = self
+            *path, leaf = name.split(".")
+            for part in path:
+                if part not in owner._modules:
+                    owner.add_module(part, nn.Module())
+                owner = owner._modules[part]
+            owner.register_parameter(leaf, nn.Parameter(init_value(name).to(device)))
+
+
+def _linear(module, x):
+    return F.linear(x, module.weight, module.bias)
+
+
+def _loss(h2, x0, keep, labels, emb, head_bias):
+    logits = (h2 + x0) @ emb.weight.t() + head_bias.bias
+    per_token = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none")
+    weights = keep.reshape(-1).float()
+    return (per_token * weights).sum() / weights.sum()
+
+
+class Stage0(_Holder):
+    STAGE, INPUTS, OUTPUTS = 0, ("input_ids", "attention_mask"), ("h0", "x0", "keep")
+
+    def __init__(self, device="cpu", dtype=None, materialize=True):
+        super().__init__(STAGE_PARAMS[0], device)
+
+    def forward(self, input_ids, attention_mask):
+        x0 = self.emb.weight[input_ids]
+        return {"h0": torch.tanh(_linear(self.l0, x0)), "x0": x0, "keep": attention_mask * 1}
+
+
+class Stage1(_Holder):
+    STAGE, INPUTS, OUTPUTS = 1, ("h0", "x0"), ("h1",)
+
+    def __init__(self, device="cpu", dtype=None, materialize=True):
+        super().__init__(STAGE_PARAMS[1], device)
+
+    def forward(self, h0, x0):
+        return {"h1": torch.tanh(_linear(self.l1, h0 + x0))}
+
+
+class Stage2(_Holder):
+    STAGE, INPUTS, OUTPUTS = 2, ("h1", "h0"), ("h2",)
+
+    def __init__(self, device="cpu", dtype=None, materialize=True):
+        super().__init__(STAGE_PARAMS[2], device)
+
+    def forward(self, h1, h0):
+        return {"h2": torch.tanh(_linear(self.l2, h1)) + h0}
+
+
+class Stage3(_Holder):
+    STAGE, INPUTS, OUTPUTS = 3, ("h2", "x0", "keep", "labels"), ("loss",)
+
+    def __init__(self, device="cpu", dtype=None, materialize=True):
+        super().__init__(STAGE_PARAMS[3], device)
+
+    def forward(self, h2, x0, keep, labels):
+        return {"loss": _loss(h2, x0, keep, labels, self.emb, self.head)}
+
+
+STAGES = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
+
+
+class ToyModel(_Holder):
+    """The unpartitioned network: forward(**inputs) -> loss."""
+
+    def __init__(self):
+        super().__init__(PARAMS)
+
+    def forward(self, input_ids, attention_mask, labels):
+        x0 = self.emb.weight[input_ids]
+        h0 = torch.tanh(_linear(self.l0, x0))
+        h1 = torch.tanh(_linear(self.l1, h0 + x0))
+        h2 = torch.tanh(_linear(self.l2, h1)) + h0
+        return _loss(h2, x0, attention_mask, labels, self.emb, self.head)
+
+
+def toy_plan(layout: str = "two-ranks", schedule: str = "gpipe", micro_batches: int = 4) -> dict:
+    gpu = LAYOUTS[layout]
+    act = [B, L, D]
+    transfers = [
+        ("h0", 0, (1, 2), act, "float32", True),
+        ("x0", 0, (1, 3), act, "float32", True),
+        ("keep", 0, (3,), [B, L], "int64", False),
+        ("h1", 1, (2,), act, "float32", True),
+        ("h2", 2, (3,), act, "float32", True),
+    ]
+    inputs = {0: ["h0", "x0", "keep"], 1: ["h1"], 2: ["h2"], 3: ["loss"]}
+    received = {s: [t[0] for t in transfers if s in t[2]] for s in range(4)}
+    model_inputs = {0: ["input_ids", "attention_mask"], 1: [], 2: [], 3: ["labels"]}
+    depth = {0: 3, 1: 2, 2: 1, 3: 0}
+    return {
+        "gpus": len(set(gpu.values())),
+        "schedule": schedule,
+        "micro_batches": micro_batches,
+        "optimizer": "adamw",
+        "loss_stage": 3,
+        "stages": [
+            {
+                "id": s,
+                "gpu": gpu[s],
+                "depth": depth[s],
+                "inputs": received[s],
+                "outputs": [o for o in inputs[s] if o != "loss"],
+                "model_inputs": model_inputs[s],
+                "params": list(STAGE_PARAMS[s]),
+                "recompute": s != 3,
+            }
+            for s in range(4)
+        ],
+        "transfers": [
+            {
+                "tensor": n,
+                "producer": p,
+                "consumers": list(c),
+                "shape": shape,
+                "dtype": dt,
+                "bytes": 4 * B * L * D,
+                "requires_grad": rg,
+            }
+            for n, p, c, shape, dt, rg in transfers
+        ],
+        "params": [
+            {
+                "name": n,
+                "shape": list(shape),
+                "dtype": "float32",
+                "trainable": True,
+                "aliases": [],
+                "stages": [s for s in range(4) if n in STAGE_PARAMS[s]],
+            }
+            for n, shape in PARAMS.items()
+        ],
+        "model": {
+            "family": "toy",
+            "micro_batch": B,
+            "batch": B * micro_batches,
+            "lr": 0.01,
+            "optimizer": "adamw",
+            "vocab_size": V,
+            "task": "toy",
+            "inputs": {
+                "input_ids": [[B, L], "int64"],
+                "attention_mask": [[B, L], "int64"],
+                "labels": [[B, L], "int64"],
+            },
+        },
+    }
+
+
+if __name__ == "__main__":  # one rank of a toy pipeline: runtime_toy.py PLAN.json [runtime args]
+    import json
+    import sys
+
+    import ftpipe_runtime
+
+    with open(sys.argv[1]) as f:
+        ftpipe_runtime.run(json.load(f), STAGES, sys.argv[2:])

@@ -1,0 +1,125 @@
+"""Data sources, optimizers, the learning-rate schedule, clipping and checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from ftpipe_runtime import checkpoint
+from ftpipe_runtime.data import IGNORE, make_data, shift_right
+from ftpipe_runtime.errors import PipelineConfigError
+from ftpipe_runtime.optim import OPTIMIZERS, clip_coef, lr_at, make_optimizer, squared_norm
+
+GPT2 = {
+    "family": "gpt2",
+    "vocab_size": 50,
+    "inputs": {"input_ids": [[2, 5], "int64"], "labels": [[2, 5], "int64"]},
+}
+T5 = {
+    "family": "t5",
+    "vocab_size": 50,
+    "inputs": {
+        "input_ids": [[2, 6], "int64"],
+        "attention_mask": [[2, 6], "int64"],
+        "decoder_input_ids": [[2, 3], "int64"],
+        "labels": [[2, 3], "int64"],
+    },
+}
+
+
+def test_synthetic_data_is_the_same_on_every_rank_whatever_it_reads():
+    a, b = make_data(T5, None, seed=3), make_data(T5, None, seed=3)
+    b.get("labels", 7)  # another rank reads something else first
+    assert torch.equal(a.get("input_ids", 7), b.get("input_ids", 7))
+    assert not torch.equal(a.get("input_ids", 7), a.get("input_ids", 8))
+    assert not torch.equal(a.get("input_ids", 7), make_data(T5, None, 4).get("input_ids", 7))
+    assert a.get("attention_mask", 0).eq(1).all()
+    ids = a.get("input_ids", 1)
+    assert ids.shape == (2, 6) and ids.dtype == torch.int64 and 0 <= ids.min() <= ids.max() < 50
+    gpt2 = make_data(GPT2, None, 0)
+    assert torch.equal(gpt2.get("labels", 2), gpt2.get("input_ids", 2))
+
+
+def test_copy_task_is_a_function_of_the_inputs():
+    d = make_data(T5, "copy", 0)
+    ids = d.get("input_ids", 4)
+    assert torch.equal(ids[:, 1:], (ids[:, :-1] + 1) % 50)  # counting sequences
+    assert torch.equal(d.get("labels", 4), ids[:, :3])
+    assert torch.equal(d.get("decoder_input_ids", 4), shift_right(ids[:, :3]))
+
+
+def test_jsonl_file_rows_are_padded_and_derived(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in ([1, 2, 3], [4, 5, 6, 7, 8, 9], [7])))
+    d = make_data(GPT2, str(path), seed=0)
+    seen = torch.cat([d.get("input_ids", mb) for mb in range(3)])  # 6 rows: two epochs
+    assert sorted(map(tuple, seen[:3].tolist())) == sorted(map(tuple, seen[3:].tolist()))
+    row = next(r for r in seen.tolist() if r[0] == 1)
+    assert row == [1, 2, 3, 0, 0]
+    labels = torch.cat([d.get("labels", mb) for mb in range(3)])
+    assert labels.tolist()[seen.tolist().index(row)] == [1, 2, 3, IGNORE, IGNORE]
+
+
+def test_pt_file_of_a_dict_and_a_missing_input(tmp_path):
+    path = tmp_path / "train.pt"
+    torch.save({"input_ids": torch.arange(24).reshape(4, 6)}, path)
+    d = make_data(T5, str(path), 0)
+    assert d.get("attention_mask", 0).eq(1).all()
+    with pytest.raises(PipelineConfigError, match="has no 'labels'"):
+        d.get("labels", 0)
+    with pytest.raises(PipelineConfigError, match="unknown data"):
+        make_data(T5, "nonsense", 0)
+
+
+def test_learning_rate_warms_up_then_decays():
+    lrs = [lr_at(k, 1.0, steps=6, warmup=2) for k in range(6)]
+    assert lrs == pytest.approx([0.5, 1.0, 1.0, 0.75, 0.5, 0.25])
+    assert lr_at(3, 0.1, 6, decay="constant") == 0.1
+
+
+def test_clip_coefficient_is_torchs():
+    grads = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(params, 0.7)
+    coef = clip_coef(squared_norm(grads), 0.7)
+    for p, g in zip(params, grads):
+        torch.testing.assert_close(p.grad, g * coef)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_optimizer_steps(name):
+    p = torch.nn.Parameter(torch.ones(4, 4))
+    opt = make_optimizer(name, [p], 0.1)
+    p.grad = torch.ones(4, 4)
+    opt.step()
+    assert p.detach().lt(1).all()
+
+
+def test_optimizer_registry_errors():
+    with pytest.raises(PipelineConfigError, match="unknown optimizer 'lamb'; choose from"):
+        make_optimizer("lamb", [], 0.1)
+    assert make_optimizer("adamw", [torch.nn.Parameter(torch.ones(1), False)], 0.1) is None
+
+
+def test_checkpoints_are_complete_or_ignored(tmp_path):
+    module = torch.nn.Linear(3, 2)
+    opt = make_optimizer("adam", module.parameters(), 0.1)
+    module(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    for rank in range(2):
+        checkpoint.save_stage(tmp_path, 2, rank, module, opt)
+        checkpoint.save_rank(tmp_path, 2, rank, world=2)
+    checkpoint.save_stage(tmp_path, 4, 0, module, opt)
+    checkpoint.save_rank(tmp_path, 4, 0, world=2)  # rank 1 never finished step 4
+    assert checkpoint.latest(tmp_path, world=2) == 2
+    assert not list(tmp_path.rglob("*.tmp"))
+    other = torch.nn.Linear(3, 2)
+    other_opt = make_optimizer("adam", other.parameters(), 0.1)
+    checkpoint.load_stage(tmp_path, 2, 1, other, other_opt, "cpu")
+    assert torch.equal(other.weight, module.weight)
+    assert other_opt.state_dict()["state"][0]["exp_avg"].equal(
+        opt.state_dict()["state"][0]["exp_avg"]
+    )

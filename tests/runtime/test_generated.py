@@ -1,0 +1,124 @@
+"""Generated packages of tiny T5 and GPT-2 under torch.distributed, against the HF models.
+
+Plans are Mixed-style: GPT-2 in 3 stages on 2 ranks (stages 0 and 2 on rank 0, a mask sent
+from stage 0 to stage 2, the tied embedding held twice on one rank); T5 in 4 stages (the
+encoder output goes from stage 1 to stages 2 and 3 on both ranks, the shared embedding is
+held by stages on both ranks).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+from ftpipe_runtime.data import make_data
+from ftpipe_runtime.dataflow import action_lists
+from ftpipe_runtime.optim import lr_at, make_optimizer
+from ftpipe_runtime.topology import Topology
+from runtime_reference import checkpoint_params, train_stale
+
+pytest.importorskip("transformers")
+from ftpipe_compiler.codegen import generate_package, import_package  # noqa: E402
+from ftpipe_compiler.hardware import get_hardware  # noqa: E402
+from ftpipe_compiler.partition.plan import build_plan  # noqa: E402
+from ftpipe_compiler.partition.problem import Problem  # noqa: E402
+from ftpipe_compiler.profiling import costed_graph  # noqa: E402
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
+STAGES_OF = {"gpt2-tiny": 3, "t5-tiny": 4}
+
+
+@functools.cache
+def _costed(model):
+    return costed_graph(model)
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory):
+    """model -> (package folder, its plan, the model's initial state dict file)."""
+    out = {}
+    for model, k in STAGES_OF.items():
+        spec, _, traced, graph = _costed(model)
+        n = len(graph.nodes)
+        stage_of = {node.id: i * k // n for i, node in enumerate(graph.nodes)}
+        problem = Problem(graph, gpus=2, hardware=get_hardware("rtx2080ti"), memory_bytes=2**50)
+        plan = build_plan(problem, stage_of, {s: s % 2 for s in range(k)}, "test")
+        folder = tmp_path_factory.mktemp(model)
+        pkg = generate_package(traced, graph, plan, spec, folder, command="pytest")
+        init = folder / "init.pt"
+        torch.save(spec.build("cpu", dropout=0.0, seed=0).m.state_dict(), init)
+        out[model] = (pkg, json.loads((pkg / "plan.json").read_text()), init)
+    return out
+
+
+def _launch(run_pipeline, packages, model, schedule, steps, tmp_path, extra=()):
+    pkg, plan, init = packages[model]
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.json"
+    argv = ["--steps", str(steps), "--schedule", schedule, "--init", str(init)]
+    argv += ["--save-every", str(steps), "--checkpoint-dir", str(ckpt), "--log-json", str(log)]
+    codes, ranks = run_pipeline(plan, [*argv, *extra], module=pkg.name, cwd=pkg.parent)
+    assert codes == [0, 0], ranks.stderr()
+    return json.loads(log.read_text()), checkpoint_params(ckpt, steps, range(STAGES_OF[model]))
+
+
+def _train_hf(model, plan, steps, optimizer, lr, clip):
+    hf = _costed(model)[0].build("cpu", dropout=0.0, seed=0).m
+    opt = make_optimizer(optimizer, hf.parameters(), lr)
+    data, m = make_data(plan["model"], None, 0), plan["micro_batches"]
+    losses = []
+    for k in range(steps):
+        total = 0.0
+        for mb in range(k * m, (k + 1) * m):
+            loss = hf(**{n: data.get(n, mb) for n in plan["model"]["inputs"]}, use_cache=False).loss
+            (loss / m).backward()
+            total += loss.item()
+        losses.append(total / m)
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), clip)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(k, lr, steps)
+        opt.step()
+        opt.zero_grad()
+    return losses, hf.state_dict()
+
+
+@pytest.mark.parametrize(("model", "schedule"), [("gpt2-tiny", "gpipe"), ("t5-tiny", "1f1b")])
+def test_sync_package_matches_the_model(run_pipeline, packages, tmp_path, model, schedule):
+    steps, lr = 3, 0.01
+    log, params = _launch(
+        run_pipeline,
+        packages,
+        model,
+        schedule,
+        steps,
+        tmp_path,
+        ["--optimizer", "adamw", "--lr", str(lr), "--clip", "1.0"],
+    )
+    losses, state = _train_hf(model, packages[model][1], steps, "adamw", lr, 1.0)
+    assert log["losses"] == pytest.approx(losses, rel=1e-4)
+    for name, value in params.items():
+        torch.testing.assert_close(value, state[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("model", ["gpt2-tiny", "t5-tiny"])
+def test_ftpipe_package_follows_the_stale_rule(run_pipeline, packages, tmp_path, model):
+    steps, lr = 3, 0.01
+    log, params = _launch(
+        run_pipeline,
+        packages,
+        model,
+        "ftpipe",
+        steps,
+        tmp_path,
+        ["--optimizer", "adam", "--lr", str(lr), "--clip", "0"],
+    )
+    pkg, plan, init = packages[model]
+    lists = action_lists(Topology(plan), "ftpipe", plan["micro_batches"], steps)
+    stages = import_package(pkg).STAGES
+    init_state = torch.load(init, weights_only=True)
+    losses, weights = train_stale(plan, lists, steps, "adam", lr, stages=stages, init=init_state)
+    assert log["losses"] == pytest.approx(losses, rel=1e-4)
+    for per_stage in weights.values():
+        for name, value in per_stage.items():
+            torch.testing.assert_close(params[name], value, rtol=1e-4, atol=1e-5, msg=name)

@@ -1,0 +1,77 @@
+"""Checkpoints resume exactly; a dead or hung rank stops every other rank with a message."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import pytest
+import torch
+from conftest import launch
+from runtime_reference import checkpoint_params
+from runtime_toy import toy_plan
+
+pytestmark = pytest.mark.multiproc
+NAMED = r"(rank \d|ranks \[\d)"  # the peer waited for, or the group of a collective
+
+
+def test_killed_run_resumes_exactly(run_pipeline, tmp_path):
+    plan, steps = toy_plan("three-ranks", "gpipe"), 4
+    base = ["--steps", str(steps), "--optimizer", "adamw", "--lr", "0.05", "--save-every", "2"]
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    codes, ranks = run_pipeline(plan, [*base, "--checkpoint-dir", str(whole)], name="whole")
+    assert codes == [0, 0, 0], ranks.stderr()
+
+    # Rank 1 dies right after its step-2 checkpoint; the others notice and stop too.
+    codes, ranks = run_pipeline(
+        plan,
+        [*base, "--checkpoint-dir", str(broken)],
+        name="crash",
+        env={"FTPIPE_FAULT": "1:1:exit"},
+    )
+    assert all(c != 0 for c in codes), ranks.stderr()
+    assert not (broken / "step-000004").exists()
+    codes, ranks = run_pipeline(
+        plan, [*base, "--checkpoint-dir", str(broken), "--resume"], name="resume"
+    )
+    assert codes == [0, 0, 0], ranks.stderr()
+    a, b = checkpoint_params(whole, steps, range(4)), checkpoint_params(broken, steps, range(4))
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_hung_rank_times_out_with_its_name(tmp_path):
+    plan = toy_plan("three-ranks", "1f1b")
+    argv = ["--steps", "4", "--timeout", "3"]
+    ranks = launch(tmp_path, plan, argv, name="hang", env={"FTPIPE_FAULT": "1:1:hang"})
+    try:
+        codes = [ranks.procs[r].wait(timeout=60) for r in (0, 2)]
+        assert all(c != 0 for c in codes), ranks.stderr()
+        assert ranks.procs[1].poll() is None  # still hanging: nobody waited for it forever
+        for r in (0, 2):
+            assert re.search(rf"ftpipe rank {r}: .*{NAMED}", ranks.stderr(r)), ranks.stderr()
+        assert "from rank 1" in ranks.stderr(0) + ranks.stderr(2), ranks.stderr()
+    finally:
+        ranks.kill()
+
+
+def test_killed_rank_stops_the_others(tmp_path):
+    plan = toy_plan("three-ranks", "ftpipe")
+    argv = ["--steps", "2000", "--timeout", "30", "--log-every", "1"]
+    ranks = launch(tmp_path, plan, argv, name="kill")
+    try:
+        deadline = time.monotonic() + 60
+        while "step 3/" not in ranks.stderr(0):
+            assert time.monotonic() < deadline and ranks.procs[0].poll() is None, ranks.stderr()
+            time.sleep(0.2)
+        ranks.procs[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        codes = [ranks.procs[r].wait(timeout=60) for r in (0, 2)]
+        assert time.monotonic() - killed < 60
+        assert all(c != 0 for c in codes), ranks.stderr()
+        for r in (0, 2):
+            assert re.search(rf"ftpipe rank {r}: .*{NAMED}", ranks.stderr(r)), ranks.stderr()
+        assert "rank 1" in ranks.stderr(0) + ranks.stderr(2)
+    finally:
+        ranks.kill()
