@@ -29,11 +29,14 @@ format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# The main job: compile T5-3B for 8 GPUs (analytic costs) and simulate the plan.
+# The main job: compile T5-3B for 8 GPUs (analytic costs, nothing downloaded) and simulate
+# the plan; then compile a tiny GPT-2 and fine-tune it with torchrun on 2 CPU processes.
 demo: install
-	$(BIN)/ftpipe profile --model t5-3b --task rte -o $(OUT)/t5-3b-graph.json
-	$(BIN)/ftpipe partition $(OUT)/t5-3b-graph.json --gpus 8 -o $(OUT)/t5-3b-plan.json
-	$(BIN)/ftpipe simulate $(OUT)/t5-3b-plan.json --report $(OUT)/t5-3b-report.html
+	$(BIN)/ftpipe compile --model t5-3b --gpus 8 -o $(OUT)/t5-3b --force
+	$(BIN)/ftpipe simulate $(OUT)/t5-3b/plan.json --report $(OUT)/t5-3b/report.html
+	$(BIN)/ftpipe compile --model gpt2-tiny --gpus 2 -o $(OUT)/gpt2-tiny --force
+	cd $(OUT)/gpt2-tiny && OMP_NUM_THREADS=1 $(abspath $(BIN))/torchrun --nproc_per_node 2 \
+		-m gpt2_tiny_pipeline --steps 20 --device cpu --data copy
 
 bench: install
 	$(BIN)/python tools/bench.py --out BENCHMARKS.md
