@@ -1,10 +1,10 @@
 """The memory model shared by the partitioners (feasibility) and the simulator (peaks).
 
-Per GPU: weights + gradients + optimizer state of every parameter its stages read (a tied
-parameter used by two stages on one GPU is held once), plus activations: a stage that
-recomputes keeps only its inputs for each in-flight micro-batch and needs its full
-activations for one micro-batch while it recomputes; one that does not recompute keeps
-full activations for every in-flight micro-batch.
+Per GPU: weights + gradients + optimizer state of every parameter its stages own (a weight
+read by several stages is owned by the first; the others receive it as an input), plus
+activations: a stage that recomputes keeps only its inputs for each in-flight micro-batch
+and needs its full activations for one micro-batch while it recomputes; one that does not
+recompute keeps full activations for every in-flight micro-batch.
 """
 
 from __future__ import annotations

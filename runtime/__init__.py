@@ -13,7 +13,6 @@ from .schedules import (
     actions,
     get_schedule,
     interleave,
-    sync_groups,
 )
 
 __all__ = [
@@ -27,5 +26,4 @@ __all__ = [
     "actions",
     "get_schedule",
     "interleave",
-    "sync_groups",
 ]

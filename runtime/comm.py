@@ -172,13 +172,6 @@ class Comm:
             self._wait(work, f"summing {what} with ranks {list(ranks)} (one of them stopped)")
         return tensor
 
-    def broadcast(self, tensor: torch.Tensor, src: int, ranks, what: str) -> torch.Tensor:
-        ranks = tuple(sorted(ranks))
-        if len(ranks) > 1:
-            work = dist.broadcast(tensor, src=src, group=self._group(ranks), async_op=True)
-            self._wait(work, f"receiving {what} from rank {src}")
-        return tensor
-
     def _group(self, ranks: tuple[int, ...]):
         if ranks not in self.groups and len(ranks) == self.world:
             self.groups[ranks] = dist.group.WORLD

@@ -12,8 +12,8 @@ by order, not tag), so both ends must derive that order from the same lists. Key
 
 Optimizer steps: synchronous schedules step every stage of a rank at its last S of a step
 (all backwards of the step are done then), so one gradient norm across all ranks can clip.
-The asynchronous schedule steps a stage at its own S; stages coupled by a tied parameter
-step together at the last local one's S, where their copies' gradients are summed.
+The asynchronous schedule steps every stage at its own S, alone: a weight read by several
+stages lives in one of them, so no step waits for another stage's.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ Key = tuple  # ("act" | "grad", tensor name, micro-batch)
 class StepEvent:
     step: int
     stages: tuple[int, ...]  # this rank's stages that take their optimizer step here
-    ranks: tuple[int, ...]  # ranks meeting here in collectives (norm, tied gradients)
+    ranks: tuple[int, ...]  # ranks meeting here in collectives (the gradient norm)
     barrier: tuple  # the same value on every rank of `ranks`
 
 
@@ -47,13 +47,11 @@ class Dataflow:
 
 
 def action_lists(topo: Topology, schedule: str, micro_batches: int, steps: int) -> dict:
-    """Every rank's action list. Stages sharing a tied weight (on any GPUs) take their steps
-    together, so the schedule keeps their S actions adjacent."""
+    """Every rank's action list."""
     infos = [
         StageInfo(s, topo.rank_of[s], topo.depth[s], s == topo.loss_stage) for s in topo.stage_ids
     ]
-    coupled = tuple(c for c in topo.clusters if len(c) > 1)
-    return actions(schedule, infos, micro_batches, steps, sync=coupled)
+    return actions(schedule, infos, micro_batches, steps)
 
 
 def build_dataflow(topo: Topology, lists: dict, micro_batches: int, synchronous: bool) -> Dataflow:
@@ -91,20 +89,18 @@ def sends(topo: Topology, flow: Dataflow, rank: int, a, micro_batches: int) -> l
 
 def _step_events(topo: Topology, rank: int, acts: list, m: int, synchronous: bool) -> dict:
     """Where this rank applies optimizer steps: its last S of a step when synchronous (every
-    local stage at once), else the last local S of each tied cluster (singletons mostly)."""
+    local stage at once), else every S (that stage alone)."""
     local = tuple(topo.stages_on(rank))
     last: dict[tuple, int] = {}
     for i, a in enumerate(acts):
         if a.kind == "S":
-            last[(local if synchronous else topo.cluster_of(a.stage), a.mb)] = i
+            last[(local if synchronous else (a.stage,), a.mb)] = i
     events = {}
     for (group, k), i in last.items():
         if synchronous:
             events[i] = StepEvent(k, group, tuple(range(topo.world)), ("step", k))
         else:
-            ranks = tuple(sorted({topo.rank_of[s] for s in group}))
-            mine = tuple(s for s in group if s in local)
-            events[i] = StepEvent(k, mine, ranks, ("cluster", group, k))
+            events[i] = StepEvent(k, group, (rank,), ("stage", group, k))
     if synchronous:  # nothing of a later step may run on weights not yet updated
         newest = -1
         for i, a in enumerate(acts):

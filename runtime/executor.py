@@ -6,7 +6,10 @@
 Stage inputs are detached leaves whatever their source (the same rank or a message), so
 every stage backpropagates on its own and hands the input gradients upstream the same way:
 summed over this rank's consumers, then sent once per producer rank. Integer tensors
-(masks, ids) never carry gradients.
+(masks, ids) never carry gradients. A parameter read by several stages is an output of its
+owner stage like any other: readers get a copy of its value at the owner's forward (the
+version that micro-batch sees, however many steps the owner takes before the readers run),
+and the gradient they send back reaches the parameter's `.grad` through the owner's backward.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class Executor:
         self.saved[(s, m)] = (inputs, rng, out if keep_graph else None)
         for t in self.topo.outputs[s]:
             value = self._checked(t, out).detach()
+            if self.topo.transfers[t].weight:  # the parameter itself: steps would change it
+                value = value.clone()
             uses = len(self.topo.local_consumers(t, self.rank))
             if uses:
                 self.acts[(t, m)] = [value, uses]

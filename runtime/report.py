@@ -85,13 +85,11 @@ def peak_memory(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
 
 
-def checksums(modules: dict, topo) -> dict[str, list[float]]:
-    """[sum, sum of squares] of every parameter (a tied one from its owner stage)."""
+def checksums(modules: dict) -> dict[str, list[float]]:
+    """[sum, sum of squares] of every parameter (each lives in exactly one stage)."""
     out = {}
-    for s, module in modules.items():
+    for module in modules.values():
         for name, p in module.named_parameters():
-            if name in topo.tied and topo.owner(name) != s:
-                continue
             x = p.detach().double()
             out[name] = [float(x.sum()), float((x * x).sum())]
     return out

@@ -31,7 +31,7 @@ from .optim import lr_at, make_optimizer
 from .options import parse_args
 from .report import Progress, checksums, human_bytes, peak_memory
 from .schedules import get_schedule
-from .stages import build_stages, load_init, sync_tied
+from .stages import build_stages, load_init
 from .stepping import Stepper
 from .topology import Topology
 
@@ -87,18 +87,14 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     torch.manual_seed(args.seed * 7919 + rank)  # dropout differs per rank, repeats per run
     init_distributed(rank, world, device.type, args.init_method, max(args.timeout, 300.0))
     comm = Comm(rank, world, device, args.timeout, flow, _message_specs(topo))
-    collective_sets = [t.ranks for t in topo.tied.values()]
-    if sched.synchronous and args.clip:
-        collective_sets.append(tuple(range(world)))
-    elif args.clip:
-        collective_sets += [tuple(sorted({topo.rank_of[s] for s in c})) for c in topo.clusters]
+    # The one collective: the gradient norm, across all ranks, when a synchronous step clips.
+    collective_sets = [tuple(range(world))] if sched.synchronous and args.clip else []
     loss_rank = topo.rank_of[topo.loss_stage]
     comm.make_groups(collective_sets, loss_rank)
 
     modules = build_stages(topo, stage_classes, rank, device)
     if args.init:
         load_init(modules, args.init, plan)
-    sync_tied(topo, modules, comm, rank)
     optimizers = {
         s: make_optimizer(args.optimizer, mod.parameters(), args.lr) for s, mod in modules.items()
     }
@@ -197,7 +193,7 @@ def _barrier(world: int, what: str) -> None:
 
 
 def _finish(args, plan, topo, modules, progress, device, world, rank, first, m, wall) -> dict:
-    mine = {"memory": peak_memory(device), "checksums": checksums(modules, topo)}
+    mine = {"memory": peak_memory(device), "checksums": checksums(modules)}
     everyone = [mine]
     if world > 1:
         everyone = [None] * world

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 KINDS = ("F", "B", "S")
@@ -110,7 +110,7 @@ class Schedule:
         return self.stage_order(st, micro_batches, steps, self.recompute(st.is_last))
 
     def actions(
-        self, stages: list[StageInfo], micro_batches: int, steps: int = 1, sync=()
+        self, stages: list[StageInfo], micro_batches: int, steps: int = 1
     ) -> dict[int, list[Action]]:
         """The ordered action list of every GPU; see `actions`."""
         if micro_batches < 1 or steps < 1:
@@ -118,15 +118,16 @@ class Schedule:
                 f"need micro_batches >= 1 and steps >= 1, not {micro_batches}, {steps}"
             )
         per_stage = {s.id: self.stage_actions(s, micro_batches, steps) for s in stages}
-        return interleave(stages, per_stage, self.step_groups(stages, sync))
+        return interleave(stages, per_stage, self.step_groups(stages))
 
-    def step_groups(self, stages: list[StageInfo], sync=()) -> tuple[tuple[int, ...], ...]:
+    def step_groups(self, stages: list[StageInfo]) -> tuple[tuple[int, ...], ...]:
         """Stage sets whose optimizer steps happen together: under a synchronous schedule
-        every stage (the flush: no GPU starts step k+1 before all of step k is done), else
-        the groups sharing a tied weight across GPUs."""
+        every stage (the flush: no GPU starts step k+1 before all of step k is done, and one
+        gradient norm clips them all); under the asynchronous one none, every stage steps
+        at its own S (a weight read by several stages travels with the micro-batches)."""
         if self.synchronous:
             return (tuple(sorted(s.id for s in stages)),)
-        return tuple(tuple(sorted(g)) for g in sync)
+        return ()
 
 
 SCHEDULES = {
@@ -144,37 +145,11 @@ def get_schedule(name: str) -> Schedule:
 
 
 def actions(
-    schedule: str, stages: list[StageInfo], micro_batches: int, steps: int = 1, sync=()
+    schedule: str, stages: list[StageInfo], micro_batches: int, steps: int = 1
 ) -> dict[int, list[Action]]:
-    """Ordered actions per GPU. `sync`: groups of stage ids whose optimizer steps run together
-    (tied weights held on several GPUs: `sync_groups`). A group's S actions of one step are
-    adjacent on every GPU; under a synchronous schedule all stages form one group, so each
-    GPU's S actions of step k come together after all its F and B of step k."""
-    return get_schedule(schedule).actions(stages, micro_batches, steps, sync)
-
-
-def sync_groups(
-    stages: list[StageInfo], readers: Iterable[Iterable[int]]
-) -> tuple[tuple[int, ...], ...]:
-    """Stage sets reading one parameter, kept when they span several GPUs, merged when they
-    overlap: every group's gradients are all-reduced, so its S actions synchronise."""
-    gpu = {s.id: s.gpu for s in stages}
-    parent: dict[int, int] = {}
-
-    def root(x: int) -> int:
-        while parent.setdefault(x, x) != x:
-            x = parent[x]
-        return x
-
-    for r in readers:
-        r = sorted(set(r))
-        if len({gpu[s] for s in r}) > 1:
-            for s in r[1:]:
-                parent[root(s)] = root(r[0])
-    groups: dict[int, list[int]] = {}
-    for s in sorted(parent):
-        groups.setdefault(root(s), []).append(s)
-    return tuple(tuple(g) for g in groups.values())
+    """Ordered actions per GPU. Under a synchronous schedule all stages step together, so
+    each GPU's S actions of step k come together after all its F and B of step k."""
+    return get_schedule(schedule).actions(stages, micro_batches, steps)
 
 
 # Idealised durations for ordering only: a backward costs about two forwards, recompute one more.

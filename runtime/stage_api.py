@@ -83,7 +83,7 @@ class StageModule(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
-        """Deterministic per name, so every stage holding a tied weight starts with the same copy."""
+        """Deterministic per name: the same weights however the model is partitioned."""
         tensors = self.named_tensors()
         buffers = _read_buffers(self.BUFFERS_FILE)
         for name, shape, _, trainable, _ in self.PARAMS:
@@ -173,7 +173,8 @@ def run_in_one_process(stages: dict, plan: dict, inputs: dict, backward: bool = 
 
     Every received tensor is detached from its sender (gradients then cross stage boundaries
     explicitly, as over a network): forward in stage order, backward in reverse, each stage
-    backpropagating the gradients its consumers computed for what it sent.
+    backpropagating the gradients its consumers computed for what it sent (a weight its
+    readers used included: the gradient lands in the owner's parameter).
     """
     grad_flows = {t["tensor"]: t["requires_grad"] for t in plan["transfers"]}
     sent: dict[str, torch.Tensor] = {}
@@ -194,12 +195,13 @@ def run_in_one_process(stages: dict, plan: dict, inputs: dict, backward: bool = 
         return loss
     grads: dict[str, torch.Tensor] = {}
     for k in sorted(stages, reverse=True):
-        if k == plan["loss_stage"]:
-            loss.backward()
-        else:
-            pairs = [(t, grads[n]) for n, t in outputs[k].items() if t.requires_grad and n in grads]
-            if pairs:
-                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        roots, seeds = ([loss], [None]) if k == plan["loss_stage"] else ([], [])
+        for n, t in outputs[k].items():  # a sent parameter is a leaf: its .grad accumulates
+            if n != "loss" and t.requires_grad and n in grads:
+                roots.append(t)
+                seeds.append(grads[n])
+        if roots:
+            torch.autograd.backward(roots, seeds)
         for name, t in received[k].items():
             if name not in inputs and t.grad is not None:
                 grads[name] = grads[name] + t.grad if name in grads else t.grad

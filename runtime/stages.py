@@ -2,7 +2,6 @@
 
 modules = build_stages(topo, {0: Stage0, 1: Stage1}, rank, device)   # only this rank's
 load_init(modules, "weights.pt", plan)     # optional: a state dict by canonical name
-sync_tied(topo, modules, comm, rank)       # copies of a tied weight start identical
 """
 
 from __future__ import annotations
@@ -70,20 +69,3 @@ def load_init(modules: dict, path: str, plan: dict) -> None:
                 f"{path} lacks {len(missing)} weights of stage {s} (e.g. {missing[0]})"
             )
         module.load_state_dict(found, strict=False)
-
-
-@torch.no_grad()
-def sync_tied(topo, modules: dict, comm, rank: int) -> None:
-    """Every copy of a tied parameter takes the value of its owner stage's copy."""
-    for tied in topo.tied.values():
-        if rank not in tied.ranks:
-            continue
-        owner = tied.stages[0]
-        local = [modules[s].get_parameter(tied.name) for s in tied.stages if s in modules]
-        if owner in modules:
-            value = modules[owner].get_parameter(tied.name).detach().clone()
-        else:
-            value = torch.empty_like(local[0])
-        comm.broadcast(value, topo.rank_of[owner], tied.ranks, f"the weight {tied.name}")
-        for p in local:
-            p.copy_(value)

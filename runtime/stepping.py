@@ -3,11 +3,11 @@
     stepper = Stepper(topo, rank, modules, optimizers, comm, flow.events[rank], ...)
     stepper.on_step(index, action)    # at every S action; returns the StepEvent it applied
 
-At a step: sum the gradients of tied copies (locally, then across the ranks holding one),
-clip by the norm over everything stepped together (all ranks when synchronous, the stages
-coupled by tied weights when not), set the learning rate, step, clear the gradients.
-A stage puts its gradients aside at its own S, so backwards of the next step cannot leak
-into them while the stages it steps with catch up.
+At a step: clip by the norm over everything stepped together (all ranks when synchronous,
+the one stage when not), set the learning rate, step, clear the gradients. A weight read by
+several stages has one owner, whose gradient already sums every use (the readers sent theirs
+back), so nothing is summed here. A stage puts its gradients aside at its own S, so
+backwards of the next step cannot leak into them while the stages it steps with catch up.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ class Stepper:
             aside = self._aside.pop((s, ev.step), {})
             for n, p in self._trainable(s):
                 p.grad = aside.get(n)
-        self._sum_tied(ev)
         if self.clip:
             self._clip(ev)
         step = ev.step + self.step_offset
@@ -71,33 +70,9 @@ class Stepper:
     def _trainable(self, stage: int):
         return [(n, p) for n, p in self.modules[stage].named_parameters() if p.requires_grad]
 
-    def _sum_tied(self, ev) -> None:
-        """Every copy of a tied parameter gets the sum of all copies' gradients."""
-        for tied in self.topo.tied_of(ev.stages):
-            copies = [
-                self.modules[s].get_parameter(tied.name)
-                for s in tied.stages
-                if self.topo.rank_of[s] == self.rank
-            ]
-            total = torch.zeros_like(copies[0])
-            for p in copies:
-                if p.grad is not None:
-                    total += p.grad
-            self.comm.all_reduce(total, tied.ranks, f"the gradient of {tied.name}")
-            for p in copies:
-                p.grad = total.clone()
-
     def _clip(self, ev) -> None:
-        grads = []
-        counted = []
-        for s in ev.stages:
-            for n, p in self._trainable(s):
-                if p.grad is None:
-                    continue
-                grads.append(p.grad)
-                if n not in self.topo.tied or self.topo.owner(n) == s:
-                    counted.append(p.grad)  # a tied copy counts once, on its owner
-        total = squared_norm(counted).to(self.comm.device)
+        grads = [p.grad for s in ev.stages for _, p in self._trainable(s) if p.grad is not None]
+        total = squared_norm(grads).to(self.comm.device)
         self.comm.all_reduce(total, ev.ranks, "the gradient norm")
         coef = clip_coef(total, self.clip)
         for g in grads:

@@ -1,12 +1,14 @@
-"""Who runs where: the plan's stages, transfers and tied parameters, seen from any rank.
+"""Who runs where: the plan's stages and transfers, seen from any rank.
 
     topo = Topology(plan)           # plan: the plan.json dict
     topo.stages_on(rank)            # [0, 2]
     topo.remote_ranks("add_7")      # ranks other than the producer's that consume it
-    topo.clusters                   # stages whose optimizer steps are coupled by tied weights
+    topo.transfers["shared.weight"].weight   # a parameter its owner stage sends along
 
 Pure bookkeeping over the plan dict: every rank builds the same Topology, so decisions
-taken from it (message order, process groups, step points) agree across ranks.
+taken from it (message order, process groups, step points) agree across ranks. Every
+parameter lives in one stage; other stages reading it receive it as a transfer named after
+it, and their gradients flow back to the owner like any activation gradient.
 """
 
 from __future__ import annotations
@@ -26,13 +28,7 @@ class TransferInfo:
     shape: tuple[int, ...]
     dtype: torch.dtype
     grad: bool  # a gradient flows back: requires_grad and a floating-point tensor
-
-
-@dataclass(frozen=True)
-class TiedParam:
-    name: str
-    stages: tuple[int, ...]  # every stage holding a copy
-    ranks: tuple[int, ...]  # the ranks of those stages: its gradient is summed across them
+    weight: bool = False  # a parameter of the producer (sent as a snapshot of its value)
 
 
 class Topology:
@@ -46,20 +42,17 @@ class Topology:
             self.inputs = {s["id"]: tuple(s["inputs"]) for s in stages}
             self.outputs = {s["id"]: tuple(s["outputs"]) for s in stages}
             self.model_inputs = {s["id"]: tuple(s["model_inputs"]) for s in stages}
-            self.transfers = {t["tensor"]: _transfer(t) for t in plan["transfers"]}
-            tied = [p for p in plan["params"] if p.get("trainable", True) and len(p["stages"]) > 1]
+            params = {p["name"] for p in plan["params"]}
+            self.transfers = {t["tensor"]: _transfer(t, params) for t in plan["transfers"]}
+            copied = [p["name"] for p in plan["params"] if len(p["stages"]) > 1]
         except (KeyError, TypeError) as e:
             raise PipelineConfigError(f"the plan is incomplete ({e}); compile it again") from None
-        self.stage_ids = tuple(self.rank_of)
-        self.tied = {
-            p["name"]: TiedParam(
-                p["name"],
-                tuple(sorted(p["stages"])),
-                tuple(sorted({self.rank_of[s] for s in p["stages"]})),
+        if copied:
+            raise PipelineConfigError(
+                f"the plan puts a copy of {copied[0]} in several stages; it was compiled by an "
+                "older ftpipe: compile the package again"
             )
-            for p in sorted(tied, key=lambda p: p["name"])
-        }
-        self.clusters = _clusters(self.stage_ids, [t.stages for t in self.tied.values()])
+        self.stage_ids = tuple(self.rank_of)
         self._check()
 
     def _check(self) -> None:
@@ -84,20 +77,8 @@ class Topology:
     def local_consumers(self, name: str, rank: int) -> list[int]:
         return [c for c in self.transfers[name].consumers if self.rank_of[c] == rank]
 
-    def cluster_of(self, stage: int) -> tuple[int, ...]:
-        return next(c for c in self.clusters if stage in c)
 
-    def tied_of(self, stages) -> list[TiedParam]:
-        """Tied parameters held by any of `stages`, in the one order every rank uses."""
-        want = set(stages)
-        return [t for t in self.tied.values() if want.intersection(t.stages)]
-
-    def owner(self, param: str) -> int:
-        """The stage whose copy of a tied parameter counts in norms and checksums."""
-        return self.tied[param].stages[0]
-
-
-def _transfer(t: dict) -> TransferInfo:
+def _transfer(t: dict, params: set[str]) -> TransferInfo:
     dtype = getattr(torch, str(t["dtype"]).removeprefix("torch."))
     return TransferInfo(
         name=t["tensor"],
@@ -106,22 +87,5 @@ def _transfer(t: dict) -> TransferInfo:
         shape=tuple(int(x) for x in t["shape"]),
         dtype=dtype,
         grad=bool(t.get("requires_grad", False)) and dtype.is_floating_point,
+        weight=t["tensor"] in params,
     )
-
-
-def _clusters(stage_ids, groups) -> tuple[tuple[int, ...], ...]:
-    """Connected components of stages linked by a shared tied parameter (singletons too)."""
-    parent = {s: s for s in stage_ids}
-
-    def root(x: int) -> int:
-        while parent[x] != x:
-            x = parent[x]
-        return x
-
-    for g in groups:
-        for s in g[1:]:
-            parent[root(s)] = root(g[0])
-    out: dict[int, list[int]] = {}
-    for s in stage_ids:
-        out.setdefault(root(s), []).append(s)
-    return tuple(tuple(sorted(c)) for c in sorted(out.values()))

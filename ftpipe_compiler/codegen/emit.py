@@ -3,7 +3,8 @@
 One line per ATen call, `aten.<op>.<overload>(...)` exactly as traced, with three rewrites:
 devices baked in by tracing become the stage's `device`, dropout's `train` flag becomes
 `self.training`, and an in-place op on a tensor the stage received works on a copy (the
-sender's tensor is not the stage's to change).
+sender's tensor is not the stage's to change). A weight owned by another stage is read from
+`tensors` like an activation; its owner returns it (the parameter itself) beside its outputs.
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ from torch import fx
 from ..errors import FtpipeError
 from ..trace import layer_key
 from .layout import Layout, StageLayout
-from .names import Namer, module_stack, value_base
+from .names import Namer, module_stack, value_base, weight_base
 
 MAX_LINE = 100
 _OPERATORS = {getattr(operator, k): k for k in ("add", "sub", "mul", "truediv", "floordiv", "neg")}
 
 
-def value_names(fx_graph: fx.Graph, placeholders: dict, model_inputs) -> dict[str, str]:
-    """One readable, unique identifier per traced value, the same in every stage."""
+def value_names(fx_graph: fx.Graph, placeholders: dict, model_inputs, weights=()) -> dict[str, str]:
+    """One readable, unique identifier per traced value, the same in every stage, and per
+    weight some stage receives (keyed by the parameter's name)."""
     namer = Namer(taken=model_inputs)
     names: dict[str, str] = {}
     calls = [n for n in fx_graph.nodes if n.op == "call_function"]
@@ -43,6 +45,8 @@ def value_names(fx_graph: fx.Graph, placeholders: dict, model_inputs) -> dict[st
                 names[n.name] = namer.fresh(f"{names[n.args[0].name]}_{n.args[1]}")
             else:
                 names[n.name] = namer.fresh(bases[n.name] or n.name)
+    for w in weights:
+        names[w] = namer.fresh(weight_base(w))
     return names
 
 
@@ -120,15 +124,19 @@ class StageEmitter:
         )
 
     def _is_received(self, a) -> bool:
-        return isinstance(a, fx.Node) and (
-            a.name in self.st.inputs
-            or (a.op == "placeholder" and self.placeholders.get(a.name, ("",))[0] == "input")
-        )
+        if not isinstance(a, fx.Node):
+            return False
+        if a.op == "placeholder":
+            kind, name = self.placeholders.get(a.name, ("input", a.name))
+            return kind == "input" or name in self.st.inputs
+        return a.name in self.st.inputs
 
     def _arg(self, a) -> str:
         if isinstance(a, fx.Node):
             if a.op == "placeholder":
                 kind, name = self.placeholders[a.name]
+                if kind == "param" and name in self.st.inputs:  # another stage's weight:
+                    return self.names.get(a.name, self.names[name])  # received (or cloned here)
                 return self.param_expr(name) if kind == "param" else self.names[a.name]
             return self.names[a.name]
         if isinstance(a, torch.device):
@@ -144,10 +152,12 @@ class StageEmitter:
         return constant(a)
 
     def _return(self) -> list[str]:
-        if self.st.is_loss:
-            return [f'return {{"loss": {self.names[self.lay.loss.name]}}}']
-        # gloo sends only contiguous tensors (masks are stride-0 expands, biases permuted).
-        items = [f'"{w}": {self.names[w]}.contiguous()' for w in self.st.outputs]
+        items = [f'"loss": {self.names[self.lay.loss.name]}'] if self.st.is_loss else []
+        for w in self.st.outputs:
+            if self.lay.wires[w].weight:  # the parameter itself: its gradient accumulates in it
+                items.append(f'"{w}": {self.param_expr(w)}')
+            else:  # gloo sends only contiguous tensors (stride-0 masks, permuted biases)
+                items.append(f'"{w}": {self.names[w]}.contiguous()')
         line = "return {" + ", ".join(items) + "}"
         if len(line) + 8 <= MAX_LINE:
             return [line]

@@ -8,7 +8,9 @@ in two ways the runtime must see:
 - a layer node may send several values (the hidden state and T5's position bias), each its
   own wire, named by the traced value;
 - a tuple never crosses: the `getitem` that picks an element runs in the producing stage and
-  the element is sent (tensors go over the wire, tuples do not).
+  the element is sent (tensors go over the wire, tuples do not);
+- a parameter read by several stages is a wire too, named by the parameter: its owner (the
+  plan's, the lowest stage reading it) holds it and sends it, the others receive it.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ class Wire:
     dtype: str
     bytes: int
     requires_grad: bool
-    node: str  # the graph node (plan level) that produces it
+    node: str  # the graph node (plan level) that produces it, or the parameter's name
+    weight: bool = False  # a parameter sent by the stage that owns it
 
     def to_json(self) -> dict:
         return {
@@ -54,7 +57,7 @@ class StageLayout:
     gpu: int
     nodes: list[fx.Node] = field(default_factory=list)  # in execution order
     model_inputs: list[str] = field(default_factory=list)
-    params: list[str] = field(default_factory=list)  # canonical names, by first use
+    params: list[str] = field(default_factory=list)  # canonical names it owns, by first use
     inputs: list[str] = field(default_factory=list)  # wires received
     outputs: list[str] = field(default_factory=list)  # wires sent
     is_loss: bool = False
@@ -98,7 +101,9 @@ def layout(traced: Traced, graph: OpGraph, plan: Plan) -> Layout:
         st.id: StageLayout(st.id, st.gpu, is_loss=st.id == plan.loss_stage) for st in plan.stages
     }
     input_order = list(plan.model.get("inputs") or [])
+    owner = {p.name: p.stages[0] for p in plan.params if p.stages}
     producers: dict[str, set[int]] = {}
+    readers: dict[str, set[int]] = {}  # parameter -> stages receiving it from its owner
     for n in fx_graph.nodes:
         if n.name not in stage_of:
             continue
@@ -108,6 +113,13 @@ def layout(traced: Traced, graph: OpGraph, plan: Plan) -> Layout:
         for a in _args(n):
             if a.op == "placeholder":
                 kind, name = traced.placeholders[a.name]
+                if kind == "param" and owner.get(name, s) != s:
+                    if owner[name] > s:
+                        raise FtpipeError(
+                            f"stage {s} reads {name}, owned by the later {owner[name]}"
+                        )
+                    readers.setdefault(name, set()).add(s)
+                    continue
                 bucket = st.params if kind == "param" else st.model_inputs
                 if name not in bucket:
                     bucket.append(name)
@@ -118,6 +130,13 @@ def layout(traced: Traced, graph: OpGraph, plan: Plan) -> Layout:
                 if t != s:
                     producers.setdefault(a.name, set()).add(s)
     wires = {}
+    for p in plan.params:  # placeholders come first in the program: so do their wires
+        if p.name in readers:
+            if p.name not in stages[owner[p.name]].params:
+                raise FtpipeError(
+                    f"the plan says stage {owner[p.name]} owns {p.name}, unread there"
+                )
+            wires[p.name] = _weight_wire(p, owner[p.name], readers[p.name])
     for n in fx_graph.nodes:
         if n.name in producers:
             wires[n.name] = _wire(n, stage_of[n.name], producers[n.name], grad[n.name], node_of)
@@ -149,6 +168,20 @@ def _wire(n: fx.Node, producer: int, consumers: set[int], grad: bool, node_of) -
         bytes=val.numel() * val.element_size(),
         requires_grad=grad and val.is_floating_point(),
         node=node_of.get(n.name, n.name),
+    )
+
+
+def _weight_wire(p, owner: int, readers: set[int]) -> Wire:
+    return Wire(
+        name=p.name,
+        producer=owner,
+        consumers=tuple(sorted(readers)),
+        shape=tuple(p.shape),
+        dtype=p.dtype,
+        bytes=p.bytes,
+        requires_grad=p.trainable and getattr(torch, p.dtype).is_floating_point,
+        node=p.name,
+        weight=True,
     )
 
 

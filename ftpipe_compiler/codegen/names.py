@@ -88,6 +88,12 @@ def abbreviate(scope: str) -> str:
     return "_".join(w for w in words if w)
 
 
+def weight_base(name: str) -> str:
+    """The variable a received weight is read into: 'transformer.wte.weight' -> 'wte_weight'."""
+    scope, _, leaf = name.rpartition(".")
+    return "_".join(w for w in (abbreviate(scope), leaf) if w)
+
+
 def _snake(part: str) -> str:
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", part).lower()
 

@@ -54,7 +54,10 @@ def generate_package(
         )
     lay = layout(traced, graph, plan)
     names = value_names(
-        traced.program.graph, traced.placeholders, list(plan.model.get("inputs") or [])
+        traced.program.graph,
+        traced.placeholders,
+        list(plan.model.get("inputs") or []),
+        [w.name for w in lay.wires.values() if w.weight],
     )
     info = {p.name: p for p in plan.params}
     generated_by = f"ftpipe {__version__}: {command}"
@@ -74,7 +77,7 @@ def generate_package(
                 "is_loss": st.is_loss,
                 "held": summaries[st.id],
                 "inputs": py_tuple(st.model_inputs + st.inputs),
-                "outputs": py_tuple(["loss"] if st.is_loss else st.outputs),
+                "outputs": py_tuple(["loss"] * st.is_loss + st.outputs),
                 "params": [_param_row(info[p]) for p in st.params],
                 "n_params": sum(_numel(info[p].shape) for p in st.params if info[p].trainable),
                 "body": [ln for line in body for ln in line.split("\n")],

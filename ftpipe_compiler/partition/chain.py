@@ -10,7 +10,9 @@ held`, so the DP can check memory at the depth where a segment would sit.
 
 Exact for contiguous splits when each tensor crosses to at most one later stage (a chain);
 otherwise a tensor sent to several later stages is counted once here (the plan counts it
-once per destination GPU), and depth is bounded by the stages after a segment.
+once per destination GPU), and depth is bounded by the stages after a segment. A parameter
+read by several segments belongs to the first (its static memory) and is sent to the others
+like a tensor, its gradient coming back.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ class Chain:
                     prod_out[j].append(costs.out[i])
                     ends[last_use[i]].append((uo[i], costs.out[i]))
         out_unit = uo[costs.output]
+        first_use, last_use_p = {}, {}  # parameter -> first and last unit reading it
+        for k, nodes in enumerate(units):
+            for i in nodes:
+                for p in costs.params[i]:
+                    first_use.setdefault(p, k)
+                    last_use_p[p] = k
         bw = costs.problem.bandwidth
         inf = float("inf")
         self.period = np.full((U, U), inf)
@@ -54,6 +62,7 @@ class Chain:
             rec = last = 0.0
             act = inb = bwd = send = static = 0
             seen, seen_in, params = set(), set(), set()
+            weights_out: dict[int, int] = {}  # unit -> bytes of owned weights last read there
             has_out = False
             for j in range(k, U):
                 for i in units[j]:
@@ -61,9 +70,19 @@ class Chain:
                     last += costs.last[i]
                     act += costs.act[i]
                     for p in costs.params[i]:
-                        if p not in params:
-                            params.add(p)
-                            static += costs.pstatic[p]
+                        if p in params:
+                            continue
+                        params.add(p)
+                        if first_use[p] < k:  # an earlier segment owns it and sends it here
+                            inb += costs.pbytes[p]
+                            bwd += costs.pbytes[p] if costs.ptrain[p] else 0
+                            continue
+                        static += costs.pstatic[p]
+                        if last_use_p[p] > j:
+                            send += costs.pbytes[p]
+                            weights_out[last_use_p[p]] = (
+                                weights_out.get(last_use_p[p], 0) + costs.pbytes[p]
+                            )
                     for x in costs.inputs[i]:
                         if x not in seen_in:
                             seen_in.add(x)
@@ -75,7 +94,7 @@ class Chain:
                         inb += b
                         bwd += b if g else 0
                 send += sum(prod_out[j])
-                send -= sum(b for pu, b in ends[j] if k <= pu < j)
+                send -= sum(b for pu, b in ends[j] if k <= pu < j) + weights_out.pop(j, 0)
                 c = last if has_out else rec
                 self.period[k, j] = c + max(0.0, send / bw - c) + max(0.0, bwd / bw - c)
                 if costs.recompute(has_out):

@@ -30,6 +30,8 @@ class Costs:
     succs: list[tuple[int, ...]]
     params: list[tuple[int, ...]]
     pstatic: list[int]  # weights + gradients + optimizer state, by parameter index
+    pbytes: list[int]  # what its owner sends to other stages reading it
+    ptrain: list[bool]  # ... and whether a gradient comes back
     inputs: list[tuple[int, ...]]
     input_bytes: list[int]  # by model-input index
     output: int
@@ -52,6 +54,8 @@ class Costs:
             succs=[tuple(sorted({idx[s] for s in g.succs[n.id]})) for n in g.nodes],
             params=[tuple(dict.fromkeys(pidx[p] for p in n.params)) for n in g.nodes],
             pstatic=[problem.static_bytes[p.name] for p in g.params],
+            pbytes=[p.bytes for p in g.params],
+            ptrain=[p.trainable for p in g.params],
             inputs=[tuple(dict.fromkeys(iidx[x] for x in n.inputs)) for n in g.nodes],
             input_bytes=[_numel(x.shape) * _itemsize(x.dtype) for x in g.inputs],
             output=idx[g.output],

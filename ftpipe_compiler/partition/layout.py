@@ -35,9 +35,9 @@ class Layout:
         self.cs = [defaultdict(int) for _ in range(c.n)]  # consumers of a tensor per stage
         self.cg = [defaultdict(int) for _ in range(c.n)]  # ... per GPU
         self.mi = [defaultdict(int) for _ in range(S)]  # readers of a model input per stage
-        self.pc = [defaultdict(int) for _ in range(G)]  # readers of a parameter per GPU
+        self.pr = [defaultdict(int) for _ in c.pstatic]  # readers of a parameter per stage
         self.static, self.fwd, self.bwd = [0] * G, [0] * G, [0] * G
-        self.se: dict[tuple[int, int], int] = defaultdict(int)  # node edges between stages
+        self.se: dict[tuple[int, int], int] = defaultdict(int)  # tensor and weight edges
         # Build by "moving" every node in from nowhere (stage -1) so one code path keeps the books.
         place, self.stage = self.stage, [-1] * c.n
         for i in range(c.n):
@@ -140,13 +140,11 @@ class Layout:
                 self.inb[t] += c.input_bytes[x]
             self.mi[t][x] += 1
         for p in c.params[i]:
-            if ga >= 0:
-                self.pc[ga][p] -= 1
-                if not self.pc[ga][p]:
-                    self.static[ga] -= c.pstatic[p]
-            if not self.pc[gt][p]:
-                self.static[gt] += c.pstatic[p]
-            self.pc[gt][p] += 1
+            self._param(p, -1)
+            if a >= 0:
+                self.pr[p][a] -= 1
+            self.pr[p][t] += 1
+            self._param(p, +1)
         if a >= 0:
             self.size[a] -= 1
             self.rec[a] -= c.rec[i]
@@ -184,6 +182,23 @@ class Layout:
         if self.c.grad[u]:
             for h in dests:
                 self.bwd[h] += sign * b
+
+    def _param(self, p: int, sign: int) -> None:
+        """Add or remove parameter p's state and traffic: static bytes on its owner's GPU (the
+        lowest reader stage), the weight sent to every other reader, its gradient back."""
+        stages = sorted(s for s, k in self.pr[p].items() if k)
+        if not stages:
+            return
+        own, g, b = stages[0], self.gpu[stages[0]], self.c.pbytes[p]
+        self.static[g] += sign * self.c.pstatic[p]
+        dests = {self.gpu[s] for s in stages[1:]} - {g}
+        self.fwd[g] += sign * b * len(dests)
+        if self.c.ptrain[p]:
+            for h in dests:
+                self.bwd[h] += sign * b
+        for s in stages[1:]:
+            self.inb[s] += sign * b
+            self._edge(own, s, sign)
 
     def _edge(self, a: int, b: int, d: int) -> None:
         if a < 0 or a == b:

@@ -6,6 +6,13 @@
 Stages are renumbered in a topological order of the stage graph, so a stage only ever
 receives from lower-numbered stages. The plan carries every figure the simulator needs
 (stage times, bytes, memory), so `ftpipe simulate plan.json` needs nothing else.
+
+Every parameter lives in one stage, its owner: the lowest-numbered stage that reads it.
+Other stages reading it (T5's shared embedding in the decoder and the LM head) receive it
+like an activation, a transfer named after the parameter, and send its gradient back, so
+the owner's gradient is the sum over all uses (FTPipe: "model parameters and their
+gradients can be communicated"). Owner -> reader edges go to higher stages, so the
+numbering stays topological.
 """
 
 from __future__ import annotations
@@ -32,9 +39,9 @@ class Stage:
     recompute_s: float
     recompute: bool  # does this stage recompute under the plan's schedule?
     depth: int  # stages on the longest path from here to the loss stage
-    params: tuple[str, ...]  # canonical names of all parameters read (tied ones too)
-    inputs: tuple[str, ...]  # transfers received (producer node ids)
-    outputs: tuple[str, ...]  # transfers sent
+    params: tuple[str, ...]  # canonical names of the parameters it owns
+    inputs: tuple[str, ...]  # transfers received (producer node ids, or parameter names)
+    outputs: tuple[str, ...]  # transfers sent (its nodes, or parameters it owns)
     model_inputs: tuple[str, ...]  # model inputs read straight from the data
     input_bytes: int  # per micro-batch: transfers received + model inputs
     act_bytes: int  # per micro-batch: activations kept for backward without recompute
@@ -46,7 +53,7 @@ class Stage:
 
 @dataclass(frozen=True)
 class Transfer:
-    tensor: str  # producing node id
+    tensor: str  # producing node id, or a parameter's canonical name (sent by its owner)
     producer: int  # stage
     consumers: tuple[int, ...]  # stages
     shape: tuple[int, ...]
@@ -64,7 +71,7 @@ class PlanParam:
     static_bytes: int  # weights + gradients + optimizer state
     trainable: bool
     aliases: tuple[str, ...]
-    stages: tuple[int, ...]  # stages reading it; several GPUs: gradients are summed
+    stages: tuple[int, ...]  # (owner,): the one stage holding it; () when nothing reads it
 
 
 @dataclass(frozen=True)
@@ -211,6 +218,12 @@ class Plan:
                 f"plan format {d.get('format')} was written by ftpipe {d.get('version', '?')}; this "
                 f"ftpipe reads format {PLAN_FORMAT}: run `ftpipe compile` again with this version"
             )
+        copied = [p["name"] for p in d.get("params", ()) if len(p.get("stages", ())) > 1]
+        if copied:
+            raise PlanFormatError(
+                f"this plan copies {copied[0]} into several stages (ftpipe before weights were "
+                "sent between stages); run `ftpipe compile` again"
+            )
         try:
             return cls(
                 **{
@@ -266,24 +279,30 @@ def build_plan(
     missing = [n.id for n in graph.nodes if n.id not in stage_of]
     if missing:
         raise FtpipeError(f"{partitioner}: {len(missing)} nodes have no stage (e.g. {missing[0]})")
-    # Stage graph and a deterministic topological numbering.
+    # Stage graph and a deterministic topological numbering. Ties keep the caller's order, so
+    # stages a Layout numbered topologically keep their numbers (and parameters their owners).
     sg = nx.DiGraph()
-    first = {}
-    for n in graph.nodes:
-        s = stage_of[n.id]
-        sg.add_node(s)
-        first.setdefault(s, graph.index[n.id])
+    sg.add_nodes_from(stage_of[n.id] for n in graph.nodes)
     for e in graph.edges:
         a, b = stage_of[e.src], stage_of[e.dst]
         if a != b:
             sg.add_edge(a, b)
     if not nx.is_directed_acyclic_graph(sg):
         raise FtpipeError(f"{partitioner} produced a cyclic stage graph")
-    order = list(nx.lexicographical_topological_sort(sg, key=lambda s: first[s]))
+    order = list(nx.lexicographical_topological_sort(sg, key=lambda s: s))
     renum = {old: new for new, old in enumerate(order)}
     sid = {n: renum[s] for n, s in stage_of.items()}
     loss_stage = sid[graph.output]
+    readers: dict[str, list[int]] = {}  # parameter -> stages reading it, the owner first
+    for n in graph.nodes:
+        for p in n.params:
+            readers.setdefault(p, [])
+            if sid[n.id] not in readers[p]:
+                readers[p].append(sid[n.id])
+    for r in readers.values():
+        r.sort()
     rg = nx.relabel_nodes(sg, renum)
+    rg.add_edges_from((r[0], x) for r in readers.values() for x in r[1:])
     depth = {s: 0 for s in rg}
     for s in reversed(list(nx.topological_sort(rg))):
         depth[s] = max((depth[t] + 1 for t in rg.successors(s)), default=0)
@@ -297,11 +316,13 @@ def build_plan(
         if sid[e.src] != sid[e.dst]:
             consumers.setdefault(e.src, set()).add(sid[e.dst])
     input_bytes = {i.name: _numel(i.shape) * _itemsize(i.dtype) for i in graph.inputs}
+    shared = [p for p in graph.params if len(readers.get(p.name, ())) > 1]  # sent by the owner
 
     stages = []
     for s, ids in members.items():
         nodes = [graph.node[i] for i in ids]
         ins = sorted({p for i in ids for p in graph.preds[i] if sid[p] != s}, key=graph.index.get)
+        got = [p for p in shared if s in readers[p.name][1:]]
         model_inputs = tuple(dict.fromkeys(x for n in nodes for x in n.inputs))
         stages.append(
             Stage(
@@ -313,11 +334,19 @@ def build_plan(
                 recompute_s=sum(n.recompute_s for n in nodes),
                 recompute=sched.recompute(s == loss_stage),
                 depth=depth[s],
-                params=tuple(dict.fromkeys(p for n in nodes for p in n.params)),
-                inputs=tuple(ins),
-                outputs=tuple(i for i in ids if i in consumers),
+                params=tuple(
+                    p
+                    for p in dict.fromkeys(p for n in nodes for p in n.params)
+                    if readers[p][0] == s
+                ),
+                inputs=(*ins, *(p.name for p in got)),
+                outputs=(
+                    *(i for i in ids if i in consumers),
+                    *(p.name for p in shared if readers[p.name][0] == s),
+                ),
                 model_inputs=model_inputs,
                 input_bytes=sum(graph.node[i].out_bytes for i in ins)
+                + sum(p.bytes for p in got)
                 + sum(input_bytes[x] for x in model_inputs),
                 act_bytes=sum(n.act_bytes for n in nodes),
             )
@@ -333,11 +362,18 @@ def build_plan(
             requires_grad=graph.node[t].requires_grad,
         )
         for t, c in sorted(consumers.items(), key=lambda kv: graph.index[kv[0]])
+    ) + tuple(
+        Transfer(
+            tensor=p.name,
+            producer=readers[p.name][0],
+            consumers=tuple(readers[p.name][1:]),
+            shape=p.shape,
+            dtype=p.dtype,
+            bytes=p.bytes,
+            requires_grad=p.trainable,
+        )
+        for p in shared
     )
-    readers: dict[str, list[int]] = {}
-    for st in stages:
-        for p in st.params:
-            readers.setdefault(p, []).append(st.id)
     params = tuple(
         PlanParam(
             name=p.name,
@@ -347,7 +383,7 @@ def build_plan(
             static_bytes=problem.static_bytes[p.name],
             trainable=p.trainable,
             aliases=p.aliases,
-            stages=tuple(readers.get(p.name, ())),
+            stages=tuple(readers.get(p.name, ())[:1]),
         )
         for p in graph.params
     )

@@ -7,7 +7,7 @@ A GPU starts the head of its list once it is free and the action's inputs are th
 finished F puts its tensors on the links (one per ordered GPU pair, one tensor at a time,
 in the order they were produced); a finished B sends a gradient back once all consumers of
 that tensor on its GPU are done. The first S of a synchronised group on each GPU waits for
-all the group's GPUs, which then all-reduce their tied weights together.
+all the group's GPUs (the synchronous schedules' flush).
 """
 
 from __future__ import annotations
@@ -56,16 +56,9 @@ class EventLoop:
         self.ftime = {s: [0.0] * total_mbs for s in st}
         self.bcount = {s: [0] * total_mbs for s in st}
         self.btime = {s: [0.0] * total_mbs for s in st}
-        # Tied-weight groups: which GPUs meet, and how long their all-reduce takes.
+        # Step groups: which GPUs meet before stepping.
         self.group_of = {s: grp for grp in groups for s in grp}
         self.group_gpus = {grp: {self.gpu[s] for s in grp} for grp in groups}
-        shared = [
-            p for p in plan.params if p.trainable and len({self.gpu[s] for s in p.stages}) > 1
-        ]
-        self.group_s = {
-            grp: 2 * sum(p.bytes for p in shared if set(p.stages) <= set(grp)) / self.bw
-            for grp in groups
-        }
         self.arrived: dict[tuple, dict[int, float]] = {}
         self.released: set[tuple] = set()
 
@@ -128,16 +121,15 @@ class EventLoop:
         self._push(g, start, start + dur)
 
     def _barrier(self, grp, step: int, g: int) -> None:
-        """The first S of a tied group on a GPU waits until every GPU of the group is there."""
+        """The first S of a step group on a GPU waits until every GPU of the group is there."""
         here = self.arrived.setdefault((grp, step), {})
         here[g] = self.free[g]
         if len(here) < len(self.group_gpus[grp]):
             return
-        t0, dur = max(here.values()), self.group_s[grp]
+        t0 = max(here.values())
         for h in here:
             self.released.add((grp, step, h))
-            self.sent[h] = self.sent.get(h, 0) + dur * self.bw
-            self._push(h, t0, t0 + dur)
+            self._push(h, t0, t0)
 
     def _send(self, src: int, dst: int, nbytes: int, t: float) -> float:
         if src == dst:

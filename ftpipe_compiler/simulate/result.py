@@ -20,7 +20,7 @@ class GpuResult:
     peak_memory_bytes: int  # weights, grads, optimizer state, in-flight activations
     memory_bytes: int  # capacity
     stages: tuple[int, ...]
-    bytes_sent: int  # per step: activations, gradients and tied-weight all-reduces
+    bytes_sent: int  # per step: activations, weights and their gradients
 
     @property
     def fits(self) -> bool:

@@ -8,9 +8,10 @@ action starts when its GPU is free and its inputs have arrived. F takes the stag
 B its bwd_s plus recompute_s when it recomputes (per the schedule, not the plan's flags).
 A tensor crossing to another GPU goes once per destination GPU over that directed link,
 one tensor at a time, while compute goes on; a gradient goes back once per consumer GPU.
-Stages on one GPU hand over for free. Optimizer steps that must meet (every stage under a
-synchronous schedule; stages sharing a tied weight across GPUs under the async one) wait
-for the slowest GPU, then all-reduce the tied weights: 2 * bytes / bandwidth.
+A weight read by several stages is one such tensor, sent by its owner with every
+micro-batch. Stages on one GPU hand over for free. Under a synchronous schedule every
+GPU's optimizer steps wait for the slowest GPU (the flush, and one gradient norm); under
+the asynchronous one every stage steps at its own pace.
 
 Figures (see SimResult): E_k is the time the slowest GPU finishes step k (its last S);
 the step time is the mean of E_k - E_{k-1} over the last half of the steps, and busy and
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ftpipe_runtime.schedules import SCHEDULES, StageInfo, get_schedule, sync_groups
+from ftpipe_runtime.schedules import SCHEDULES, StageInfo, get_schedule
 
 from ..errors import FtpipeError, unknown
 from ..partition.plan import Plan
@@ -52,14 +53,13 @@ def simulate(
         ),
     )
     infos = [StageInfo(s.id, s.gpu, s.depth, s.id == plan.loss_stage) for s in plan.stages]
-    tied = sync_groups(infos, [p.stages for p in plan.params if p.trainable])
-    groups = sched.step_groups(infos, tied)  # the optimizer steps that wait for each other
+    groups = sched.step_groups(infos)  # the optimizer steps that wait for each other
     # An asynchronous pipeline keeps streaming after the last measured step: simulate enough
     # further micro-batches (every stage runs up to depth + 1 ahead) that no measured step
     # is part of the drain.
     depth = max((s.depth for s in plan.stages), default=0)
     run_steps = steps + (0 if sched.synchronous else -(-(depth + 1) // m))
-    lists = sched.actions(infos, m, run_steps, tied)
+    lists = sched.actions(infos, m, run_steps)
     run = EventLoop(plan, lists, groups, m * run_steps, min(steps, TIMELINE_STEPS), m)
     run.go()
 

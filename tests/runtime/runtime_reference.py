@@ -42,15 +42,17 @@ def train_stale(
     """FTPipe's rule, evaluated lazily: the forward of (stage, mb) uses the stage's weights
     after the steps that precede it in its GPU's action list (stale); a backward recomputes
     with the weights current at that backward from the stale forward's inputs; the loss
-    stage backpropagates through its forward. Tied copies get the sum of all copies'
-    gradients. `stages`: the stage classes (the toy's by default); `init`: a state dict to
-    start from. Returns per-step losses and each stage's final weights."""
+    stage backpropagates through its forward. A weight read by several stages belongs to
+    the first: it is an output of that stage's forward, so a reader uses the owner's value
+    at the owner's forward of the micro-batch (and keeps it when it recomputes), and the
+    readers' gradients reach the owner's parameter through the owner's backward.
+    `stages`: the stage classes (the toy's by default); `init`: a state dict to start from.
+    Returns per-step losses and each stage's final weights."""
     classes = stages or STAGES
     m = plan["micro_batches"]
     source = make_data(plan["model"], data, seed)
     transfers = {t["tensor"]: t for t in plan["transfers"]}
     stages = {s["id"]: s for s in plan["stages"]}
-    holders = {p["name"]: p["stages"] for p in plan["params"]}
     loss_stage = plan["loss_stage"]
     v_f, v_b = {}, {}
     for acts in lists.values():
@@ -102,9 +104,7 @@ def train_stale(
     def advance(s):
         k = len(versions[s]) - 1
         for name, p in modules[s].named_parameters():
-            p.grad = sum(
-                backward(h, mb)[1][name] for h in holders[name] for mb in range(k * m, k * m + m)
-            )
+            p.grad = sum(backward(s, mb)[1][name] for mb in range(k * m, k * m + m))
         for group in opts[s].param_groups:
             group["lr"] = lr_at(k, lr, steps)
         opts[s].step()
@@ -123,12 +123,11 @@ def _snapshot(module):
 
 
 def checkpoint_params(root, step: int, stages) -> dict[str, torch.Tensor]:
-    """All parameters of a pipeline checkpoint by name; tied copies must agree exactly."""
+    """All parameters of a pipeline checkpoint by name; each must be in exactly one stage."""
     out: dict[str, torch.Tensor] = {}
     for s in stages:
         state = torch.load(Path(root) / f"step-{step:06d}" / f"stage-{s}.pt", weights_only=True)
         for name, value in state["params"].items():
-            if name in out:
-                assert torch.equal(out[name], value), f"tied copies of {name} differ at {step}"
+            assert name not in out, f"{name} is held by two stages"
             out[name] = value
     return out

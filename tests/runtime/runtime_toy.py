@@ -2,14 +2,15 @@
 
 Stages and transfers (ids are topological; stage 3 computes the loss):
 
-    0: x0 = emb[input_ids]; h0 = tanh(l0(x0)); keep = attention_mask    -> h0, x0, keep
+    0: x0 = emb[input_ids]; h0 = tanh(l0(x0)); keep = attention_mask    -> h0, x0, keep, emb
     1: h1 = tanh(l1(h0 + x0))                                            -> h1
     2: h2 = tanh(l2(h1)) + h0                                            -> h2
     3: loss = CE((h2 + x0) @ emb.T + head.bias, labels) over keep == 1
 
 h0 goes to stages 1 and 2, x0 to stages 1 and 3 (non-adjacent), `keep` is an integer
-tensor (no gradient), and `emb.weight` is tied between stages 0 and 3. `ToyModel` is the
-same network written in one piece: the single-process reference.
+tensor (no gradient), and `emb.weight` is tied: stage 0 owns it and sends it to stage 3 with
+every micro-batch (its gradient comes back). `ToyModel` is the same network written in one
+piece: the single-process reference.
 """
 
 from __future__ import annotations
@@ -35,9 +36,13 @@ STAGE_PARAMS = {
     0: ("emb.weight", "l0.weight", "l0.bias"),
     1: ("l1.weight", "l1.bias"),
     2: ("l2.weight", "l2.bias"),
-    3: ("emb.weight", "head.bias"),
+    3: ("head.bias",),
 }
-LAYOUTS = {"two-ranks": {0: 0, 1: 1, 2: 0, 3: 1}, "three-ranks": {0: 0, 1: 1, 2: 0, 3: 2}}
+LAYOUTS = {
+    "two-ranks": {0: 0, 1: 1, 2: 0, 3: 1},
+    "three-ranks": {0: 0, 1: 1, 2: 0, 3: 2},
+    "folded": {0: 0, 1: 1, 2: 1, 3: 0},  # the weight's owner and reader share rank 0
+}
 
 
 def init_value(name: str) -> torch.Tensor:
@@ -64,22 +69,24 @@ def _linear(module, x):
     return F.linear(x, module.weight, module.bias)
 
 
-def _loss(h2, x0, keep, labels, emb, head_bias):
-    logits = (h2 + x0) @ emb.weight.t() + head_bias.bias
+def _loss(h2, x0, keep, labels, emb_weight, head_bias):
+    logits = (h2 + x0) @ emb_weight.t() + head_bias.bias
     per_token = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="none")
     weights = keep.reshape(-1).float()
     return (per_token * weights).sum() / weights.sum()
 
 
 class Stage0(_Holder):
-    STAGE, INPUTS, OUTPUTS = 0, ("input_ids", "attention_mask"), ("h0", "x0", "keep")
+    STAGE, INPUTS = 0, ("input_ids", "attention_mask")
+    OUTPUTS = ("h0", "x0", "keep", "emb.weight")
 
     def __init__(self, device="cpu", dtype=None, materialize=True):
         super().__init__(STAGE_PARAMS[0], device)
 
     def forward(self, input_ids, attention_mask):
         x0 = self.emb.weight[input_ids]
-        return {"h0": torch.tanh(_linear(self.l0, x0)), "x0": x0, "keep": attention_mask * 1}
+        h0 = torch.tanh(_linear(self.l0, x0))
+        return {"h0": h0, "x0": x0, "keep": attention_mask * 1, "emb.weight": self.emb.weight}
 
 
 class Stage1(_Holder):
@@ -103,13 +110,13 @@ class Stage2(_Holder):
 
 
 class Stage3(_Holder):
-    STAGE, INPUTS, OUTPUTS = 3, ("h2", "x0", "keep", "labels"), ("loss",)
+    STAGE, INPUTS, OUTPUTS = 3, ("h2", "x0", "keep", "labels", "emb.weight"), ("loss",)
 
     def __init__(self, device="cpu", dtype=None, materialize=True):
         super().__init__(STAGE_PARAMS[3], device)
 
-    def forward(self, h2, x0, keep, labels):
-        return {"loss": _loss(h2, x0, keep, labels, self.emb, self.head)}
+    def forward(self, h2, x0, keep, labels, **received):
+        return {"loss": _loss(h2, x0, keep, labels, received["emb.weight"], self.head)}
 
 
 STAGES = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
@@ -126,7 +133,7 @@ class ToyModel(_Holder):
         h0 = torch.tanh(_linear(self.l0, x0))
         h1 = torch.tanh(_linear(self.l1, h0 + x0))
         h2 = torch.tanh(_linear(self.l2, h1)) + h0
-        return _loss(h2, x0, attention_mask, labels, self.emb, self.head)
+        return _loss(h2, x0, attention_mask, labels, self.emb.weight, self.head)
 
 
 def toy_plan(layout: str = "two-ranks", schedule: str = "gpipe", micro_batches: int = 4) -> dict:
@@ -138,8 +145,9 @@ def toy_plan(layout: str = "two-ranks", schedule: str = "gpipe", micro_batches: 
         ("keep", 0, (3,), [B, L], "int64", False),
         ("h1", 1, (2,), act, "float32", True),
         ("h2", 2, (3,), act, "float32", True),
+        ("emb.weight", 0, (3,), [V, D], "float32", True),
     ]
-    inputs = {0: ["h0", "x0", "keep"], 1: ["h1"], 2: ["h2"], 3: ["loss"]}
+    inputs = {0: ["h0", "x0", "keep", "emb.weight"], 1: ["h1"], 2: ["h2"], 3: ["loss"]}
     received = {s: [t[0] for t in transfers if s in t[2]] for s in range(4)}
     model_inputs = {0: ["input_ids", "attention_mask"], 1: [], 2: [], 3: ["labels"]}
     depth = {0: 3, 1: 2, 2: 1, 3: 0}
@@ -169,7 +177,7 @@ def toy_plan(layout: str = "two-ranks", schedule: str = "gpipe", micro_batches: 
                 "consumers": list(c),
                 "shape": shape,
                 "dtype": dt,
-                "bytes": 4 * B * L * D,
+                "bytes": 4 * (V * D if n == "emb.weight" else B * L * D),
                 "requires_grad": rg,
             }
             for n, p, c, shape, dt, rg in transfers
@@ -181,7 +189,7 @@ def toy_plan(layout: str = "two-ranks", schedule: str = "gpipe", micro_batches: 
                 "dtype": "float32",
                 "trainable": True,
                 "aliases": [],
-                "stages": [s for s in range(4) if n in STAGE_PARAMS[s]],
+                "stages": [s for s in range(4) if n in STAGE_PARAMS[s]],  # its one owner
             }
             for n, shape in PARAMS.items()
         ],

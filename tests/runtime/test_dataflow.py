@@ -20,8 +20,18 @@ def test_topology_of_the_toy():
     assert topo.remote_ranks("x0") == [1]  # stages 1 and 3 read it: one message to rank 1
     assert topo.remote_ranks("h0") == [1] and topo.local_consumers("h0", 0) == [2]
     assert not topo.transfers["keep"].grad  # integers carry no gradient
-    assert topo.tied["emb.weight"].ranks == (0, 1)
-    assert topo.clusters == ((0, 3), (1,), (2,))
+    emb = topo.transfers["emb.weight"]  # the tied weight travels from its owner, stage 0
+    assert (emb.producer, emb.consumers, emb.grad, emb.weight) == (0, (3,), True, True)
+    assert topo.remote_ranks("emb.weight") == [1]
+    assert not topo.transfers["x0"].weight
+
+
+def test_a_plan_with_copied_weights_is_refused():
+    plan = toy_plan("two-ranks")
+    emb = next(p for p in plan["params"] if p["name"] == "emb.weight")
+    emb["stages"] = [0, 3]  # what ftpipe wrote before weights travelled between stages
+    with pytest.raises(PipelineConfigError, match="copy of emb.weight in several stages"):
+        Topology(plan)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "ftpipe"])
@@ -35,6 +45,13 @@ def test_each_tensor_crosses_once_per_destination_rank(schedule):
     assert sorted(k for k in to_1 if k[1] == "x0") == [("act", "x0", i) for i in mbs]
     assert sorted(k for k in to_0 if k[1] == "x0") == [("grad", "x0", i) for i in mbs]
     assert not any(k[1] == "keep" and k[0] == "grad" for k in to_0)
+    # The weight goes like an activation, and its gradient comes back like one.
+    assert sorted(k for k in to_1 if k[1] == "emb.weight") == [
+        ("act", "emb.weight", i) for i in mbs
+    ]
+    assert sorted(k for k in to_0 if k[1] == "emb.weight") == [
+        ("grad", "emb.weight", i) for i in mbs
+    ]
     # The gradient of x0 leaves rank 1 after both of its readers there ran their backward.
     for i in mbs:
         sender = flow.grad_sender[(1, "x0", i)]
@@ -47,7 +64,7 @@ def test_each_tensor_crosses_once_per_destination_rank(schedule):
         )
 
 
-def test_steps_are_placed_per_rank_or_per_tied_cluster():
+def test_steps_are_placed_per_rank_when_synchronous_per_stage_when_not():
     topo, m = Topology(toy_plan("three-ranks")), 2
     sync = build_dataflow(topo, action_lists(topo, "gpipe", m, 2), m, synchronous=True)
     assert [(e.step, e.stages, e.ranks) for e in sync.events[0].values()] == [
@@ -56,8 +73,9 @@ def test_steps_are_placed_per_rank_or_per_tied_cluster():
     ]
     lists = action_lists(topo, "ftpipe", m, 2)
     flow = build_dataflow(topo, lists, m, synchronous=False)
-    tied = [e for e in flow.events[2].values()]
-    assert [(e.stages, e.ranks) for e in tied] == [((3,), (0, 2))] * 2
+    # Stage 3 reads stage 0's weight, yet steps alone: no collective, no waiting for rank 0.
+    loss = [e for e in flow.events[2].values()]
+    assert [(e.stages, e.ranks) for e in loss] == [((3,), (2,))] * 2
     assert sorted((e.stages, e.step) for e in flow.events[0].values()) == [
         ((0,), 0),
         ((0,), 1),

@@ -1,9 +1,9 @@
 """Generated packages of tiny T5 and GPT-2 under torch.distributed, against the HF models.
 
 Plans are Mixed-style: GPT-2 in 3 stages on 2 ranks (stages 0 and 2 on rank 0, a mask sent
-from stage 0 to stage 2, the tied embedding held twice on one rank); T5 in 4 stages (the
-encoder output goes from stage 1 to stages 2 and 3 on both ranks, the shared embedding is
-held by stages on both ranks).
+from stage 0 to stage 2, the tied embedding handed from stage 0 to the LM head of stage 2 on
+the same rank); T5 in 4 stages (the encoder output goes from stage 1 to stages 2 and 3 on
+both ranks, the shared embedding goes from stage 0 to readers on both ranks).
 """
 
 from __future__ import annotations

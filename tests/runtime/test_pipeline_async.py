@@ -18,8 +18,11 @@ def _lists(plan, steps):
     return action_lists(Topology(plan), "ftpipe", plan["micro_batches"], steps)
 
 
-def test_ftpipe_matches_stale_update_rule(run_pipeline, tmp_path):
-    plan, steps = toy_plan("two-ranks", "ftpipe"), 4
+@pytest.mark.parametrize("layout", ["two-ranks", "folded"])
+def test_ftpipe_matches_stale_update_rule(run_pipeline, tmp_path, layout):
+    """Folded: stage 3 reads stage 0's weight on the same rank, where a step of stage 0 comes
+    between its forward and stage 3's: stage 3 must still use the value sent with the batch."""
+    plan, steps = toy_plan(layout, "ftpipe"), 4
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.json"
     argv = ["--steps", str(steps), "--optimizer", "adam", "--lr", "0.05", "--clip", "0"]
     argv += ["--save-every", str(steps), "--checkpoint-dir", str(ckpt), "--log-json", str(log)]

@@ -22,14 +22,18 @@ def make_plan(
     memory_bytes=10**6,
 ):
     """Stages with (fwd, bwd, recompute) seconds; `edges`: {producer: consumers} (default a
-    chain), one transfer of `nbytes` per producer; `tied`: stage sets sharing a parameter."""
+    chain), one transfer of `nbytes` per producer; `tied`: stage sets sharing a parameter of
+    `tied_bytes`, owned by the lowest and sent to the others as build_plan does."""
     k = len(costs)
     gpu_of = list(gpu_of or range(k))
     edges = edges if edges is not None else {i: [i + 1] for i in range(k - 1)}
+    tied_names = {f"tied{j}": tuple(sorted(ss)) for j, ss in enumerate(tied)}
+    after = {i: set(edges.get(i, ())) for i in range(k)}
+    for ss in tied_names.values():
+        after[ss[0]].update(ss[1:])
     depth = {}
     for i in reversed(range(k)):
-        depth[i] = max((depth[j] + 1 for j in edges.get(i, ())), default=0)
-    tied_names = {f"tied{j}": tuple(ss) for j, ss in enumerate(tied)}
+        depth[i] = max((depth[j] + 1 for j in after[i]), default=0)
     stages = tuple(
         Stage(
             id=i,
@@ -40,9 +44,15 @@ def make_plan(
             recompute_s=r,
             recompute=schedule == "gpipe" or i != k - 1,
             depth=depth[i],
-            params=(f"w{i}", *(t for t, ss in tied_names.items() if i in ss)),
-            inputs=tuple(f"n{p}" for p, cs in edges.items() if i in cs),
-            outputs=(f"n{i}",) if edges.get(i) else (),
+            params=(f"w{i}", *(t for t, ss in tied_names.items() if i == ss[0])),
+            inputs=(
+                *(f"n{p}" for p, cs in edges.items() if i in cs),
+                *(t for t, ss in tied_names.items() if i in ss[1:]),
+            ),
+            outputs=(
+                *((f"n{i}",) if edges.get(i) else ()),
+                *(t for t, ss in tied_names.items() if i == ss[0]),
+            ),
             model_inputs=("x",) if i == 0 else (),
             input_bytes=100 * (i + 1),
             act_bytes=1000 * (i + 1),
@@ -53,10 +63,13 @@ def make_plan(
         Transfer(f"n{p}", p, tuple(cs), (1,), "float32", nbytes, True)
         for p, cs in sorted(edges.items())
         if cs
+    ) + tuple(
+        Transfer(t, ss[0], ss[1:], (1,), "float32", tied_bytes, True)
+        for t, ss in tied_names.items()
     )
     params = tuple(PlanParam(f"w{i}", (1,), "float32", 4, 10_000, True, (), (i,)) for i in range(k))
     params += tuple(
-        PlanParam(t, (1,), "float32", tied_bytes, 3 * tied_bytes, True, (), ss)
+        PlanParam(t, (1,), "float32", tied_bytes, 3 * tied_bytes, True, (), ss[:1])
         for t, ss in tied_names.items()
     )
     return Plan(
