@@ -16,9 +16,10 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
+from .granularity import collapse
 from .graph import OpGraph
 from .hardware import Hardware
-from .trace import VIEW_OPS, Traced, collapse, retarget
+from .trace import VIEW_OPS, Traced, retarget
 
 BACKWARD_FACTOR = 2.0
 
@@ -67,10 +68,7 @@ def count_flops(traced: Traced) -> dict[str, float]:
 def analytic_costs(traced: Traced, hw: Hardware, granularity: str = "op") -> OpGraph:
     graph = traced.graph
     flops = count_flops(traced)
-    input_bytes = {
-        i.name: _numel(i.shape) * torch.empty((), dtype=getattr(torch, i.dtype)).element_size()
-        for i in graph.inputs
-    }
+    input_bytes = {i.name: i.bytes for i in graph.inputs}
     nodes = []
     for n in graph.nodes:
         f = sum(flops.get(m, 0.0) for m in n.members)
@@ -95,10 +93,3 @@ def analytic_costs(traced: Traced, hw: Hardware, granularity: str = "op") -> OpG
         )
     costed = graph.with_nodes(nodes, profile="analytic", hardware=hw.name)
     return collapse(costed) if granularity == "layer" else costed
-
-
-def _numel(shape) -> int:
-    out = 1
-    for s in shape:
-        out *= s
-    return out

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 import networkx as nx
+import torch
 
 from .errors import FtpipeError, PlanFormatError
 from .version import GRAPH_FORMAT
@@ -66,6 +68,10 @@ class ModelInput:
     name: str
     shape: tuple[int, ...]
     dtype: str
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.shape) * dtype_bytes(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -140,7 +146,7 @@ class OpGraph:
     # --- totals ---
     @property
     def num_parameters(self) -> int:
-        return sum(_numel(p.shape) for p in self.params if p.trainable)
+        return sum(math.prod(p.shape) for p in self.params if p.trainable)
 
     @property
     def param_bytes(self) -> int:
@@ -249,8 +255,6 @@ def _to_tuple(v):
     return tuple(_to_tuple(x) for x in v) if isinstance(v, list) else v
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def dtype_bytes(dtype: str) -> int:
+    """`dtype_bytes("float32")` -> 4."""
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()

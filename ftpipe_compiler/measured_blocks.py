@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from .trace import VIEW_OPS, Traced, _describe, _op_name, retarget
+from .trace import VIEW_OPS, Traced, describe_value, op_name, retarget
 
 try:
     _MALLOC_TRIM = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim  # glibc only
@@ -70,12 +70,12 @@ def plan_blocks(traced: Traced, groups, device) -> list[Block]:
                 (params if kind == "param" else inputs)[a.name] = name
             args, kwargs = retarget(n.args, n.kwargs, device)
             calls.append((m, n.target, args, kwargs))
-            if _op_name(n.target) not in VIEW_OPS:
-                nbytes += _describe(n.meta.get("val"))[2]
+            if op_name(n.target) not in VIEW_OPS:
+                nbytes += describe_value(n.meta.get("val"))[2]
         for name in dict.fromkeys(params.values()):
             p = op_graph.param[name]
             nbytes += p.bytes * (2 if p.trainable else 1)
-        nbytes += sum(_describe(fx_nodes[a].meta.get("val"))[2] for a in inputs)
+        nbytes += sum(describe_value(fx_nodes[a].meta.get("val"))[2] for a in inputs)
         outputs = [m for m in members if last_use.get(m, -1) > i]
         grad_in = {a for a in inputs if a in op_graph.node and op_graph.node[a].requires_grad}
         mutates = any(_mutates(fx_nodes[m].target) for m in members)

@@ -117,7 +117,7 @@ def _to_graph(spec, task, micro_batch, model, inputs, program):
     for n in graph.nodes:
         if n.op != "call_function" or n not in live:
             continue
-        op = _op_name(n.target)
+        op = op_name(n.target)
         preds, params, ins = [], [], []
         for a in _node_args(n):
             if a.op == "placeholder":
@@ -125,7 +125,7 @@ def _to_graph(spec, task, micro_batch, model, inputs, program):
                 (params if kind == "param" else ins).append(name)
             elif a.op == "call_function":
                 preds.append(a.name)
-        shape, dtype, nbytes = _describe(n.meta.get("val"))
+        shape, dtype, nbytes = describe_value(n.meta.get("val"))
         float_out = dtype.startswith("float") or dtype.startswith("bfloat")
         needs = float_out and (
             any(tensors[p].requires_grad for p in params) or any(grad[p] for p in preds)
@@ -211,7 +211,7 @@ def _live_nodes(graph: fx.Graph, loss: fx.Node) -> set:
             continue
         live.add(n)
         stack.extend(a for a in _node_args(n) if a not in live)
-    return {n for n in live if n.op != "call_function" or _op_name(n.target) not in _DROP}
+    return {n for n in live if n.op != "call_function" or op_name(n.target) not in _DROP}
 
 
 def _node_args(n: fx.Node) -> list[fx.Node]:
@@ -220,7 +220,7 @@ def _node_args(n: fx.Node) -> list[fx.Node]:
     return found
 
 
-def _op_name(target) -> str:
+def op_name(target) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return (
             f"aten.{target._schema.name.split('::')[1]}.{target._overloadname}"
@@ -246,7 +246,7 @@ def _scope(n: fx.Node) -> tuple[str, str]:
     return path, mtype.rsplit(".", 1)[-1]
 
 
-def _describe(val) -> tuple[tuple[int, ...], str, int]:
+def describe_value(val) -> tuple[tuple[int, ...], str, int]:
     """(first output's shape, its dtype, bytes of all outputs) from a node's fake value."""
     if isinstance(val, torch.Tensor):
         return (
@@ -255,7 +255,7 @@ def _describe(val) -> tuple[tuple[int, ...], str, int]:
             val.numel() * val.element_size(),
         )
     if isinstance(val, (tuple, list)):
-        parts = [_describe(v) for v in val if v is not None]
+        parts = [describe_value(v) for v in val if v is not None]
         if not parts:
             return (), "none", 0
         return parts[0][0], parts[0][1], sum(p[2] for p in parts)
@@ -266,74 +266,3 @@ def retarget(args, kwargs, device):
     """Replace every device baked into an op's arguments at trace time with `device`."""
     fix = lambda v: device if isinstance(v, torch.device) else v  # noqa: E731
     return tuple(fix(a) for a in args), {k: fix(v) for k, v in kwargs.items()}
-
-
-def collapse(graph: OpGraph, key=None) -> OpGraph:
-    """`layer` granularity: merge runs of consecutive nodes that share a layer scope.
-
-    Runs of a topological order are merged, never scattered nodes, so the result stays
-    acyclic whatever the scopes are.
-    """
-    key = key or layer_key
-    groups: list[list[Node]] = []
-    for n in graph.nodes:
-        if groups and layer_key(groups[-1][0].scope) == key(n.scope):
-            groups[-1].append(n)
-        else:
-            groups.append([n])
-    where = {}
-    merged = []
-    for grp in groups:
-        gid = grp[-1].id if len(grp) == 1 else f"{key(grp[0].scope) or 'top'}#{grp[0].id}"
-        for n in grp:
-            where[n.id] = gid
-        last = grp[-1]
-        merged.append(
-            Node(
-                id=gid,
-                op=last.op if len(grp) == 1 else "layer",
-                scope=key(grp[0].scope),
-                module_type=grp[0].module_type if len(grp) == 1 else _common_type(grp),
-                shape=last.shape,
-                dtype=last.dtype,
-                out_bytes=sum(
-                    n.out_bytes
-                    for n in grp
-                    if any(where.get(s, s) != gid for s in graph.succs[n.id])
-                    or n.id == graph.output
-                ),
-                params=tuple(dict.fromkeys(p for n in grp for p in n.params)),
-                inputs=tuple(dict.fromkeys(i for n in grp for i in n.inputs)),
-                requires_grad=any(n.requires_grad for n in grp),
-                members=tuple(m for n in grp for m in n.members),
-                flops=sum(n.flops for n in grp),
-                bytes_moved=sum(n.bytes_moved for n in grp),
-                fwd_s=sum(n.fwd_s for n in grp),
-                bwd_s=sum(n.bwd_s for n in grp),
-                recompute_s=sum(n.recompute_s for n in grp),
-                act_bytes=sum(n.act_bytes for n in grp),
-            )
-        )
-    weights: dict[tuple[str, str], int] = {}
-    for e in graph.edges:
-        s, d = where[e.src], where[e.dst]
-        if s != d:
-            weights[(s, d)] = weights.get((s, d), 0) + e.bytes
-    edges = tuple(Edge(s, d, b) for (s, d), b in weights.items())
-    out = graph.with_nodes(merged, edges=edges, output=where[graph.output], granularity="layer")
-    out.validate()
-    return out
-
-
-def layer_key(scope: str) -> str:
-    """'encoder.block.3.layer.0.SelfAttention' -> 'encoder.block.3'; other scopes kept to 2 parts."""
-    parts = scope.split(".") if scope else []
-    for i, p in enumerate(parts):
-        if p.isdigit():
-            return ".".join(parts[: i + 1])
-    return ".".join(parts[:2])
-
-
-def _common_type(grp) -> str:
-    types = {n.module_type for n in grp}
-    return types.pop() if len(types) == 1 else "mixed"

@@ -2,8 +2,9 @@ import pytest
 import torch
 
 from ftpipe_compiler.errors import TraceError
+from ftpipe_compiler.granularity import collapse, layer_key
 from ftpipe_compiler.interpret import run_graph
-from ftpipe_compiler.trace import collapse, layer_key, trace_model
+from ftpipe_compiler.trace import trace_model
 from ftpipe_compiler.zoo import resolve_model, resolve_task
 
 

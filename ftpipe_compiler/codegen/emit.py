@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from ..errors import FtpipeError
-from ..trace import layer_key
+from ..granularity import layer_key
 from .layout import Layout, StageLayout
 from .names import Namer, module_stack, value_base, weight_base
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import keyword
+import math
 import os
 import shutil
 import tempfile
@@ -79,7 +80,7 @@ def generate_package(
                 "inputs": py_tuple(st.model_inputs + st.inputs),
                 "outputs": py_tuple(["loss"] * st.is_loss + st.outputs),
                 "params": [_param_row(info[p]) for p in st.params],
-                "n_params": sum(_numel(info[p].shape) for p in st.params if info[p].trainable),
+                "n_params": sum(math.prod(info[p].shape) for p in st.params if info[p].trainable),
                 "body": [ln for line in body for ln in line.split("\n")],
                 "receives": [(w, lay.wires[w].producer) for w in st.inputs],
                 "sends": [(w, lay.wires[w].consumers) for w in st.outputs],
@@ -164,13 +165,6 @@ def _figure(v) -> str:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return str(v)
     return f"{v:,}" if isinstance(v, int) else f"{v:,.4g}"
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _has_safetensors(path: str) -> bool:

@@ -21,7 +21,8 @@ from ..errors import FtpipeError, InfeasibleError, unknown
 
 # Modules, not their functions: `partition.mixed` must stay the module of that name.
 from . import acyclic, baselines, metis, mixed, pipedream
-from .plan import Plan, build_plan
+from .build import build_plan
+from .plan import Plan
 from .problem import Problem
 
 __all__ = [

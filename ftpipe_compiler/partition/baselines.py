@@ -15,10 +15,11 @@ import time
 
 import numpy as np
 
-from ..trace import layer_key
+from ..granularity import layer_key
+from .build import build_plan
 from .chain import Chain, runs
 from .indexed import Costs, infeasible
-from .plan import Plan, build_plan
+from .plan import Plan
 
 
 def layers(costs: Costs) -> list[list[int]]:

@@ -11,7 +11,6 @@ import heapq
 from dataclasses import dataclass
 
 from ..errors import FtpipeError, InfeasibleError
-from .plan import _itemsize, _numel
 from .problem import Problem
 
 
@@ -57,7 +56,7 @@ class Costs:
             pbytes=[p.bytes for p in g.params],
             ptrain=[p.trainable for p in g.params],
             inputs=[tuple(dict.fromkeys(iidx[x] for x in n.inputs)) for n in g.nodes],
-            input_bytes=[_numel(x.shape) * _itemsize(x.dtype) for x in g.inputs],
+            input_bytes=[x.bytes for x in g.inputs],
             output=idx[g.output],
         )
 

@@ -12,24 +12,16 @@ from __future__ import annotations
 
 import time
 
-from ..trace import layer_key
+from ..granularity import layer_key, sublayer_key
+from .build import build_plan
 from .coarsen import Coarse, atoms, by_scope, grow_centers
 from .indexed import Costs, infeasible
 from .layout import Layout
-from .plan import Plan, build_plan
+from .plan import Plan
 from .refine import refine
 
 ITERATIONS = 4  # §4.3 re-costing rounds: usually stable after two; a repeat also ends them
 MAX_BLOCKS = 64
-
-
-def sublayer_key(scope: str) -> str:
-    """'encoder.block.3.layer.0.SelfAttention.q' -> 'encoder.block.3.layer.0'."""
-    parts = scope.split(".") if scope else []
-    for i, p in enumerate(parts):
-        if p.isdigit():
-            return ".".join(parts[: i + 3])
-    return ".".join(parts[:2])
 
 
 def mixed(problem) -> Plan:

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import time
 
+from .build import build_plan
 from .chain import Chain, compress
 from .indexed import Costs, infeasible
-from .plan import Plan, build_plan
+from .plan import Plan
 
 MAX_UNITS = 384  # chain length: ~0.3% of the work per unit on T5-3B, a second of DP
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ftpipe_compiler.hardware import get_hardware
-from ftpipe_compiler.partition.plan import build_plan
+from ftpipe_compiler.partition import build_plan
 from ftpipe_compiler.partition.problem import Problem
 from ftpipe_compiler.profiling import costed_graph
 

@@ -9,11 +9,11 @@ import pytest
 from conftest import make_graph, make_problem
 
 from ftpipe_compiler.errors import InfeasibleError
+from ftpipe_compiler.partition import build_plan
 from ftpipe_compiler.partition.baselines import gpipe, layers, params
 from ftpipe_compiler.partition.chain import compress
 from ftpipe_compiler.partition.indexed import Costs
 from ftpipe_compiler.partition.pipedream import pipedream
-from ftpipe_compiler.partition.plan import build_plan
 
 
 def brute_force(problem, score=lambda plan: plan.period_s, exact_stages=None):

@@ -7,9 +7,9 @@ import random
 import pytest
 from conftest import make_graph, make_problem
 
+from ftpipe_compiler.partition import build_plan
 from ftpipe_compiler.partition.indexed import Costs
 from ftpipe_compiler.partition.layout import Layout
-from ftpipe_compiler.partition.plan import build_plan
 from ftpipe_compiler.partition.refine import refine
 
 

@@ -6,9 +6,10 @@ import networkx as nx
 import pytest
 from conftest import crafted_graph, make_graph, make_problem
 
+from ftpipe_compiler.granularity import sublayer_key
 from ftpipe_compiler.partition.indexed import Costs
 from ftpipe_compiler.partition.layout import Layout
-from ftpipe_compiler.partition.mixed import assign, lpt, mixed, stages, sublayer_key
+from ftpipe_compiler.partition.mixed import assign, lpt, mixed, stages
 
 
 def test_loss_stage_recosting_finds_the_better_assignment():

@@ -10,8 +10,9 @@ from test_layout import random_layout, random_legal_moves
 
 from ftpipe_compiler.errors import PlanFormatError
 from ftpipe_compiler.memory import gpu_memory_bytes
+from ftpipe_compiler.partition import build_plan
 from ftpipe_compiler.partition.indexed import Costs
-from ftpipe_compiler.partition.plan import Plan, build_plan
+from ftpipe_compiler.partition.plan import Plan
 
 
 def halves(graph, gpu_of):

@@ -22,7 +22,7 @@ from runtime_reference import checkpoint_params, train_stale
 pytest.importorskip("transformers")
 from ftpipe_compiler.codegen import generate_package, import_package  # noqa: E402
 from ftpipe_compiler.hardware import get_hardware  # noqa: E402
-from ftpipe_compiler.partition.plan import build_plan  # noqa: E402
+from ftpipe_compiler.partition import build_plan  # noqa: E402
 from ftpipe_compiler.partition.problem import Problem  # noqa: E402
 from ftpipe_compiler.profiling import costed_graph  # noqa: E402
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ftpipe_compiler.hardware import get_hardware
-from ftpipe_compiler.partition.plan import Plan, PlanParam, Stage, Transfer, build_plan
+from ftpipe_compiler.partition import build_plan
+from ftpipe_compiler.partition.plan import Plan, PlanParam, Stage, Transfer
 from ftpipe_compiler.partition.problem import Problem
 
 

@@ -1,0 +1,159 @@
+"""From a node -> stage and stage -> GPU assignment to a Plan with every figure filled in.
+
+    plan = build_plan(problem, stage_of={"linear": 0, ...}, gpu_of={0: 0, 1: 1}, partitioner="mixed")
+
+Every partitioner ends here, so the figures of competing plans are computed one way.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from ..errors import FtpipeError
+from .plan import Plan, PlanParam, Stage, Transfer
+from .problem import Problem
+
+
+def build_plan(
+    problem: Problem,
+    stage_of: dict[str, int],
+    gpu_of: dict[int, int],
+    partitioner: str,
+    search_seconds: float = 0.0,
+) -> Plan:
+    """Turn a node -> stage and stage -> GPU assignment into a Plan (stages renumbered)."""
+    graph = problem.graph
+    missing = [n.id for n in graph.nodes if n.id not in stage_of]
+    if missing:
+        raise FtpipeError(f"{partitioner}: {len(missing)} nodes have no stage (e.g. {missing[0]})")
+    # Stage graph and a deterministic topological numbering. Ties keep the caller's order, so
+    # stages a Layout numbered topologically keep their numbers (and parameters their owners).
+    sg = nx.DiGraph()
+    sg.add_nodes_from(stage_of[n.id] for n in graph.nodes)
+    for e in graph.edges:
+        a, b = stage_of[e.src], stage_of[e.dst]
+        if a != b:
+            sg.add_edge(a, b)
+    if not nx.is_directed_acyclic_graph(sg):
+        raise FtpipeError(f"{partitioner} produced a cyclic stage graph")
+    order = list(nx.lexicographical_topological_sort(sg, key=lambda s: s))
+    renum = {old: new for new, old in enumerate(order)}
+    sid = {n: renum[s] for n, s in stage_of.items()}
+    loss_stage = sid[graph.output]
+    readers: dict[str, list[int]] = {}  # parameter -> stages reading it, the owner first
+    for n in graph.nodes:
+        for p in n.params:
+            readers.setdefault(p, [])
+            if sid[n.id] not in readers[p]:
+                readers[p].append(sid[n.id])
+    for r in readers.values():
+        r.sort()
+    rg = nx.relabel_nodes(sg, renum)
+    rg.add_edges_from((r[0], x) for r in readers.values() for x in r[1:])
+    depth = {s: 0 for s in rg}
+    for s in reversed(list(nx.topological_sort(rg))):
+        depth[s] = max((depth[t] + 1 for t in rg.successors(s)), default=0)
+    sched = problem.sched
+
+    members: dict[int, list[str]] = {s: [] for s in range(len(order))}
+    for n in graph.nodes:
+        members[sid[n.id]].append(n.id)
+    consumers: dict[str, set[int]] = {}
+    for e in graph.edges:
+        if sid[e.src] != sid[e.dst]:
+            consumers.setdefault(e.src, set()).add(sid[e.dst])
+    input_bytes = {i.name: i.bytes for i in graph.inputs}
+    shared = [p for p in graph.params if len(readers.get(p.name, ())) > 1]  # sent by the owner
+
+    stages = []
+    for s, ids in members.items():
+        nodes = [graph.node[i] for i in ids]
+        ins = sorted({p for i in ids for p in graph.preds[i] if sid[p] != s}, key=graph.index.get)
+        got = [p for p in shared if s in readers[p.name][1:]]
+        model_inputs = tuple(dict.fromkeys(x for n in nodes for x in n.inputs))
+        stages.append(
+            Stage(
+                id=s,
+                gpu=gpu_of[order[s]],
+                nodes=tuple(ids),
+                fwd_s=sum(n.fwd_s for n in nodes),
+                bwd_s=sum(n.bwd_s for n in nodes),
+                recompute_s=sum(n.recompute_s for n in nodes),
+                recompute=sched.recompute(s == loss_stage),
+                depth=depth[s],
+                params=tuple(
+                    p
+                    for p in dict.fromkeys(p for n in nodes for p in n.params)
+                    if readers[p][0] == s
+                ),
+                inputs=(*ins, *(p.name for p in got)),
+                outputs=(
+                    *(i for i in ids if i in consumers),
+                    *(p.name for p in shared if readers[p.name][0] == s),
+                ),
+                model_inputs=model_inputs,
+                input_bytes=sum(graph.node[i].out_bytes for i in ins)
+                + sum(p.bytes for p in got)
+                + sum(input_bytes[x] for x in model_inputs),
+                act_bytes=sum(n.act_bytes for n in nodes),
+            )
+        )
+    transfers = tuple(
+        Transfer(
+            tensor=t,
+            producer=sid[t],
+            consumers=tuple(sorted(c)),
+            shape=graph.node[t].shape,
+            dtype=graph.node[t].dtype,
+            bytes=graph.node[t].out_bytes,
+            requires_grad=graph.node[t].requires_grad,
+        )
+        for t, c in sorted(consumers.items(), key=lambda kv: graph.index[kv[0]])
+    ) + tuple(
+        Transfer(
+            tensor=p.name,
+            producer=readers[p.name][0],
+            consumers=tuple(readers[p.name][1:]),
+            shape=p.shape,
+            dtype=p.dtype,
+            bytes=p.bytes,
+            requires_grad=p.trainable,
+        )
+        for p in shared
+    )
+    params = tuple(
+        PlanParam(
+            name=p.name,
+            shape=p.shape,
+            dtype=p.dtype,
+            bytes=p.bytes,
+            static_bytes=problem.static_bytes[p.name],
+            trainable=p.trainable,
+            aliases=p.aliases,
+            stages=tuple(readers.get(p.name, ())[:1]),
+        )
+        for p in graph.params
+    )
+    return Plan(
+        partitioner=partitioner,
+        gpus=problem.gpus,
+        schedule=problem.schedule,
+        micro_batches=problem.micro_batches,
+        optimizer=problem.optimizer,
+        bandwidth=problem.bandwidth,
+        memory_bytes=problem.memory,
+        stages=tuple(stages),
+        transfers=transfers,
+        params=params,
+        loss_stage=loss_stage,
+        lower_bound_s=problem.lower_bound(),
+        search_seconds=search_seconds,
+        model={
+            **graph.meta,
+            "spec": graph.model,
+            "hardware": problem.hardware.name,
+            "granularity": graph.granularity,
+            "profile": graph.profile,
+            "inputs": {i.name: [list(i.shape), i.dtype] for i in graph.inputs},
+        },
+    )
