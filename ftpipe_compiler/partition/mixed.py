@@ -21,6 +21,7 @@ from .plan import Plan
 from .refine import refine
 
 ITERATIONS = 4  # §4.3 re-costing rounds: usually stable after two; a repeat also ends them
+JUDGE_STEPS = 10  # simulated steps per candidate: enough to reach the steady state
 MAX_BLOCKS = 64
 
 
@@ -41,9 +42,8 @@ def mixed(problem) -> Plan:
         for L in (1, 2, 3, 4)
         for offset in (0.5, 0.25)  # centres at the middle or a quarter of each share of work
     ]
-    best: Layout | None = None
     scoped = {key: by_scope(base.copy(), key) for key in (layer_key, sublayer_key)}
-    tried = set()
+    tried, plans = set(), []
     for key, L, offset in variants:
         blocks_wanted = min(L * P, len(scoped[key].members), MAX_BLOCKS)
         if (key, blocks_wanted, offset) in tried:
@@ -52,11 +52,25 @@ def mixed(problem) -> Plan:
         blocks = grow_centers(scoped[key].copy(), blocks_wanted, fits, offset).groups()
         lay = assign(costs, blocks)
         refine(lay, units)
-        if lay.fits() and (best is None or _key(lay) < _key(best)):
-            best = lay
-    if best is None:
+        if lay.fits():
+            plans.append(build_plan(problem, lay.stage_of(), lay.gpu_of(), "mixed"))
+    if not plans:
         raise infeasible(problem, "mixed")
-    return build_plan(problem, best.stage_of(), best.gpu_of(), "mixed", time.perf_counter() - t0)
+    best = min(plans, key=_judge)
+    return best.with_(search_seconds=time.perf_counter() - t0)
+
+
+def _judge(plan: Plan) -> tuple[float, float, int, int]:
+    """Simulated step time first (FTPipe §4.1 picks L by "the best pipeline throughput"): a
+    deeper pipeline may match another's period yet stall on its longer round trip."""
+    from ..simulate import simulate  # the simulator imports plans: import it late
+
+    return (
+        round(simulate(plan, steps=JUDGE_STEPS).step_time_s, 9),
+        round(plan.period_s, 12),
+        plan.comm_bytes,
+        len(plan.stages),
+    )
 
 
 def _key(lay: Layout) -> tuple[float, int, int]:

@@ -11,7 +11,7 @@ import json
 import random
 
 import pytest
-from conftest import TINY, contiguous, costed, plan_from_cuts, problem
+from codegen_helpers import TINY, contiguous, costed, plan_from_cuts, problem
 from ftpipe_runtime.stage_api import run_in_one_process
 
 from ftpipe_compiler import partition

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, contiguous, costed, ruff_check
+from codegen_helpers import REPO, contiguous, costed, ruff_check
 from ftpipe_runtime.stage_api import run_in_one_process
 
 from ftpipe_compiler.codegen import check_package, generate_package, import_package

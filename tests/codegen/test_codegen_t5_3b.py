@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, contiguous, costed, ruff_check
+from codegen_helpers import REPO, contiguous, costed, ruff_check
 
 from ftpipe_compiler.codegen import generate_package
 

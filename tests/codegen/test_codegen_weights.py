@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 import torch
-from conftest import contiguous, costed
+from codegen_helpers import contiguous, costed
 
 from ftpipe_compiler.codegen import check_package, generate_package, import_package
 from ftpipe_compiler.zoo import resolve_model

@@ -6,7 +6,7 @@ import json
 from collections import Counter
 
 import pytest
-from conftest import contiguous, costed, plan_from_cuts
+from codegen_helpers import contiguous, costed, plan_from_cuts
 
 from ftpipe_compiler.codegen import check_package, generate_package, import_package
 from ftpipe_compiler.codegen.names import abbreviate

@@ -6,7 +6,7 @@ import itertools
 import random
 
 import pytest
-from conftest import make_graph, make_problem
+from partition_helpers import make_graph, make_problem
 
 from ftpipe_compiler.errors import InfeasibleError
 from ftpipe_compiler.partition import build_plan

@@ -6,7 +6,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from conftest import crafted_graph
+from partition_helpers import crafted_graph
 
 from ftpipe_compiler.cli import cli
 from ftpipe_compiler.partition import PARTITIONERS

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import networkx as nx
-from conftest import crafted_graph, make_graph, make_problem
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from partition_helpers import crafted_graph, make_graph, make_problem
 
 from ftpipe_compiler.partition.coarsen import Coarse, atoms, by_scope, grow_centers
 from ftpipe_compiler.partition.indexed import Costs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import make_graph, make_problem
+from partition_helpers import make_graph, make_problem
 
 from ftpipe_compiler.partition import build_plan
 from ftpipe_compiler.partition.indexed import Costs

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 
 import networkx as nx
-from conftest import make_graph, make_problem
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from partition_helpers import make_graph, make_problem
 
 from ftpipe_compiler.partition.coarsen import atoms
 from ftpipe_compiler.partition.indexed import Costs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import networkx as nx
 import pytest
-from conftest import crafted_graph, make_graph, make_problem
+from partition_helpers import crafted_graph, make_graph, make_problem
 
 from ftpipe_compiler.granularity import sublayer_key
 from ftpipe_compiler.partition.indexed import Costs

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_graph, make_problem
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from partition_helpers import make_graph, make_problem
 
 from ftpipe_compiler.errors import InfeasibleError, UnknownNameError
 from ftpipe_compiler.partition import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import make_graph, make_problem
+from partition_helpers import make_graph, make_problem
 from test_layout import random_layout, random_legal_moves
 
 from ftpipe_compiler.errors import PlanFormatError

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import launch
+from runtime_helpers import launch
 from runtime_reference import checkpoint_params
 from runtime_toy import toy_plan
 
