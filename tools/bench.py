@@ -24,6 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_fidelity  # noqa: E402 - sections 3 and 4 live beside this file
+import bench_runtime  # noqa: E402
+
 from ftpipe_compiler.partition import problem_from_graph, run_partitioners  # noqa: E402
 from ftpipe_compiler.profiling import costed_graph  # noqa: E402
 from ftpipe_compiler.simulate import simulate  # noqa: E402
@@ -116,7 +119,28 @@ def bench_compile(model="t5-3b", gpus=8) -> dict:
         if r.exit_code != 0:
             raise RuntimeError(r.output)
         data = json.loads(r.output[r.output.index("{"):])
-    return {"model": model, "gpus": gpus, "timings": data["timings"], "winner": data["winner"]}
+        figures = save_figures(Path(tmp) / "out" / "report.html", FIGURES)
+    return {"model": model, "gpus": gpus, "timings": data["timings"], "winner": data["winner"],
+            "figures": figures}
+
+
+FIGURES = Path(__file__).resolve().parent.parent / "docs"
+
+
+def save_figures(report: Path, folder: Path) -> list[str]:
+    """The report's timeline and memory charts as standalone SVG files, for the README."""
+    import re
+
+    html = report.read_text()
+    folder.mkdir(exist_ok=True)
+    saved = []
+    for name in ("timeline", "memory"):
+        m = re.search(rf'<svg xmlns="http://www.w3.org/2000/svg" id="{name}".*?</svg>', html, re.S)
+        if m:
+            path = folder / f"t5-3b-{name}.svg"
+            path.write_text(m.group(0) + "\n")
+            saved.append(str(path.relative_to(folder.parent)))
+    return saved
 
 
 def compile_markdown(data: dict) -> str:
@@ -127,6 +151,8 @@ def compile_markdown(data: dict) -> str:
         "|---:|---:|---:|---:|---:|",
         f"| {t['trace_profile_s']:.1f} s | {t['partition_s']:.1f} s | {t['simulate_s']:.1f} s | "
         f"{t['generate_s']:.1f} s | {t['total_s']:.1f} s |", "",
+        "Figures of the winning plan (from its report.html): "
+        + ", ".join(f"[{Path(f).name}]({f})" for f in data.get("figures", [])) + ".", "",
         f"Winner: {data['winner']}. Measured on this machine ({platform.processor() or platform.machine()}, "
         f"{torch.get_num_threads()} threads).", ""])
 
@@ -134,6 +160,8 @@ def compile_markdown(data: dict) -> str:
 SECTIONS = {
     "plans": (bench_plans, plans_markdown),
     "compile": (bench_compile, compile_markdown),
+    "runtime": (bench_runtime.measure, bench_runtime.markdown),
+    "fidelity": (bench_fidelity.measure, bench_fidelity.markdown),
 }
 
 

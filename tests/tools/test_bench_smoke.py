@@ -19,7 +19,7 @@ TOOLS = Path(__file__).resolve().parents[2] / "tools"
 sys.path.insert(0, str(TOOLS))
 
 from bench_actions import summarise  # noqa: E402
-from bench_launch import flags, step_stats, torchrun  # noqa: E402
+from bench_launch import flags, torchrun  # noqa: E402
 from bench_reference import (  # noqa: E402
     Recomputed,
     build_model,
@@ -29,6 +29,7 @@ from bench_reference import (  # noqa: E402
     train_single,
 )
 from bench_runtime import blocks_on_first_stage  # noqa: E402
+from bench_stats import OtherLoad, fmt_ratio, step_times, summarise_steps  # noqa: E402
 
 TINY_PLAN = {  # what the benchmark reads from a plan: the model's inputs, micro-batches
     "micro_batches": 2,
@@ -42,15 +43,35 @@ TINY_PLAN = {  # what the benchmark reads from a plan: the model's inputs, micro
 }
 
 
-def test_step_stats_times_steps_after_warmup():
-    ends = [5.0, 7.0, 8.5, 10.5, 12.0]  # the first step (fill, start-up) is not timed
-    s = step_stats(ends, warmup=1, samples_per_step=8)
-    assert s["step_times_s"] == [2.0, 1.5, 2.0, 1.5]
+def test_step_times_skip_warmup_and_cooldown():
+    ends = [5.0, 7.0, 8.5, 10.5, 12.0, 20.0]  # the first and the last step are not timed
+    times = step_times(ends, warmup=1, cooldown=1)
+    assert times == [2.0, 1.5, 2.0, 1.5]
+    s = summarise_steps(times, samples_per_step=8)
     assert s["step_s"] == pytest.approx(1.75)
-    assert s["step_std_s"] == pytest.approx(statistics.stdev([2.0, 1.5, 2.0, 1.5]))
+    assert s["step_std_s"] == pytest.approx(statistics.stdev(times))
     assert s["samples_per_s"] == pytest.approx(8 / 1.75)
     with pytest.raises(ValueError):
-        step_stats(ends, warmup=0, samples_per_step=8)
+        step_times(ends, warmup=0)
+
+
+def test_fmt_ratio_combines_both_standard_errors():
+    a = {"samples_per_s": 4.0, "step_s": 2.0, "step_std_s": 0.2, "timed_steps": 4}
+    b = {"samples_per_s": 2.0, "step_s": 4.0, "step_std_s": 0.4, "timed_steps": 4}
+    se = 2.0 * ((0.1**2 / 4) * 2) ** 0.5  # ratio x sqrt(sum of (cv^2 / n))
+    assert fmt_ratio(a, b) == f"2.00 ± {se:.2f}"
+
+
+def test_other_load_is_cpu_time_not_ours(monkeypatch):
+    import bench_stats
+
+    # Readings at the start and at the end, in seconds: wall clock, all CPU, our CPU.
+    for name, values in (("_busy_s", [10.0, 13.0]), ("_ours_s", [1.0, 3.0])):
+        monkeypatch.setattr(bench_stats, name, iter(values).__next__)
+    monkeypatch.setattr(bench_stats.time, "perf_counter", iter([0.0, 2.0]).__next__)
+    with OtherLoad() as load:
+        pass
+    assert load.cores == pytest.approx((13 - 10 - (3 - 1)) / 2)  # 1 s of others' CPU in 2 s
 
 
 def test_flags():
@@ -90,7 +111,7 @@ def test_summarise_excludes_warmup_and_waits():
         ("B", 0, 2, 2.0, 3.0, 0.4),
         ("S", 0, 1, 3.0, 3.2, 0.0),
     ]
-    out = summarise(rows, micro_batches=2, warmup=1)["0"]
+    out = summarise(rows, micro_batches=2, timed=range(1, 2))["0"]
     assert out["F"]["count"] == 2
     assert out["F"]["compute_s"] == pytest.approx((0.4 + 0.3) / 2)
     assert out["F"]["wait_s"] == pytest.approx(0.05)
@@ -123,3 +144,63 @@ def test_step_batch_stacks_the_runtimes_micro_batches():
     ids, labels = step_batch(data, step=1, micro_batches=2)
     assert torch.equal(ids[2:], data.get("input_ids", 3))
     assert torch.equal(labels, ids)  # GPT-2: the labels are the inputs
+
+
+def _run(rate: float, losses=(10.0, 9.0), actions=None) -> dict:
+    step = 8 / rate
+    stats = summarise_steps([step * 0.99, step * 1.01], samples_per_step=8)
+    return {**stats, "losses": list(losses), "actions": actions, "other_cores": [0.0, 0.0],
+            "same_losses_every_round": True}  # fmt: skip
+
+
+def _runtime_data() -> dict:
+    stage = {"nodes": 10, "fwd_s": 0.1, "bwd_s": 0.2, "recompute_s": 0.1}
+    acts = {k: {"compute_s": 0.1, "wait_s": 0.05, "count": 4, "compute_per_step_s": 0.4}
+            for k in "FBS"}  # fmt: skip
+    names = ["ftpipe-even-gpipe", "ftpipe-even-1f1b", "pipelining-gpipe", "pipelining-1f1b",
+             "pipelining-gpipe-recompute", "pipelining-1f1b-recompute", "ftpipe-plan-gpipe",
+             "ftpipe-plan-1f1b", "ftpipe-plan-ftpipe", "single"]  # fmt: skip
+    runs = {n: _run(2.0, actions={"0": acts, "1": acts}) for n in names}
+    runs["ftpipe-even-1f1b"] = _run(1.0, actions={"0": acts, "1": acts})  # half pipelining's
+    runs["pipelining-1f1b"]["losses"] = [10.0, 9.5]  # drifts by 0.5 at step 2
+    tied = {"tensor": "w", "bytes": 51_000_000, "weight": True}
+    plan = {"partitioner": "gpipe", "simulated_step_s": 2.0, "transfers": [tied],
+            "stages": [{**stage, "stage": 0, "gpu": 0, "blocks": [0, 1]},
+                       {**stage, "stage": 1, "gpu": 1, "blocks": [2, 3]}]}  # fmt: skip
+    best = {**plan, "partitioner": "mixed", "lower_bound_s": 0.1,
+            "competitors": {"gpipe": 2.0, "mixed": 1.0}}  # fmt: skip
+    return {"model": "gpt2-bench", "batch": 8, "seq_len": 128, "micro_batches": 4, "lr": 1e-4,
+            "warmup_steps": 1, "timed_steps": 1, "cooldown_steps": 1, "rounds": 2,
+            "even_blocks": 2, "plans": {"even": plan, "ftpipe": best}, "runs": runs}  # fmt: skip
+
+
+def test_runtime_markdown_computes_its_ratios_and_drift():
+    from bench_runtime_report import markdown
+
+    text = markdown(_runtime_data())
+    assert "| 1F1B | 1.00 ± 0.01 | 2.00 ± 0.03 | 0.50 ± 0.01 |" in text  # ftpipe / pipelining
+    assert "max Δ 5.0e-01" in text  # pipelining's drift from the single process
+    assert "slower than pipelining here (down to 0.50x" in text
+    assert "w (51.00 MB)" in text and "A tied weight travels" in text
+    assert "simulated plan / even" in text and "| 2.00 |" in text  # 2.0 s / 1.0 s simulated
+
+
+def test_fidelity_markdown_flags_errors_beyond_the_target():
+    from bench_fidelity_report import markdown
+
+    prof = {"gpu": 0, "fwd_s": 0.1, "bwd_s": 0.2, "recompute_s": 0.1, "recompute": False}
+    acts = {k: {"compute_s": 0.1, "wait_s": 0.0, "count": 4, "compute_per_step_s": 0.4,
+                "wait_per_step_s": 0.0} for k in "FBS"}  # fmt: skip
+    case = {"busy_fraction": [0.8], "label": "p", "stages": [[0, 0]], "micro_batches": 4, "file_bandwidth": 5e9,
+            "simulated_step_s": 1.0, "simulated_step_s_file_bandwidth": 1.0,
+            "measured": {**summarise_steps([1.5, 1.5], 8), "other_cores": 0.0},
+            "error": -1 / 3, "profile": {"0": prof},
+            "actions": {"0": acts}}  # fmt: skip
+    link = {"sizes": [4096, 51_463_168], "bandwidth_by_size": [1e6, 2e9], "latency_s": 1e-4,
+            "bandwidth": 2e9}  # fmt: skip
+    text = markdown({"model": "m", "warmup_steps": 1, "timed_steps": 2, "link": link,
+                     "cases": [case]})  # fmt: skip
+    assert "-33.3% ✗" in text and "0 of 1 plans within ±20%" in text
+    # busiest rank, simulated / measured: compute 0.8 x 1 s / F + B; step actions; waits
+    assert "| p | 0 | 800 / 800 | 0 / 400 | 200 / 0 | 300 | 1000 / 1500 |" in text
+    assert "largest part of the -33.3% is the optimizer-step actions (400 ms" in text

@@ -1,0 +1,146 @@
+"""BENCHMARKS.md section 4: does the simulator predict the generated package's step time?
+
+    data = measure()            # ~1.5 min on 2 cores
+    print(markdown(data))
+
+For each plan of the GPT-2 bench model: compile it with a measured profile taken on one
+thread (`--profile measured --hardware cpu`, the compile runs with OMP_NUM_THREADS=1), so the
+profile times what a one-thread rank does; simulate it under its schedule with the link
+bandwidth measured between two local gloo ranks (`bench_gloo`) in place of the hardware
+file's; train the package on 2 one-thread ranks; compare the steady-state step times.
+
+Beside each prediction, to show where a gap comes from: how long every action of the run
+took, waits for messages apart (`bench_actions`), against the profile's stage times.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench_actions import load_actions, summarise
+from bench_fidelity_report import markdown  # noqa: F401 - the section's renderer
+from bench_gloo import measure_link
+from bench_launch import ROOT, TOOLS, compile_plan, run_child, run_package
+from bench_stats import OtherLoad, step_times, summarise_steps
+from tqdm import tqdm
+
+from ftpipe_compiler.partition.plan import Plan
+from ftpipe_compiler.simulate import simulate
+
+MODEL = "gpt2-bench"
+WARMUP, TIMED, COOLDOWN = 1, 4, 1  # steps: set-up, timed, overlapping the shutdown
+SIM_STEPS = 10
+
+
+def _handmade(out: Path, schedule: str) -> dict:
+    cmd = [sys.executable, str(TOOLS / "bench_handmade_plan.py"), "-o", str(out)]
+    text = run_child(cmd + ["--schedule", schedule], out.with_name(out.name + ".log"))
+    return json.loads(text[text.index("{") :])
+
+
+@dataclass(frozen=True)
+class Case:
+    label: str
+    schedule: str
+    build: object  # (output folder, schedule) -> the compile JSON
+
+    def compile(self, out: Path) -> dict:
+        return self.build(out, self.schedule)
+
+
+CASES = {
+    "even-gpipe": Case(
+        "even split (4 + 4 blocks), GPipe",
+        "gpipe",
+        lambda out, s: compile_plan(
+            out, MODEL, 2, partitioners="gpipe", schedule=s, hardware="cpu", profile="measured"
+        ),
+    ),
+    "winner-ftpipe": Case(
+        "`ftpipe compile` winner, FTPipe async",
+        "ftpipe",
+        lambda out, s: compile_plan(out, MODEL, 2, schedule=s, hardware="cpu", profile="measured"),
+    ),
+    "three-stages-1f1b": Case("3 stages on 2 ranks (by hand: 0 → 1 → 0), 1F1B", "1f1b", _handmade),
+}
+
+
+def measure_case(
+    name: str, case: Case, work: Path, bandwidth: float, warmup: int, timed: int
+) -> dict:
+    from ftpipe_runtime.schedules import get_schedule
+
+    sched = get_schedule(case.schedule)
+    info = case.compile(work / name)
+    out = Path(info["output"])
+    plan = Plan.load(out / "plan.json")
+    sim_file = simulate(plan, case.schedule, steps=SIM_STEPS)
+    sim = simulate(plan.with_(bandwidth=bandwidth), case.schedule, steps=SIM_STEPS)
+    argv = ["--steps", str(warmup + timed + COOLDOWN), "--schedule", case.schedule]
+    with OtherLoad() as load:
+        result = run_package(
+            out, Path(info["package"]).name, argv, work / f"{name}.run.json", actions=True
+        )
+    samples = plan.micro_batches * int(plan.model.get("micro_batch", 1))
+    stats = summarise_steps(step_times(result["step_ends_s"], warmup, COOLDOWN), samples)
+    stats["other_cores"] = load.cores
+    actions = None
+    if "action_files" in result:
+        rows = load_actions(result["action_files"])
+        actions = summarise(rows, plan.micro_batches, range(warmup, warmup + timed))
+    return {
+        "name": name,
+        "label": case.label,
+        "schedule": case.schedule,
+        "partitioner": plan.partitioner,
+        "stages": [[s.id, s.gpu] for s in plan.stages],
+        "micro_batches": plan.micro_batches,
+        "simulated_step_s": sim.step_time_s,
+        "file_bandwidth": plan.bandwidth,
+        "simulated_step_s_file_bandwidth": sim_file.step_time_s,
+        "bytes_sent_per_step": [g.bytes_sent for g in sim.gpus],
+        "busy_fraction": [g.busy_fraction for g in sim.gpus],
+        "profile": {
+            str(s.id): {
+                "gpu": s.gpu,
+                "fwd_s": s.fwd_s,
+                "bwd_s": s.bwd_s,
+                "recompute_s": s.recompute_s,
+                "recompute": sched.recompute(s.id == plan.loss_stage),
+            }
+            for s in plan.stages
+        },
+        "actions": actions,
+        "measured": stats,
+        "error": (sim.step_time_s - stats["step_s"]) / stats["step_s"],
+    }
+
+
+def measure(
+    work: Path | None = None, warmup: int = WARMUP, timed: int = TIMED, cases=tuple(CASES)
+) -> dict:
+    work = Path(work or ROOT / "out" / "bench" / "fidelity")
+    work.mkdir(parents=True, exist_ok=True)
+    link = measure_link(work)
+    rows = []
+    for name in tqdm(cases, desc="fidelity", file=sys.stderr, disable=None):
+        rows.append(measure_case(name, CASES[name], work, link["bandwidth"], warmup, timed))
+        tqdm.write(
+            f"  {name}: simulated {rows[-1]['simulated_step_s']:.3f} s, measured "
+            f"{rows[-1]['measured']['step_s']:.3f} s",
+            file=sys.stderr,
+        )
+    return {
+        "model": MODEL,
+        "warmup_steps": warmup,
+        "timed_steps": timed,
+        "link": link,
+        "cases": rows,
+    }
+
+
+if __name__ == "__main__":
+    print(markdown(measure()))

@@ -1,0 +1,59 @@
+"""One rank of a generated package, as `-m <package>` runs it, plus when every step ended.
+
+    cd out/gpt2-bench && torchrun --nproc_per_node 2 tools/bench_ftpipe_worker.py \\
+        --package gpt2_bench_pipeline --result run.json -- --steps 6 --device cpu
+
+Rank 0 writes the runtime's summary to --result with `step_ends_s`: the seconds from the
+start of training to the end of each step's forwards on the loss stage. The runtime logs
+those per step but its summary keeps only their average, and a benchmark wants the spread,
+so this wraps `Progress.loss` (the one hook that sees them) before calling `run`. With
+--actions, every rank also writes how long each of its actions took (`bench_actions`) to
+RESULT.rank<r>.actions.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+from bench_actions import record_actions, save_actions
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--package", required=True, help="the generated package (importable here)")
+    ap.add_argument("--result", required=True, help="JSON summary written by rank 0")
+    ap.add_argument("--actions", action="store_true", help="time every action on every rank")
+    args = ap.parse_args(argv[:cut])
+    runtime_argv = argv[cut + 1 :]
+
+    sys.path.insert(0, os.getcwd())  # the package sits in the folder torchrun starts in
+    package = importlib.import_module(args.package)
+    from ftpipe_runtime import report, run
+
+    ends: dict[int, float] = {}
+    log_loss = report.Progress.loss
+
+    def loss(progress, step, message):
+        log_loss(progress, step, message)
+        ends[step] = progress.times[step]
+
+    report.Progress.loss = loss
+    rows = record_actions() if args.actions else None
+    summary = run(package.load_plan(), package.STAGES, runtime_argv)
+    rank = int(os.environ.get("RANK", 0))
+    if rows is not None:
+        save_actions(rows, f"{args.result}.rank{rank}.actions.json")
+    if rank == 0:
+        summary["step_ends_s"] = [ends[k] for k in sorted(ends)]
+        with open(args.result, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
