@@ -1,7 +1,7 @@
 """`ftpipe compile`: trace, profile, partition (all methods), simulate each, generate the winner.
 
-    ftpipe compile --model t5-3b --gpus 8 -o out/t5-3b
-    # out/t5-3b/{plan.json, report.html, t5_3b_pipeline/}
+ftpipe compile --model t5-3b --gpus 8 -o out/t5-3b
+# out/t5-3b/{plan.json, report.html, t5_3b_pipeline/}
 """
 
 from __future__ import annotations
@@ -25,35 +25,94 @@ from .simulate import simulate, write_report
 
 @cli.command("compile")
 @model_options
-@click.option("--gpus", "-g", type=click.IntRange(min=1), required=True, help="GPUs in the pipeline.")
-@click.option("--schedule", default="ftpipe", show_default=True, help="ftpipe (async), gpipe or 1f1b.")
-@click.option("--partitioners", "-p", default=None, help=f"Comma-separated subset of {', '.join(PARTITIONERS)}.")
-@click.option("--optimizer", default=None, help="Optimizer whose state counts in memory (default: the task's).")
-@click.option("--micro-batches", type=click.IntRange(min=1), default=None, help="Micro-batches per step.")
-@click.option("--steps", type=click.IntRange(min=2), default=20, show_default=True, help="Simulated steps per plan.")
+@click.option(
+    "--gpus", "-g", type=click.IntRange(min=1), required=True, help="GPUs in the pipeline."
+)
+@click.option(
+    "--schedule", default="ftpipe", show_default=True, help="ftpipe (async), gpipe or 1f1b."
+)
+@click.option(
+    "--partitioners",
+    "-p",
+    default=None,
+    help=f"Comma-separated subset of {', '.join(PARTITIONERS)}.",
+)
+@click.option(
+    "--optimizer",
+    default=None,
+    help="Optimizer whose state counts in memory (default: the task's).",
+)
+@click.option(
+    "--micro-batches", type=click.IntRange(min=1), default=None, help="Micro-batches per step."
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=2),
+    default=20,
+    show_default=True,
+    help="Simulated steps per plan.",
+)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("-o", "--output", type=click.Path(file_okay=False), default=None, help="Output folder (default out/<model>).")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Output folder (default out/<model>).",
+)
 @click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable results.")
-def compile_command(model, task, seq_len, micro_batch, hardware, granularity, profiler, gpus, schedule,
-                    partitioners, optimizer, micro_batches, steps, seed, output, force, as_json, **measured):
+def compile_command(
+    model,
+    task,
+    seq_len,
+    micro_batch,
+    hardware,
+    granularity,
+    profiler,
+    gpus,
+    schedule,
+    partitioners,
+    optimizer,
+    micro_batches,
+    steps,
+    seed,
+    output,
+    force,
+    as_json,
+    **measured,
+):
     """Compile a model into a pipeline package: the plan, a report and the package to torchrun."""
     t_start = time.perf_counter()
     out = Path(output or Path("out") / model.replace("/", "_").replace(":", "_"))
     check_writable(out, force)  # before minutes of work, not after
     command = command_line()
-    phases = tqdm(total=4, desc="compile", file=sys.stderr, disable=None, leave=False,
-                  bar_format="{desc}: {n}/{total} {postfix}")
+    phases = tqdm(
+        total=4,
+        desc="compile",
+        file=sys.stderr,
+        disable=None,
+        leave=False,
+        bar_format="{desc}: {n}/{total} {postfix}",
+    )
     phases.set_postfix_str("trace and profile")
     timings = {}
     t0 = time.perf_counter()
-    spec, t, traced, graph = costed_graph(model, task, hardware, micro_batch, seq_len, granularity,
-                                          profiler, **measured)
+    spec, t, traced, graph = costed_graph(
+        model, task, hardware, micro_batch, seq_len, granularity, profiler, **measured
+    )
     timings["trace_profile_s"] = time.perf_counter() - t0
     phases.update()
     phases.set_postfix_str("partition")
-    problem = problem_from_graph(graph, gpus, hardware, schedule, optimizer or t.optimizer,
-                                 micro_batches or t.micro_batches, seed)
+    problem = problem_from_graph(
+        graph,
+        gpus,
+        hardware,
+        schedule,
+        optimizer or t.optimizer,
+        micro_batches or t.micro_batches,
+        seed,
+    )
     t0 = time.perf_counter()
     names = [n.strip() for n in partitioners.split(",")] if partitioners else None
     results = run_partitioners(problem, names)
@@ -91,25 +150,39 @@ def compile_command(model, task, seq_len, micro_batch, hardware, granularity, pr
     package = out / pkg.name
     timings["total_s"] = time.perf_counter() - t_start
     if as_json:
-        echo_json({
-            "lower_bound_s": problem.lower_bound(), "winner": best.partitioner, "results": rows,
-            "package": str(package), "output": str(out), "simulated": winner_sim.summary(),
-            "timings": timings,
-        })
+        echo_json(
+            {
+                "lower_bound_s": problem.lower_bound(),
+                "winner": best.partitioner,
+                "results": rows,
+                "package": str(package),
+                "output": str(out),
+                "simulated": winner_sim.summary(),
+                "timings": timings,
+            }
+        )
         return
-    click.echo(f"{spec.name}: {len(graph.nodes):,} nodes, {graph.num_parameters:,} parameters, "
-               f"{gpus} x {problem.hardware.name}, schedule {schedule}, {problem.optimizer}, "
-               f"{problem.micro_batches} micro-batches of {graph.meta.get('micro_batch')}")
+    click.echo(
+        f"{spec.name}: {len(graph.nodes):,} nodes, {graph.num_parameters:,} parameters, "
+        f"{gpus} x {problem.hardware.name}, schedule {schedule}, {problem.optimizer}, "
+        f"{problem.micro_batches} micro-batches of {graph.meta.get('micro_batch')}"
+    )
     from .cli_partition import table  # a sibling command module: imported late, no cycle
 
     click.echo(table(results, problem.lower_bound()))
     click.echo("simulated (steady state):")
     for r in rows:
         if r["simulated_step_time_s"] is not None:
-            click.echo(f"  {r['partitioner']:<11} {r['simulated_step_time_s']:8.3f} s/step  "
-                       f"{r['simulated_samples_per_s']:8.2f} samples/s")
-    click.echo(f"winner: {best.partitioner} ({len(plan.stages)} stages, {winner_sim.samples_per_s:.2f} "
-               f"samples/s simulated, bubble {winner_sim.bubble_fraction:.1%})")
-    click.echo(f"wrote {out}/plan.json, {out}/report.html and the package {package} "
-               f"in {timings['total_s']:.1f} s")
+            click.echo(
+                f"  {r['partitioner']:<11} {r['simulated_step_time_s']:8.3f} s/step  "
+                f"{r['simulated_samples_per_s']:8.2f} samples/s"
+            )
+    click.echo(
+        f"winner: {best.partitioner} ({len(plan.stages)} stages, {winner_sim.samples_per_s:.2f} "
+        f"samples/s simulated, bubble {winner_sim.bubble_fraction:.1%})"
+    )
+    click.echo(
+        f"wrote {out}/plan.json, {out}/report.html and the package {package} "
+        f"in {timings['total_s']:.1f} s"
+    )
     click.echo(f"run it: cd {out} && torchrun --nproc_per_node {gpus} -m {pkg.name}")

@@ -1,8 +1,8 @@
 """An output folder that is written whole or not at all.
 
-    with output_folder("out/t5-3b", force=False) as tmp:
-        (tmp / "plan.json").write_text(...)
-    # out/t5-3b now holds exactly what was written; on an error nothing changed.
+with output_folder("out/t5-3b", force=False) as tmp:
+    (tmp / "plan.json").write_text(...)
+# out/t5-3b now holds exactly what was written; on an error nothing changed.
 """
 
 from __future__ import annotations

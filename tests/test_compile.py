@@ -8,11 +8,20 @@ from ftpipe_compiler.partition.plan import Plan
 
 def test_compile_writes_plan_report_and_package(tmp_path):
     out = tmp_path / "out"
-    r = CliRunner().invoke(cli, ["compile", "--model", "t5-tiny", "--gpus", "2", "-o", str(out), "--json"])
+    r = CliRunner().invoke(
+        cli, ["compile", "--model", "t5-tiny", "--gpus", "2", "-o", str(out), "--json"]
+    )
     assert r.exit_code == 0, r.output
     data = json.loads(r.output[r.output.index("{") :])
     assert data["winner"] in {row["partitioner"] for row in data["results"]}
-    assert {row["partitioner"] for row in data["results"]} == {"mixed", "pipedream", "acyclic", "metis", "gpipe", "params"}
+    assert {row["partitioner"] for row in data["results"]} == {
+        "mixed",
+        "pipedream",
+        "acyclic",
+        "metis",
+        "gpipe",
+        "params",
+    }
     # The winner is the fastest plan by simulation among the feasible ones.
     feasible = [row for row in data["results"] if row["feasible"]]
     fastest = min(row["simulated_step_time_s"] for row in feasible)
@@ -46,8 +55,18 @@ def test_compile_refuses_to_overwrite_without_force(tmp_path):
 
 def test_compile_failure_leaves_existing_output(tmp_path):
     out = tmp_path / "out"
-    assert CliRunner().invoke(cli, ["compile", "--model", "gpt2-tiny", "--gpus", "2", "-o", str(out), "-p", "gpipe"]).exit_code == 0
+    assert (
+        CliRunner()
+        .invoke(
+            cli, ["compile", "--model", "gpt2-tiny", "--gpus", "2", "-o", str(out), "-p", "gpipe"]
+        )
+        .exit_code
+        == 0
+    )
     before = (out / "plan.json").read_bytes()
-    r = CliRunner().invoke(cli, ["compile", "--model", "gpt2-tiny", "--gpus", "2", "-o", str(out), "-p", "nope", "--force"])
+    r = CliRunner().invoke(
+        cli,
+        ["compile", "--model", "gpt2-tiny", "--gpus", "2", "-o", str(out), "-p", "nope", "--force"],
+    )
     assert r.exit_code == 1 and "unknown partitioner 'nope'" in r.output
     assert (out / "plan.json").read_bytes() == before

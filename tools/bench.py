@@ -58,50 +58,82 @@ def bench_plans(cases=PLAN_CASES, schedule="ftpipe", steps=20) -> dict:
             row = r.to_json()
             if r.feasible:
                 sim = simulate(r.plan, steps=steps)
-                row.update(simulated_step_time_s=sim.step_time_s, samples_per_s=sim.samples_per_s,
-                           bubble_fraction=sim.bubble_fraction, fits=sim.fits)
+                row.update(
+                    simulated_step_time_s=sim.step_time_s,
+                    samples_per_s=sim.samples_per_s,
+                    bubble_fraction=sim.bubble_fraction,
+                    fits=sim.fits,
+                )
             rows.append(row)
-        out.append({"model": model, "task": t.name, "hardware": hardware, "gpus": gpus,
-                    "schedule": schedule, "micro_batch": graph.meta["micro_batch"],
-                    "micro_batches": problem.micro_batches, "optimizer": problem.optimizer,
-                    "nodes": len(graph.nodes), "lower_bound_s": problem.lower_bound(),
-                    "results": rows, "seconds": time.perf_counter() - t0})
-        print(f"  plans: {model} {task} {gpus} x {hardware}: {out[-1]['seconds']:.0f} s", file=sys.stderr)
+        out.append(
+            {
+                "model": model,
+                "task": t.name,
+                "hardware": hardware,
+                "gpus": gpus,
+                "schedule": schedule,
+                "micro_batch": graph.meta["micro_batch"],
+                "micro_batches": problem.micro_batches,
+                "optimizer": problem.optimizer,
+                "nodes": len(graph.nodes),
+                "lower_bound_s": problem.lower_bound(),
+                "results": rows,
+                "seconds": time.perf_counter() - t0,
+            }
+        )
+        print(
+            f"  plans: {model} {task} {gpus} x {hardware}: {out[-1]['seconds']:.0f} s",
+            file=sys.stderr,
+        )
     return {"cases": out}
 
 
 def plans_markdown(data: dict) -> str:
-    lines = ["## 1. Plan quality (analytic costs, simulated)", "",
-             "Every partitioner on the same costed graph, memory model and simulator. *period* is "
-             "FTPipe eq. 1 (the slowest GPU's compute plus unhidden transfers, per micro-batch); "
-             "*expected speedup* = total compute / period; throughput is the simulator's steady "
-             "state under the asynchronous `ftpipe` schedule. Mixed vs best sequential compares "
-             "simulated samples/s with the best of pipedream, acyclic, gpipe and params.", ""]
+    lines = [
+        "## 1. Plan quality (analytic costs, simulated)",
+        "",
+        "Every partitioner on the same costed graph, memory model and simulator. *period* is "
+        "FTPipe eq. 1 (the slowest GPU's compute plus unhidden transfers, per micro-batch); "
+        "*expected speedup* = total compute / period; throughput is the simulator's steady "
+        "state under the asynchronous `ftpipe` schedule. Mixed vs best sequential compares "
+        "simulated samples/s with the best of pipedream, acyclic, gpipe and params.",
+        "",
+    ]
     for c in data["cases"]:
         ok = [r for r in c["results"] if r["feasible"] and r.get("fits", True)]
         best = max(ok, key=lambda r: r["samples_per_s"], default=None)
         seq = [r for r in ok if r["partitioner"] in SEQUENTIAL]
         mixed = next((r for r in ok if r["partitioner"] == "mixed"), None)
-        lines += [f"### {c['model']} ({c['task']}, micro-batch {c['micro_batch']} x {c['micro_batches']}, "
-                  f"{c['optimizer']}) on {c['gpus']} x {c['hardware']}", "",
-                  f"{c['nodes']:,} nodes; lower bound {c['lower_bound_s'] * 1e3:.1f} ms per micro-batch.", "",
-                  "| partitioner | samples/s (sim) | period ms | / lower bound | expected speedup | stages "
-                  "| max memory GiB | comm MB | search s |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"### {c['model']} ({c['task']}, micro-batch {c['micro_batch']} x {c['micro_batches']}, "
+            f"{c['optimizer']}) on {c['gpus']} x {c['hardware']}",
+            "",
+            f"{c['nodes']:,} nodes; lower bound {c['lower_bound_s'] * 1e3:.1f} ms per micro-batch.",
+            "",
+            "| partitioner | samples/s (sim) | period ms | / lower bound | expected speedup | stages "
+            "| max memory GiB | comm MB | search s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for r in c["results"]:
             name = f"**{r['partitioner']}**" if best and r is best else r["partitioner"]
             if not r["feasible"]:
-                lines.append(f"| {name} | infeasible: {r.get('error', '')} | | | | | | | {r['search_seconds']:.1f} |")
+                lines.append(
+                    f"| {name} | infeasible: {r.get('error', '')} | | | | | | | {r['search_seconds']:.1f} |"
+                )
                 continue
             lines.append(
                 f"| {name} | {r.get('samples_per_s', 0):.2f} | {r['period_s'] * 1e3:.1f} | "
                 f"{r['period_s'] / c['lower_bound_s']:.3f} | {r['expected_speedup']:.2f} | {r['stages']} | "
-                f"{r['max_memory_bytes'] / 2**30:.2f} | {r['comm_bytes'] / 1e6:.0f} | {r['search_seconds']:.1f} |")
+                f"{r['max_memory_bytes'] / 2**30:.2f} | {r['comm_bytes'] / 1e6:.0f} | {r['search_seconds']:.1f} |"
+            )
         if mixed and seq:
             top = max(seq, key=lambda r: r["samples_per_s"])
-            lines += ["", f"Mixed-pipe vs best sequential ({top['partitioner']}): "
-                      f"{mixed['samples_per_s'] / top['samples_per_s']:.2f}x simulated throughput, "
-                      f"period {top['period_s'] / mixed['period_s']:.2f}x lower."]
+            lines += [
+                "",
+                f"Mixed-pipe vs best sequential ({top['partitioner']}): "
+                f"{mixed['samples_per_s'] / top['samples_per_s']:.2f}x simulated throughput, "
+                f"period {top['period_s'] / mixed['period_s']:.2f}x lower.",
+            ]
         lines.append("")
     return "\n".join(lines)
 
@@ -115,13 +147,20 @@ def bench_compile(model="t5-3b", gpus=8) -> dict:
     from ftpipe_compiler.cli import cli
 
     with tempfile.TemporaryDirectory() as tmp:
-        r = CliRunner().invoke(cli, ["compile", "--model", model, "--gpus", str(gpus), "-o", f"{tmp}/out", "--json"])
+        r = CliRunner().invoke(
+            cli, ["compile", "--model", model, "--gpus", str(gpus), "-o", f"{tmp}/out", "--json"]
+        )
         if r.exit_code != 0:
             raise RuntimeError(r.output)
-        data = json.loads(r.output[r.output.index("{"):])
+        data = json.loads(r.output[r.output.index("{") :])
         figures = save_figures(Path(tmp) / "out" / "report.html", FIGURES)
-    return {"model": model, "gpus": gpus, "timings": data["timings"], "winner": data["winner"],
-            "figures": figures}
+    return {
+        "model": model,
+        "gpus": gpus,
+        "timings": data["timings"],
+        "winner": data["winner"],
+        "figures": figures,
+    }
 
 
 FIGURES = Path(__file__).resolve().parent.parent / "docs"
@@ -145,16 +184,24 @@ def save_figures(report: Path, folder: Path) -> list[str]:
 
 def compile_markdown(data: dict) -> str:
     t = data["timings"]
-    return "\n".join([
-        f"## 2. Compile time: `ftpipe compile --model {data['model']} --gpus {data['gpus']}`", "",
-        "| trace + profile | partition (6 methods) | simulate (6 plans) | generate | total |",
-        "|---:|---:|---:|---:|---:|",
-        f"| {t['trace_profile_s']:.1f} s | {t['partition_s']:.1f} s | {t['simulate_s']:.1f} s | "
-        f"{t['generate_s']:.1f} s | {t['total_s']:.1f} s |", "",
-        "Figures of the winning plan (from its report.html): "
-        + ", ".join(f"[{Path(f).name}]({f})" for f in data.get("figures", [])) + ".", "",
-        f"Winner: {data['winner']}. Measured on this machine ({platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads).", ""])
+    return "\n".join(
+        [
+            f"## 2. Compile time: `ftpipe compile --model {data['model']} --gpus {data['gpus']}`",
+            "",
+            "| trace + profile | partition (6 methods) | simulate (6 plans) | generate | total |",
+            "|---:|---:|---:|---:|---:|",
+            f"| {t['trace_profile_s']:.1f} s | {t['partition_s']:.1f} s | {t['simulate_s']:.1f} s | "
+            f"{t['generate_s']:.1f} s | {t['total_s']:.1f} s |",
+            "",
+            "Figures of the winning plan (from its report.html): "
+            + ", ".join(f"[{Path(f).name}]({f})" for f in data.get("figures", []))
+            + ".",
+            "",
+            f"Winner: {data['winner']}. Measured on this machine ({platform.processor() or platform.machine()}, "
+            f"{torch.get_num_threads()} threads).",
+            "",
+        ]
+    )
 
 
 SECTIONS = {
@@ -166,7 +213,9 @@ SECTIONS = {
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--sections", default=",".join(SECTIONS))
     ap.add_argument("--out", default="BENCHMARKS.md")
     args = ap.parse_args(argv)
@@ -182,10 +231,14 @@ def main(argv=None) -> None:
         raw[s] = measure()
         raw[s]["bench_seconds"] = time.perf_counter() - t0
         parts.append(render(raw[s]))
-    head = ["# ftpipe benchmarks", "",
-            f"Written by `make bench` (tools/bench.py) on {datetime.date.today()}, ftpipe {__version__}, "
-            f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}. "
-            f"Raw figures: `{Path(args.out).with_suffix('.json').name}`.", ""]
+    head = [
+        "# ftpipe benchmarks",
+        "",
+        f"Written by `make bench` (tools/bench.py) on {datetime.date.today()}, ftpipe {__version__}, "
+        f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}. "
+        f"Raw figures: `{Path(args.out).with_suffix('.json').name}`.",
+        "",
+    ]
     Path(args.out).write_text("\n".join(head + parts))
     Path(args.out).with_suffix(".json").write_text(json.dumps(raw, indent=1))
     print(f"wrote {args.out}", file=sys.stderr)
