@@ -131,14 +131,6 @@ class OpGraph:
                 own.setdefault(p, n.id)
         return own
 
-    @functools.cached_property
-    def node_param_bytes(self) -> dict[str, int]:
-        """Bytes of the parameters each node owns (tied ones counted once, at the owner)."""
-        out = {n.id: 0 for n in self.nodes}
-        for p, nid in self.owner.items():
-            out[nid] += self.param[p].bytes
-        return out
-
     def node_by_scope(self, scope: str) -> Node:
         """The first node whose scope is `scope` (layer granularity: the whole layer)."""
         return next(n for n in self.nodes if n.scope == scope)

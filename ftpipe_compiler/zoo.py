@@ -165,7 +165,6 @@ _FAMILY_INPUTS = {
     "gpt2": ("input_ids", "labels"),
     "bert": ("input_ids", "attention_mask", "token_type_ids", "start_positions", "end_positions"),
 }
-_FAMILY_OF_TYPE = {"t5": "t5", "gpt2": "gpt2", "bert": "bert"}
 
 
 def _hf_class(name: str):
@@ -213,11 +212,11 @@ def resolve_model(spec: str) -> ModelSpec:
                 f"{spec} is a folder but has no config.json; is it a HuggingFace model?"
             )
         config = json.loads(cfg_file.read_text())
-        family = _FAMILY_OF_TYPE.get(config.get("model_type", ""))
-        if family is None:
+        family = config.get("model_type", "")
+        if family not in _FAMILY_INPUTS:
             raise FtpipeError(
                 f"{spec}: model_type {config.get('model_type')!r} is not supported yet "
-                f"(supported: {', '.join(_FAMILY_OF_TYPE)}); use a package.module:function spec"
+                f"(supported: {', '.join(_FAMILY_INPUTS)}); use a package.module:function spec"
             )
         arch = (config.get("architectures") or [None])[0] or _DEFAULT_CLASS[family]
         return ModelSpec(

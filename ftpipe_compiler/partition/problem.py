@@ -54,11 +54,6 @@ class Problem:
     def sched(self):
         return get_schedule(self.schedule)
 
-    def node_work(self, node_id: str, last: bool = False) -> float:
-        """Seconds per micro-batch; `last`: the node sits in the loss stage."""
-        n = self.graph.node[node_id]
-        return self.graph.work(n, recompute=self.sched.recompute(last))
-
     @functools.cached_property
     def work_recompute(self) -> dict[str, float]:
         return {n.id: self.graph.work(n, True) for n in self.graph.nodes}
