@@ -15,7 +15,8 @@ from torch import fx
 
 from .errors import TraceError
 from .graph import Edge, ModelInput, Node, OpGraph, Param
-from .zoo import ModelSpec, Task
+from .tasks import Task
+from .zoo import ModelSpec
 
 # Tracing artefacts with no effect on the computation.
 _DROP = {
@@ -68,7 +69,59 @@ def trace_model(spec: ModelSpec, task: Task, micro_batch: int, device="meta", mo
             f"torch.export could not trace {spec.spec}: {reason} -- try --granularity layer, or "
             "give a package.module:function spec whose model returns the loss from plain tensors"
         ) from None
+    inline_regions(program.graph_module)
     return Traced(*_to_graph(spec, task, micro_batch, model, inputs, program))
+
+
+def inline_regions(gm: fx.GraphModule) -> None:
+    """Splice in the sub-graphs torch.export wraps `torch.no_grad()` code in (the rotary
+    embeddings of Llama, Mistral, Qwen...), so that every stage is plain ATen code. Their
+    outputs are detached: no gradient flows back through them, as under no_grad."""
+    graph = gm.graph
+    for hop in [n for n in graph.nodes if n.op == "call_function" and n.target in _REGIONS]:
+        grad_on, sub_attr, *args = _REGIONS[hop.target](hop.args)
+        sub = getattr(gm, sub_attr.target)
+        env = dict(zip([n for n in sub.graph.nodes if n.op == "placeholder"], args))
+        with graph.inserting_before(hop):
+            for n in sub.graph.nodes:
+                if n.op == "output":
+                    outs = [env[o] for o in n.args[0]]
+                elif n.op == "call_function" and n.target not in _REGIONS:
+                    env[n] = graph.node_copy(n, env.__getitem__)
+                elif n.op != "placeholder":
+                    raise TraceError(f"cannot inline {n.target} nested in {hop.target}")
+        for user in list(hop.users):  # getitem(hop, i)
+            out = outs[user.args[1]]
+            if not grad_on:
+                with graph.inserting_before(hop):
+                    out = _detached(graph, out, f"{user.name}_no_grad")
+            user.replace_all_uses_with(out)
+            graph.erase_node(user)
+        graph.erase_node(hop)
+        if not sub_attr.users:
+            graph.erase_node(sub_attr)
+            delattr(gm, sub_attr.target)
+    gm.recompile()
+
+
+def _detached(graph: fx.Graph, value: fx.Node, name: str) -> fx.Node:
+    node = graph.create_node("call_function", torch.ops.aten.detach.default, (value,), name=name)
+    node.meta = {k: v for k, v in value.meta.items() if k in ("val", "nn_module_stack")}
+    return node
+
+
+def _autocast_off(args):
+    device, dtype, enabled, cache, sub, *rest = args
+    if enabled:  # inlining would drop the cast: nothing traced on meta or the CPU has one
+        raise TraceError("cannot inline an autocast region; trace without autocast")
+    return (True, sub, *rest)
+
+
+# torch.export's wrapper ops -> (gradients on?, the sub-graph's attribute node, its inputs)
+_REGIONS = {
+    torch.ops.higher_order.wrap_with_set_grad_enabled: lambda args: args,
+    torch.ops.higher_order.wrap_with_autocast: _autocast_off,
+}
 
 
 def _canonical_params(model: torch.nn.Module) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
@@ -127,8 +180,10 @@ def _to_graph(spec, task, micro_batch, model, inputs, program):
                 preds.append(a.name)
         shape, dtype, nbytes = describe_value(n.meta.get("val"))
         float_out = dtype.startswith("float") or dtype.startswith("bfloat")
-        needs = float_out and (
-            any(tensors[p].requires_grad for p in params) or any(grad[p] for p in preds)
+        needs = (
+            float_out
+            and op != "aten.detach.default"
+            and (any(tensors[p].requires_grad for p in params) or any(grad[p] for p in preds))
         )
         grad[n.name] = needs
         out_bytes[n.name] = nbytes
@@ -189,12 +244,15 @@ def _meta(spec: ModelSpec, task: Task, micro_batch: int) -> dict:
     """What later steps (codegen, the runtime's synthetic data) need to know of the model."""
     return {
         "task": task.name,
-        "family": spec.family,
+        "head": spec.head,
+        "model_type": spec.model_type,
+        "seq_len": task.seq_len,
+        "target_len": task.target_len,
         "micro_batch": micro_batch,
         "batch": task.batch,
         "optimizer": task.optimizer,
         "lr": task.lr,
-        "vocab_size": int(spec.config.get("vocab_size", 0)),
+        "vocab": spec.vocab.to_json(),
         "hf_class": spec.hf_class,
         "config": spec.config,
         "model_kind": spec.kind,
