@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import click
+from ftpipe_runtime.models import HEADS
 
 from .cli import cli, echo_json
 from .measured import DEVICES
@@ -23,53 +24,82 @@ def models(as_json):
     if as_json:
         echo_json(rows)
         return
-    click.echo("Models (--model NAME, or a local HuggingFace folder, or package.module:function):")
+    click.echo(
+        "Models (--model NAME or its hub id; also any local HuggingFace folder, a hub id in the "
+        "local HuggingFace cache, or package.module:function):"
+    )
     for m in rows["models"]:
         click.echo(
-            f"  {m['name']:<12} {m['parameters'] / 1e6:>10,.1f} M params  task {m['default_task']:<10} {m['description']}"
+            f"  {m['name']:<13} {m['parameters'] / 1e6:>10,.1f} M params  task {m['default_task']:<12} "
+            f"{m.get('hub_id') or '-':<34} {m['description']}"
         )
+    click.echo("\nHeads (--head NAME; by default the config's architectures decide):")
+    for h in HEADS.values():
+        click.echo(f"  {h.name:<24} task {h.default_task:<10} {h.description}")
     click.echo("\nHardware (--hardware NAME):")
     for h in rows["hardware"]:
         click.echo(
             f"  {h['name']:<12} {h['memory_bytes'] / 2**30:>5.0f} GiB  {h['peak_flops'] / 1e12:>6.1f} TFLOP/s  "
             f"link {h['link_bandwidth'] / 1e9:>5.0f} GB/s  {h['description']}"
         )
-    click.echo("\nTasks (--task NAME):")
+    click.echo(
+        "\nTasks (--task NAME; reshape with --seq-len, --target-len, --micro-batch, --batch):"
+    )
     for t in rows["tasks"]:
-        shapes = ", ".join(f"{k} {v[0]}" for k, v in t["inputs"].items())
+        shape = f"seq {t['seq_len']}" + (
+            f", target {t['target_len']}" if t.get("target_len") else ""
+        )
         click.echo(
-            f"  {t['name']:<10} {t['family']:<5} micro-batch {t['micro_batch']:<3} {t['optimizer']:<9} {shapes}"
+            f"  {t['name']:<12} {t['head']:<24} {shape:<20} micro-batch {t['micro_batch']:<3} "
+            f"batch {t['batch']:<4} {t['optimizer']}"
         )
 
 
 def model_options(f):
     """Options shared by `profile` and `compile`: what to trace and how to cost it.
 
-    The measured profiler's options arrive as `device`, `memory_limit_gb`, `repeats` and
-    `cache`, the keywords `costed_graph` hands to `measured_costs`.
+    `head`, `target_len` and `batch`, and the measured profiler's `device`, `memory_limit_gb`,
+    `repeats` and `cache`, arrive as keywords for `costed_graph` (which hands the last four to
+    `measured_costs`).
     """
     options = [
         click.option(
             "--model",
             "-m",
             required=True,
-            help="Shipped name (ftpipe models), HF folder, or module:function.",
+            help="Shipped name or its hub id (ftpipe models), a local HuggingFace folder, a hub "
+            "id in the local HuggingFace cache, or module:function.",
+        ),
+        click.option(
+            "--head",
+            type=click.Choice(list(HEADS)),
+            default=None,
+            help="The model's head (default: the class in the config's architectures).",
         ),
         click.option(
             "--task",
             "-t",
             default=None,
-            help="Task whose input shapes to trace (default: the model's).",
+            help="Task preset whose shapes to trace (default: the model's; ftpipe models).",
         ),
         click.option(
-            "--seq-len", type=int, default=None, help="Override the (encoder) sequence length."
+            "--seq-len", type=int, default=None, help="Tokens per sequence (encoder side)."
+        ),
+        click.option(
+            "--target-len", type=int, default=None, help="Decoder tokens of a seq2seq LM."
         ),
         click.option(
             "--micro-batch",
             "-b",
             type=int,
             default=None,
-            help="Micro-batch size (default: the task's).",
+            help="Sequences per micro-batch (default: the task's).",
+        ),
+        click.option(
+            "--batch",
+            type=int,
+            default=None,
+            help="Sequences per optimizer step (default: the task's micro-batches).",
         ),
         click.option(
             "--hardware", default="rtx2080ti", show_default=True, help="GPU spec for the costs."
@@ -129,13 +159,14 @@ def model_options(f):
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def profile(
-    model, task, seq_len, micro_batch, hardware, granularity, profiler, output, as_json, **measured
+    model, task, seq_len, micro_batch, hardware, granularity, profiler, output, as_json, **options
 ):
     """Trace a model into an operator graph and cost every node."""
     t0 = time.perf_counter()
-    # `measured` holds device, memory_limit_gb, repeats and cache: measured_costs' keywords.
+    # `options` holds head, target_len and batch, and the measured profiler's device,
+    # memory_limit_gb, repeats and cache: costed_graph's keywords.
     spec, t, _, graph = costed_graph(
-        model, task, hardware, micro_batch, seq_len, granularity, profiler, **measured
+        model, task, hardware, micro_batch, seq_len, granularity, profiler, **options
     )
     seconds = time.perf_counter() - t0
     if output:

@@ -102,6 +102,11 @@ def compile_command(
         model, task, hardware, micro_batch, seq_len, granularity, profiler, **measured
     )
     timings["trace_profile_s"] = time.perf_counter() - t0
+    if micro_batches and measured.get("batch") and micro_batches * t.micro_batch != t.batch:
+        raise click.UsageError(
+            f"--batch {t.batch} is not --micro-batches {micro_batches} x micro-batch "
+            f"{t.micro_batch}; give one of the two"
+        )
     phases.update()
     phases.set_postfix_str("partition")
     problem = problem_from_graph(

@@ -30,11 +30,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from ftpipe_runtime.models import synthetic_batch
 from torch import nn
 
 from .errors import PlanFormatError
 from .graph import OpGraph
-from .zoo import Task
 
 CACHE_FORMAT = 1
 
@@ -115,11 +115,12 @@ class Weights:
 
     def model_inputs(self) -> dict:
         """One micro-batch of the inputs the graph was traced with, on the host."""
+        if self.spec.kind == "function":
+            return self.spec.example_inputs(None, 0, "cpu")
         g = self.traced.graph
-        shapes = {i.name: (list(i.shape[1:]), i.dtype) for i in g.inputs}
-        mb = g.meta.get("micro_batch") or g.inputs[0].shape[0]
-        task = Task("traced", self.spec.family, shapes, mb, mb, "adamw", 0.0)
-        return self.spec.example_inputs(task, mb, "cpu", seed=self.seed)
+        model = {"head": g.meta.get("head"), "vocab": g.meta.get("vocab")}
+        model["inputs"] = {i.name: [list(i.shape), i.dtype] for i in g.inputs}
+        return synthetic_batch(model, index=0, seed=self.seed)
 
     def _tensor(self, name: str) -> torch.Tensor:
         p = self.traced.graph.param[name]

@@ -9,8 +9,9 @@ from .costs import analytic_costs
 from .errors import FtpipeError
 from .graph import OpGraph
 from .hardware import get_hardware
+from .tasks import Task, resolve_task
 from .trace import Traced, trace_model
-from .zoo import ModelSpec, Task, resolve_model, resolve_task
+from .zoo import ModelSpec, resolve_model
 
 GRANULARITIES = ("op", "layer")
 PROFILERS = ("analytic", "measured")
@@ -24,6 +25,10 @@ def costed_graph(
     seq_len: int | None = None,
     granularity: str = "op",
     profile: str = "analytic",
+    *,
+    head: str | None = None,
+    target_len: int | None = None,
+    batch: int | None = None,
     **measured_options,
 ) -> tuple[ModelSpec, Task, Traced, OpGraph]:
     if granularity not in GRANULARITIES:
@@ -33,12 +38,9 @@ def costed_graph(
     if profile not in PROFILERS:
         raise FtpipeError(f"unknown profiler {profile!r}; choose from {', '.join(PROFILERS)}")
     hw = get_hardware(hardware)
-    spec = resolve_model(model)
-    t = resolve_task(spec, task, seq_len)
-    mb = micro_batch or t.micro_batch
-    if mb < 1:
-        raise FtpipeError(f"--micro-batch must be at least 1, not {mb}")
-    traced = trace_model(spec, t, mb)
+    spec = resolve_model(model, head)
+    t = resolve_task(spec, task, seq_len, target_len, micro_batch, batch)
+    traced = trace_model(spec, t, t.micro_batch)
     if profile == "measured":
         from .measured import measured_costs
 

@@ -1,10 +1,14 @@
-"""The model zoo: turn a `--model` spec and a task into a loss-returning module and inputs.
+"""The model zoo: turn a `--model` spec into a loss-returning module and its inputs.
 
-spec = resolve_model("t5-3b")            # shipped config, or a local HF folder,
-                                         # or "package.module:function"
-task = resolve_task(spec, "rte")         # input shapes, micro-batch, optimizer
-model = spec.build("meta")               # LossModel: forward(**inputs) -> loss
+spec = resolve_model("t5-3b")            # a shipped config, a local HF folder, a hub id found
+                                         # in the local HF cache, or "package.module:function"
+task = resolve_task(spec, "rte")         # (tasks.py) shapes, micro-batch, optimizer
+model = spec.build("meta")               # LossModel: forward(*inputs) -> loss
 inputs = spec.example_inputs(task, 4, "meta")
+
+What a model takes comes from its head (`ftpipe_runtime.models`): the class named by the
+config's `architectures` (or `--head`), the input names from that class's forward signature.
+No family is listed here: any model transformers can build with one of the heads works.
 """
 
 from __future__ import annotations
@@ -12,49 +16,23 @@ from __future__ import annotations
 import importlib
 import json
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from ftpipe_runtime.models import HEADS, Vocab, get_head, input_shapes, synthetic_batch
 from torch import nn
 
+from . import hub
 from .errors import FtpipeError, unknown
 from .resources import config_names, load_config
+from .tasks import Task
 
-
-@dataclass(frozen=True)
-class Task:
-    name: str
-    family: str
-    inputs: dict  # name -> (per-sample shape, dtype)
-    micro_batch: int
-    batch: int
-    optimizer: str
-    lr: float
-    description: str = ""
-
-    @property
-    def micro_batches(self) -> int:
-        return max(1, self.batch // self.micro_batch)
-
-    def with_seq_len(self, seq_len: int | None) -> Task:
-        """Override the encoder-side sequence length (inputs whose names are not decoder_*)."""
-        if not seq_len:
-            return self
-        new = {}
-        for k, (shape, dtype) in self.inputs.items():
-            if (
-                shape
-                and not k.startswith("decoder")
-                and not (k == "labels" and self.family == "t5")
-            ):
-                shape = [seq_len, *shape[1:]]
-            new[k] = (list(shape), dtype)
-        return replace(self, inputs=new, name=f"{self.name}@{seq_len}")
+FUNCTION = re.compile(r"[\w.]+:\w+")
 
 
 class LossModel(nn.Module):
-    """Wraps a HuggingFace model so that `forward(**inputs)` returns the training loss."""
+    """Wraps a HuggingFace model so that `forward(*inputs)` returns the training loss."""
 
     def __init__(self, model: nn.Module, input_names: tuple[str, ...]):
         super().__init__()
@@ -62,13 +40,9 @@ class LossModel(nn.Module):
         self.input_names = input_names
 
     def forward(self, *args):
-        out = self.m(**dict(zip(self.input_names, args)), **self._extra())
-        return out.loss if hasattr(out, "loss") else out
+        from ftpipe_runtime.models.hf import loss_of
 
-    def _extra(self) -> dict:
-        # use_cache=False: T5 otherwise returns an EncoderDecoderCache that export rejects.
-        cfg = getattr(self.m, "config", None)
-        return {"use_cache": False} if getattr(cfg, "use_cache", None) is not None else {}
+        return loss_of(self.m, dict(zip(self.input_names, args)))
 
 
 class FunctionModel(nn.Module):
@@ -86,14 +60,22 @@ class FunctionModel(nn.Module):
 class ModelSpec:
     spec: str
     name: str
-    kind: str  # zoo | hf-dir | function
-    family: str = ""
+    kind: str  # zoo | hf-dir | hub | function
+    head: str = ""
     hf_class: str = ""
     config: dict = field(default_factory=dict)
+    inputs: tuple[str, ...] = ()  # the forward's inputs this head feeds, in its order
+    vocab: Vocab = Vocab()
+    max_positions: int = 0  # 0: no limit (relative positions)
     path: str = ""  # local HF folder (weights may live there)
+    hub_id: str = ""
     default_task: str = ""
     description: str = ""
     parameters: int = 0
+
+    @property
+    def model_type(self) -> str:
+        return self.config.get("model_type", "")
 
     @property
     def package_name(self) -> str:
@@ -104,49 +86,48 @@ class ModelSpec:
         if self.kind == "function":
             model, _ = self._call_function()
             return FunctionModel(model).to(device)
-        config = dict(self.config)
-        if dropout is not None:
-            for k in list(config):
-                if "dropout" in k or k.endswith("_pdrop") or k.endswith("_prob"):
-                    if isinstance(config[k], float):
-                        config[k] = dropout
-        cls = _hf_class(self.hf_class)
-        hf_config = _hf_config(config)
-        torch.manual_seed(seed)
-        with torch.device(device):
-            model = cls(hf_config)
-        model.train()
-        return LossModel(model, tuple(self._input_names()))
+        from ftpipe_runtime.models import hf
 
-    def _input_names(self):
-        return _FAMILY_INPUTS.get(self.family, ())
+        model = hf.build_model(self.config, self.hf_class, device, dropout, seed)
+        if HEADS[self.head].decoder and not hf.shift_agrees(model, self.vocab, self.model_type):
+            raise FtpipeError(
+                f"{self.spec}: {self.hf_class} makes its decoder inputs from the labels in its own "
+                "way; give its model_type a 'shift' rule in ftpipe_runtime/models/heads.py"
+            )
+        return LossModel(model, self.inputs)
+
+    def input_shapes(self, task: Task) -> dict[str, tuple[list[int], str]]:
+        """name -> (per-sample shape, dtype) of every input, in the order forward takes them."""
+        if self.kind == "function":
+            _, example = self._call_function()
+            return {f"input_{i}": (list(t.shape[1:]), _dtype(t)) for i, t in enumerate(example)}
+        regression = self.head == "sequence-classification" and self.vocab.num_labels == 1
+        return input_shapes(
+            get_head(self.head), self.inputs, task.seq_len, task.target_len, regression
+        )
+
+    def data_model(self, task: Task, micro_batch: int) -> dict:
+        """What the runtime's synthetic data reads of a plan's model (ftpipe_runtime.models)."""
+        shapes = self.input_shapes(task)
+        return {
+            "head": self.head,
+            "model_type": self.model_type,
+            "vocab": self.vocab.to_json(),
+            "inputs": {k: [[micro_batch, *s], d] for k, (s, d) in shapes.items()},
+        }
 
     def example_inputs(self, task: Task, micro_batch: int, device="meta", seed: int = 0) -> dict:
         """Inputs of one micro-batch, in the order the model's forward takes them."""
         if self.kind == "function":
             _, example = self._call_function()
             return {f"input_{i}": t.to(device) for i, t in enumerate(example)}
-        gen = torch.Generator().manual_seed(seed)
-        vocab = int(self.config.get("vocab_size", 2))
-        out = {}
-        for name in self._input_names():
-            if name not in task.inputs:
-                continue
-            shape, dtype = task.inputs[name]
-            shape = (micro_batch, *shape)
-            if name == "attention_mask":
-                t = torch.ones(shape, dtype=torch.long)
-            elif name == "token_type_ids":
-                t = torch.zeros(shape, dtype=torch.long)
-            elif name in ("start_positions", "end_positions"):
-                seq = task.inputs["input_ids"][0][0]
-                t = torch.randint(0, seq, shape, generator=gen)
-            else:
-                t = torch.randint(0, vocab, shape, generator=gen)
-            out[name] = t.to(getattr(torch, dtype)).to(device)
-        if self.family == "gpt2" and "labels" in out:
-            out["labels"] = out["input_ids"].clone()
-        return out
+        batch = synthetic_batch(self.data_model(task, micro_batch), index=0, seed=seed)
+        return {k: v.to(device) for k, v in batch.items()}
+
+    def function_task(self) -> Task:
+        _, example = self._call_function()
+        mb = example[0].shape[0] if example and example[0].dim() else 1
+        return Task("custom", "", 0, micro_batch=mb, batch=mb * 4)
 
     def _call_function(self):
         mod, _, fn = self.spec.partition(":")
@@ -160,119 +141,110 @@ class ModelSpec:
         return model, tuple(example) if isinstance(example, (tuple, list)) else (example,)
 
 
-_FAMILY_INPUTS = {
-    "t5": ("input_ids", "attention_mask", "decoder_input_ids", "labels"),
-    "gpt2": ("input_ids", "labels"),
-    "bert": ("input_ids", "attention_mask", "token_type_ids", "start_positions", "end_positions"),
-}
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
 
 
-def _hf_class(name: str):
-    try:
-        import transformers
-    except ImportError:
-        raise FtpipeError(
-            "HuggingFace models need transformers: pip install 'ftpipe[hf]'"
-        ) from None
-    try:
-        return getattr(transformers, name)
-    except AttributeError:
-        raise FtpipeError(f"transformers has no model class {name!r}") from None
-
-
-def _hf_config(config: dict):
-    import transformers
-
-    config = dict(config)
-    model_type = config.pop("model_type")
-    config.pop("architectures", None)
-    return transformers.AutoConfig.for_model(model_type, **config)
-
-
-def resolve_model(spec: str) -> ModelSpec:
-    """A shipped name, a local HuggingFace folder, or `package.module:function`."""
-    d = load_config("models", spec)
-    if d is not None:
-        return ModelSpec(
-            spec=spec,
-            name=d["name"],
-            kind="zoo",
-            family=d["family"],
-            hf_class=d["hf_class"],
-            config=d["config"],
-            default_task=d.get("default_task", ""),
-            description=d.get("description", ""),
-            parameters=d.get("parameters", 0),
-        )
+def resolve_model(spec: str, head: str | None = None) -> ModelSpec:
+    """A shipped name, a local HuggingFace folder, a hub id in the local HuggingFace cache
+    (a shipped config also answers to its hub id), or `package.module:function`."""
+    if head is not None and head not in HEADS:
+        raise unknown("head", head, HEADS)
+    shipped = None if "/" in spec or "\\" in spec else load_config("models", spec)
+    if shipped is not None:
+        return _shipped(spec, shipped, head)
     path = Path(spec)
     if path.is_dir():
-        cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise FtpipeError(
-                f"{spec} is a folder but has no config.json; is it a HuggingFace model?"
-            )
-        config = json.loads(cfg_file.read_text())
-        family = config.get("model_type", "")
-        if family not in _FAMILY_INPUTS:
-            raise FtpipeError(
-                f"{spec}: model_type {config.get('model_type')!r} is not supported yet "
-                f"(supported: {', '.join(_FAMILY_INPUTS)}); use a package.module:function spec"
-            )
-        arch = (config.get("architectures") or [None])[0] or _DEFAULT_CLASS[family]
-        return ModelSpec(
-            spec=spec,
-            name=path.resolve().name,
-            kind="hf-dir",
-            family=family,
-            hf_class=arch,
-            config=config,
-            path=str(path.resolve()),
-            default_task=_DEFAULT_TASK[family],
-        )
-    if re.fullmatch(r"[\w.]+:\w+", spec):
-        return ModelSpec(spec=spec, name=spec.split(":")[1], kind="function")
-    raise unknown("model", spec, config_names("models") + ["<hf folder>", "<module:function>"])
-
-
-_DEFAULT_CLASS = {
-    "t5": "T5ForConditionalGeneration",
-    "gpt2": "GPT2LMHeadModel",
-    "bert": "BertForQuestionAnswering",
-}
-_DEFAULT_TASK = {"t5": "rte", "gpt2": "wikitext2", "bert": "squad"}
-
-
-def resolve_task(spec: ModelSpec, name: str | None, seq_len: int | None = None) -> Task:
-    """The task's shapes; by default the model's default task."""
-    if spec.kind == "function":
-        _, example = spec._call_function()
-        inputs = {
-            f"input_{i}": (list(t.shape[1:]), str(t.dtype).removeprefix("torch."))
-            for i, t in enumerate(example)
-        }
-        mb = example[0].shape[0] if example and example[0].dim() else 1
-        return Task("custom", "custom", inputs, mb, mb * 4, "adamw", 1e-4)
-    name = name or spec.default_task
-    d = load_config("tasks", name)
-    if d is None:
-        raise unknown("task", name, config_names("tasks"))
-    if d["family"] != spec.family:
-        raise FtpipeError(
-            f"task {name!r} is for {d['family']} models, not {spec.family} ({spec.name})"
-        )
-    task = Task(
-        name=d["name"],
-        family=d["family"],
-        inputs={k: (_shape(v[0]), v[1]) for k, v in d["inputs"].items()},
-        micro_batch=d["micro_batch"],
-        batch=d["batch"],
-        optimizer=d["optimizer"],
-        lr=d["lr"],
-        description=d.get("description", ""),
+        return _from_folder(spec, path, "hf-dir", head, path.resolve().name)
+    if FUNCTION.fullmatch(spec):
+        module = spec.split(":")[0].rsplit(".", 1)[-1]
+        return ModelSpec(spec=spec, name=module, kind="function")
+    if hub.looks_like_hub_id(spec):
+        folder = hub.cached_folder(spec)
+        if folder is not None:
+            return _from_folder(spec, folder, "hub", head, spec.split("/")[-1], hub_id=spec)
+        by_id = [load_config("models", n) for n in config_names("models")]
+        by_id = [d for d in by_id if d.get("hub_id", "").lower() == spec.lower()]
+        if by_id:
+            return _shipped(spec, by_id[0], head)
+        raise FtpipeError(hub.not_cached(spec))
+    raise unknown(
+        "model", spec, config_names("models") + ["<hf folder>", "<hub id>", "<module:function>"]
     )
-    return task.with_seq_len(seq_len)
 
 
-def _shape(s) -> list[int]:
-    """Task files write a per-sample shape as a list, or one number for a 1-d input."""
-    return [s] if isinstance(s, int) else list(s)
+def _shipped(spec: str, d: dict, head: str | None) -> ModelSpec:
+    return _hf_spec(
+        spec,
+        d["name"],
+        "zoo",
+        d["config"],
+        head,
+        hub_id=d.get("hub_id", ""),
+        default_task=d.get("default_task", "") if head is None else "",
+        description=d.get("description", ""),
+        parameters=d.get("parameters", 0),
+    )
+
+
+def _from_folder(spec: str, path: Path, kind: str, head, name: str, **extra) -> ModelSpec:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FtpipeError(f"{spec} is a folder but has no config.json; is it a HuggingFace model?")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise FtpipeError(f"{cfg_file} is not valid JSON ({e})") from None
+    return _hf_spec(spec, name, kind, config, head, path=str(path.resolve()), **extra)
+
+
+def _hf_spec(spec: str, name: str, kind: str, config: dict, head, **extra) -> ModelSpec:
+    """The head, class, inputs and vocabulary of a HuggingFace config (transformers needed)."""
+    try:
+        from ftpipe_runtime.models import hf
+    except ImportError as e:
+        raise FtpipeError(str(e)) from None
+    model_type = config.get("model_type")
+    if not model_type:
+        raise FtpipeError(f"{spec}: config.json has no model_type; is it a HuggingFace model?")
+    heads = ", ".join(HEADS)
+    try:
+        cls = hf.class_for_head(model_type, head) if head else _architecture(spec, config)
+        if cls is None:
+            raise FtpipeError(
+                f"{spec}: transformers has no {head} model for model_type {model_type!r}; "
+                f"pass another --head ({heads})"
+            )
+        head = head or hf.head_of_class(cls)
+        if head is None:
+            raise FtpipeError(
+                f"{spec}: {cls} is none of the heads ftpipe knows; pass --head ({heads})"
+            )
+        hf_config = hf.hf_config(config)
+        inputs = hf.forward_inputs(cls, head, hf_config)
+    except (ValueError, KeyError, TypeError, ImportError) as e:
+        raise FtpipeError(f"{spec}: cannot use this {model_type} model ({e})") from None
+    positions = getattr(hf_config, "max_position_embeddings", 0)
+    return ModelSpec(
+        spec=spec,
+        name=name,
+        kind=kind,
+        head=head,
+        hf_class=cls,
+        config=config,
+        inputs=inputs,
+        vocab=hf.vocab_of(hf_config),
+        max_positions=positions if isinstance(positions, int) else 0,
+        default_task=extra.pop("default_task", "") or HEADS[head].default_task,
+        **extra,
+    )
+
+
+def _architecture(spec: str, config: dict) -> str:
+    archs = config.get("architectures") or []
+    if not archs:
+        raise FtpipeError(
+            f"{spec}: config.json names no architectures, so the head is unknown; "
+            f"pass --head, one of {', '.join(HEADS)}"
+        )
+    return archs[0]

@@ -3,24 +3,26 @@
     data = make_data(plan["model"], source=None | "copy" | "train.pt" | "train.jsonl", seed=0)
     data.get("input_ids", mb=12)      # the tensor of global micro-batch 12 (CPU)
 
-Synthetic data (the default) draws each input of each micro-batch from a generator seeded
-by (seed, micro-batch, input name), so a rank makes only the inputs its stages read and
-still agrees with every other rank. `copy` is a learnable synthetic task (counting
-sequences; T5 copies its input) for watching an asynchronous loss fall. A file holds token
-ids; every rank derives the same sample order (a seeded permutation per epoch).
+Synthetic data (the default) is `ftpipe_runtime.models.synthetic_batch`, the very inputs the
+compiler traced with and a package's `--check` compares on: each input of each micro-batch
+drawn from a generator seeded by (seed, micro-batch, input name), so every rank agrees. `copy`
+is a learnable synthetic task (counting sequences; labels follow from them) for watching an
+asynchronous loss fall. A file holds token ids; every rank derives the same sample order (a
+seeded permutation per epoch); inputs it lacks follow from the model's head (masks, causal-LM
+labels, seq2seq decoder inputs).
 """
 
 from __future__ import annotations
 
 import json
-import zlib
 from pathlib import Path
 
 import torch
 
 from .errors import PipelineConfigError
+from .models import HEADS, IGNORE, Vocab, decoder_inputs, shift_right, synthetic_batch
 
-IGNORE = -100  # label of padding: the loss skips it
+__all__ = ["IGNORE", "SOURCES", "make_data", "shift_right"]
 
 
 class _Inputs:
@@ -29,8 +31,9 @@ class _Inputs:
             self.specs = {n: (tuple(s), getattr(torch, d)) for n, (s, d) in model["inputs"].items()}
         except (KeyError, ValueError, TypeError, AttributeError) as e:
             raise PipelineConfigError(f"the plan's model inputs are unreadable ({e})") from None
-        self.family = model.get("family", "")
-        self.vocab = max(int(model.get("vocab_size") or 2), 2)
+        self.model = model
+        self.head = HEADS.get(model.get("head") or "")
+        self.vocab = Vocab.from_json(model.get("vocab"))
         self.seed = seed
         self._cache: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -48,55 +51,28 @@ class _Inputs:
             batch[name] = self.make(name, mb, batch)
         return batch[name]
 
-    def generator(self, name: str, mb: int) -> torch.Generator:
-        return torch.Generator().manual_seed(
-            (self.seed * 1_000_003 + mb) * 65_537 + zlib.crc32(name.encode())
-        )
-
     def make(self, name: str, mb: int, batch: dict) -> torch.Tensor:
         raise NotImplementedError
 
 
 class Synthetic(_Inputs):
-    """Random token ids, attention masks of ones; GPT-2 labels are its inputs."""
+    """Random token ids, rows ending in some padding, labels as the head has them."""
+
+    counting = False
 
     def make(self, name, mb, batch):
-        shape, dtype = self.specs[name]
-        gen = self.generator(name, mb)
-        if name == "labels" and self.family == "gpt2" and "input_ids" in self.specs:
-            return self.get("input_ids", mb).clone()
-        if name == "attention_mask":
-            return torch.ones(shape, dtype=dtype)
-        if name == "token_type_ids":
-            return torch.zeros(shape, dtype=dtype)
-        if name in ("start_positions", "end_positions"):
-            seq = self.specs["input_ids"][0][1] if "input_ids" in self.specs else 2
-            return torch.randint(0, seq, shape, generator=gen).to(dtype)
-        if dtype.is_floating_point:
-            return torch.randn(shape, generator=gen).to(dtype)
-        return torch.randint(0, self.vocab, shape, generator=gen).to(dtype)
+        batch.update(synthetic_batch(self.model, mb, self.seed, counting=self.counting))
+        return batch[name]  # the other inputs of the micro-batch are in `batch` now too
 
 
 class Copy(Synthetic):
-    """Learnable: counting sequences (next token = this + 1); labels copy the inputs."""
+    """Learnable: counting sequences (next token = this + 1); labels follow from them."""
 
-    def make(self, name, mb, batch):
-        shape, dtype = self.specs[name]
-        if name == "input_ids" and len(shape) == 2:
-            start = torch.randint(0, self.vocab, (shape[0], 1), generator=self.generator(name, mb))
-            return ((start + torch.arange(shape[1])) % self.vocab).to(dtype)
-        if name == "labels" and "input_ids" in self.specs:
-            return self.get("input_ids", mb)[:, : shape[1]].clone().to(dtype)
-        if name == "decoder_input_ids" and "labels" in self.specs:
-            return shift_right(self.get("labels", mb)).to(dtype)
-        if name in ("start_positions", "end_positions") and "input_ids" in self.specs:
-            seq = self.specs["input_ids"][0][1]
-            return (self.get("input_ids", mb)[:, 0] % seq).to(dtype)
-        return super().make(name, mb, batch)
+    counting = True
 
 
 class FileData(_Inputs):
-    """Samples of a tokenized file; missing inputs derived (masks, GPT-2 labels, T5 shifts)."""
+    """Samples of a tokenized file; missing inputs derived (masks, causal-LM labels, decoder inputs)."""
 
     def __init__(self, model: dict, seed: int, path: str):
         super().__init__(model, seed)
@@ -128,24 +104,19 @@ class FileData(_Inputs):
             return _stack([self.columns[name][r] for r in self.rows(mb)], shape, pad).to(dtype)
         if name == "attention_mask" and "input_ids" in self.columns:
             return self.real(mb, shape[1]).to(dtype)
-        if name == "labels" and self.family == "gpt2":  # language modelling: predict the input
+        if name == "labels" and self.head is not None and self.head.labels_are_input_ids:
             ids = self.get("input_ids", mb).clone()
             return ids.masked_fill(~self.real(mb, ids.shape[1]), IGNORE).to(dtype)
         if name == "decoder_input_ids" and "labels" in self.specs:
-            return shift_right(self.get("labels", mb)).to(dtype)
+            return decoder_inputs(
+                self.get("labels", mb), self.vocab, self.model.get("model_type", "")
+            )
         if name == "token_type_ids":
             return torch.zeros(shape, dtype=dtype)
         raise PipelineConfigError(
             f"the data file has no {name!r} and it cannot be derived; give each sample as an "
             f"object with {', '.join(self.specs)}"
         )
-
-
-def shift_right(labels: torch.Tensor, start: int = 0) -> torch.Tensor:
-    """Decoder inputs of a T5-style model: the labels one position later, after `start`."""
-    out = torch.full_like(labels, start)
-    out[:, 1:] = labels[:, :-1]
-    return out.masked_fill(out == IGNORE, 0)
 
 
 def _stack(rows: list[torch.Tensor], shape, pad: int) -> torch.Tensor:

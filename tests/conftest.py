@@ -9,8 +9,9 @@ import torch
 
 from ftpipe_compiler.costs import analytic_costs
 from ftpipe_compiler.hardware import get_hardware
+from ftpipe_compiler.tasks import resolve_task
 from ftpipe_compiler.trace import trace_model
-from ftpipe_compiler.zoo import resolve_model, resolve_task
+from ftpipe_compiler.zoo import resolve_model
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ def test_errors_are_one_sentence_and_exit_1():
         (("profile", "--model", "t5-4b"), "unknown model 't5-4b'"),
         (("profile", "--model", "t5-tiny", "--hardware", "tpu"), "unknown hardware 'tpu'"),
         (("profile", "--model", "t5-tiny", "--task", "nope"), "unknown task 'nope'"),
-        (("profile", "--model", "t5-tiny", "--task", "tiny-bert"), "for bert models"),
+        (("profile", "--model", "t5-tiny", "--task", "tiny-qa"), "for question-answering models"),
         (("profile", "--model", "zoo_fixtures:untraceable_model"), "torch.export could not trace"),
     ]
     for args, message in cases:

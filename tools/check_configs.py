@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Build every configs/models/*.json on the meta device and check its parameter count.
 
-Also sanity-checks configs/tasks/*.json and configs/hardware/*.json (keys, families,
-default_task references). Exits 1 on any mismatch.
+Also sanity-checks configs/tasks/*.json and configs/hardware/*.json (keys, heads, default_task
+references, sources). The head of a model comes from its config's `architectures`, as
+`ftpipe compile` finds it (`ftpipe_runtime.models`): this tool keeps no table of families.
+Exits 1 on any mismatch.
 
 Usage: python tools/check_configs.py [--configs DIR] [NAME ...]
 """
@@ -15,11 +17,13 @@ import sys
 from pathlib import Path
 
 import torch
-import transformers
+from ftpipe_runtime.models import HEADS
+from ftpipe_runtime.models.hf import head_of_class, hf_config
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL_KEYS = {"name", "family", "hf_class", "description", "default_task", "parameters", "config"}
-TASK_KEYS = {"name", "family", "description", "inputs", "micro_batch", "batch", "optimizer", "lr"}
+MODEL_KEYS = {"name", "description", "default_task", "parameters", "config"}
+MODEL_OPTIONAL = {"hub_id", "parameters_without_head"}
+TASK_KEYS = {"name", "head", "description", "seq_len", "micro_batch", "batch", "optimizer", "lr"}
 HW_KEYS = {
     "name",
     "description",
@@ -29,17 +33,8 @@ HW_KEYS = {
     "link_bandwidth",
     "efficiency",
     "kernel_overhead_s",
+    "sources",
 }
-FAMILY_CLASSES = {
-    "t5": {"T5ForConditionalGeneration"},
-    "gpt2": {"GPT2LMHeadModel"},
-    "bert": {"BertForQuestionAnswering"},
-}
-
-
-def build_config(cfg: dict) -> transformers.PretrainedConfig:
-    cfg = dict(cfg)
-    return transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg)
 
 
 def count(model: torch.nn.Module) -> int:
@@ -47,9 +42,46 @@ def count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build_count(hf_class: str, cfg: dict) -> int:
+def build_count(auto_or_class: str, cfg: dict) -> int:
+    """Parameters of `auto_or_class` (a transformers class or Auto class) built on meta."""
+    import transformers
+
+    config = hf_config(cfg)
+    cls = getattr(transformers, auto_or_class)
     with torch.device("meta"):
-        return count(getattr(transformers, hf_class)(build_config(cfg)))
+        model = cls.from_config(config) if auto_or_class.startswith("Auto") else cls(config)
+    return count(model)
+
+
+def check_tasks(folder: Path, errors: list[str]) -> dict:
+    tasks = {}
+    for p in sorted(folder.glob("*.json")):
+        t = json.loads(p.read_text())
+        tasks[t.get("name")] = t
+        keys = TASK_KEYS | ({"target_len"} if t.get("head") == "seq2seq-lm" else set())
+        if set(t) != keys:
+            errors.append(f"task {p.name}: keys {sorted(set(t) ^ keys)} differ")
+        if t.get("name") != p.stem:
+            errors.append(f"task {p.name}: name {t.get('name')!r} != file stem")
+        if t.get("head") not in HEADS:
+            errors.append(f"task {p.name}: unknown head {t.get('head')!r}")
+        if t.get("batch", 0) % max(t.get("micro_batch", 1), 1):
+            errors.append(f"task {p.name}: batch not a multiple of micro_batch")
+    for head in HEADS.values():
+        if head.default_task not in tasks:
+            errors.append(f"head {head.name}: default task {head.default_task!r} missing")
+    return tasks
+
+
+def check_hardware(folder: Path, errors: list[str]) -> None:
+    for p in sorted(folder.glob("*.json")):
+        h = json.loads(p.read_text())
+        if set(h) != HW_KEYS:
+            errors.append(f"hardware {p.name}: keys {sorted(set(h) ^ HW_KEYS)} differ")
+        if h.get("name") != p.stem:
+            errors.append(f"hardware {p.name}: name {h.get('name')!r} != file stem")
+        if not h.get("sources"):
+            errors.append(f"hardware {p.name}: no sources for its figures")
 
 
 def main() -> int:
@@ -57,71 +89,51 @@ def main() -> int:
     ap.add_argument("--configs", type=Path, default=ROOT / "configs")
     ap.add_argument("names", nargs="*", help="only these models (default: all)")
     args = ap.parse_args()
-    transformers.logging.set_verbosity_error()
 
     errors: list[str] = []
-    tasks = {}
-    for p in sorted((args.configs / "tasks").glob("*.json")):
-        t = json.loads(p.read_text())
-        tasks[t.get("name")] = t
-        if set(t) != TASK_KEYS:
-            errors.append(f"task {p.name}: keys {sorted(set(t) ^ TASK_KEYS)} differ")
-        if t.get("name") != p.stem:
-            errors.append(f"task {p.name}: name {t.get('name')!r} != file stem")
-        if t.get("family") not in FAMILY_CLASSES:
-            errors.append(f"task {p.name}: unknown family {t.get('family')!r}")
-        if t.get("batch", 0) % max(t.get("micro_batch", 1), 1):
-            errors.append(f"task {p.name}: batch not a multiple of micro_batch")
-    for p in sorted((args.configs / "hardware").glob("*.json")):
-        h = json.loads(p.read_text())
-        if set(h) != HW_KEYS:
-            errors.append(f"hardware {p.name}: keys {sorted(set(h) ^ HW_KEYS)} differ")
-        if h.get("name") != p.stem:
-            errors.append(f"hardware {p.name}: name {h.get('name')!r} != file stem")
+    tasks = check_tasks(args.configs / "tasks", errors)
+    check_hardware(args.configs / "hardware", errors)
 
-    print(f"{'model':<12} {'hf_class':<28} {'built':>15} {'expected':>15}  status")
+    print(f"{'model':<14} {'class':<30} {'built':>15} {'expected':>15}  status")
     for p in sorted((args.configs / "models").glob("*.json")):
         m = json.loads(p.read_text())
         name = m.get("name")
         if args.names and name not in args.names:
             continue
-        extra = set(m) - MODEL_KEYS - {"parameters_without_head"}
+        extra = set(m) - MODEL_KEYS - MODEL_OPTIONAL
         if MODEL_KEYS - set(m) or extra:
             errors.append(f"model {p.name}: keys differ ({sorted((MODEL_KEYS - set(m)) | extra)})")
             continue
         if name != p.stem:
             errors.append(f"model {p.name}: name {name!r} != file stem")
-        if m["hf_class"] not in FAMILY_CLASSES.get(m["family"], ()):
-            errors.append(
-                f"model {p.name}: hf_class {m['hf_class']} not valid for family {m['family']}"
-            )
-        if m["config"].get("model_type") != m["family"]:
-            errors.append(f"model {p.name}: config.model_type != family")
+        cls = (m["config"].get("architectures") or [""])[0]
+        head = head_of_class(cls)
+        if head is None:
+            errors.append(f"model {p.name}: architectures {cls!r} is none of the heads")
+            continue
         task = tasks.get(m["default_task"])
-        if task is None or task["family"] != m["family"]:
+        if task is None or task["head"] != head:
             errors.append(
-                f"model {p.name}: default_task {m['default_task']!r} missing or wrong family"
+                f"model {p.name}: default_task {m['default_task']!r} missing or not {head}"
             )
 
-        built = build_count(m["hf_class"], m["config"])
+        built = build_count(cls, m["config"])
         ok = built == m["parameters"]
-        print(
-            f"{name:<12} {m['hf_class']:<28} {built:>15,} {m['parameters']:>15,}  {'OK' if ok else 'MISMATCH'}"
-        )
+        status = "OK" if ok else "MISMATCH"
+        print(f"{name:<14} {cls:<30} {built:>15,} {m['parameters']:>15,}  {status}")
         if not ok:
             errors.append(f"model {name}: built {built} != expected {m['parameters']}")
         if "parameters_without_head" in m:
-            # headless backbone = the family's base model (for BERT: BertModel incl. pooler)
-            base = {"t5": "T5Model", "gpt2": "GPT2Model", "bert": "BertModel"}[m["family"]]
-            b = build_count(base, m["config"])
+            # the headless backbone: what AutoModel builds for the config (BERT: with pooler)
+            b = build_count("AutoModel", m["config"])
             okb = b == m["parameters_without_head"]
             print(
-                f"{'':<12} {base + ' (no head)':<28} {b:>15,} {m['parameters_without_head']:>15,}  "
-                f"{'OK' if okb else 'MISMATCH'}"
+                f"{'':<14} {'AutoModel (no head)':<30} {b:>15,} "
+                f"{m['parameters_without_head']:>15,}  {'OK' if okb else 'MISMATCH'}"
             )
             if not okb:
                 errors.append(
-                    f"model {name}: {base} built {b} != parameters_without_head "
+                    f"model {name}: AutoModel built {b} != parameters_without_head "
                     f"{m['parameters_without_head']}"
                 )
 

@@ -12,6 +12,7 @@ import random
 
 import pytest
 from codegen_helpers import TINY, contiguous, costed, plan_from_cuts, problem
+from ftpipe_runtime.models import with_dropout
 from ftpipe_runtime.stage_api import run_in_one_process
 
 from ftpipe_compiler import partition
@@ -75,14 +76,11 @@ def test_every_partitioner(model, name, tmp_path):
     _check(model, plan, tmp_path)
 
 
-@pytest.mark.parametrize("model, task", [("t5-tiny", "tiny-t5"), ("bert-tiny", "tiny-bert")])
+@pytest.mark.parametrize("model, task", [("t5-tiny", "tiny-seq2seq"), ("bert-tiny", "tiny-qa")])
 def test_dropout_follows_the_stage_mode(model, task, tmp_path):
     """Traced with dropout 0.1 (in dropout layers and inside attention): the check, stages in
     eval mode, matches the model without dropout; in train mode the stages do drop."""
-    config = dict(resolve_model(model).config)
-    for key, value in config.items():
-        if isinstance(value, float) and ("dropout" in key or key.endswith(("_pdrop", "_prob"))):
-            config[key] = 0.1
+    config = with_dropout(resolve_model(model).config, 0.1)
     folder = tmp_path / f"{model.replace('-', '_')}_dropout"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config))

@@ -26,7 +26,7 @@ def t5_folder(tmp_path_factory):
 
 def test_checkpoint_weights_reach_the_stages(t5_folder, tmp_path, monkeypatch):
     monkeypatch.delenv("FTPIPE_WEIGHTS", raising=False)
-    spec, _, traced, graph = costed(str(t5_folder), task="tiny-t5")
+    spec, _, traced, graph = costed(str(t5_folder), task="tiny-seq2seq")
     plan = contiguous(graph, 3, gpus=2)
     pkg = generate_package(traced, graph, plan, spec, tmp_path, command="pytest")
     assert pkg.name == "t5_ckpt_pipeline"

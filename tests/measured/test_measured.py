@@ -11,8 +11,8 @@ from ftpipe_compiler.hardware import get_hardware
 from ftpipe_compiler.measured import measured_costs
 from ftpipe_compiler.profile_cache import Weights
 from ftpipe_compiler.profiling import costed_graph
+from ftpipe_compiler.tasks import resolve_task
 from ftpipe_compiler.trace import trace_model
-from ftpipe_compiler.zoo import resolve_task
 
 
 def _whole_model_loss(spec, traced, seed=0) -> float:

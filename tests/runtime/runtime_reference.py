@@ -7,14 +7,17 @@ from pathlib import Path
 
 import torch
 from ftpipe_runtime.data import make_data
+from ftpipe_runtime.models.hf import loss_of as hf_loss
 from ftpipe_runtime.optim import lr_at, make_optimizer
 from runtime_toy import STAGES, ToyModel
 from torch.func import functional_call
 
 
-def train_plain(plan, steps, optimizer="adamw", lr=0.01, clip=0.0, seed=0, data=None):
-    """The unpartitioned model, gradient accumulation over the plan's micro-batches."""
-    model = ToyModel()
+def train_plain(plan, steps, optimizer="adamw", lr=0.01, clip=0.0, seed=0, data=None, model=None):
+    """The unpartitioned model (the toy's, or `model`: a HuggingFace one), gradient
+    accumulation over the plan's micro-batches."""
+    model = model if model is not None else ToyModel()
+    loss_of = hf_loss if hasattr(model, "config") else lambda net, inputs: net(**inputs)
     opt = make_optimizer(optimizer, model.parameters(), lr)
     source = make_data(plan["model"], data, seed)
     m = plan["micro_batches"]
@@ -22,7 +25,7 @@ def train_plain(plan, steps, optimizer="adamw", lr=0.01, clip=0.0, seed=0, data=
     for k in range(steps):
         total = 0.0
         for mb in range(k * m, (k + 1) * m):
-            loss = model(**{n: source.get(n, mb) for n in plan["model"]["inputs"]})
+            loss = loss_of(model, {n: source.get(n, mb) for n in plan["model"]["inputs"]})
             (loss / m).backward()
             total += loss.item()
         losses.append(total / m)

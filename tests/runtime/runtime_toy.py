@@ -194,12 +194,11 @@ def toy_plan(layout: str = "two-ranks", schedule: str = "gpipe", micro_batches: 
             for n, shape in PARAMS.items()
         ],
         "model": {
-            "family": "toy",
             "micro_batch": B,
             "batch": B * micro_batches,
             "lr": 0.01,
             "optimizer": "adamw",
-            "vocab_size": V,
+            "vocab": {"vocab_size": V},
             "task": "toy",
             "inputs": {
                 "input_ids": [[B, L], "int64"],

@@ -12,13 +12,13 @@ from ftpipe_runtime.errors import PipelineConfigError
 from ftpipe_runtime.optim import OPTIMIZERS, clip_coef, lr_at, make_optimizer, squared_norm
 
 GPT2 = {
-    "family": "gpt2",
-    "vocab_size": 50,
+    "head": "causal-lm",
+    "vocab": {"vocab_size": 50},
     "inputs": {"input_ids": [[2, 5], "int64"], "labels": [[2, 5], "int64"]},
 }
 T5 = {
-    "family": "t5",
-    "vocab_size": 50,
+    "head": "seq2seq-lm",
+    "vocab": {"vocab_size": 50},
     "inputs": {
         "input_ids": [[2, 6], "int64"],
         "attention_mask": [[2, 6], "int64"],

@@ -35,8 +35,8 @@ TINY_PLAN = {  # what the benchmark reads from a plan: the model's inputs, micro
     "micro_batches": 2,
     "model": {
         "model_name": "gpt2-tiny",
-        "family": "gpt2",
-        "vocab_size": 128,
+        "head": "causal-lm",
+        "vocab": {"vocab_size": 128},
         "micro_batch": 2,
         "inputs": {"input_ids": [[2, 16], "int64"], "labels": [[2, 16], "int64"]},
     },
