@@ -29,9 +29,10 @@ def models(as_json):
         "local HuggingFace cache, or package.module:function):"
     )
     for m in rows["models"]:
+        hub = f" ({m['hub_id']})" if m.get("hub_id") else ""
         click.echo(
-            f"  {m['name']:<13} {m['parameters'] / 1e6:>10,.1f} M params  task {m['default_task']:<12} "
-            f"{m.get('hub_id') or '-':<34} {m['description']}"
+            f"  {m['name']:<13} {m['parameters'] / 1e6:>10,.1f} M params  "
+            f"task {m['default_task']:<12} {m['description']}{hub}"
         )
     click.echo("\nHeads (--head NAME; by default the config's architectures decide):")
     for h in HEADS.values():

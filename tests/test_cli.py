@@ -14,8 +14,11 @@ def test_help_and_models():
     r = run("models")
     assert r.exit_code == 0
     assert "t5-3b" in r.output and "rtx2080ti" in r.output and "rte" in r.output
+    for shown in ("llama-3.1-8b", "meta-llama/Llama-3.1-8B", "causal-lm", "rtx4090", "xsum"):
+        assert shown in r.output
     data = json.loads(run("models", "--json").output)
     assert {m["name"] for m in data["models"]} >= {"t5-3b", "gpt2-xl", "bert-large", "t5-tiny"}
+    assert {h["name"] for h in data["hardware"]} >= {"rtx3090", "l4", "a10g", "l40s", "a100-40gb"}
 
 
 def test_profile_writes_graph_and_summary(tmp_path):
@@ -36,9 +39,31 @@ def test_errors_are_one_sentence_and_exit_1():
         (("profile", "--model", "t5-tiny", "--task", "nope"), "unknown task 'nope'"),
         (("profile", "--model", "t5-tiny", "--task", "tiny-qa"), "for question-answering models"),
         (("profile", "--model", "zoo_fixtures:untraceable_model"), "torch.export could not trace"),
+        (("profile", "--model", "llama-tiny", "--target-len", "4"), "is for seq2seq-lm models"),
+        (("profile", "--model", "llama-tiny", "--seq-len", "100"), "has 64 positions"),
+        (("profile", "--model", "nobody/nothing"), "huggingface-cli download nobody/nothing"),
     ]
     for args, message in cases:
         r = run(*args)
         assert r.exit_code == 1, (args, r.output)
         assert message in r.output
         assert "Traceback" not in r.output
+
+
+def test_head_and_shapes_from_the_command_line():
+    r = run("profile", "--model", "bert-tiny", "--head", "masked-lm", "--seq-len", "8",
+            "--micro-batch", "3", "--json")  # fmt: skip
+    summary = json.loads(r.output)
+    assert summary["task"] == "mlm@seq8" and summary["micro_batch"] == 3
+    import torch
+    import transformers
+
+    from ftpipe_compiler.resources import load_config
+
+    config = dict(load_config("models", "bert-tiny")["config"])
+    config.pop("architectures")
+    with torch.device("meta"):
+        mlm = transformers.BertForMaskedLM(transformers.AutoConfig.for_model(**config))
+    assert summary["parameters"] == sum(p.numel() for p in mlm.parameters())  # not the QA head's
+    r = run("compile", "--model", "t5-tiny", "--gpus", "2", "--batch", "8", "--micro-batches", "3")
+    assert r.exit_code == 2 and "--batch 8 is not --micro-batches 3" in r.output

@@ -1,8 +1,10 @@
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from ftpipe_compiler.cli import cli
+from ftpipe_compiler.codegen import check_package
 from ftpipe_compiler.partition.plan import Plan
 
 
@@ -70,3 +72,15 @@ def test_compile_failure_leaves_existing_output(tmp_path):
     )
     assert r.exit_code == 1 and "unknown partitioner 'nope'" in r.output
     assert (out / "plan.json").read_bytes() == before
+
+
+@pytest.mark.parametrize("head", ["masked-lm", "sequence-classification", "token-classification"])
+def test_compile_other_heads_and_check(tmp_path, head):
+    """The head is an option: BERT compiled with three more heads computes what they compute."""
+    out = tmp_path / head
+    args = ["compile", "--model", "bert-tiny", "--head", head, "--gpus", "2", "--seq-len", "16"]
+    args += ["--micro-batch", "2", "--batch", "4", "-p", "gpipe,pipedream", "-o", str(out)]
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    result = check_package(out / "bert_tiny_pipeline")
+    assert result.ok and result.loss_rel_diff <= 1e-5, result
