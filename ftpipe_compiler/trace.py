@@ -212,6 +212,8 @@ def _to_graph(spec, task, micro_batch, model, inputs, program):
     by_canon: dict[str, list[str]] = {}
     for a, c in alias.items():
         by_canon.setdefault(c, []).append(a)
+    for name, stored in spec.checkpoint_aliases(model).items():  # the folder's own names
+        by_canon.setdefault(alias.get(name, name), []).append(stored)
     for name in params_used:
         t = tensors[name]
         params.append(

@@ -96,6 +96,22 @@ class ModelSpec:
             )
         return LossModel(model, self.inputs)
 
+    def checkpoint_aliases(self, model: nn.Module) -> dict[str, str]:
+        """Parameter -> the other name the folder's checkpoint holds it under (if any)."""
+        if self.kind == "function" or not any(Path(self.path or "-").glob("*.safetensors")):
+            return {}
+        from ftpipe_runtime.models.hf import checkpoint_names
+
+        names = checkpoint_names(model.m)
+        fused = [n for n, key in names.items() if key is None]
+        if fused:
+            raise FtpipeError(
+                f"{self.spec}: its checkpoint stores {fused[0]} in another form than the model "
+                "(transformers converts it when loading), which ftpipe cannot load yet; compile "
+                "a folder holding only its config.json (random weights) instead"
+            )
+        return names
+
     def input_shapes(self, task: Task) -> dict[str, tuple[list[int], str]]:
         """name -> (per-sample shape, dtype) of every input, in the order forward takes them."""
         if self.kind == "function":

@@ -195,15 +195,32 @@ def _buffer_values(traced: Traced, spec: ModelSpec, names: list[str]) -> dict[st
     if missing:
         with _parameters_on_meta():
             model = spec.build("cpu", dropout=0.0)
-        held = {
-            k.removeprefix(WRAPPER_PREFIX): v
-            for k, v in model.named_buffers(remove_duplicate=False)
-        }
+        held = _tensors(model)
+        _initialise_frozen(model, [n for n in missing if n in held and held[n].is_meta])
+        held = _tensors(model)
         for n in missing:
             if n not in held or held[n].device.type == "meta":
                 raise FtpipeError(f"cannot recover the value of the constant {n}; trace on the CPU")
             found[n] = held[n].detach().clone()
     return found
+
+
+def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    named = [*model.named_buffers(remove_duplicate=False)]
+    named += model.named_parameters(remove_duplicate=False)
+    return {k.removeprefix(WRAPPER_PREFIX): v for k, v in named}
+
+
+@torch.no_grad()
+def _initialise_frozen(model: nn.Module, names: list[str]) -> None:
+    """Frozen parameters (Pegasus's sinusoidal positions) went to `meta` with the others:
+    give the modules holding them real tensors and let the model initialise those modules."""
+    init = getattr(model.m, "_init_weights", None) if hasattr(model, "m") else None
+    for name in names:
+        owner = model.get_submodule(WRAPPER_PREFIX + name.rpartition(".")[0])
+        if init is not None:
+            owner.to_empty(device="cpu", recurse=False)
+            init(owner)
 
 
 @contextlib.contextmanager

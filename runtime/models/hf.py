@@ -129,3 +129,20 @@ def shift_agrees(net: torch.nn.Module, vocab: Vocab, model_type: str) -> bool:
     labels = torch.tensor([[5, 7, 9, 11], [3, 4, IGNORE, IGNORE], [6, IGNORE, 8, 2]])
     own = own_shift(net, labels)
     return own is None or torch.equal(own.cpu(), decoder_inputs(labels, vocab, model_type))
+
+
+def checkpoint_names(net: torch.nn.Module) -> dict[str, str | None]:
+    """Parameter -> the key a checkpoint stores it under, where transformers renames it when
+    loading (GPT-NeoX's `embed_out.weight` is the model's `lm_head.weight`); None where it
+    converts the tensor itself (MoE experts stored one by one, fused in the model)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: checkpoints hold the model's own names
+        return {}
+    out = {}
+    for name, param in net.named_parameters(remove_duplicate=False):
+        stored = revert_weight_conversion(net, {name: param})
+        if list(stored) != [name]:
+            (key, value), *more = stored.items()
+            out[name] = key if not more and value.shape == param.shape else None
+    return out

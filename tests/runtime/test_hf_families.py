@@ -7,12 +7,13 @@ heads; BART's learned positions; T5's relative ones; BERT's token types), random
 written with `save_pretrained`. For each: `ftpipe compile --gpus 2` succeeds, the package's
 `--check` gives the original model's loss and every gradient (rtol 1e-5), and the package
 trains 3 steps on 2 processes under gpipe (losses equal to training the HuggingFace model in
-one process) and under ftpipe (the first step equal; later ones follow the async rule).
-ftpipe's code names none of these families: the folder is all it is given.
+one process) and under ftpipe (the first step equal; later ones follow the async rule). Five
+more families are compiled and checked. ftpipe's code names none of them but mBART, whose
+decoder start is the one family rule (`ftpipe_runtime.models.FAMILY_RULES`).
 
-Cost (2 cores): the nine compiles run in this process; the nine checks run in one
-interpreter, each as `python -m <pkg> --check` runs it (runpy); the eighteen trainings run
-in one `torchrun --nproc_per_node 2`, each as `-m <pkg>` runs it, with its own rendezvous.
+Cost (2 cores): the compiles run in this process; the checks run in one interpreter, each as
+`python -m <pkg> --check` runs it (runpy); the eighteen trainings run in one
+`torchrun --nproc_per_node 2`, each as `-m <pkg>` runs it, with its own rendezvous.
 """
 
 from __future__ import annotations
@@ -48,42 +49,34 @@ ENC_DEC = dict(
     decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=128,
     max_position_embeddings=64,
 )  # fmt: skip
-FAMILIES = {  # model_type -> (class, config)
+T5 = dict(d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, vocab_size=128)
+BERT = dict(
+    hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+    vocab_size=128, max_position_embeddings=64,
+)  # fmt: skip
+FAMILIES = {  # model_type -> (class, config): compiled, checked and trained
     "llama": ("LlamaForCausalLM", dict(DECODER, tie_word_embeddings=False)),
     "mistral": ("MistralForCausalLM", dict(DECODER, sliding_window=8)),
     "qwen2": ("Qwen2ForCausalLM", dict(DECODER, tie_word_embeddings=True)),
     "gemma2": ("Gemma2ForCausalLM", dict(DECODER, head_dim=8, sliding_window=8)),
     "phi3": ("Phi3ForCausalLM", dict(DECODER, pad_token_id=0)),
     "bart": ("BartForConditionalGeneration", ENC_DEC),
-    "t5": (
-        "T5ForConditionalGeneration",
-        dict(
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=1,
-            num_heads=4,
-            vocab_size=128,
-            decoder_start_token_id=0,
-        ),
-    ),  # fmt: skip
+    "t5": ("T5ForConditionalGeneration", dict(T5, decoder_start_token_id=0)),
     "gpt2": (
         "GPT2LMHeadModel",
         dict(n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=64),
     ),
-    "bert": (
-        "BertForQuestionAnswering",
-        dict(
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=64,
-            vocab_size=128,
-            max_position_embeddings=64,
-        ),
-    ),  # fmt: skip
+    "bert": ("BertForQuestionAnswering", BERT),
 }
-SEQ2SEQ = {"bart", "t5"}
+MORE = {  # compiled and checked: QK norms, GPT-NeoX's checkpoint names (`embed_out`), OPT,
+    # mBART's decoder start (its family rule), Pegasus's frozen sinusoidal positions
+    "qwen3": ("Qwen3ForCausalLM", dict(DECODER, head_dim=8)),
+    "gpt_neox": ("GPTNeoXForCausalLM", dict(DECODER, num_key_value_heads=4)),
+    "opt": ("OPTForCausalLM", dict(DECODER, ffn_dim=64, word_embed_proj_dim=32)),
+    "mbart": ("MBartForConditionalGeneration", ENC_DEC),
+    "pegasus": ("PegasusForConditionalGeneration", ENC_DEC),
+}
+SEQ2SEQ = {"bart", "t5", "mbart", "pegasus"}
 SCHEDULES = ("gpipe", "ftpipe")
 STEPS, LR, CLIP = 3, 0.01, 1.0
 TRAIN = ["--steps", str(STEPS), "--optimizer", "adamw", "--lr", str(LR), "--clip", str(CLIP)]
@@ -95,7 +88,7 @@ def _env() -> dict:
 
 
 def _save(folder: Path, model_type: str) -> None:
-    cls, kwargs = FAMILIES[model_type]
+    cls, kwargs = {**FAMILIES, **MORE}[model_type]
     config = transformers.AutoConfig.for_model(model_type, **kwargs)
     for key, value in with_dropout(config.to_dict(), 0.0).items():  # one process = many
         setattr(config, key, value)
@@ -108,7 +101,7 @@ def packages(tmp_path_factory) -> dict[str, Path]:
     """model_type -> the package `ftpipe compile --model <folder> --gpus 2` wrote."""
     root = tmp_path_factory.mktemp("families")
     out = {}
-    for model_type in FAMILIES:
+    for model_type in {**FAMILIES, **MORE}:
         folder = root / "models" / model_type
         _save(folder, model_type)
         shape = ["--seq-len", "16", "--micro-batch", "2", "--batch", "4"]
@@ -170,7 +163,7 @@ def checks(packages) -> dict[str, dict]:
     return found
 
 
-@pytest.mark.parametrize("model_type", FAMILIES)
+@pytest.mark.parametrize("model_type", [*FAMILIES, *MORE])
 def test_check_gives_the_original_loss_and_gradients(checks, model_type):
     result = checks[model_type]
     assert result["ok"], result
@@ -183,16 +176,16 @@ def trained(packages) -> dict[tuple[str, str], dict]:
     """(model_type, schedule) -> the run's log: every package, both schedules, one torchrun."""
     cwd = next(iter(packages.values())).parents[1]
     runs = []
-    for model_type, pkg in packages.items():
+    for model_type in FAMILIES:
         for schedule in SCHEDULES:
             name = f"{model_type}-{schedule}"
-            runs.append([pkg.name, "--schedule", schedule, "--device", "cpu", *TRAIN,
+            runs.append([packages[model_type].name, "--schedule", schedule, "--device", "cpu", *TRAIN,
                          "--init-method", f"file://{cwd / (name + '.store')}",
                          "--log-json", str(cwd / f"{name}.json")])  # fmt: skip
     proc = _run_in_one_interpreter(packages, cwd, runs, torchrun=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {
-        (t, s): json.loads((cwd / f"{t}-{s}.json").read_text()) for t in packages for s in SCHEDULES
+        (t, s): json.loads((cwd / f"{t}-{s}.json").read_text()) for t in FAMILIES for s in SCHEDULES
     }
 
 
