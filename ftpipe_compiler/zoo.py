@@ -117,10 +117,8 @@ class ModelSpec:
         if self.kind == "function":
             _, example = self._call_function()
             return {f"input_{i}": (list(t.shape[1:]), _dtype(t)) for i, t in enumerate(example)}
-        regression = self.head == "sequence-classification" and self.vocab.num_labels == 1
-        return input_shapes(
-            get_head(self.head), self.inputs, task.seq_len, task.target_len, regression
-        )
+        head = get_head(self.head)
+        return input_shapes(head, self.inputs, task.seq_len, task.target_len, self.vocab)
 
     def data_model(self, task: Task, micro_batch: int) -> dict:
         """What the runtime's synthetic data reads of a plan's model (ftpipe_runtime.models)."""

@@ -21,8 +21,7 @@ IGNORE = -100  # label of a position the loss skips (padding): HuggingFace's ign
 @dataclass(frozen=True)
 class Head:
     name: str
-    auto_class: str  # transformers' AutoModelFor... of this head
-    mapping: str  # its model_type -> class table in transformers.models.auto.modeling_auto
+    mapping: str  # model_type -> class table of its AutoModelFor... (transformers.models.auto)
     labels: tuple[str, ...]  # what the loss reads besides the model's outputs
     label_length: str  # "seq": one per token, "target": one per decoder token, "sample": one
     decoder: bool = False  # encoder-decoder: decoder_input_ids are the labels shifted right
@@ -38,36 +37,20 @@ class Head:
 HEADS = {
     h.name: h
     for h in (
-        Head(
-            "causal-lm", "AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
-            ("labels",), "seq", default_task="wikitext2",
-            description="next-token prediction; labels are the input ids",
-        ),
-        Head(
-            "seq2seq-lm", "AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
-            ("labels",), "target", decoder=True, default_task="rte",
-            description="encoder-decoder; target tokens as labels, decoder inputs their shift",
-        ),
-        Head(
-            "masked-lm", "AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
-            ("labels",), "seq", default_task="mlm",
-            description="predict some tokens from both sides; the others are ignored",
-        ),
-        Head(
-            "sequence-classification", "AutoModelForSequenceClassification",
-            "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", ("labels",), "sample",
-            default_task="sst2", description="one class per sequence",
-        ),
-        Head(
-            "question-answering", "AutoModelForQuestionAnswering",
-            "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", ("start_positions", "end_positions"),
-            "sample", default_task="squad", description="extractive: answer start and end",
-        ),
-        Head(
-            "token-classification", "AutoModelForTokenClassification",
-            "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", ("labels",), "seq",
-            default_task="conll2003", description="one class per token",
-        ),
+        Head("causal-lm", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", ("labels",), "seq",
+             default_task="wikitext2", description="next-token prediction; labels are the input ids"),
+        Head("seq2seq-lm", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", ("labels",), "target",
+             decoder=True, default_task="rte",
+             description="encoder-decoder; target tokens as labels, decoder inputs their shift"),
+        Head("masked-lm", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", ("labels",), "seq",
+             default_task="mlm", description="predict some tokens from both sides"),
+        Head("sequence-classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+             ("labels",), "sample", default_task="sst2", description="one class per sequence"),
+        Head("question-answering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
+             ("start_positions", "end_positions"), "sample", default_task="squad",
+             description="extractive: answer start and end"),
+        Head("token-classification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", ("labels",),
+             "seq", default_task="conll2003", description="one class per token"),
     )
 }  # fmt: skip
 
@@ -125,10 +108,13 @@ def input_names(head: Head, forward_params, vocab: Vocab) -> tuple[str, ...]:
 
 
 def input_shapes(
-    head: Head, names, seq_len: int, target_len: int = 0, float_labels: bool = False
+    head: Head, names, seq_len: int, target_len: int = 0, vocab: Vocab | None = None
 ) -> dict[str, tuple[list[int], str]]:
     """name -> (per-sample shape, dtype) of each input."""
     per = {"seq": [seq_len], "target": [target_len], "sample": []}
+    # one "class": HuggingFace's sequence classifiers then regress (a float label, MSE loss)
+    float_labels = head.name == "sequence-classification" and vocab is not None
+    float_labels = float_labels and vocab.num_labels == 1
     out = {}
     for n in names:
         if n in head.labels:

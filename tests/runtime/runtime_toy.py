@@ -194,6 +194,7 @@ def toy_plan(layout: str = "two-ranks", schedule: str = "gpipe", micro_batches: 
             for n, shape in PARAMS.items()
         ],
         "model": {
+            "head": "causal-lm",  # labels are the input ids: `--data copy` is learnable
             "micro_batch": B,
             "batch": B * micro_batches,
             "lr": 0.01,

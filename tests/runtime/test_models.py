@@ -38,9 +38,9 @@ CAUSAL = _model("causal-lm", ("input_ids", "attention_mask", "labels"))
 SEQ2SEQ = _model("seq2seq-lm", ("input_ids", "attention_mask", "decoder_input_ids", "labels"))
 
 
-def test_every_head_draws_its_labels_and_knows_its_auto_class():
+def test_every_head_draws_its_labels_and_has_a_transformers_table():
     assert set(LABELS) == set(HEADS)
-    assert all(h.auto_class.startswith("AutoModelFor") for h in HEADS.values())
+    assert all(h.mapping.startswith("MODEL_FOR_") for h in HEADS.values())
     with pytest.raises(ValueError, match="unknown head 'regression'; choose from causal-lm"):
         get_head("regression")
 
@@ -70,7 +70,9 @@ def test_shapes_by_head():
     }  # fmt: skip
     cls = input_shapes(get_head("sequence-classification"), ("input_ids", "labels"), 8)
     assert cls["labels"] == ([], "int64")
-    regression = input_shapes(get_head("sequence-classification"), ("labels",), 8, 0, True)
+    regression = input_shapes(
+        get_head("sequence-classification"), ("labels",), 8, 0, Vocab(num_labels=1)
+    )
     assert regression["labels"] == ([], "float32")
 
 
