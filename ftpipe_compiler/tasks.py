@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from ftpipe_runtime.models import get_head
+
 from .errors import FtpipeError, unknown
 from .resources import config_names, load_config
 
@@ -58,24 +60,32 @@ def resolve_task(
     batch: int | None = None,
 ) -> Task:
     """The preset `name` (default: the model's), reshaped by the explicit sizes given."""
+    sizes = {"--seq-len": seq_len, "--target-len": target_len, "--micro-batch": micro_batch,
+             "--batch": batch}  # fmt: skip
     if spec.kind == "function":
+        given = [flag for flag, v in {"--task": name, **sizes}.items() if v is not None]
+        if given:
+            raise FtpipeError(
+                f"{spec.spec} brings its own example inputs, so {given[0]} does not apply; "
+                "change the shapes its function returns"
+            )
         return spec.function_task()
     task = load_task(name or spec.default_task)
     if task.head != spec.head:
         fits = [n for n in config_names("tasks") if load_task(n).head == spec.head]
         raise FtpipeError(
             f"task {task.name!r} is for {task.head} models, and {spec.name} is a {spec.head} "
-            f"({spec.hf_class}); choose one of {', '.join(fits) or 'none'}, or give --seq-len"
+            f"({spec.hf_class}); choose one of {', '.join(fits)}, or leave --task out"
         )
+    for flag, value in sizes.items():
+        if value is not None and value < 1:
+            raise FtpipeError(f"{flag} must be at least 1, not {value}")
     return reshape(task, spec, seq_len, target_len, micro_batch, batch)
 
 
 def reshape(task: Task, spec, seq_len, target_len, micro_batch, batch) -> Task:
-    for flag, value in (("--seq-len", seq_len), ("--target-len", target_len),
-                        ("--micro-batch", micro_batch), ("--batch", batch)):  # fmt: skip
-        if value is not None and value < 1:
-            raise FtpipeError(f"{flag} must be at least 1, not {value}")
-    decoder = spec.head == "seq2seq-lm"
+    """`task` with the sizes given (None: the task's own), checked against the model."""
+    decoder = get_head(spec.head).decoder
     if target_len and not decoder:
         raise FtpipeError(f"--target-len is for seq2seq-lm models; {spec.name} is a {spec.head}")
     changed = {

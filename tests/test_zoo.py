@@ -187,6 +187,8 @@ def test_module_function_spec():
     assert spec.package_name == "zoo_fixtures_pipeline"  # named after the module
     task = resolve_task(spec, None)
     assert spec.input_shapes(task)["input_0"][0] == [64]
+    with pytest.raises(FtpipeError, match="own example inputs, so --seq-len does not apply"):
+        resolve_task(spec, None, seq_len=16)
 
 
 def test_module_function_must_return_a_pair():
