@@ -7,13 +7,15 @@ import shlex
 import sys
 
 import click
+from ftpipe_runtime.errors import WriteFailed
 
 from .errors import FtpipeError
 from .version import __version__
 
 
 class _Group(click.Group):
-    """Turns an FtpipeError from any command into one line on stderr and exit code 1."""
+    """Turns an FtpipeError (or a failed write) from any command into one line on stderr and
+    exit code 1, and Ctrl-C into one line and exit code 130."""
 
     def parse_args(self, ctx, args):
         ctx.meta["ftpipe.argv"] = list(args)  # for the headers of what we generate
@@ -22,10 +24,15 @@ class _Group(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except FtpipeError as e:
+        except (FtpipeError, WriteFailed) as e:
             if (ctx.obj or {}).get("debug"):
                 raise
             raise click.ClickException(str(e)) from None
+        except KeyboardInterrupt:
+            if (ctx.obj or {}).get("debug"):
+                raise
+            click.echo("Interrupted (Ctrl-C); outputs that existed are unchanged.", err=True)
+            ctx.exit(130)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

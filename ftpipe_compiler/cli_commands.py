@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import click
+from ftpipe_runtime.atomic import check_writable_file
 from ftpipe_runtime.models import HEADS
 
 from .cli import cli, echo_json
@@ -84,21 +85,27 @@ def model_options(f):
             help="Task preset whose shapes to trace (default: the model's; ftpipe models).",
         ),
         click.option(
-            "--seq-len", type=int, default=None, help="Tokens per sequence (encoder side)."
+            "--seq-len",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Tokens per sequence (encoder side).",
         ),
         click.option(
-            "--target-len", type=int, default=None, help="Decoder tokens of a seq2seq LM."
+            "--target-len",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Decoder tokens of a seq2seq LM.",
         ),
         click.option(
             "--micro-batch",
             "-b",
-            type=int,
+            type=click.IntRange(min=1),
             default=None,
             help="Sequences per micro-batch (default: the task's).",
         ),
         click.option(
             "--batch",
-            type=int,
+            type=click.IntRange(min=1),
             default=None,
             help="Sequences per optimizer step (default: the task's micro-batches).",
         ),
@@ -126,13 +133,13 @@ def model_options(f):
         click.option(
             "--memory-limit",
             "memory_limit_gb",
-            type=float,
+            type=click.FloatRange(min=0, min_open=True),
             default=None,
             help="GB a measured block may use on the device; a bigger block is an error.",
         ),
         click.option(
             "--repeats",
-            type=int,
+            type=click.IntRange(min=1),
             default=3,
             show_default=True,
             help="Timed runs per block (median, after one warm-up).",
@@ -163,6 +170,8 @@ def profile(
     model, task, seq_len, micro_batch, hardware, granularity, profiler, output, as_json, **options
 ):
     """Trace a model into an operator graph and cost every node."""
+    if output:
+        check_writable_file(output, "the graph")  # before tracing, not after
     t0 = time.perf_counter()
     # `options` holds head, target_len and batch, and the measured profiler's device,
     # memory_limit_gb, repeats and cache: costed_graph's keywords.

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import click
+from ftpipe_runtime.schedules import SCHEDULES
 from tqdm import tqdm
 
 from .cli import cli, command_line, echo_json
@@ -29,7 +30,11 @@ from .simulate import simulate, write_report
     "--gpus", "-g", type=click.IntRange(min=1), required=True, help="GPUs in the pipeline."
 )
 @click.option(
-    "--schedule", default="ftpipe", show_default=True, help="ftpipe (async), gpipe or 1f1b."
+    "--schedule",
+    type=click.Choice(sorted(SCHEDULES)),
+    default="ftpipe",
+    show_default=True,
+    help="ftpipe (async), gpipe or 1f1b.",
 )
 @click.option(
     "--partitioners",
@@ -159,6 +164,7 @@ def compile_command(
             {
                 "lower_bound_s": problem.lower_bound(),
                 "winner": best.partitioner,
+                "gpus": plan.gpus,
                 "results": rows,
                 "package": str(package),
                 "output": str(out),
@@ -190,4 +196,9 @@ def compile_command(
         f"wrote {out}/plan.json, {out}/report.html and the package {package} "
         f"in {timings['total_s']:.1f} s"
     )
-    click.echo(f"run it: cd {out} && torchrun --nproc_per_node {gpus} -m {pkg.name}")
+    if plan.gpus < gpus:
+        click.echo(
+            f"note: the best plan uses {plan.gpus} of the {gpus} GPUs asked for; the others "
+            "would have no stage to run"
+        )
+    click.echo(f"run it: cd {out} && torchrun --nproc_per_node {plan.gpus} -m {pkg.name}")

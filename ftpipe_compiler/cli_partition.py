@@ -7,9 +7,10 @@ re-exported here for `cli_compile`.
 from __future__ import annotations
 
 import click
+from ftpipe_runtime.atomic import check_writable_file
+from ftpipe_runtime.schedules import SCHEDULES
 
 from .cli import cli, command_line, echo_json
-from .errors import FtpipeError
 from .graph import OpGraph
 from .partition import PARTITIONERS, Result, pick_best, problem_from_graph, run_partitioners
 
@@ -22,15 +23,22 @@ def _names(value: str | None) -> list[str] | None:
 
 @cli.command()
 @click.argument("graph_file", metavar="GRAPH.json", type=click.Path(dir_okay=False))
-@click.option("--gpus", "-g", type=int, required=True, help="Number of GPUs in the pipeline.")
+@click.option(
+    "--gpus",
+    "-g",
+    type=click.IntRange(min=1),
+    required=True,
+    help="Number of GPUs in the pipeline.",
+)
 @click.option(
     "--hardware", default=None, help="GPU spec for memory and links (default: the graph's)."
 )
 @click.option(
     "--schedule",
+    type=click.Choice(sorted(SCHEDULES)),
     default="ftpipe",
     show_default=True,
-    help="Pipeline schedule (gpipe, 1f1b, ftpipe).",
+    help="Pipeline schedule.",
 )
 @click.option(
     "--optimizer",
@@ -39,7 +47,7 @@ def _names(value: str | None) -> list[str] | None:
 )
 @click.option(
     "--micro-batches",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
     help="Micro-batches per step (default: task batch / micro-batch).",
 )
@@ -71,9 +79,9 @@ def partition(
     as_json,
 ):
     """Run the partitioners on a costed graph (from `ftpipe profile -o`) and keep the best plan."""
+    if output:
+        check_writable_file(output, "the plan")  # before partitioning, not after
     graph = OpGraph.load(graph_file)
-    if micro_batches is not None and micro_batches < 1:
-        raise FtpipeError(f"--micro-batches must be at least 1, not {micro_batches}")
     problem = problem_from_graph(graph, gpus, hardware, schedule, optimizer, micro_batches, seed)
     results = run_partitioners(problem, _names(partitioners))
     best = pick_best(results)

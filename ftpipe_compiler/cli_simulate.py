@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import click
+from ftpipe_runtime.atomic import check_writable_file
 from ftpipe_runtime.schedules import SCHEDULES
 
 from .cli import cli, echo_json
@@ -42,6 +43,8 @@ from .simulate.report import write_report
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 def simulate_command(plan_file, schedule, micro_batches, steps, report, as_json):
     """Simulate a plan: step time, samples/s, bubble, and per GPU busy time and memory."""
+    if report:
+        check_writable_file(report, "the report")  # before the simulation, not after
     plan = Plan.load(plan_file)
     result = simulate(plan, schedule, micro_batches, steps)
     if report:

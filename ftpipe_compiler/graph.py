@@ -12,13 +12,17 @@ that flows along them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
+import types
+import typing
 from dataclasses import asdict, dataclass, field, replace
 
 import networkx as nx
 import torch
+from ftpipe_runtime.atomic import write_atomic
 
 from .errors import FtpipeError, PlanFormatError
 from .version import GRAPH_FORMAT
@@ -202,26 +206,37 @@ class OpGraph:
                 f"graph file format {d.get('format')} is not the format {GRAPH_FORMAT} this "
                 "ftpipe reads; profile the model again with this version"
             )
-        return cls(
-            model=d["model"],
-            granularity=d["granularity"],
-            profile=d["profile"],
-            hardware=d["hardware"],
-            output=d["output"],
-            meta=d.get("meta", {}),
-            inputs=tuple(ModelInput(i["name"], tuple(i["shape"]), i["dtype"]) for i in d["inputs"]),
-            params=tuple(_tupled(Param, p) for p in d["params"]),
-            nodes=tuple(_tupled(Node, n) for n in d["nodes"]),
-            edges=tuple(Edge(s, t, b) for s, t, b in d["edges"]),
-        )
+        try:
+            return _typed(
+                cls,
+                {k: d[k] for k in ("model", "granularity", "profile", "hardware", "output")}
+                | {
+                    "meta": d.get("meta", {}),
+                    "inputs": tuple(_typed(ModelInput, i) for i in d["inputs"]),
+                    "params": tuple(_typed(Param, p) for p in d["params"]),
+                    "nodes": tuple(_typed(Node, n) for n in d["nodes"]),
+                    "edges": tuple(
+                        _typed(Edge, dict(zip(("src", "dst", "bytes"), e))) for e in d["edges"]
+                    ),
+                },
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PlanFormatError(
+                f"the graph file is incomplete or damaged ({type(e).__name__}: {e}); profile the "
+                "model again (ftpipe profile -o)"
+            ) from None
 
     def save(self, path) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_json(), f)
+        write_atomic(path, json.dumps(self.to_json()))
 
     @classmethod
     def load(cls, path) -> OpGraph:
-        return cls.from_json(read_json(path, "graph"))
+        graph = cls.from_json(read_json(path, "graph"))
+        try:
+            graph.validate()
+        except (FtpipeError, KeyError) as e:  # KeyError: an edge to a node that is not there
+            raise PlanFormatError(f"{path} is not a valid graph: {e}") from None
+        return graph
 
 
 def read_json(path, what: str) -> dict:
@@ -231,16 +246,53 @@ def read_json(path, what: str) -> dict:
             return json.load(f)
     except FileNotFoundError:
         raise PlanFormatError(f"{what} file {path} does not exist") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except UnicodeDecodeError:
+        raise PlanFormatError(f"{what} file {path} is not text (a binary file?)") from None
+    except json.JSONDecodeError as e:
         raise PlanFormatError(
             f"{what} file {path} is not valid JSON (truncated or damaged? {e.msg} at line "
-            f"{e.lineno if hasattr(e, 'lineno') else '?'}); write it again"
+            f"{e.lineno}); write it again"
         ) from None
+    except OSError as e:
+        raise PlanFormatError(f"cannot read the {what} file {path}: {e.strerror}") from None
 
 
-def _tupled(cls, d: dict):
-    """Build a frozen dataclass from JSON, turning lists back into tuples."""
-    return cls(**{k: _to_tuple(v) for k, v in d.items()})
+def _typed(cls, d: dict):
+    """Build a frozen dataclass from JSON: lists back into tuples, and every field checked
+    against its annotation, so a hand-edited file fails here, in one sentence, and not deep
+    inside whatever reads the field first (TypeError naming the field)."""
+    if not isinstance(d, dict):
+        raise TypeError(f"a {cls.__name__} must be a JSON object, not {type(d).__name__}")
+    hints = _hints(cls)
+    values = {k: _to_tuple(v) for k, v in d.items() if k in hints}
+    for k, v in values.items():
+        if not _conforms(v, hints[k]):
+            raise TypeError(f"{cls.__name__} field {k!r} cannot be {v!r:.60}")
+    return cls(**values)
+
+
+@functools.cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _conforms(v, hint) -> bool:
+    if hint is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    if hint is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if hint in (str, bool, dict):
+        return isinstance(v, hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return isinstance(v, tuple) and all(_conforms(x, args[0]) for x in v)
+        return isinstance(v, tuple) and len(v) == len(args)
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(v, a) for a in args)
+    if dataclasses.is_dataclass(hint):
+        return isinstance(v, hint)
+    return True  # not checked: the readers of such a field validate it
 
 
 def _to_tuple(v):

@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import platform
 import resource
+import sys
 import time
 from dataclasses import replace
 
 import torch
+from ftpipe_runtime.errors import WriteFailed
 from tqdm import tqdm
 
 from .costs import analytic_costs
@@ -154,7 +156,10 @@ def measured_costs(
     meta = {**reference.meta, "measured": figures}
     graph = reference.with_nodes(nodes, profile="measured", hardware=clock.name, meta=meta)
     if cache:
-        save_profile(key, graph, cache_dir)
+        try:
+            save_profile(key, graph, cache_dir)
+        except WriteFailed as e:  # the profile itself is good: keep it, say why it is not cached
+            print(f"warning: {e} (the profile is not cached)", file=sys.stderr)
     return graph
 
 

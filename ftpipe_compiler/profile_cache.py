@@ -24,12 +24,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from ftpipe_runtime.errors import WriteFailed
 from ftpipe_runtime.models import synthetic_batch
 from torch import nn
 
@@ -82,18 +82,14 @@ def load_profile(key: str, graph: OpGraph, cache_dir=None) -> OpGraph | None:
 
 
 def save_profile(key: str, graph: OpGraph, cache_dir=None) -> Path:
-    """Write atomically, so that a profile killed half-way never leaves a truncated entry."""
+    """Written atomically (`OpGraph.save`): a profile killed half-way leaves no truncated entry."""
     folder = profile_dir(cache_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{key}.json"
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(graph.to_json(), f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise WriteFailed(f"cannot create the profile cache {folder}: {e.strerror}") from None
+    path = folder / f"{key}.json"
+    graph.save(path)
     return path
 
 

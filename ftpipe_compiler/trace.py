@@ -7,8 +7,12 @@ traced.program    # the ExportedProgram (kept in memory for costs and code gener
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import textwrap
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import fx
@@ -61,14 +65,21 @@ class Traced:
 def trace_model(spec: ModelSpec, task: Task, micro_batch: int, device="meta", model=None) -> Traced:
     model = model if model is not None else spec.build(device)
     inputs = spec.example_inputs(task, micro_batch, device)
-    try:
-        program = torch.export.export(model, tuple(inputs.values()), strict=False)
-    except Exception as e:  # the exporter raises many types; all mean the same to a user
-        reason = textwrap.shorten(f"{type(e).__name__}: {e}", 600)
-        raise TraceError(
-            f"torch.export could not trace {spec.spec}: {reason} -- try --granularity layer, or "
-            "give a package.module:function spec whose model returns the loss from plain tensors"
-        ) from None
+    with _noting_ctrl_c() as interrupted:
+        try:
+            program = torch.export.export(model, tuple(inputs.values()), strict=False)
+        except Exception as e:  # the exporter raises many types; all mean the same to a user
+            if interrupted:  # a Ctrl-C the exporter wrapped into an error of its own
+                raise KeyboardInterrupt from None
+            reason = textwrap.shorten(f"{type(e).__name__}: {e}", 600)
+            if spec.kind == "function" and _raised_by_user_code(e):
+                raise TraceError(f"your model's forward raised {reason}") from None
+            raise TraceError(
+                f"torch.export could not trace {spec.spec}: {reason} -- try --granularity layer, "
+                "or give a package.module:function spec whose model returns the loss from plain "
+                "tensors"
+            ) from None
+    _check_loss(spec, program)
     inline_regions(program.graph_module)
     return Traced(*_to_graph(spec, task, micro_batch, model, inputs, program))
 
@@ -122,6 +133,55 @@ _REGIONS = {
     torch.ops.higher_order.wrap_with_set_grad_enabled: lambda args: args,
     torch.ops.higher_order.wrap_with_autocast: _autocast_off,
 }
+
+
+@contextlib.contextmanager
+def _noting_ctrl_c():
+    """A list that becomes non-empty when SIGINT arrives; the interrupt is still raised."""
+    seen: list[bool] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield seen
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def note(signum, frame):
+        seen.append(True)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _raised_by_user_code(e: BaseException) -> bool:
+    """True when the innermost frame of the traceback is outside torch and transformers."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return False
+    where = Path(tb.tb_frame.f_code.co_filename).resolve()
+    libraries = [Path(torch.__file__).resolve().parent]
+    with contextlib.suppress(ImportError):
+        import transformers
+
+        libraries.append(Path(transformers.__file__).resolve().parent)
+    return not any(where.is_relative_to(lib) for lib in libraries)
+
+
+def _check_loss(spec: ModelSpec, program) -> None:
+    """The model's forward must return the loss: one floating-point number per micro-batch."""
+    out = next(n for n in program.graph.nodes if n.op == "output").args[0]
+    val = out[0].meta.get("val") if out and isinstance(out[0], fx.Node) else None
+    if not (isinstance(val, torch.Tensor) and val.dim() == 0 and val.is_floating_point()):
+        shape, dtype, _ = describe_value(val)
+        got = f"a {dtype} of shape {shape}" if val is not None else "no tensor"
+        raise TraceError(
+            f"the forward of {spec.spec} returns {got}, not a scalar loss; make it return the "
+            "loss (e.g. its .mean())"
+        )
 
 
 def _canonical_params(model: torch.nn.Module) -> tuple[dict[str, str], dict[str, torch.Tensor]]:

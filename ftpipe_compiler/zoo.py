@@ -146,9 +146,15 @@ class ModelSpec:
     def _call_function(self):
         mod, _, fn = self.spec.partition(":")
         try:
-            result = getattr(importlib.import_module(mod), fn)()
+            function = getattr(importlib.import_module(mod), fn)
         except (ImportError, AttributeError) as e:
             raise FtpipeError(f"cannot load model function {self.spec!r}: {e}") from None
+        try:
+            result = function()
+        except Exception as e:  # the user's code: say so, with its own message
+            raise FtpipeError(
+                f"your model function {self.spec} raised {type(e).__name__}: {e}"
+            ) from None
         if not (isinstance(result, tuple) and len(result) == 2):
             raise FtpipeError(f"{self.spec} must return (model, example_inputs)")
         model, example = result
@@ -207,8 +213,10 @@ def _from_folder(spec: str, path: Path, kind: str, head, name: str, **extra) -> 
         raise FtpipeError(f"{spec} is a folder but has no config.json; is it a HuggingFace model?")
     try:
         config = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise FtpipeError(f"{cfg_file} is not valid JSON ({e})") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type", ""), str):
+        raise FtpipeError(f"{cfg_file} must hold a JSON object with a model_type string")
     return _hf_spec(spec, name, kind, config, head, path=str(path.resolve()), **extra)
 
 

@@ -1,4 +1,4 @@
-"""The runtime's two failures: a bad request (arguments, plan, data) and a lost peer."""
+"""The runtime's failures: a bad request (arguments, plan, data), a lost peer, a failed write."""
 
 from __future__ import annotations
 
@@ -9,3 +9,7 @@ class PipelineConfigError(ValueError):
 
 class PeerFailure(RuntimeError):
     """Another rank died or stopped answering; the message names the rank waited for."""
+
+
+class WriteFailed(OSError):
+    """A file could not be written (full disk, no permission); the previous one is intact."""

@@ -4,6 +4,7 @@
     topo.stages_on(rank)            # [0, 2]
     topo.remote_ranks("add_7")      # ranks other than the producer's that consume it
     topo.transfers["shared.weight"].weight   # a parameter its owner stage sends along
+    plan = read_plan("pkg/plan.json")   # the dict, or one sentence saying why it cannot be read
 
 Pure bookkeeping over the plan dict: every rank builds the same Topology, so decisions
 taken from it (message order, process groups, step points) agree across ranks. Every
@@ -13,11 +14,30 @@ it, and their gradients flow back to the owner like any activation gradient.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
 
 from .errors import PipelineConfigError
+
+# Bumped whenever plan.json changes shape; the compiler and the runtime refuse other formats.
+PLAN_FORMAT = 1
+
+
+def read_plan(path) -> dict:
+    """The plan file a package runs, or a PipelineConfigError saying why it cannot be used."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            plan = json.load(f)
+    except OSError as e:
+        raise PipelineConfigError(f"cannot read the plan {path}: {e.strerror}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise PipelineConfigError(
+            f"the plan {path} is not valid JSON (damaged or edited?); compile the package again"
+        ) from None
+    Topology(plan)  # the checks, now, before anything starts
+    return plan
 
 
 @dataclass(frozen=True)
@@ -33,6 +53,13 @@ class TransferInfo:
 
 class Topology:
     def __init__(self, plan: dict):
+        if not isinstance(plan, dict) or plan.get("kind", "ftpipe-plan") != "ftpipe-plan":
+            raise PipelineConfigError("this is not an ftpipe plan; compile the package again")
+        if plan.get("format", PLAN_FORMAT) != PLAN_FORMAT:
+            raise PipelineConfigError(
+                f"the plan has format {plan.get('format')!r} but this runtime runs format "
+                f"{PLAN_FORMAT}; compile the package again with this ftpipe"
+            )
         try:
             self.world = int(plan["gpus"])
             self.loss_stage = int(plan["loss_stage"])
@@ -45,8 +72,10 @@ class Topology:
             params = {p["name"] for p in plan["params"]}
             self.transfers = {t["tensor"]: _transfer(t, params) for t in plan["transfers"]}
             copied = [p["name"] for p in plan["params"] if len(p["stages"]) > 1]
-        except (KeyError, TypeError) as e:
-            raise PipelineConfigError(f"the plan is incomplete ({e}); compile it again") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PipelineConfigError(
+                f"the plan is incomplete or damaged ({type(e).__name__}: {e}); compile it again"
+            ) from None
         if copied:
             raise PipelineConfigError(
                 f"the plan puts a copy of {copied[0]} in several stages; it was compiled by an "
@@ -56,12 +85,27 @@ class Topology:
         self._check()
 
     def _check(self) -> None:
+        """What the runtime relies on; the compiler's `Plan.validate` checks the same and more."""
+        if self.world < 1 or sorted(self.rank_of) != list(range(len(self.rank_of))):
+            raise PipelineConfigError("the plan needs stages numbered 0, 1, ... on 1 or more GPUs")
         bad = [r for r in self.rank_of.values() if not 0 <= r < self.world]
         if bad:
             raise PipelineConfigError(f"a stage is on GPU {bad[0]}, outside 0..{self.world - 1}")
+        idle = sorted(set(range(self.world)) - set(self.rank_of.values()))
+        if idle:
+            raise PipelineConfigError(
+                f"the plan gives GPU {idle[0]} no stage ({len(idle)} of {self.world} GPUs idle); "
+                "compile it again: the compiler keeps plans on the GPUs they use"
+            )
         for t in self.transfers.values():
+            if not {t.producer, *t.consumers} <= set(self.rank_of):
+                raise PipelineConfigError(f"transfer {t.name} names a stage the plan lacks")
             if any(c <= t.producer for c in t.consumers):
                 raise PipelineConfigError(f"transfer {t.name} goes to an earlier stage")
+        for s, names in self.inputs.items():
+            missing = [n for n in names if n not in self.transfers]
+            if missing:
+                raise PipelineConfigError(f"stage {s} receives {missing[0]!r}, which nobody sends")
         if self.loss_stage not in self.rank_of:
             raise PipelineConfigError(f"the loss stage {self.loss_stage} is not in the plan")
 

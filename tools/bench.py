@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_fidelity  # noqa: E402 - sections 3 and 4 live beside this file
 import bench_runtime  # noqa: E402
+from ftpipe_runtime.atomic import write_atomic  # noqa: E402
 
 from ftpipe_compiler.partition import problem_from_graph, run_partitioners  # noqa: E402
 from ftpipe_compiler.profiling import costed_graph  # noqa: E402
@@ -177,7 +178,7 @@ def save_figures(report: Path, folder: Path) -> list[str]:
         m = re.search(rf'<svg xmlns="http://www.w3.org/2000/svg" id="{name}".*?</svg>', html, re.S)
         if m:
             path = folder / f"t5-3b-{name}.svg"
-            path.write_text(m.group(0) + "\n")
+            write_atomic(path, m.group(0) + "\n")
             saved.append(str(path.relative_to(folder.parent)))
     return saved
 
@@ -239,8 +240,9 @@ def main(argv=None) -> None:
         f"Raw figures: `{Path(args.out).with_suffix('.json').name}`.",
         "",
     ]
-    Path(args.out).write_text("\n".join(head + parts))
-    Path(args.out).with_suffix(".json").write_text(json.dumps(raw, indent=1))
+    # Both files, each whole: an interrupted or failed bench leaves the previous ones as they were.
+    write_atomic(Path(args.out).with_suffix(".json"), json.dumps(raw, indent=1))
+    write_atomic(args.out, "\n".join(head + parts))
     print(f"wrote {args.out}", file=sys.stderr)
 
 

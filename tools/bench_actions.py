@@ -16,6 +16,8 @@ import json
 import time
 from collections import defaultdict
 
+from ftpipe_runtime.atomic import write_atomic
+
 
 def record_actions() -> list | None:
     """Start recording (kind, stage, mb, start, end, waited) rows; None if not possible."""
@@ -56,8 +58,7 @@ def record_actions() -> list | None:
 
 
 def save_actions(rows: list, path) -> None:
-    with open(path, "w") as f:
-        json.dump(rows, f)
+    write_atomic(path, json.dumps(rows))
 
 
 def load_actions(paths) -> list:

@@ -20,6 +20,7 @@ import os
 import sys
 
 from bench_actions import record_actions, save_actions
+from ftpipe_runtime.atomic import write_atomic
 
 
 def main() -> None:
@@ -51,8 +52,7 @@ def main() -> None:
         save_actions(rows, f"{args.result}.rank{rank}.actions.json")
     if rank == 0:
         summary["step_ends_s"] = [ends[k] for k in sorted(ends)]
-        with open(args.result, "w") as f:
-            json.dump(summary, f, indent=1)
+        write_atomic(args.result, json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

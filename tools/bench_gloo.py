@@ -17,6 +17,8 @@ import os
 import time
 from pathlib import Path
 
+from ftpipe_runtime.atomic import write_atomic
+
 SIZES = (4_096, 262_144, 4_194_304, 51_463_168)  # bytes: tiny, one GPT-2 bench activation,
 REPEATS = (50, 30, 10, 3)  # a few MB, and the tied 50,257 x 256 embedding in float32
 
@@ -53,7 +55,7 @@ def worker(argv=None) -> None:
     dist.init_process_group("gloo")
     times = [ping_pong(rank, n, r) for n, r in zip(SIZES, REPEATS)]
     if rank == 0:
-        Path(args.result).write_text(json.dumps({"sizes": SIZES, "one_way_s": times}))
+        write_atomic(args.result, json.dumps({"sizes": SIZES, "one_way_s": times}))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -22,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 from bench_reference import Recomputed, build_model, lm_loss, load_weights, split_stages, step_batch
+from ftpipe_runtime.atomic import write_atomic
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -82,8 +83,8 @@ def main(argv=None) -> None:
         opt.zero_grad(set_to_none=True)
         ends.append(time.perf_counter() - start)
     if rank == world - 1:
-        with open(args.result, "w") as f:
-            json.dump({"losses": losses, "step_ends_s": ends, "schedule": args.schedule}, f)
+        result = {"losses": losses, "step_ends_s": ends, "schedule": args.schedule}
+        write_atomic(args.result, json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
 

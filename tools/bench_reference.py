@@ -22,6 +22,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from ftpipe_runtime.atomic import write_atomic
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -139,8 +140,7 @@ def main(argv=None) -> None:
     with open(args.plan) as f:
         plan = json.load(f)
     result = train_single(plan, args.weights, args.steps, args.lr, args.seed)
-    with open(args.result, "w") as f:
-        json.dump(result, f, indent=1)
+    write_atomic(args.result, json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

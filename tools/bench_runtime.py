@@ -31,6 +31,7 @@ from bench_launch import ROOT, TOOLS, compile_plan, flags, run_child, run_packag
 from bench_reference import build_model
 from bench_runtime_report import markdown  # noqa: F401 - the section's renderer
 from bench_stats import OtherLoad, step_times, summarise_steps
+from ftpipe_runtime.atomic import atomic_open
 from tqdm import tqdm
 
 MODEL = "gpt2-bench"
@@ -137,7 +138,8 @@ def measure(
     m, size = int(even_plan["micro_batches"]), int(even_plan["model"]["micro_batch"])
     bench = Bench(work, m, size, warmup, timed)
     params = {p["name"] for p in even_plan["params"]}  # a transfer of one is a tied weight
-    torch.save(build_model(MODEL, SEED).state_dict(), bench.weights)
+    with atomic_open(bench.weights, "wb") as f:
+        torch.save(build_model(MODEL, SEED).state_dict(), f)
 
     todo = {
         "ftpipe-even-gpipe": lambda n: bench.ftpipe(even, "gpipe", n),

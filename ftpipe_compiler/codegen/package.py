@@ -3,8 +3,8 @@
     generate_package(traced, graph, plan, spec, Path("out"), command="ftpipe compile ...")
     # -> out/t5_tiny_pipeline/
 
-The package is written into a temporary folder next to its destination and renamed at the
-end, so a failure never leaves half a package behind.
+The package is written into a temporary folder next to its destination and swapped in at
+the end (`output_folder`), so a failure never leaves half a package behind.
 """
 
 from __future__ import annotations
@@ -13,18 +13,17 @@ import contextlib
 import json
 import keyword
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import jinja2
 import torch
+from ftpipe_runtime.atomic import atomic_open, write_atomic
 from torch import nn
 from tqdm import tqdm
 
 from ..errors import FtpipeError, OutputExistsError
 from ..graph import OpGraph
+from ..output import output_folder
 from ..partition.plan import Plan
 from ..resources import templates_dir
 from ..trace import WRAPPER_PREFIX, Traced
@@ -240,19 +239,9 @@ def _parameters_on_meta():
 
 
 def _write_atomically(final: Path, files: dict[str, str], buffers: dict, generated_by: str):
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
+    with output_folder(final, force=True) as tmp:
         for name, text in files.items():
-            (tmp / name).write_text(text)
+            write_atomic(tmp / name, text)
         if buffers:
-            torch.save({"generated_by": generated_by, "tensors": buffers}, tmp / "buffers.pt")
-        if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            with atomic_open(tmp / "buffers.pt", "wb") as f:
+                torch.save({"generated_by": generated_by, "tensors": buffers}, f)

@@ -108,11 +108,15 @@ class Result:
 
 
 def run(problem: Problem, name: str) -> Result:
-    """One partitioner; an infeasible problem or a plan that fails its checks is a Result."""
+    """One partitioner; an infeasible problem or a plan that fails its checks is a Result.
+
+    A plan that leaves GPUs without a stage (more GPUs than the model has useful cuts) is
+    kept on the GPUs it uses: a runtime rank with nothing to run cannot take part.
+    """
     fn = get_partitioner(name)
     t0 = time.perf_counter()
     try:
-        plan = fn(problem)
+        plan = fn(problem).compacted()
     except InfeasibleError as e:
         return Result(name, None, False, str(e), time.perf_counter() - t0)
     try:

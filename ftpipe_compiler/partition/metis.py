@@ -19,7 +19,11 @@ Two repairs compete, each followed by refinement by legal moves:
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import heapq
+import os
+import sys
 import time
 
 import pymetis
@@ -94,10 +98,31 @@ def kway(
         xadj.append(len(adjncy))
     vweights = [max(1, round(w / wmax * SCALE)) for w in work]
     opts = pymetis.Options(seed=seed, ufactor=ufactor)
-    _, part = pymetis.part_graph(
-        parts, xadj=xadj, adjncy=adjncy, vweights=vweights, eweights=eweights, options=opts
-    )
+    with c_stdout_silenced():
+        _, part = pymetis.part_graph(
+            parts, xadj=xadj, adjncy=adjncy, vweights=vweights, eweights=eweights, options=opts
+        )
     return list(part)
+
+
+@contextlib.contextmanager
+def c_stdout_silenced():
+    """METIS printf()s notes such as "Cannot bisect a graph with 0 vertices!" from C, on the
+    process's stdout, where `--json` output goes: point file descriptor 1 at /dev/null
+    meanwhile, flushing C's buffer before putting it back (the notes change nothing)."""
+    libc = ctypes.CDLL(None)
+    if sys.stdout is not None:
+        sys.stdout.flush()
+    libc.fflush(None)
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        libc.fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def ranked(costs: Costs, units: list[list[int]], part: list[int]) -> tuple[list[int], list[int]]:

@@ -18,12 +18,14 @@ numbering stays topological.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import networkx as nx
+from ftpipe_runtime.atomic import write_atomic
 
-from ..errors import FtpipeError, PlanFormatError
-from ..graph import _tupled, read_json
+from ..errors import FtpipeError, PlanFormatError, unknown
+from ..graph import _typed, read_json
 from ..memory import gpu_memory_bytes
 from ..version import PLAN_FORMAT, __version__
 
@@ -162,9 +164,36 @@ class Plan:
     def feasible(self) -> bool:
         return self.max_memory_bytes <= self.memory_bytes
 
+    @property
+    def idle_gpus(self) -> list[int]:
+        """GPUs the plan gives no stage: a runtime rank there would have nothing to do."""
+        used = {s.gpu for s in self.stages}
+        return [g for g in range(self.gpus) if g not in used]
+
+    def compacted(self) -> Plan:
+        """The same plan on only the GPUs it uses, numbered in order (figures are unchanged)."""
+        used = sorted({s.gpu for s in self.stages})
+        if len(used) == self.gpus:
+            return self
+        new = {g: i for i, g in enumerate(used)}
+        stages = tuple(replace(s, gpu=new[s.gpu]) for s in self.stages)
+        return replace(self, gpus=len(used), stages=stages)
+
     # --- checks ---
-    def validate(self) -> None:
-        """Every node in one stage, stage graph acyclic, every GPU within memory."""
+    def validate(self, memory: bool = True) -> None:
+        """Every node in one stage, stages numbered 0..n-1 on existing GPUs, transfers and
+        parameters between existing stages, stage graph acyclic; with `memory`, every GPU
+        within its memory. A plan read from a file is checked without memory."""
+        from ftpipe_runtime.schedules import SCHEDULES
+
+        if self.schedule not in SCHEDULES:
+            raise unknown("schedule", self.schedule, SCHEDULES)
+        if self.gpus < 1 or self.micro_batches < 1 or self.bandwidth <= 0:
+            raise FtpipeError("gpus and micro_batches must be at least 1 and bandwidth positive")
+        if [s.id for s in self.stages] != list(range(len(self.stages))) or not self.stages:
+            raise FtpipeError("stages must be numbered 0, 1, 2, ... in order")
+        if not 0 <= self.loss_stage < len(self.stages):
+            raise FtpipeError(f"the loss stage {self.loss_stage} is not a stage of the plan")
         seen: set[str] = set()
         for s in self.stages:
             dup = seen.intersection(s.nodes)
@@ -173,19 +202,27 @@ class Plan:
             seen.update(s.nodes)
             if not 0 <= s.gpu < self.gpus:
                 raise FtpipeError(f"stage {s.id} is on GPU {s.gpu}, outside 0..{self.gpus - 1}")
+            if not all(math.isfinite(x) and x >= 0 for x in (s.fwd_s, s.bwd_s, s.recompute_s)):
+                raise FtpipeError(f"stage {s.id} has a negative or non-finite time")
         g = nx.DiGraph()
         g.add_nodes_from(s.id for s in self.stages)
         for t in self.transfers:
+            if not {t.producer, *t.consumers} <= set(g):
+                raise FtpipeError(f"transfer {t.tensor} names a stage the plan does not have")
             for c in t.consumers:
                 if c <= t.producer:
                     raise FtpipeError(f"stage {c} receives from a later stage {t.producer}")
                 g.add_edge(t.producer, c)
+        if any(not set(p.stages) <= set(g) for p in self.params):
+            raise FtpipeError("a parameter is owned by a stage the plan does not have")
         if not nx.is_directed_acyclic_graph(g):
             raise FtpipeError("the stage graph has a cycle")
         for gpu in range(self.gpus):
             ids = [s.id for s in self.stages_on(gpu)]
             if ids != sorted(ids):
                 raise FtpipeError(f"stages on GPU {gpu} are not in topological order")
+        if not memory:
+            return
         over = [g for g in range(self.gpus) if self.gpu_memory(g) > self.memory_bytes]
         if over:
             raise FtpipeError(
@@ -217,50 +254,42 @@ class Plan:
                 f"plan format {d.get('format')} was written by ftpipe {d.get('version', '?')}; this "
                 f"ftpipe reads format {PLAN_FORMAT}: run `ftpipe compile` again with this version"
             )
-        copied = [p["name"] for p in d.get("params", ()) if len(p.get("stages", ())) > 1]
+        flat = [f.name for f in fields(cls) if f.name not in ("stages", "transfers", "params")]
+        try:
+            plan = _typed(
+                cls,
+                {k: d[k] for k in flat if k in d}
+                | {
+                    "stages": tuple(_typed(Stage, s) for s in d["stages"]),
+                    "transfers": tuple(_typed(Transfer, t) for t in d["transfers"]),
+                    "params": tuple(_typed(PlanParam, p) for p in d["params"]),
+                },
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PlanFormatError(
+                f"the plan file is incomplete or damaged ({type(e).__name__}: {e}); write it "
+                "again with `ftpipe compile`"
+            ) from None
+        copied = [p.name for p in plan.params if len(p.stages) > 1]
         if copied:
             raise PlanFormatError(
                 f"this plan copies {copied[0]} into several stages (ftpipe before weights were "
                 "sent between stages); run `ftpipe compile` again"
             )
-        try:
-            return cls(
-                **{
-                    k: d[k]
-                    for k in (
-                        "partitioner",
-                        "gpus",
-                        "schedule",
-                        "micro_batches",
-                        "optimizer",
-                        "bandwidth",
-                        "memory_bytes",
-                        "loss_stage",
-                        "lower_bound_s",
-                        "search_seconds",
-                        "model",
-                        "simulated",
-                        "command",
-                        "version",
-                    )
-                },
-                stages=tuple(_tupled(Stage, s) for s in d["stages"]),
-                transfers=tuple(_tupled(Transfer, t) for t in d["transfers"]),
-                params=tuple(_tupled(PlanParam, p) for p in d["params"]),
-                competitors=tuple(d.get("competitors", ())),
-            )
-        except (KeyError, TypeError) as e:
-            raise PlanFormatError(
-                f"the plan file is incomplete ({e}); write it again with `ftpipe compile`"
-            ) from None
+        return plan
 
     def save(self, path) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
+        write_atomic(path, json.dumps(self.to_json(), indent=1))
 
     @classmethod
     def load(cls, path) -> Plan:
-        return cls.from_json(read_json(path, "plan"))
+        """Read and check a plan file (structure, not memory: `simulate` shows what overflows)."""
+        plan = cls.from_json(read_json(path, "plan"))
+        try:
+            plan.validate(memory=False)
+        except FtpipeError as e:
+            raise PlanFormatError(f"{path} is not a valid plan: {e}") from None
+        return plan
 
     def with_(self, **changes) -> Plan:
         return replace(self, **changes)

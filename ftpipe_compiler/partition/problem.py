@@ -12,9 +12,9 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from ftpipe_runtime.schedules import get_schedule
+from ftpipe_runtime.schedules import SCHEDULES, get_schedule
 
-from ..errors import FtpipeError
+from ..errors import FtpipeError, unknown
 from ..graph import OpGraph
 from ..hardware import Hardware
 from ..memory import OPTIMIZERS, optimizer_state_bytes
@@ -38,7 +38,8 @@ class Problem:
             raise FtpipeError(
                 f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}"
             )
-        get_schedule(self.schedule)  # raises on an unknown name
+        if self.schedule not in SCHEDULES:
+            raise unknown("schedule", self.schedule, SCHEDULES)
         if self.graph.profile == "none":
             raise FtpipeError("the graph has no costs; profile it first (ftpipe profile)")
 

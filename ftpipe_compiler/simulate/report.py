@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 
 import jinja2
+from ftpipe_runtime.atomic import write_atomic
 
 from .. import resources
-from ..errors import FtpipeError
 from ..partition.plan import Plan
 from ..version import __version__
 from .result import SimResult
@@ -165,12 +165,7 @@ def render_report(plan: Plan, result: SimResult, command: str = "") -> str:
 
 
 def write_report(path, plan: Plan, result: SimResult, command: str = "") -> None:
-    html = render_report(plan, result, command)
-    try:
-        with open(path, "w") as f:
-            f.write(html)
-    except OSError as e:
-        raise FtpipeError(f"cannot write the report to {path}: {e.strerror}") from None
+    write_atomic(path, render_report(plan, result, command))
 
 
 def _cell(v) -> str:

@@ -72,8 +72,10 @@ def test_bad_input_is_one_clear_line(graph_file, tmp_path):
     assert "Traceback" not in res.output
     res = runner.invoke(cli, ["partition", str(tmp_path / "missing.json"), "--gpus", "2"])
     assert res.exit_code == 1 and "does not exist" in res.output
-    res = runner.invoke(cli, ["partition", graph_file, "--gpus", "0"])
-    assert res.exit_code == 1 and "--gpus must be at least 1" in res.output
+    res = runner.invoke(
+        cli, ["partition", graph_file, "--gpus", "0"]
+    )  # a usage error, as compile's
+    assert res.exit_code == 2 and "'--gpus' / '-g': 0 is not in the range x>=1" in res.output
 
 
 def test_infeasible_everywhere_says_what_is_needed(tmp_path):
