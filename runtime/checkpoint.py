@@ -1,37 +1,102 @@
-"""Checkpoints: every stage's parameters and optimizer state, every rank's RNG, atomically.
+"""Checkpoints: each stage's parameters and optimizer state and each rank's RNG, tied to the
+run that made them.
 
-    save_stage(root, step, stage_id, module, optimizer)    # root/step-000004/stage-2.pt
-    save_rank(root, step, rank, world)                      # root/step-000004/rank-1.pt, last
-    step = latest(root, world)                              # newest step every rank finished
-    load_stage(root, step, stage_id, module, optimizer); load_rank(root, step, rank)
+    ckpt = Checkpoints(root, rank, world, run=run_identity(plan, args, schedule, m), keep=3)
+    ckpt.save_stage(4, stage_id, module, optimizer)   # root/step-000004/stage-2.pt
+    ckpt.finish_rank(4, next_micro_batch=4 * m)        # rank-1.pt (RNG), then rank-1.json
+    step = ckpt.choose(agree)                         # newest complete, intact, same run (or 0)
+    ckpt.load_stage(step, stage_id, module, optimizer, device); ckpt.load_rank(step)
 
-Each file is written under a temporary name and renamed (`os.replace` is atomic), and a
-rank writes its rank file only after all its stages, so a checkpoint counts as complete
-only when every rank's file exists: a run killed mid-save resumes from the one before.
+One checkpoint is the folder `root/step-000004/`: `stage-<id>.pt` (a stage's state dict and
+optimizer state), `rank-<r>.pt` (rank r's random-number generators) and `rank-<r>.json`,
+rank r's manifest, written last: the run's identity, the data position, and the size and
+CRC-32 of each of that rank's files. The checkpoint is complete once every rank's manifest
+exists. Every file is written atomically (`ftpipe_runtime.atomic`).
+
+`choose` resumes from the newest complete checkpoint whose files are intact on every rank
+(one exchange between ranks per candidate); a damaged one is skipped with a warning. One
+made by another run (another plan, schedule, seed, micro-batches, optimizer, data or
+learning-rate settings) is refused, naming the difference. After each save only the newest
+`keep` complete checkpoints stay.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
+import hashlib
+import json
 import re
+import shutil
+import zlib
 from pathlib import Path
 
 import torch
 
+from .atomic import atomic_open, write_atomic
 from .errors import PipelineConfigError
 
+__all__ = ["Checkpoints", "Saver", "default_dir", "plan_hash", "run_identity", "step_dir"]
+
+FORMAT = 1
 _STEP_DIR = re.compile(r"step-(\d+)$")
+# What makes a plan's stages what they are; its costs and the command that made it do not.
+_PLAN_KEYS = ("gpus", "loss_stage", "stages", "transfers", "params")
 
 
 def step_dir(root, step: int) -> Path:
     return Path(root) / f"step-{step:06d}"
 
 
-def _atomic_save(obj, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+def plan_hash(plan: dict) -> str:
+    core = {k: plan.get(k) for k in _PLAN_KEYS} | {"inputs": plan.get("model", {}).get("inputs")}
+    return hashlib.sha256(json.dumps(core, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def default_dir(plan: dict) -> str:
+    """`checkpoints/<model>-<plan hash>`: packages run from one folder never share one."""
+    name = re.sub(r"\W+", "_", str(plan.get("model", {}).get("model_name") or "pipeline"))
+    return str(Path("checkpoints") / f"{name.strip('_') or 'pipeline'}-{plan_hash(plan)[:8]}")
+
+
+def run_identity(plan: dict, args, schedule: str, micro_batches: int) -> dict:
+    """What a resumed run must share with the one that saved: else it is another run."""
+    data = args.data or "synthetic"
+    if Path(data).suffix in (".pt", ".jsonl") and Path(data).is_file():
+        data = f"{Path(data).name} ({Path(data).stat().st_size} bytes)"
+    return {
+        "plan": plan_hash(plan),
+        "schedule": schedule,
+        "micro_batches": micro_batches,
+        "seed": args.seed,
+        "data": data,
+        "optimizer": args.optimizer,
+        "lr": args.lr,
+        "warmup": args.warmup,
+        "decay": args.decay,
+        "clip": args.clip,
+    }
+
+
+def _difference(saved: dict, mine: dict) -> str | None:
+    for key in mine:
+        if saved.get(key) != mine[key]:
+            return f"{key} {saved.get(key)!r} there, {mine[key]!r} here"
+    return None
+
+
+class _Summing:
+    """A file wrapper that counts and CRCs what goes through it."""
+
+    def __init__(self, f):
+        self.f, self.size, self.crc = f, 0, 0
+
+    def write(self, data) -> int:
+        self.size += len(data)
+        self.crc = zlib.crc32(data, self.crc)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def _cpu(state):
@@ -44,33 +109,195 @@ def _cpu(state):
     return state
 
 
-def save_stage(root, step: int, stage: int, module, optimizer) -> None:
-    _atomic_save(
-        {
+class Checkpoints:
+    def __init__(self, root, rank: int, world: int, run: dict, keep: int = 3, say=print):
+        self.root, self.rank, self.world = Path(root), rank, world
+        self.run, self.keep, self.say = run, keep, say
+        self._files: dict[int, dict[str, list[int]]] = {}  # step -> file -> [bytes, crc32]
+
+    # --- writing ---
+    def _save(self, step: int, name: str, obj) -> None:
+        folder = step_dir(self.root, step)
+        if step not in self._files:  # rewriting a step: incomplete until the manifest is back
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / f"rank-{self.rank}.json").unlink(missing_ok=True)
+            self._files[step] = {}
+        with atomic_open(folder / name, "wb") as f:
+            summed = _Summing(f)
+            torch.save(obj, summed)
+        self._files[step][name] = [summed.size, summed.crc]
+
+    def save_stage(self, step: int, stage: int, module, optimizer) -> None:
+        state = {
             "stage": stage,
             "step": step,
             "params": _cpu(module.state_dict()),
             "optimizer": _cpu(optimizer.state_dict()) if optimizer is not None else None,
-        },
-        step_dir(root, step) / f"stage-{stage}.pt",
-    )
+        }
+        self._save(step, f"stage-{stage}.pt", state)
 
+    def finish_rank(self, step: int, next_micro_batch: int, steps: int | None = None) -> None:
+        """The rank's RNG, then its manifest (last: it marks its part complete), then prune."""
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        self._save(step, f"rank-{self.rank}.pt", {"cpu": torch.get_rng_state(), "cuda": cuda})
+        manifest = {
+            "kind": "ftpipe-checkpoint",
+            "format": FORMAT,
+            "step": step,
+            "rank": self.rank,
+            "world": self.world,
+            "run": self.run,
+            "steps": steps,
+            "next_micro_batch": next_micro_batch,  # where the data continues
+            "in_flight": None,  # room for an asynchronous schedule's pipeline state
+            "files": self._files.pop(step),
+        }
+        write_atomic(step_dir(self.root, step) / f"rank-{self.rank}.json", json.dumps(manifest))
+        self.prune()
 
-def save_rank(root, step: int, rank: int, world: int) -> None:
-    """The rank's RNG; written last, it marks the rank's part of the checkpoint complete."""
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    rng = {"cpu": torch.get_rng_state(), "cuda": cuda}
-    _atomic_save(
-        {"rank": rank, "world": world, "step": step, "rng": rng},
-        step_dir(root, step) / f"rank-{rank}.pt",
-    )
+    # --- reading ---
+    def _steps(self) -> list[int]:
+        found = []
+        if self.root.is_dir():
+            for d in self.root.iterdir():
+                m = _STEP_DIR.fullmatch(d.name)
+                if m and d.is_dir():
+                    found.append(int(m.group(1)))
+        return sorted(found, reverse=True)
+
+    def _manifest(self, step: int, rank: int) -> dict | None:
+        """A rank's manifest; None when absent, a string key "damaged" when unreadable."""
+        path = step_dir(self.root, step) / f"rank-{rank}.json"
+        try:
+            m = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            return {"damaged": f"{path.name} is unreadable ({type(e).__name__})"}
+        if not isinstance(m, dict) or m.get("kind") != "ftpipe-checkpoint":
+            return {"damaged": f"{path.name} is not a checkpoint manifest"}
+        if m.get("format") != FORMAT:
+            return {"damaged": f"{path.name} has format {m.get('format')!r}, not {FORMAT}"}
+        return m
+
+    def complete(self) -> list[tuple[int, list[dict]]]:
+        """(step, every rank's manifest), newest first, for checkpoints all ranks finished."""
+        out = []
+        for step in self._steps():
+            first = self._manifest(step, 0)
+            if first is None:
+                continue
+            world = first.get("world") if isinstance(first.get("world"), int) else self.world
+            manifests = [first] + [self._manifest(step, r) for r in range(1, world)]
+            if all(m is not None for m in manifests):
+                out.append((step, manifests))
+        return out
+
+    def _intact(self, manifests: list[dict]) -> str | None:
+        """Why this rank's part is damaged, or None; reads this rank's files once."""
+        damaged = [m["damaged"] for m in manifests if "damaged" in m]
+        if damaged:
+            return damaged[0]
+        mine = manifests[self.rank]
+        for name, (size, crc) in mine.get("files", {}).items():
+            path = step_dir(self.root, mine["step"]) / name
+            try:
+                got, sum_ = path.stat().st_size, 0
+                with open(path, "rb") as f:
+                    while chunk := f.read(1 << 24):
+                        sum_ = zlib.crc32(chunk, sum_)
+            except OSError as e:
+                return f"{name}: {e.strerror}"
+            if (got, sum_) != (size, crc):
+                return f"{name} has changed since it was saved ({got:,} bytes, {size:,} saved)"
+        return None
+
+    def choose(self, agree=lambda x: [x]) -> tuple[int, dict | None]:
+        """(step, this rank's manifest) to resume from, (0, None) when there is none.
+
+        `agree(value)` returns every rank's value (an all_gather), so all ranks take the
+        same step even when only one of them finds its files damaged."""
+        candidates = self.complete()
+        for step, manifests in candidates:
+            if diff := self._foreign(manifests):
+                raise PipelineConfigError(
+                    f"{step_dir(self.root, step)} was saved by another run ({diff}); resume "
+                    "with the same options, or choose another --checkpoint-dir"
+                )
+            reasons = agree(self._intact(manifests))
+            bad = [(r, why) for r, why in enumerate(reasons) if why]
+            if not bad:
+                return step, manifests[self.rank]
+            self.say(
+                f"ftpipe: checkpoint {step_dir(self.root, step)} is damaged ({bad[0][1]}, rank "
+                f"{bad[0][0]}); trying the one before"
+            )
+        if candidates:
+            raise PipelineConfigError(
+                f"every checkpoint in {self.root} is damaged; start afresh without --resume"
+            )
+        return 0, None
+
+    def refuse_foreign(self) -> None:
+        """A new run must not save among another run's checkpoints: resume would mix them."""
+        for _, manifests in self.complete():
+            if diff := self._foreign(manifests):
+                raise PipelineConfigError(
+                    f"{self.root} holds checkpoints of another run ({diff}); choose another "
+                    "--checkpoint-dir or delete them"
+                )
+
+    def _foreign(self, manifests: list[dict]) -> str | None:
+        """How the run that saved these differs from this one (None: the same run)."""
+        run = next((m.get("run") for m in manifests if "run" in m), None)
+        return _difference(run, self.run) if isinstance(run, dict) else None
+
+    def load_stage(self, step: int, stage: int, module, optimizer, device) -> None:
+        path = step_dir(self.root, step) / f"stage-{stage}.pt"
+        try:
+            state = torch.load(path, map_location=device, weights_only=True)
+            module.load_state_dict(state["params"])
+            if optimizer is not None and state["optimizer"] is not None:
+                optimizer.load_state_dict(state["optimizer"])
+        except FileNotFoundError:
+            raise PipelineConfigError(
+                f"{path.parent} has no stage {stage}: another plan?"
+            ) from None
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise PipelineConfigError(f"{path} does not fit stage {stage} ({e})") from None
+
+    def load_rank(self, step: int) -> None:
+        path = step_dir(self.root, step) / f"rank-{self.rank}.pt"
+        rng = torch.load(path, map_location="cpu", weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+
+    # --- tidying ---
+    def prune(self) -> None:
+        """Keep the newest `keep` complete checkpoints (0: all); partial ones older than the
+        newest complete one are abandoned saves: they go too. Manifests go first, so a
+        checkpoint being removed is never taken for a complete one."""
+        if not self.keep:
+            return
+        done = [step for step, _ in self.complete()]
+        if not done:
+            return
+        for step in self._steps():
+            if step in done[: self.keep] or step > done[0]:
+                continue
+            folder = step_dir(self.root, step)
+            for manifest in folder.glob("rank-*.json"):
+                with contextlib.suppress(OSError):
+                    manifest.unlink()
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 class Saver:
     """The step hook that checkpoints every `every` steps and after the last one."""
 
-    def __init__(self, root, every: int, steps: int, rank: int, world: int):
-        self.root, self.every, self.steps, self.rank, self.world = root, every, steps, rank, world
+    def __init__(self, ckpt: Checkpoints, every: int, steps: int, micro_batches: int):
+        self.ckpt, self.every, self.steps, self.m = ckpt, every, steps, micro_batches
         self.modules: dict = {}
         self.optimizers: dict = {}
         self._saved: dict[int, set] = {}  # step -> stages saved (asynchronous: one at a time)
@@ -80,37 +307,8 @@ class Saver:
         if done % self.every and done != self.steps:
             return
         for s in event.stages:
-            save_stage(self.root, done, s, self.modules[s], self.optimizers[s])
+            self.ckpt.save_stage(done, s, self.modules[s], self.optimizers[s])
         self._saved.setdefault(done, set()).update(event.stages)
         if self._saved[done] == set(self.modules):
-            save_rank(self.root, done, self.rank, self.world)
+            self.ckpt.finish_rank(done, next_micro_batch=done * self.m, steps=self.steps)
             del self._saved[done]
-
-
-def latest(root, world: int) -> int | None:
-    """The newest step whose checkpoint every rank finished, or None."""
-    best = None
-    for d in Path(root).glob("step-*") if Path(root).is_dir() else []:
-        m = _STEP_DIR.search(d.name)
-        if m and all((d / f"rank-{r}.pt").is_file() for r in range(world)):
-            best = max(best or 0, int(m.group(1)))
-    return best
-
-
-def load_stage(root, step: int, stage: int, module, optimizer, device) -> None:
-    path = step_dir(root, step) / f"stage-{stage}.pt"
-    if not path.is_file():
-        raise PipelineConfigError(f"checkpoint {path.parent} has no stage {stage}: another plan?")
-    state = torch.load(path, map_location=device, weights_only=True)
-    module.load_state_dict(state["params"])
-    if optimizer is not None and state["optimizer"] is not None:
-        optimizer.load_state_dict(state["optimizer"])
-
-
-def load_rank(root, step: int, rank: int) -> None:
-    state = torch.load(
-        step_dir(root, step) / f"rank-{rank}.pt", map_location="cpu", weights_only=True
-    )
-    torch.set_rng_state(state["rng"]["cpu"])
-    if state["rng"]["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["rng"]["cuda"])

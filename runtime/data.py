@@ -15,6 +15,7 @@ labels, seq2seq decoder inputs).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -72,14 +73,44 @@ class Copy(Synthetic):
 
 
 class FileData(_Inputs):
-    """Samples of a tokenized file; missing inputs derived (masks, causal-LM labels, decoder inputs)."""
+    """Samples of a tokenized file; missing inputs derived (masks, causal-LM labels, decoder inputs).
+
+    Everything is checked when the file is opened, before training: token ids inside the
+    vocabulary, every input present or derivable. Samples with nothing to predict (one
+    token for a causal LM, labels all padding) are left out with a warning: a micro-batch
+    of only such samples would have a loss of 0/0 = NaN.
+    """
 
     def __init__(self, model: dict, seed: int, path: str):
         super().__init__(model, seed)
         self.columns = _read(Path(path))
-        self.size = len(next(iter(self.columns.values())))
+        vocab = (model.get("vocab") or {}).get("vocab_size") if isinstance(model, dict) else None
+        _check_vocabulary(self.columns, int(vocab or 0), path)
+        keep = [r for r in range(_rows(self.columns)) if self._has_target(r)]
+        if not keep:
+            raise PipelineConfigError(
+                f"{path}: no sample has a token to predict (a language model needs 2 or more "
+                "tokens per sample)"
+            )
+        if len(keep) < _rows(self.columns):
+            dropped = _rows(self.columns) - len(keep)
+            print(f"ftpipe: {path}: left out {dropped} samples with nothing to predict",
+                  file=sys.stderr)  # fmt: skip
+            self.columns = {k: [v[r] for r in keep] for k, v in self.columns.items()}
+        self.size = len(keep)
         self.micro_batch = next(iter(self.specs.values()))[0][0]
         self._perms: dict[int, torch.Tensor] = {}
+        for name in self.specs:  # a missing input is an error now, not at some later step
+            self.get(name, 0)
+
+    def _has_target(self, r: int) -> bool:
+        if "labels" not in self.specs:
+            return True
+        if "labels" in self.columns:
+            return bool((self.columns["labels"][r].reshape(-1) != IGNORE).any())
+        if "input_ids" in self.columns and self.head is not None and self.head.labels_are_input_ids:
+            return self.columns["input_ids"][r].numel() >= 2
+        return True
 
     def rows(self, mb: int) -> list[int]:
         first = mb * self.micro_batch
@@ -136,26 +167,93 @@ def _read(path: Path) -> dict[str, list[torch.Tensor]]:
     if not path.is_file():
         raise PipelineConfigError(f"no data file {path}")
     if path.suffix == ".pt":
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-        if isinstance(obj, torch.Tensor):
-            obj = {"input_ids": obj}
-        if not isinstance(obj, dict):
-            raise PipelineConfigError(f"{path}: expected a tensor or a dict of tensors")
-        cols = {k: [torch.as_tensor(r) for r in v] for k, v in obj.items()}
+        cols = _read_pt(path)
     elif path.suffix == ".jsonl":
-        cols = {}
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        for row in rows:
-            row = row if isinstance(row, dict) else {"input_ids": row}
-            for k, v in row.items():
-                cols.setdefault(k, []).append(torch.tensor(v, dtype=torch.long))
+        cols = _read_jsonl(path)
     else:
         raise PipelineConfigError(f"{path}: data files are .pt or .jsonl of token ids")
     sizes = {len(v) for v in cols.values()}
     if not cols or len(sizes) != 1 or 0 in sizes:
         raise PipelineConfigError(f"{path}: every column needs the same, non-zero number of rows")
     return cols
+
+
+def _read_pt(path: Path) -> dict[str, list[torch.Tensor]]:
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - empty, truncated, not a torch file, a pickle
+        raise PipelineConfigError(
+            f"{path} is not a torch file of token ids ({type(e).__name__}); save a 2-d integer "
+            "tensor or a dict of them with torch.save"
+        ) from None
+    if isinstance(obj, torch.Tensor):
+        obj = {"input_ids": obj}
+    if not isinstance(obj, dict) or not obj:
+        raise PipelineConfigError(f"{path}: expected a tensor or a dict of tensors")
+    cols = {}
+    for k, v in obj.items():
+        if isinstance(v, torch.Tensor) and v.dim() == 0:
+            raise PipelineConfigError(f"{path}: {k!r} is a single number; give one row per sample")
+        rows = [torch.as_tensor(r) for r in v] if isinstance(v, (torch.Tensor, list, tuple)) else []
+        if not all(r.dtype in _INTEGERS for r in rows):
+            raise PipelineConfigError(
+                f"{path}: {k!r} holds {rows[0].dtype if rows else type(v).__name__} values; "
+                "token ids are integers"
+            )
+        cols[k] = rows
+    return cols
+
+
+def _read_jsonl(path: Path) -> dict[str, list[torch.Tensor]]:
+    cols: dict[str, list[torch.Tensor]] = {}
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                row = row if isinstance(row, dict) else {"input_ids": row}
+                for k, v in row.items():
+                    if not _integers(v):
+                        raise ValueError(f"{k!r} is not a list of integers")
+                    cols.setdefault(k, []).append(torch.tensor(v, dtype=torch.long))
+            except ValueError as e:  # json.JSONDecodeError is a ValueError
+                raise PipelineConfigError(
+                    f"{path} line {number}: {e}; each line is a list of token ids or an object "
+                    "of such lists"
+                ) from None
+    return cols
+
+
+_INTEGERS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+TOKEN_COLUMNS = ("input_ids", "decoder_input_ids", "labels")
+
+
+def _integers(v) -> bool:
+    if isinstance(v, list):
+        return all(_integers(x) for x in v)
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _rows(columns: dict) -> int:
+    return len(next(iter(columns.values())))
+
+
+def _check_vocabulary(columns: dict, vocab: int, path) -> None:
+    """Token ids must index the embedding table: 0 <= id < vocab (labels may be -100)."""
+    if vocab <= 0:
+        return
+    for name in TOKEN_COLUMNS:
+        for i, row in enumerate(columns.get(name, ())):
+            values = row.reshape(-1)
+            if name == "labels":
+                values = values[values != IGNORE]
+            bad = values[(values < 0) | (values >= vocab)]
+            if bad.numel():
+                raise PipelineConfigError(
+                    f"{path}: sample {i} has {name} {int(bad[0])}, outside the vocabulary "
+                    f"0..{vocab - 1} of the model"
+                )
 
 
 SOURCES = {"synthetic": Synthetic, "copy": Copy}

@@ -3,11 +3,14 @@
     args = parse_args(["--steps", "20", "--schedule", "gpipe"], plan)
 
 Defaults come from the plan: its schedule, micro-batches, optimizer and learning rate.
+Every number is checked here (a usage error, exit code 2): `--lr nan`, `--timeout 0` or
+`--save-every -1` never reach training.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
@@ -15,10 +18,33 @@ from .data import SOURCES
 from .optim import DECAYS, OPTIMIZERS
 
 
+def number(kind, low, above: bool = False):
+    """An argparse type: an int or a finite float, at least `low` (greater with `above`)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'an integer' if kind is int else 'a number'}"
+            ) from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+        if value < low or (above and value == low):
+            raise argparse.ArgumentTypeError(
+                f"{text} must be {'above' if above else 'at least'} {low}"
+            )
+        return value
+
+    return parse
+
+
 def parse_args(argv, plan: dict) -> argparse.Namespace:
     model = plan.get("model", {})
     p = argparse.ArgumentParser(prog="python -m <package>", description="Fine-tune the pipeline.")
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps in all (default 10)")
+    p.add_argument(
+        "--steps", type=number(int, 1), default=10, help="optimizer steps in all (default 10)"
+    )
     p.add_argument(
         "--schedule",
         choices=("gpipe", "1f1b", "ftpipe"),
@@ -27,19 +53,23 @@ def parse_args(argv, plan: dict) -> argparse.Namespace:
     )
     p.add_argument(
         "--micro-batches",
-        type=int,
+        type=number(int, 1),
         default=None,
         help=f"per optimizer step (plan: {plan.get('micro_batches')})",
     )
-    p.add_argument("--lr", type=float, default=float(model.get("lr") or 1e-3))
+    p.add_argument("--lr", type=number(float, 0), default=float(model.get("lr") or 1e-3))
     p.add_argument(
         "--optimizer",
         choices=sorted(OPTIMIZERS),
         default=str(plan.get("optimizer") or model.get("optimizer") or "adamw").lower(),
     )
-    p.add_argument("--warmup", type=int, default=0, help="steps of linear learning-rate warm-up")
+    p.add_argument(
+        "--warmup", type=number(int, 0), default=0, help="steps of linear learning-rate warm-up"
+    )
     p.add_argument("--decay", choices=sorted(DECAYS), default="linear")
-    p.add_argument("--clip", type=float, default=1.0, help="max gradient norm; 0: no clipping")
+    p.add_argument(
+        "--clip", type=number(float, 0), default=1.0, help="max gradient norm; 0: no clipping"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--data",
@@ -47,12 +77,24 @@ def parse_args(argv, plan: dict) -> argparse.Namespace:
         help=f"{' | '.join(SOURCES)} (default synthetic) or a .pt / .jsonl of token ids",
     )
     p.add_argument("--init", default=None, help="a .pt state dict to start from (by name)")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps")
-    p.add_argument("--checkpoint-dir", default="checkpoints")
+    p.add_argument(
+        "--save-every", type=number(int, 0), default=0, help="checkpoint every N steps (0: never)"
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="where checkpoints go (default checkpoints/<model>-<plan hash>: one per plan)",
+    )
+    p.add_argument(
+        "--keep-checkpoints",
+        type=number(int, 0),
+        default=3,
+        help="complete checkpoints kept, the newest (default 3; 0: all)",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     p.add_argument(
         "--timeout",
-        type=float,
+        type=number(float, 0, above=True),
         default=60.0,
         help="seconds to wait for a peer before giving up (default 60)",
     )
@@ -61,8 +103,5 @@ def parse_args(argv, plan: dict) -> argparse.Namespace:
     )
     p.add_argument("--init-method", default="env://", help="torch.distributed rendezvous")
     p.add_argument("--log-json", default=None, help="write losses and checksums here (rank 0)")
-    p.add_argument("--log-every", type=int, default=1)
-    args = p.parse_args(argv)
-    if args.steps < 1 or (args.micro_batches is not None and args.micro_batches < 1):
-        p.error("--steps and --micro-batches must be at least 1")
-    return args
+    p.add_argument("--log-every", type=number(int, 1), default=1)
+    return p.parse_args(argv)

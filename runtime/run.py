@@ -17,15 +17,17 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from . import checkpoint
+from .atomic import check_writable_file, remove_temporaries, write_atomic
 from .comm import Comm, init_distributed
 from .data import make_data
 from .dataflow import action_lists, build_dataflow, check_progress
-from .errors import PeerFailure, PipelineConfigError
+from .errors import PeerFailure, PipelineConfigError, WriteFailed
 from .executor import Executor
 from .optim import lr_at, make_optimizer
 from .options import parse_args
@@ -33,20 +35,28 @@ from .report import Progress, checksums, human_bytes, peak_memory
 from .schedules import get_schedule
 from .stages import build_stages, load_init
 from .stepping import Stepper
-from .topology import Topology
+from .topology import Topology, read_plan
 
 
-def run(plan: dict, stages: dict, argv: list[str] | None = None) -> dict:
-    """Train this rank's stages; returns the run's summary (losses on rank 0)."""
-    args = parse_args(argv, plan)
+def run(plan: dict | str | os.PathLike, stages: dict, argv: list[str] | None = None) -> dict:
+    """Train this rank's stages; returns the run's summary (losses on rank 0).
+
+    `plan` is the plan dict or the path of plan.json; either is checked before anything runs.
+    """
     rank = int(os.environ.get("RANK", 0))
+    try:
+        plan = read_plan(plan) if not isinstance(plan, dict) else plan
+        Topology(plan)  # before the arguments, whose defaults come from the plan
+    except PipelineConfigError as e:
+        raise SystemExit(f"ftpipe: {e}") from None
+    args = parse_args(argv, plan)
     try:
         return _train(plan, stages, args, rank)
     except PeerFailure as e:
         _die(f"ftpipe rank {rank}: {e}", 1)
-    except PipelineConfigError as e:
+    except (PipelineConfigError, WriteFailed) as e:
         if dist.is_initialized():  # the others would wait for this rank: do not linger
-            _die(f"ftpipe rank {rank}: {e}", 2)
+            _die(f"ftpipe rank {rank}: {e}", 1)
         raise SystemExit(f"ftpipe: {e}") from None
 
 
@@ -76,16 +86,36 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     name = args.schedule or plan["schedule"]
     sched = get_schedule(name)
     m = args.micro_batches or int(plan["micro_batches"])
-    first = (checkpoint.latest(args.checkpoint_dir, world) or 0) if args.resume else 0
+    # Everything that can be refused is refused here, before any rank waits for another.
+    if args.log_json and rank == 0:
+        check_writable_file(args.log_json, "--log-json")
+    data = make_data(plan["model"], args.data, args.seed)
+    root = Path(args.checkpoint_dir or checkpoint.default_dir(plan))
+    say = (lambda line: print(line, file=sys.stderr, flush=True)) if rank == 0 else _quiet
+    ckpt = checkpoint.Checkpoints(
+        root, rank, world, checkpoint.run_identity(plan, args, name, m), args.keep_checkpoints, say
+    )
+    if args.save_every:
+        _check_folder(root)
+        if not args.resume:
+            ckpt.refuse_foreign()
+
+    torch.manual_seed(args.seed * 7919 + rank)  # dropout differs per rank, repeats per run
+    init_distributed(rank, world, device.type, args.init_method, max(args.timeout, 300.0))
+    first, manifest = ckpt.choose(lambda v: _all_gather(v, world)) if args.resume else (0, None)
     if first >= args.steps:
         raise PipelineConfigError(f"the checkpoint is at step {first}; ask for more --steps")
+    if manifest and _lr_changes(args, manifest.get("steps"), first):
+        say(
+            f"ftpipe: note: the checkpoint's run had --steps {manifest['steps']}, this one "
+            f"{args.steps}; the learning-rate schedule changes from step {first}"
+        )
+    if rank == 0 and args.save_every:
+        remove_temporaries(root)  # of a killed save; nobody saves before the barrier below
 
     lists = action_lists(topo, name, m, args.steps - first)
     flow = build_dataflow(topo, lists, m, sched.synchronous)
     check_progress(topo, lists, flow)
-
-    torch.manual_seed(args.seed * 7919 + rank)  # dropout differs per rank, repeats per run
-    init_distributed(rank, world, device.type, args.init_method, max(args.timeout, 300.0))
     comm = Comm(rank, world, device, args.timeout, flow, _message_specs(topo))
     # The one collective: the gradient norm, across all ranks, when a synchronous step clips.
     collective_sets = [tuple(range(world))] if sched.synchronous and args.clip else []
@@ -100,16 +130,16 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     }
     if first:
         for s, mod in modules.items():
-            checkpoint.load_stage(args.checkpoint_dir, first, s, mod, optimizers[s], device)
-        checkpoint.load_rank(args.checkpoint_dir, first, rank)
+            ckpt.load_stage(first, s, mod, optimizers[s], device)
+        ckpt.load_rank(first)
 
     micro_batch = next(iter(plan["model"]["inputs"].values()))[0][0]
     progress = Progress(rank == 0, args.steps, first, m * micro_batch, args.log_every)
     if args.resume:
-        where = f"step {first} of {args.checkpoint_dir}" if first else "step 0: no checkpoint"
+        where = f"step {first} of {root}" if first else f"step 0: no checkpoint in {root}"
         if rank == 0:
             progress.write(f"resuming from {where}")
-    saver = checkpoint.Saver(args.checkpoint_dir, args.save_every, args.steps, rank, world)
+    saver = checkpoint.Saver(ckpt, args.save_every, args.steps, m)
     saver.modules, saver.optimizers = modules, optimizers
     stepper = Stepper(
         topo,
@@ -123,7 +153,6 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
         saver if args.save_every else None,
     )
     stepper.step_offset = first
-    data = make_data(plan["model"], args.data, args.seed)
     executor = Executor(
         topo,
         rank,
@@ -184,6 +213,40 @@ def _fault(rank: int, acts: list, first: int):
     return (idx[-1], mode) if idx else None
 
 
+def _lr_changes(args, saved_steps, first: int) -> bool:
+    """Does --steps (which the learning-rate decay depends on) change the rates from `first`?"""
+    if not isinstance(saved_steps, int) or saved_steps == args.steps:
+        return False
+    rate = lambda k, steps: lr_at(k, args.lr, steps, args.warmup, args.decay)  # noqa: E731
+    return any(rate(k, saved_steps) != rate(k, args.steps) for k in range(first, args.steps))
+
+
+def _quiet(line: str) -> None:
+    pass
+
+
+def _check_folder(root: Path) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PipelineConfigError(
+            f"cannot make the checkpoint folder {root}: {e.strerror}"
+        ) from None
+    check_writable_file(root / "probe", "checkpoints in")
+
+
+def _all_gather(value, world: int) -> list:
+    """Every rank's `value` (a small picklable object), in rank order."""
+    if world == 1:
+        return [value]
+    out = [None] * world
+    try:
+        dist.all_gather_object(out, value)
+    except Exception as e:  # noqa: BLE001
+        raise PeerFailure(f"a rank vanished while choosing a checkpoint ({e})") from e
+    return out
+
+
 def _barrier(world: int, what: str) -> None:
     if world > 1:
         try:
@@ -220,8 +283,7 @@ def _finish(args, plan, topo, modules, progress, device, world, rank, first, m, 
             f"{summary['samples_per_s']:.1f} samples/s; peak memory {mem}"
         )
         if args.log_json:
-            with open(args.log_json, "w") as f:
-                json.dump(summary, f, indent=1)
+            write_atomic(args.log_json, json.dumps(summary, indent=1))
     if world > 1:
         _barrier(world, "finishing")
         dist.destroy_process_group()

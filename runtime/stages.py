@@ -48,12 +48,22 @@ def _check_signature(topo, s: int, module) -> None:
 
 def load_init(modules: dict, path: str, plan: dict) -> None:
     """Copy every stage tensor from a state dict file (.pt or .safetensors), by name or alias."""
-    if str(path).endswith(".safetensors"):
-        from safetensors.torch import load_file
+    try:
+        if str(path).endswith(".safetensors"):
+            from safetensors.torch import load_file
 
-        state = load_file(path)
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+            state = load_file(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise PipelineConfigError(f"--init {path}: no such file") from None
+    except Exception as e:  # noqa: BLE001 - damaged, not a state dict, or a blocked pickle
+        raise PipelineConfigError(
+            f"--init {path} is not a state dict of tensors ({type(e).__name__}); save one with "
+            "torch.save(model.state_dict(), path)"
+        ) from None
+    if not isinstance(state, dict):
+        raise PipelineConfigError(f"--init {path} holds a {type(state).__name__}, not a state dict")
     aliases = {p["name"]: tuple(p.get("aliases", ())) for p in plan.get("params", ())}
     for s, module in modules.items():
         trainable = {n for n, p in module.named_parameters() if p.requires_grad}
@@ -62,7 +72,14 @@ def load_init(modules: dict, path: str, plan: dict) -> None:
         for name in own:
             key = next((k for k in (name, *aliases.get(name, ())) if k in state), None)
             if key is not None:
-                found[name] = state[key]
+                value = state[key]
+                if not isinstance(value, torch.Tensor) or value.shape != own[name].shape:
+                    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else "no tensor"
+                    raise PipelineConfigError(
+                        f"--init {path}: {key} has shape {shape}, stage {s} expects "
+                        f"{tuple(own[name].shape)} for {name}; is it this model's checkpoint?"
+                    )
+                found[name] = value
         missing = sorted(trainable - set(found))
         if missing:
             raise PipelineConfigError(

@@ -210,6 +210,15 @@ def toy_plan(layout: str = "two-ranks", schedule: str = "gpipe", micro_batches: 
     }
 
 
+def one_rank_plan(schedule: str = "gpipe", micro_batches: int = 4) -> dict:
+    """The toy's four stages all on one rank: `run` needs no torch.distributed then."""
+    plan = toy_plan("two-ranks", schedule, micro_batches)
+    plan["gpus"] = 1
+    for s in plan["stages"]:
+        s["gpu"] = 0
+    return plan
+
+
 if __name__ == "__main__":  # one rank of a toy pipeline: runtime_toy.py PLAN.json [runtime args]
     import json
     import sys

@@ -15,15 +15,7 @@ from ftpipe_runtime.schedules import Action
 from ftpipe_runtime.stepping import Stepper
 from ftpipe_runtime.topology import Topology
 from runtime_reference import train_plain
-from runtime_toy import STAGES, Stage1, toy_plan
-
-
-def _one_rank(schedule="gpipe", micro_batches=4):
-    plan = toy_plan("two-ranks", schedule, micro_batches)
-    plan["gpus"] = 1
-    for s in plan["stages"]:
-        s["gpu"] = 0
-    return plan
+from runtime_toy import STAGES, Stage1, one_rank_plan, toy_plan
 
 
 class DropStage1(Stage1):
@@ -52,7 +44,7 @@ def _train_once(plan, classes, recompute: bool, seed: int) -> dict:
 
 
 def test_recompute_replays_the_forwards_dropout():
-    plan, classes = _one_rank(), {**STAGES, 1: DropStage1}
+    plan, classes = one_rank_plan(), {**STAGES, 1: DropStage1}
     kept = _train_once(plan, classes, recompute=False, seed=1)
     again = _train_once(plan, classes, recompute=True, seed=1)
     other = _train_once(plan, classes, recompute=True, seed=2)
@@ -62,7 +54,7 @@ def test_recompute_replays_the_forwards_dropout():
 
 
 def test_run_on_one_rank_matches_plain_training(tmp_path):
-    plan = _one_rank("1f1b")
+    plan = one_rank_plan("1f1b")
     argv = ["--steps", "3", "--optimizer", "adamw", "--lr", "0.05", "--clip", "0.5"]
     summary = run(plan, STAGES, argv + ["--checkpoint-dir", str(tmp_path)])
     losses, _ = train_plain(plan, 3, "adamw", lr=0.05, clip=0.5)
@@ -76,6 +68,6 @@ def test_run_refuses_the_wrong_number_of_processes(monkeypatch):
 
 
 def test_run_refuses_a_package_that_disagrees_with_its_plan():
-    plan = _one_rank()
+    plan = one_rank_plan()
     with pytest.raises(SystemExit, match="stage 1 takes"):
         run(plan, {**STAGES, 1: STAGES[2]}, ["--steps", "1"])
