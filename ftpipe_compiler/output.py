@@ -44,9 +44,9 @@ def check_writable(out, force: bool) -> None:
     parent = out.resolve().parent
     while not parent.exists():
         parent = parent.parent
+    if not parent.is_dir():
+        raise FtpipeError(f"cannot write {out}: {parent} is a file; choose another folder with -o")
     try:
-        if not parent.is_dir():
-            raise NotADirectoryError(errno.ENOTDIR, f"{parent} is a file")
         os.rmdir(tempfile.mkdtemp(prefix=f".{out.name}.probe-", dir=parent))
     except OSError as e:
         raise FtpipeError(

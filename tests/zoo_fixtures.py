@@ -30,3 +30,42 @@ class DataDependent(nn.Module):
 
 def untraceable_model():
     return DataDependent(), (torch.randn(4, 4),)
+
+
+def raising_model():
+    raise ValueError("no weights in /nowhere")
+
+
+class PerSample(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x).square().mean(dim=1)  # one loss per sample: not a scalar
+
+
+def vector_model():
+    return PerSample(), (torch.randn(4, 8),)
+
+
+class Refusing(nn.Module):
+    def forward(self, x):
+        raise RuntimeError("this model only runs on Tuesdays")
+
+
+def forward_raises_model():
+    return Refusing(), (torch.randn(2, 2),)
+
+
+class OneOp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return torch.dot(x, self.w)  # the whole model is one operator
+
+
+def one_node_model():
+    return OneOp(), (torch.randn(4),)

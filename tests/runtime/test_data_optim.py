@@ -103,3 +103,20 @@ def test_optimizer_registry_errors():
     with pytest.raises(PipelineConfigError, match="unknown optimizer 'lamb'; choose from"):
         make_optimizer("lamb", [], 0.1)
     assert make_optimizer("adamw", [torch.nn.Parameter(torch.ones(1), False)], 0.1) is None
+
+
+def test_samples_with_nothing_to_predict_are_left_out(tmp_path, capsys):
+    """One token per sample gives a causal LM no target: a micro-batch of such samples has a
+    loss of 0/0 = NaN. They are dropped with a warning; a file of nothing else is refused."""
+    path = tmp_path / "one-token.pt"
+    torch.save(torch.arange(8).reshape(8, 1), path)
+    with pytest.raises(PipelineConfigError, match="no sample has a token to predict"):
+        make_data(GPT2, str(path), 0)
+    rows = [torch.tensor([1]), torch.tensor([2, 3]), torch.tensor([4]), torch.tensor([5, 6])]
+    torch.save({"input_ids": rows}, path)
+    d = make_data(GPT2, str(path), 0)
+    assert "left out 2 samples with nothing to predict" in capsys.readouterr().err
+    rows = torch.cat([d.get("input_ids", mb) for mb in range(2)])[:, :2].tolist()
+    assert sorted(rows) == [[2, 3], [2, 3], [5, 6], [5, 6]]
+    labels = d.get("labels", 0)
+    assert (labels != IGNORE).sum(dim=1).min() >= 2  # every sample has a target

@@ -1,0 +1,201 @@
+"""Bad input to the runtime, as a careless or hostile user gives it: each case stops before
+training with one sentence (exit status 1, or 2 for a usage error), no traceback, and every
+file that existed before is byte-identical after.
+
+Cases run `ftpipe_runtime.run` in this process on the toy's one-rank plan (no
+torch.distributed needed); the last tests run a generated package as a process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from ftpipe_runtime import run
+from runtime_helpers import RUNTIME_HOME
+from runtime_toy import STAGES, V, one_rank_plan, toy_plan
+
+
+def _pt(obj):
+    def write(path):
+        torch.save(obj, path)
+
+    return write
+
+
+def _bytes(data: bytes):
+    return lambda path: path.write_bytes(data)
+
+
+def _lines(*lines: str):
+    return lambda path: path.write_text("\n".join(lines) + "\n")
+
+
+GOOD_ROWS = [[1, 2, 3, 4, 5, 6]] * 4
+# (case, files to write first {name: writer}, argv, exit code, what the one sentence says)
+CASES = [
+    ("empty .pt", {"d.pt": _bytes(b"")}, ["--data", "d.pt"], 1, "d.pt is not a torch file"),
+    ("garbage .pt", {"d.pt": _bytes(b"\x80garbage" * 9)}, ["--data", "d.pt"], 1, "not a torch file"),
+    ("float .pt", {"d.pt": _pt(torch.rand(4, 6))}, ["--data", "d.pt"], 1, "holds torch.float32 values; token ids are integers"),
+    ("0-d .pt", {"d.pt": _pt(torch.tensor(3))}, ["--data", "d.pt"], 1, "'input_ids' is a single number"),
+    ("a list in .pt", {"d.pt": _pt([1, 2])}, ["--data", "d.pt"], 1, "expected a tensor or a dict of tensors"),
+    ("unequal columns", {"d.pt": _pt({"input_ids": torch.ones(4, 6, dtype=torch.long), "labels": torch.ones(3, 6, dtype=torch.long)})}, ["--data", "d.pt"], 1, "every column needs the same"),
+    ("bad .jsonl line", {"d.jsonl": _lines("[1, 2, 3]", "[1, 2,")}, ["--data", "d.jsonl"], 1, "d.jsonl line 2: Expecting"),
+    ("strings in .jsonl", {"d.jsonl": _lines('{"input_ids": ["a", "b"]}')}, ["--data", "d.jsonl"], 1, "line 1: 'input_ids' is not a list of integers"),
+    ("out-of-vocabulary id", {"d.pt": _pt({"input_ids": torch.full((4, 6), V), "labels": torch.ones(4, 6, dtype=torch.long)})}, ["--data", "d.pt"], 1, f"sample 0 has input_ids {V}, outside the vocabulary 0..{V - 1}"),
+    ("negative id", {"d.jsonl": _lines(json.dumps({"input_ids": [1, -5], "labels": [1, 1]}))}, ["--data", "d.jsonl"], 1, "input_ids -5, outside the vocabulary"),
+    ("labels all padding", {"d.pt": _pt({"input_ids": torch.ones(4, 6, dtype=torch.long), "labels": torch.full((4, 6), -100)})}, ["--data", "d.pt"], 1, "no sample has a token to predict"),
+    ("an input not in the file", {"d.pt": _pt(torch.ones(4, 6, dtype=torch.long))}, ["--data", "d.pt"], 1, "the data file has no 'labels' and it cannot be derived"),
+    ("missing data file", {}, ["--data", "nope.pt"], 1, "no data file nope.pt"),
+    ("unknown data", {}, ["--data", "wikipedia"], 1, "unknown data 'wikipedia'; choose from"),
+    ("wrong-shape --init", {"w.pt": _pt({"emb.weight": torch.zeros(V, 3)})}, ["--init", "w.pt"], 1, f"emb.weight has shape \\({V}, 3\\), stage 0 expects \\({V}, 8\\)"),
+    ("garbage --init", {"w.pt": _bytes(b"not a state dict")}, ["--init", "w.pt"], 1, "--init w.pt is not a state dict of tensors"),
+    ("missing --init", {}, ["--init", "nope.pt"], 1, "--init nope.pt: no such file"),
+    ("--init of a list", {"w.pt": _pt([torch.zeros(2)])}, ["--init", "w.pt"], 1, "holds a list, not a state dict"),
+    ("unwritable --log-json", {}, ["--log-json", "no/such/dir/log.json"], 1, "cannot write --log-json no/such/dir/log.json: the folder no/such/dir does not exist"),
+    ("--log-json a folder", {"logs/keep": _bytes(b"x")}, ["--log-json", "logs"], 1, "cannot write --log-json logs: it is a folder"),
+    ("checkpoint folder is a file", {"ck": _bytes(b"mine")}, ["--save-every", "1", "--checkpoint-dir", "ck"], 1, "cannot make the checkpoint folder ck"),
+    ("--timeout 0", {}, ["--timeout", "0"], 2, "argument --timeout: 0 must be above 0"),
+    ("--timeout -1", {}, ["--timeout", "-1"], 2, "argument --timeout: -1 must be above 0"),
+    ("--lr nan", {}, ["--lr", "nan"], 2, "argument --lr: nan is not a finite number"),
+    ("--lr inf", {}, ["--lr", "inf"], 2, "argument --lr: inf is not a finite number"),
+    ("--lr -1", {}, ["--lr", "-1"], 2, "argument --lr: -1 must be at least 0"),
+    ("--lr text", {}, ["--lr", "fast"], 2, "argument --lr: 'fast' is not a number"),
+    ("--clip nan", {}, ["--clip", "nan"], 2, "argument --clip: nan is not a finite number"),
+    ("--save-every -1", {}, ["--save-every", "-1"], 2, "argument --save-every: -1 must be at least 0"),
+    ("--steps 0", {}, ["--steps", "0"], 2, "argument --steps: 0 must be at least 1"),
+    ("--micro-batches 0", {}, ["--micro-batches", "0"], 2, "argument --micro-batches: 0 must be at least 1"),
+    ("--warmup -2", {}, ["--warmup", "-2"], 2, "argument --warmup: -2 must be at least 0"),
+    ("--log-every 0", {}, ["--log-every", "0"], 2, "argument --log-every: 0 must be at least 1"),
+    ("--keep-checkpoints -1", {}, ["--keep-checkpoints", "-1"], 2, "argument --keep-checkpoints: -1 must be at least 0"),
+    ("--steps 1.5", {}, ["--steps", "1.5"], 2, "argument --steps: '1.5' is not an integer"),
+    ("unknown schedule", {}, ["--schedule", "zigzag"], 2, "argument --schedule: invalid choice: 'zigzag'"),
+]  # fmt: skip
+
+
+def _plan_with(**changes):
+    plan = one_rank_plan()
+    plan.update(changes)
+    return plan
+
+
+def _stage_on(gpu):
+    plan = one_rank_plan()
+    plan["stages"][2]["gpu"] = gpu
+    return plan
+
+
+# (case, plan, exit code, what the one sentence says)
+PLANS = [
+    ("a GPU without a stage", _plan_with(gpus=2), 1, "the plan gives GPU 1 no stage"),
+    ("a stage on a GPU that does not exist", _stage_on(5), 1, "a stage is on GPU 5, outside 0..0"),
+    ("another format", _plan_with(format=99), 1, "the plan has format 99 but this runtime runs format 1"),
+    ("not a plan", _plan_with(kind="ftpipe-graph"), 1, "this is not an ftpipe plan"),
+    ("no stages key", {k: v for k, v in one_rank_plan().items() if k != "stages"}, 1, "the plan is incomplete or damaged \\(KeyError: 'stages'\\)"),
+    ("a stage id that is text", _plan_with(loss_stage="three"), 1, "incomplete or damaged \\(ValueError"),
+    ("a transfer backwards", _plan_with(transfers=[{**t, "producer": 3} if t["tensor"] == "h1" else t for t in one_rank_plan()["transfers"]]), 1, "transfer h1 goes to an earlier stage"),
+    ("a loss stage that is not there", _plan_with(loss_stage=9), 1, "the loss stage 9 is not in the plan"),
+    ("more processes than the plan's GPUs", toy_plan("two-ranks"), 1, "the plan is for 2 GPUs but 1 processes started"),
+]  # fmt: skip
+
+
+def _snapshot(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def _refused(plan, argv, code, message, tmp_path, capsys):
+    before = _snapshot(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        run(plan, STAGES, argv)
+    err = capsys.readouterr().err
+    said = (
+        stopped.value.code if isinstance(stopped.value.code, str) else err.strip().split("\n")[-1]
+    )
+    assert (1 if isinstance(stopped.value.code, str) else stopped.value.code) == code, said
+    assert "Traceback" not in err and "\n" not in said, said
+    assert __import__("re").search(message, said), said
+    assert "step 1/" not in err  # refused before training
+    assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("case, files, argv, code, message", CASES, ids=[c[0] for c in CASES])
+def test_bad_arguments_and_files(case, files, argv, code, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    for name, write in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        write(tmp_path / name)
+    (tmp_path / "log.json").write_text('{"an earlier": "log"}')  # must survive untouched
+    _refused(one_rank_plan(), ["--steps", "2", *argv], code, message, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("case, plan, code, message", PLANS, ids=[c[0] for c in PLANS])
+def test_bad_plans(case, plan, code, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    _refused(plan, ["--steps", "1"], code, message, tmp_path, capsys)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "is not valid JSON"),
+        ("\x00\xff", "is not valid JSON"),
+        (json.dumps({**one_rank_plan(), "format": 2}), "has format 2"),
+    ],
+)
+def test_a_damaged_plan_file(text, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "plan.json").write_text(text, errors="surrogateescape")
+    _refused(str(tmp_path / "plan.json"), [], 1, message, tmp_path, capsys)
+    _refused(
+        str(tmp_path / "missing.json"),
+        [],
+        1,
+        "cannot read the plan .*missing.json",
+        tmp_path,
+        capsys,
+    )
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory):
+    """A generated gpt2-tiny package (2 stages on 2 GPUs)."""
+    pytest.importorskip("transformers")
+    from ftpipe_compiler.codegen import generate_package
+    from ftpipe_compiler.partition import problem_from_graph, run_partitioners
+    from ftpipe_compiler.profiling import costed_graph
+
+    spec, _, traced, graph = costed_graph("gpt2-tiny")
+    plan = run_partitioners(problem_from_graph(graph, 2), ["gpipe"], progress=False)[0].plan
+    return generate_package(traced, graph, plan, spec, tmp_path_factory.mktemp("pkg"), "pytest")
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda text: text[: len(text) // 2], "is not valid JSON \\(damaged or edited\\?\\)"),
+        (lambda text: text.replace('"format": 1', '"format": 7'), "has format 7"),
+    ],
+)
+def test_a_package_with_a_damaged_plan_says_so_in_one_line(package, damage, message, tmp_path):
+    plan_file = package / "plan.json"
+    good = plan_file.read_text()
+    try:
+        plan_file.write_text(damage(good))
+        env = {"PYTHONPATH": RUNTIME_HOME, "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+        out = subprocess.run(
+            [sys.executable, "-m", package.name, "--steps", "1"],
+            cwd=package.parent,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        plan_file.write_text(good)
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1, out.stderr
+    assert __import__("re").search(message, out.stderr), out.stderr

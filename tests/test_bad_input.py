@@ -1,0 +1,162 @@
+"""Bad input to the `ftpipe` command line, as a careless or hostile user gives it: each case
+exits with status 1 (2 for a usage error) and one sentence, no traceback, and every file
+that existed before is byte-identical after. (The runtime's table is
+tests/runtime/test_bad_input.py.)"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from ftpipe_compiler.cli import cli
+from ftpipe_compiler.partition import problem_from_graph, run_partitioners
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory, tiny_t5_costed):
+    """A costed graph and a good plan (t5-tiny on 2 GPUs), and an output folder of before."""
+    folder = tmp_path_factory.mktemp("good")
+    tiny_t5_costed.save(folder / "graph.json")
+    plan = run_partitioners(problem_from_graph(tiny_t5_costed, 2), ["gpipe"], progress=False)[0]
+    plan.plan.save(folder / "plan.json")
+    (folder / "out").mkdir()
+    (folder / "out" / "plan.json").write_text("an earlier compile's output")
+    return folder
+
+
+def _plan_edit(edit):
+    def write(folder):
+        plan = json.loads((folder / "plan.json").read_text())
+        edit(plan)
+        (folder / "bad.json").write_text(json.dumps(plan))
+
+    return write
+
+
+def _graph_edit(edit):
+    def write(folder):
+        graph = json.loads((folder / "graph.json").read_text())
+        edit(graph)
+        (folder / "bad.json").write_text(json.dumps(graph))
+
+    return write
+
+
+def _write(name, data):
+    def write(folder):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+
+    return write
+
+
+def _nothing(folder):
+    pass
+
+
+def _set(path, value):
+    """An edit setting plan[path[0]][path[1]]... = value."""
+
+    def edit(d):
+        for key in path[:-1]:
+            d = d[key]
+        d[path[-1]] = value
+
+    return edit
+
+
+def _two_stages_share_a_node(plan):
+    plan["stages"][1]["nodes"].append(plan["stages"][0]["nodes"][0])
+
+
+SIM = ["simulate", "bad.json"]
+PART = ["partition", "graph.json", "--gpus", "2"]
+PROF = ["profile", "--model", "gpt2-tiny"]
+# (case, files to write first, argv, exit code, what the one sentence says)
+CASES = [
+    ("compile: unknown schedule", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "2", "--schedule", "zigzag"], 2, "Invalid value for '--schedule': 'zigzag' is not one of"),
+    ("partition: unknown schedule", _nothing, [*PART, "--schedule", "zigzag"], 2, "Invalid value for '--schedule': 'zigzag' is not one of"),
+    ("partition: unknown partitioner", _nothing, [*PART, "-p", "mixed,nope"], 1, "unknown partitioner 'nope'; choose from"),
+    ("partition: --gpus 0", _nothing, ["partition", "graph.json", "--gpus", "0"], 2, "'--gpus' / '-g': 0 is not in the range x>=1"),
+    ("partition: --micro-batches 0", _nothing, [*PART, "--micro-batches", "0"], 2, "'--micro-batches': 0 is not in the range x>=1"),
+    ("partition: a plan for a graph", _nothing, ["partition", "plan.json", "--gpus", "2"], 1, "this file is not an ftpipe graph"),
+    ("partition: a graph edge to nowhere", _graph_edit(lambda g: g["edges"].append(["nope", g["output"], 4])), ["partition", "bad.json", "--gpus", "2"], 1, "bad.json is not a valid graph"),
+    ("partition: a hand-edited node", _graph_edit(lambda g: g["nodes"][0].update(fwd_s="fast")), ["partition", "bad.json", "--gpus", "2"], 1, "the graph file is incomplete or damaged \\(TypeError: Node field 'fwd_s' cannot be 'fast'\\)"),
+    ("partition: -o in a missing folder", _nothing, [*PART, "-o", "no/plan.json"], 1, "cannot write the plan no/plan.json: the folder no does not exist"),
+    ("simulate: binary file", _write("bad.json", b"\x89PNG\r\n\x1a\n\x00\xff\xfe"), SIM, 1, "plan file bad.json is not text \\(a binary file\\?\\)"),
+    ("simulate: truncated", lambda f: (f / "bad.json").write_text((f / "plan.json").read_text()[:300]), SIM, 1, "plan file bad.json is not valid JSON"),
+    ("simulate: a JSON list", _write("bad.json", "[1, 2]"), SIM, 1, "this file is not an ftpipe plan"),
+    ("simulate: no stages", _plan_edit(lambda p: p.pop("stages")), SIM, 1, "the plan file is incomplete or damaged \\(KeyError: 'stages'\\)"),
+    ("simulate: a stage's gpu as text", _plan_edit(_set(["stages", 0, "gpu"], "one")), SIM, 1, "Stage field 'gpu' cannot be 'one'"),
+    ("simulate: stages as a dict", _plan_edit(_set(["stages"], {"0": {}})), SIM, 1, "incomplete or damaged \\(TypeError: a Stage must be a JSON object, not str\\)"),
+    ("simulate: a node in two stages", _plan_edit(_two_stages_share_a_node), SIM, 1, "bad.json is not a valid plan: nodes \\[.*\\] are in two stages"),
+    ("simulate: a stage on a GPU that does not exist", _plan_edit(_set(["stages", 1, "gpu"], 7)), SIM, 1, "not a valid plan: stage 1 is on GPU 7, outside 0..1"),
+    ("simulate: a negative time", _plan_edit(_set(["stages", 0, "fwd_s"], -1.0)), SIM, 1, "stage 0 has a negative or non-finite time"),
+    ("simulate: a transfer backwards", _plan_edit(lambda p: p["transfers"][0].update(consumers=[0])), SIM, 1, "receives from a later stage"),
+    ("simulate: a transfer to no stage", _plan_edit(lambda p: p["transfers"][0].update(consumers=[9])), SIM, 1, "names a stage the plan does not have"),
+    ("simulate: a missing loss stage", _plan_edit(_set(["loss_stage"], 5)), SIM, 1, "the loss stage 5 is not a stage of the plan"),
+    ("simulate: an unknown schedule", _plan_edit(_set(["schedule"], "zigzag")), SIM, 1, "unknown schedule 'zigzag'; choose from"),
+    ("simulate: format 2", _plan_edit(_set(["format"], 2)), SIM, 1, "plan format 2 was written by ftpipe"),
+    ("simulate: no such file", _nothing, ["simulate", "nope.json"], 1, "plan file nope.json does not exist"),
+    ("simulate: a folder", _nothing, ["simulate", "out"], 2, "'PLAN.json': File 'out' is a directory"),
+    ("simulate: --micro-batches 0", _nothing, ["simulate", "plan.json", "-M", "0"], 2, "0 is not in the range x>=1"),
+    ("simulate: report in a missing folder", _nothing, ["simulate", "plan.json", "--report", "no/r.html"], 1, "cannot write the report no/r.html: the folder no does not exist"),
+    ("profile: invalid config.json", _write("hf/config.json", '{"model_type": "gpt2",'), ["profile", "-m", "hf"], 1, "hf/config.json is not a valid JSON config"),
+    ("profile: config.json not an object", _write("hf/config.json", "[1]"), ["profile", "-m", "hf"], 1, "must hold a JSON object"),
+    ("profile: config.json of a list type", _write("hf/config.json", '{"model_type": ["gpt2"]}'), ["profile", "-m", "hf"], 1, "model_type \\['gpt2'\\] is not supported yet"),
+    ("profile: --seq-len -3", _nothing, [*PROF, "--seq-len", "-3"], 2, "'--seq-len': -3 is not in the range x>=1"),
+    ("profile: --seq-len 0", _nothing, [*PROF, "--seq-len", "0"], 2, "'--seq-len': 0 is not in the range x>=1"),
+    ("profile: -b 0", _nothing, [*PROF, "-b", "0"], 2, "'--micro-batch' / '-b': 0 is not in the range x>=1"),
+    ("profile: --seq-len beyond the positions", _nothing, [*PROF, "--seq-len", "65"], 1, "sequences of 65 tokens are longer than the model's 64 positions \\(transformer.wpe.weight\\); use --seq-len 64 or less"),
+    ("profile: --repeats 0", _nothing, [*PROF, "--repeats", "0"], 2, "'--repeats': 0 is not in the range x>=1"),
+    ("profile: --memory-limit -1", _nothing, [*PROF, "--memory-limit", "-1"], 2, "'--memory-limit': -1.0 is not in the range x>0"),
+    ("profile: -o in a missing folder", _nothing, [*PROF, "-o", "no/g.json"], 1, "cannot write the graph no/g.json: the folder no does not exist"),
+    ("profile: the model function raises", _nothing, ["profile", "-m", "zoo_fixtures:raising_model"], 1, "your model function zoo_fixtures:raising_model raised ValueError: no weights in /nowhere"),
+    ("profile: the forward raises", _nothing, ["profile", "-m", "zoo_fixtures:forward_raises_model"], 1, "your model's forward raised RuntimeError"),
+    ("profile: a function that is not there", _nothing, ["profile", "-m", "zoo_fixtures:nope"], 1, "cannot load model function 'zoo_fixtures:nope'"),
+    ("profile: not (model, inputs)", _nothing, ["profile", "-m", "zoo_fixtures:not_a_pair"], 1, "must return \\(model, example_inputs\\)"),
+    ("compile: a loss that is not a scalar", _nothing, ["compile", "-m", "zoo_fixtures:vector_model", "-g", "2", "-o", "new"], 1, "returns a float32 of shape \\(4,\\), not a scalar loss"),
+    ("compile: -o .", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "2", "-o", ".", "--force"], 1, "is the folder you are in"),
+    ("compile: an existing folder", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "2", "-o", "out"], 1, "out already exists; pass --force to replace it"),
+    ("compile: an unknown task", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "2", "-t", "nope", "-o", "new"], 1, "unknown task 'nope'; choose from"),
+]  # fmt: skip
+
+
+def _snapshot(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("case, setup, argv, code, message", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(case, setup, argv, code, message, files, tmp_path, monkeypatch):
+    for p in files.iterdir():
+        (shutil.copytree if p.is_dir() else shutil.copy)(p, tmp_path / p.name)
+    setup(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = _snapshot(tmp_path)
+    r = CliRunner().invoke(cli, argv)
+    assert r.exit_code == code, r.output
+    assert "Traceback" not in r.output and not isinstance(r.exception, (KeyError, AttributeError))
+    said = r.output.strip().split("\n")[-1]
+    assert re.search(message, said), r.output
+    if code == 1:
+        assert r.output.count("\n") == 1, r.output  # one sentence, on one line
+    assert _snapshot(tmp_path) == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporaries
+
+
+def test_one_line_from_the_installed_command_too(files, tmp_path):
+    """Outside CliRunner: the console script, a damaged plan, stdout left empty."""
+    (tmp_path / "bad.json").write_bytes(b"\x89PNG\xff\xfe binary")
+    out = subprocess.run(
+        [sys.executable, "-m", "ftpipe_compiler", "simulate", str(tmp_path / "bad.json")],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.count("\n") == 1 and "is not text" in out.stderr
