@@ -23,7 +23,13 @@ from pathlib import Path
 
 from .errors import WriteFailed
 
-__all__ = ["atomic_open", "check_writable_file", "remove_temporaries", "write_atomic"]
+__all__ = [
+    "atomic_open",
+    "check_writable_file",
+    "check_writable_folder",
+    "remove_temporaries",
+    "write_atomic",
+]
 
 TEMPORARY = re.compile(r"^\..+\.\d+-[0-9a-f]{8}\.tmp$")
 
@@ -71,12 +77,18 @@ def check_writable_file(path, what: str = "") -> None:
     folder = path.parent
     if not folder.is_dir():
         raise WriteFailed(f"cannot write {name}: the folder {folder} does not exist")
-    probe = _temporary(path)
+    check_writable_folder(folder, name)
+
+
+def check_writable_folder(folder, what: str = "") -> None:
+    """Raise WriteFailed now if no file can be created in `folder` (which must exist)."""
+    folder = Path(folder)
+    probe = _temporary(folder / "probe")
     try:
         os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         probe.unlink()
     except OSError as e:
-        raise WriteFailed(f"cannot write {name}: {e.strerror or e} ({folder})") from None
+        raise WriteFailed(f"cannot write {what or folder}: {e.strerror or e} ({folder})") from None
 
 
 def remove_temporaries(folder) -> list[Path]:

@@ -23,7 +23,12 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint
-from .atomic import check_writable_file, remove_temporaries, write_atomic
+from .atomic import (
+    check_writable_file,
+    check_writable_folder,
+    remove_temporaries,
+    write_atomic,
+)
 from .comm import Comm, init_distributed
 from .data import make_data
 from .dataflow import action_lists, build_dataflow, check_progress
@@ -232,7 +237,7 @@ def _check_folder(root: Path) -> None:
         raise PipelineConfigError(
             f"cannot make the checkpoint folder {root}: {e.strerror}"
         ) from None
-    check_writable_file(root / "probe", "checkpoints in")
+    check_writable_folder(root, f"checkpoints in {root}")
 
 
 def _all_gather(value, world: int) -> list:

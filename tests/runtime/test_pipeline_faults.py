@@ -41,6 +41,31 @@ def test_killed_run_resumes_exactly(run_pipeline, tmp_path):
         assert torch.equal(a[name], b[name]), name
 
 
+def test_ranks_agree_to_skip_a_checkpoint_only_one_of_them_finds_damaged(run_pipeline, tmp_path):
+    """Rank 2 holds stage 3; its file of step 4 is damaged. Every rank must resume from step
+    2 (not rank 0 and 1 from 4): the result equals the uninterrupted run."""
+    plan = toy_plan("three-ranks", "1f1b")
+    base = ["--optimizer", "adamw", "--lr", "0.05", "--save-every", "2", "--decay", "constant"]
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    codes, ranks = run_pipeline(
+        plan, [*base, "--steps", "6", "--checkpoint-dir", str(whole)], name="whole"
+    )
+    assert codes == [0, 0, 0], ranks.stderr()
+    codes, ranks = run_pipeline(
+        plan, [*base, "--steps", "4", "--checkpoint-dir", str(broken)], name="first"
+    )
+    assert codes == [0, 0, 0], ranks.stderr()
+    (broken / "step-000004" / "stage-3.pt").write_bytes(b"\0" * 64)
+    argv = [*base, "--steps", "6", "--checkpoint-dir", str(broken), "--resume"]
+    codes, ranks = run_pipeline(plan, argv, name="resume")
+    assert codes == [0, 0, 0], ranks.stderr()
+    assert "step-000004 is damaged (stage-3.pt" in ranks.stderr(0)
+    assert "resuming from step 2" in ranks.stderr(0)
+    a, b = checkpoint_params(whole, 6, range(4)), checkpoint_params(broken, 6, range(4))
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
 def test_hung_rank_times_out_with_its_name(tmp_path):
     plan = toy_plan("three-ranks", "1f1b")
     argv = ["--steps", "4", "--timeout", "3"]
