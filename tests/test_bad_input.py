@@ -30,22 +30,23 @@ def files(tmp_path_factory, tiny_t5_costed):
     return folder
 
 
-def _plan_edit(edit):
+def _edited(source: str, edit):
+    """Write bad.json: the good `source` file with `edit` applied to its JSON."""
+
     def write(folder):
-        plan = json.loads((folder / "plan.json").read_text())
-        edit(plan)
-        (folder / "bad.json").write_text(json.dumps(plan))
+        d = json.loads((folder / source).read_text())
+        edit(d)
+        (folder / "bad.json").write_text(json.dumps(d))
 
     return write
+
+
+def _plan_edit(edit):
+    return _edited("plan.json", edit)
 
 
 def _graph_edit(edit):
-    def write(folder):
-        graph = json.loads((folder / "graph.json").read_text())
-        edit(graph)
-        (folder / "bad.json").write_text(json.dumps(graph))
-
-    return write
+    return _edited("graph.json", edit)
 
 
 def _write(name, data):
