@@ -1,5 +1,5 @@
 """More GPUs than the model can use: plans stay on the GPUs they use (the runtime refuses a
-plan that gives a GPU nothing to run: tests/runtime/test_bad_input.py). METIS's C notes
+plan that gives a GPU nothing to run: tests/runtime/test_runtime_bad_input.py). METIS's C notes
 stay off stdout at many GPUs."""
 
 from __future__ import annotations
