@@ -104,6 +104,12 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
         _check_folder(root)
         if not args.resume:
             ckpt.refuse_foreign()
+    modules = build_stages(topo, stage_classes, rank, device)
+    if args.init:
+        load_init(modules, args.init, plan)
+    optimizers = {
+        s: make_optimizer(args.optimizer, mod.parameters(), args.lr) for s, mod in modules.items()
+    }
 
     torch.manual_seed(args.seed * 7919 + rank)  # dropout differs per rank, repeats per run
     init_distributed(rank, world, device.type, args.init_method, max(args.timeout, 300.0))
@@ -115,7 +121,7 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
             f"ftpipe: note: the checkpoint's run had --steps {manifest['steps']}, this one "
             f"{args.steps}; the learning-rate schedule changes from step {first}"
         )
-    if rank == 0 and args.save_every:
+    if rank == 0 and (args.save_every or args.resume):
         remove_temporaries(root)  # of a killed save; nobody saves before the barrier below
 
     lists = action_lists(topo, name, m, args.steps - first)
@@ -127,12 +133,6 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     loss_rank = topo.rank_of[topo.loss_stage]
     comm.make_groups(collective_sets, loss_rank)
 
-    modules = build_stages(topo, stage_classes, rank, device)
-    if args.init:
-        load_init(modules, args.init, plan)
-    optimizers = {
-        s: make_optimizer(args.optimizer, mod.parameters(), args.lr) for s, mod in modules.items()
-    }
     if first:
         for s, mod in modules.items():
             ckpt.load_stage(first, s, mod, optimizers[s], device)

@@ -146,12 +146,14 @@ def test_resume_after_a_damaged_checkpoint_equals_the_uninterrupted_run(tmp_path
     manifest = json.loads((step_dir(tmp_path / "ckpt", 6) / "rank-0.json").read_text())
     assert manifest["next_micro_batch"] == 24 and manifest["run"]["plan"]
     (step_dir(tmp_path / "ckpt", 6) / "stage-2.pt").write_bytes(b"\0" * 100)  # ... and damaged
+    stale = step_dir(tmp_path / "ckpt", 6) / ".stage-1.pt.999-0badf00d.tmp"  # a save killed
+    stale.write_bytes(b"half")
     capsys.readouterr()
     resumed = _run([*base, "--steps", "8", "--resume"], tmp_path)
     err = capsys.readouterr().err
     assert "step-000006 is damaged (stage-2.pt" in err and "resuming from step 4" in err
     assert "learning-rate" not in err  # --steps 6 there and 8 here, but the rate is constant
-    assert resumed["first_step"] == 4
+    assert resumed["first_step"] == 4 and not stale.exists()
     assert resumed["losses"] == whole["losses"][4:]
     for name, value in checkpoint_params(tmp_path, 8, range(4)).items():
         assert torch.equal(value, checkpoint_params(tmp_path / "ckpt", 8, range(4))[name]), name
