@@ -25,9 +25,9 @@ def test_a_one_node_model_compiles_for_the_one_gpu_it_can_use(tmp_path):
     r = CliRunner().invoke(cli, argv)
     assert r.exit_code == 0, r.output
     assert "the best plan uses 1 of the 4 GPUs asked for" in r.output
-    assert "torchrun --nproc_per_node 1 -m one_node_model_pipeline" in r.output
+    assert "torchrun --nproc_per_node 1 -m zoo_fixtures_pipeline" in r.output
     assert Plan.load(out / "plan.json").gpus == 1
-    package_plan = json.loads((out / "one_node_model_pipeline" / "plan.json").read_text())
+    package_plan = json.loads((out / "zoo_fixtures_pipeline" / "plan.json").read_text())
     Topology(package_plan)  # what the runtime checks: every rank has a stage
 
 

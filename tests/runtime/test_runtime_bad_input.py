@@ -48,7 +48,7 @@ CASES = [
     ("out-of-vocabulary id", {"d.pt": _pt({"input_ids": torch.full((4, 6), V), "labels": torch.ones(4, 6, dtype=torch.long)})}, ["--data", "d.pt"], 1, f"sample 0 has input_ids {V}, outside the vocabulary 0..{V - 1}"),
     ("negative id", {"d.jsonl": _lines(json.dumps({"input_ids": [1, -5], "labels": [1, 1]}))}, ["--data", "d.jsonl"], 1, "input_ids -5, outside the vocabulary"),
     ("labels all padding", {"d.pt": _pt({"input_ids": torch.ones(4, 6, dtype=torch.long), "labels": torch.full((4, 6), -100)})}, ["--data", "d.pt"], 1, "no sample has a token to predict"),
-    ("an input not in the file", {"d.pt": _pt(torch.ones(4, 6, dtype=torch.long))}, ["--data", "d.pt"], 1, "the data file has no 'labels' and it cannot be derived"),
+    ("an input not in the file", {"d.pt": _pt({"labels": torch.ones(4, 6, dtype=torch.long)})}, ["--data", "d.pt"], 1, "the data file has no 'input_ids' and it cannot be derived"),
     ("missing data file", {}, ["--data", "nope.pt"], 1, "no data file nope.pt"),
     ("unknown data", {}, ["--data", "wikipedia"], 1, "unknown data 'wikipedia'; choose from"),
     ("wrong-shape --init", {"w.pt": _pt({"emb.weight": torch.zeros(V, 3)})}, ["--init", "w.pt"], 1, f"emb.weight has shape \\({V}, 3\\), stage 0 expects \\({V}, 8\\)"),
