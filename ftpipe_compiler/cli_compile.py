@@ -34,7 +34,7 @@ from .simulate import simulate, write_report
     type=click.Choice(sorted(SCHEDULES)),
     default="ftpipe",
     show_default=True,
-    help="ftpipe (async), gpipe or 1f1b.",
+    help=f"Pipeline schedule to plan for: {', '.join(SCHEDULES)}.",
 )
 @click.option(
     "--partitioners",

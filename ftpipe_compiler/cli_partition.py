@@ -38,7 +38,7 @@ def _names(value: str | None) -> list[str] | None:
     type=click.Choice(sorted(SCHEDULES)),
     default="ftpipe",
     show_default=True,
-    help="Pipeline schedule.",
+    help=f"Pipeline schedule to plan for: {', '.join(SCHEDULES)}.",
 )
 @click.option(
     "--optimizer",

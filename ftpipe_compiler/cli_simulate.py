@@ -1,4 +1,10 @@
-"""`ftpipe simulate plan.json`: throughput, bubbles, memory per GPU, and an HTML report."""
+"""`ftpipe simulate plan.json`: throughput, bubbles, memory per GPU, and an HTML report.
+
+ftpipe simulate plan.json                              # the plan under its own schedule
+ftpipe simulate plan.json --schedule gpipe,1f1b,2bw    # schedules side by side
+ftpipe simulate ftpipe.json wpipe.json                 # plans side by side
+ftpipe simulate plan.json --schedule mine.csv          # per-GPU actions from a file
+"""
 
 from __future__ import annotations
 
@@ -8,17 +14,19 @@ from ftpipe_runtime.schedules import SCHEDULES
 
 from .cli import cli, echo_json
 from .partition.plan import Plan
-from .simulate import simulate
+from .simulate import compare, simulate, table
 from .simulate.report import write_report
 
 
 @cli.command("simulate")
-@click.argument("plan_file", metavar="PLAN.json", type=click.Path(dir_okay=False))
+@click.argument(
+    "plan_files", metavar="PLAN.json [PLAN.json ...]", nargs=-1, type=click.Path(dir_okay=False)
+)
 @click.option(
     "--schedule",
-    type=click.Choice(sorted(SCHEDULES)),
     default=None,
-    help="Pipeline schedule (default: the plan's).",
+    help=f"Pipeline schedule: {', '.join(SCHEDULES)}, or a .csv of per-GPU actions; "
+    "several, comma-separated, to compare them (default: each plan's).",
 )
 @click.option(
     "--micro-batches",
@@ -41,11 +49,34 @@ from .simulate.report import write_report
     help="Write an HTML report (timeline, memory and utilisation per GPU) here.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def simulate_command(plan_file, schedule, micro_batches, steps, report, as_json):
-    """Simulate a plan: step time, samples/s, bubble, and per GPU busy time and memory."""
+def simulate_command(plan_files, schedule, micro_batches, steps, report, as_json):
+    """Simulate a plan: step time, samples/s, bubble, and per GPU busy time and memory.
+
+    With several plans or schedules, print them side by side instead."""
+    if not plan_files:
+        raise click.UsageError("give a plan file (from ftpipe compile or ftpipe partition)")
+    names = [n.strip() for n in schedule.split(",") if n.strip()] if schedule else [None]
+    for name in names:
+        if name is not None and name not in SCHEDULES and not name.lower().endswith(".csv"):
+            raise click.BadParameter(
+                f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)} or give a .csv",
+                param_hint="'--schedule'",
+            )
     if report:
+        if len(plan_files) > 1 or len(names) > 1:
+            raise click.UsageError("--report draws one plan under one schedule; give one of each")
         check_writable_file(report, "the report")  # before the simulation, not after
-    plan = Plan.load(plan_file)
+    plans = [(f, Plan.load(f)) for f in plan_files]
+    if len(plans) > 1 or len(names) > 1:
+        runs = [(f, plan, name or plan.schedule) for f, plan in plans for name in names]
+        rows = compare(runs, steps, micro_batches)
+        if as_json:
+            echo_json([row.to_json() for row in rows])
+        else:
+            click.echo(table(rows))
+        return
+    plan_file, plan = plans[0]
+    schedule = names[0]
     result = simulate(plan, schedule, micro_batches, steps)
     if report:
         command = " ".join(

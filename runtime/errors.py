@@ -1,10 +1,15 @@
-"""The runtime's failures: a bad request (arguments, plan, data), a lost peer, a failed write."""
+"""The runtime's failures: a bad request (arguments, plan, data, schedule), a lost peer, a failed
+write."""
 
 from __future__ import annotations
 
 
 class PipelineConfigError(ValueError):
     """The plan, the arguments or the data cannot run: one sentence saying what to change."""
+
+
+class ScheduleError(PipelineConfigError):
+    """A schedule that cannot run on this plan; the message names the offending action."""
 
 
 class PeerFailure(RuntimeError):

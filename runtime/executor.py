@@ -10,6 +10,12 @@ summed over this rank's consumers, then sent once per producer rank. Integer ten
 owner stage like any other: readers get a copy of its value at the owner's forward (the
 version that micro-batch sees, however many steps the owner takes before the readers run),
 and the gradient they send back reaches the parameter's `.grad` through the owner's backward.
+
+Weight versions (`flow.weights`, from the schedule's policy): an action whose version of
+its stage's weights is needed after the stage steps past it runs on a copy set aside at
+its first use (`torch.func.functional_call`), so kept graphs never see the step's in-place
+update; the copy's gradients are added to the parameters' `.grad`, and the copy is dropped
+after its last use. Every other action runs on the parameters themselves.
 """
 
 from __future__ import annotations
@@ -36,6 +42,13 @@ class Executor:
         self.grads: dict[tuple[str, int], torch.Tensor] = {}  # (tensor, mb) -> summed gradient
         self.saved: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs, rng, outputs
         self.losses: dict[int, dict[int, torch.Tensor]] = {}  # step -> {mb: loss}
+        self.weights = flow.weights.get(rank)
+        self.stepped = dict.fromkeys(modules, 0)  # optimizer steps taken, per stage
+        self.stash: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (stage, version)
+        self._drop: dict[int, list[tuple[int, int]]] = {}  # action index -> stashes to free
+        if self.weights is not None:
+            for key in self.weights.stashed:
+                self._drop.setdefault(self.weights.last_use[key], []).append(key)
         self._run = {"F": self.forward, "B": self.backward, "S": self.step}
 
     def run(self, actions, after=None) -> None:
@@ -43,6 +56,8 @@ class Executor:
         self.recompute = {(a.stage, a.mb): a.recompute for a in actions if a.kind == "B"}
         for i, a in enumerate(actions):
             self._run[a.kind](i, a)
+            for key in self._drop.get(i, ()):
+                del self.stash[key]
             if after is not None:
                 after(i, a)
 
@@ -58,9 +73,10 @@ class Executor:
             inputs[t] = leaf.requires_grad_(True) if self.topo.transfers[t].grad else leaf
         keep_graph = not self.recompute.get((s, m), False)
         rng = None if keep_graph else _rng_state(self.device)
+        params = self._version(s, m)
         with torch.set_grad_enabled(keep_graph):
-            out = self.modules[s](**inputs)
-        self.saved[(s, m)] = (inputs, rng, out if keep_graph else None)
+            out = self._call(s, params, inputs)
+        self.saved[(s, m)] = (inputs, rng, out if keep_graph else None, params)
         for t in self.topo.outputs[s]:
             value = self._checked(t, out).detach()
             if self.topo.transfers[t].weight:  # the parameter itself: steps would change it
@@ -112,10 +128,10 @@ class Executor:
     # --- backward ---
     def backward(self, i: int, a) -> None:
         s, m = a.stage, a.mb
-        inputs, rng, out = self.saved.pop((s, m))
+        inputs, rng, out, params = self.saved.pop((s, m))
         if out is None:
             with _replay(rng, self.device), torch.enable_grad():
-                out = self.modules[s](**inputs)
+                out = self._call(s, params, inputs)
         roots, grads = [], []
         if s == self.topo.loss_stage:
             roots.append(out["loss"] * (1.0 / self.m))  # gradients accumulate over the step
@@ -128,6 +144,13 @@ class Executor:
                     grads.append(g)
         if roots:
             torch.autograd.backward(roots, grads)
+        if params is not None:  # a set-aside version: its gradients are the stage's
+            own = dict(self.modules[s].named_parameters())
+            for n, t in params.items():
+                if t.grad is not None:
+                    p = own[n]
+                    p.grad = t.grad if p.grad is None else p.grad + t.grad
+                    t.grad = None
         for t in self.topo.inputs[s]:
             info = self.topo.transfers[t]
             if not info.grad:
@@ -153,7 +176,35 @@ class Executor:
 
     # --- step ---
     def step(self, i: int, a) -> None:
+        key = (a.stage, self.stepped[a.stage])
+        if self.weights is not None and key in self.weights.stashed and key not in self.stash:
+            self.stash[key] = self._copy(a.stage)
         self.stepper.on_step(i, a)
+        self.stepped[a.stage] += 1
+
+    # --- weight versions ---
+    def _version(self, s: int, m: int) -> dict[str, torch.Tensor] | None:
+        """The set-aside weights micro-batch m of stage s runs on, or None: the parameters."""
+        if self.weights is None:
+            return None
+        key = (s, self.weights.version.get((s, m)))
+        if key not in self.weights.stashed:
+            return None
+        if key not in self.stash:  # its first use: the version is the current one
+            self.stash[key] = self._copy(s)
+        return self.stash[key]
+
+    def _copy(self, s: int) -> dict[str, torch.Tensor]:
+        return {
+            n: p.detach().clone().requires_grad_(True)
+            for n, p in self.modules[s].named_parameters()
+            if p.requires_grad
+        }
+
+    def _call(self, s: int, params, inputs: dict):
+        if params is None:
+            return self.modules[s](**inputs)
+        return torch.func.functional_call(self.modules[s], params, args=(), kwargs=inputs)
 
 
 def _rng_state(device: torch.device) -> tuple:

@@ -16,6 +16,16 @@ import torch
 
 from .data import SOURCES
 from .optim import DECAYS, OPTIMIZERS
+from .schedules import SCHEDULES
+
+
+def _schedule(text: str) -> str:
+    """A schedule's name, or a .csv file of per-GPU actions (read and checked by `run`)."""
+    if text in SCHEDULES or text.lower().endswith(".csv"):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"unknown schedule {text!r}; choose from {', '.join(SCHEDULES)} or give a .csv file"
+    )
 
 
 def number(kind, low, above: bool = False):
@@ -47,9 +57,10 @@ def parse_args(argv, plan: dict) -> argparse.Namespace:
     )
     p.add_argument(
         "--schedule",
-        choices=("gpipe", "1f1b", "ftpipe"),
+        type=_schedule,
         default=None,
-        help=f"override the plan's schedule ({plan.get('schedule')})",
+        help=f"override the plan's schedule ({plan.get('schedule')}): {', '.join(SCHEDULES)}, "
+        "or a .csv file of per-GPU actions",
     )
     p.add_argument(
         "--micro-batches",

@@ -31,13 +31,13 @@ from .atomic import (
 )
 from .comm import Comm, init_distributed
 from .data import make_data
-from .dataflow import action_lists, build_dataflow, check_progress
+from .dataflow import action_lists, build_dataflow
 from .errors import PeerFailure, PipelineConfigError, WriteFailed
 from .executor import Executor
 from .optim import lr_at, make_optimizer
 from .options import parse_args
 from .report import Progress, checksums, human_bytes, peak_memory
-from .schedules import get_schedule
+from .schedules import resolve_schedule, validate
 from .stages import build_stages, load_init
 from .stepping import Stepper
 from .topology import Topology, read_plan
@@ -89,9 +89,11 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
     name = args.schedule or plan["schedule"]
-    sched = get_schedule(name)
-    m = args.micro_batches or int(plan["micro_batches"])
-    # Everything that can be refused is refused here, before any rank waits for another.
+    sched = resolve_schedule(name)
+    m = args.micro_batches or sched.micro_batches or int(plan["micro_batches"])
+    # Everything that can be refused is refused here, before any rank waits for another:
+    # the schedule's lists on this plan first (a CSV file that skips or deadlocks).
+    validate(action_lists(topo, sched, m, args.steps), topo.stage_graph(), sched, m, args.steps)
     if args.log_json and rank == 0:
         check_writable_file(args.log_json, "--log-json")
     data = make_data(plan["model"], args.data, args.seed)
@@ -124,9 +126,10 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     if rank == 0 and (args.save_every or args.resume):
         remove_temporaries(root)  # of a killed save; nobody saves before the barrier below
 
-    lists = action_lists(topo, name, m, args.steps - first)
-    flow = build_dataflow(topo, lists, m, sched.synchronous)
-    check_progress(topo, lists, flow)
+    lists = action_lists(topo, sched, m, args.steps - first)
+    if first:
+        validate(lists, topo.stage_graph(), sched, m, args.steps - first)
+    flow = build_dataflow(topo, lists, m, sched)
     comm = Comm(rank, world, device, args.timeout, flow, _message_specs(topo))
     # The one collective: the gradient norm, across all ranks, when a synchronous step clips.
     collective_sets = [tuple(range(world))] if sched.synchronous and args.clip else []

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import PipelineConfigError
+from .schedules import StageGraph, StageInfo, with_chunks
 
 # Bumped whenever plan.json changes shape; the compiler and the runtime refuse other formats.
 PLAN_FORMAT = 1
@@ -108,6 +109,20 @@ class Topology:
                 raise PipelineConfigError(f"stage {s} receives {missing[0]!r}, which nobody sends")
         if self.loss_stage not in self.rank_of:
             raise PipelineConfigError(f"the loss stage {self.loss_stage} is not in the plan")
+
+    def stage_infos(self) -> list[StageInfo]:
+        """What a schedule needs to know of every stage (GPU, depth, loss, chunk)."""
+        return with_chunks(
+            StageInfo(s, self.rank_of[s], self.depth[s], s == self.loss_stage)
+            for s in self.stage_ids
+        )
+
+    def stage_graph(self) -> StageGraph:
+        """The stages and who sends to whom, for `validate`."""
+        consumers: dict[int, set[int]] = {s: set() for s in self.stage_ids}
+        for t in self.transfers.values():
+            consumers[t.producer].update(t.consumers)
+        return StageGraph.of(self.stage_infos(), {s: tuple(c) for s, c in consumers.items()})
 
     def stages_on(self, rank: int) -> list[int]:
         return [s for s in self.stage_ids if self.rank_of[s] == rank]

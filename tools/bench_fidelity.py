@@ -73,10 +73,10 @@ def measure_case(
 ) -> dict:
     from ftpipe_runtime.schedules import get_schedule
 
-    sched = get_schedule(case.schedule)
     info = case.compile(work / name)
     out = Path(info["output"])
     plan = Plan.load(out / "plan.json")
+    policies = get_schedule(case.schedule).policies(plan.stage_infos(), plan.micro_batches)
     sim_file = simulate(plan, case.schedule, steps=SIM_STEPS)
     sim = simulate(plan.with_(bandwidth=bandwidth), case.schedule, steps=SIM_STEPS)
     argv = ["--steps", str(warmup + timed + COOLDOWN), "--schedule", case.schedule]
@@ -109,7 +109,7 @@ def measure_case(
                 "fwd_s": s.fwd_s,
                 "bwd_s": s.bwd_s,
                 "recompute_s": s.recompute_s,
-                "recompute": sched.recompute(s.id == plan.loss_stage),
+                "recompute": policies[s.id].recompute,
             }
             for s in plan.stages
         },

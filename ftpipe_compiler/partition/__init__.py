@@ -5,7 +5,10 @@
     best.plan.save("plan.json"); best.to_json()
 
 A partitioner that cannot fit the model raises `InfeasibleError`; `run_partitioners`
-records that as an infeasible `Result` and goes on with the others.
+records that as an infeasible `Result` and goes on with the others. A schedule that fixes
+its placement (WPipe's loop) is planned by the partitioners in `PATTERNED`, which cut a
+chain into the pattern's stages; the others place stages freely and are reported as not
+applicable to it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from .problem import Problem
 
 __all__ = [
     "PARTITIONERS",
+    "PATTERNED",
     "Plan",
     "Problem",
     "Result",
@@ -45,6 +49,7 @@ PARTITIONERS: dict[str, Callable[[Problem], Plan]] = {
     "gpipe": baselines.gpipe,
     "params": baselines.params,
 }
+PATTERNED = frozenset({"pipedream", "gpipe", "params"})  # can cut a schedule's pattern
 
 
 def problem_from_graph(
@@ -114,6 +119,15 @@ def run(problem: Problem, name: str) -> Result:
     kept on the GPUs it uses: a runtime rank with nothing to run cannot take part.
     """
     fn = get_partitioner(name)
+    if problem.patterned and name not in PATTERNED:
+        placement = problem.sched.placement.name
+        return Result(
+            name,
+            None,
+            False,
+            f"{name}: places stages freely, {problem.schedule} needs them {placement}: "
+            f"use {', '.join(sorted(PATTERNED))}",
+        )
     t0 = time.perf_counter()
     try:
         plan = fn(problem).compacted()

@@ -18,6 +18,7 @@ import heapq
 import random
 import time
 
+from ..cost_model import stage_memory
 from .build import build_plan
 from .coarsen import atoms
 from .indexed import Costs, infeasible
@@ -98,7 +99,7 @@ def greedy(costs: Costs, order: list[list[int]], period: float, gpus: int):
     mem = costs.problem.memory
     slices: list[list[list[int]]] = []
     cur: list[list[int]] = []
-    state = _Slice(costs, depth=0)
+    state = _Slice(costs, depth=0, length=gpus)
     for u in reversed(order):
         if not state.add(u, period, mem):
             if not cur:
@@ -106,7 +107,7 @@ def greedy(costs: Costs, order: list[list[int]], period: float, gpus: int):
             slices.append(cur[::-1])
             if len(slices) >= gpus:
                 return None
-            cur, state = [], _Slice(costs, depth=len(slices))
+            cur, state = [], _Slice(costs, depth=len(slices), length=gpus)
             if not state.add(u, period, mem):
                 return None
         cur.append(u)
@@ -117,10 +118,11 @@ def greedy(costs: Costs, order: list[list[int]], period: float, gpus: int):
 class _Slice:
     """Running compute and memory of a slice grown leftwards (towards the graph's inputs)."""
 
-    def __init__(self, costs: Costs, depth: int):
-        self.c, self.k = costs, costs.in_flight(depth)
+    def __init__(self, costs: Costs, depth: int, length: int):
+        self.c = costs
+        self.policy = {last: costs.chain_policy(depth, last, length) for last in (False, True)}
         self.rec = self.last = 0.0
-        self.act = self.inb = self.static = 0
+        self.act = self.inb = self.trainable = self.frozen = self.state = 0
         self.has_out = False
         self.counted: set[int] = set()
         self.params: set[int] = set()
@@ -140,14 +142,21 @@ class _Slice:
         new_in = {x for i in u for x in c.inputs[i]} - self.inputs
         inb += sum(c.input_bytes[x] for x in new_in)
         new_p = {p for i in u for p in c.params[i]} - self.params
-        static = self.static + sum(c.pstatic[p] for p in new_p)
-        if c.recompute(has_out):
-            need = static + self.k * inb + act
-        else:
-            need = static + self.k * act
-        if (last if has_out else rec) > period or need > mem:
+        trainable = self.trainable + sum(c.ptrainable[p] for p in new_p)
+        frozen = self.frozen + sum(c.pfrozen[p] for p in new_p)
+        state = self.state + sum(c.pstate[p] for p in new_p)
+        held, transient = stage_memory(
+            trainable_bytes=trainable,
+            frozen_bytes=frozen,
+            state_bytes=state,
+            input_bytes=inb,
+            act_bytes=act,
+            policy=self.policy[has_out],
+        )
+        if (last if has_out else rec) > period or held + transient > mem:
             return False
-        self.rec, self.last, self.act, self.inb, self.static = rec, last, act, inb, static
+        self.rec, self.last, self.act, self.inb = rec, last, act, inb
+        self.trainable, self.frozen, self.state = trainable, frozen, state
         self.has_out = has_out
         self.counted = (self.counted - mine) | ext
         self.params |= new_p

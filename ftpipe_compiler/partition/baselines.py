@@ -5,6 +5,8 @@
   the DP picks which GPUs take one more layer.
 - `params`: contiguous, balanced by parameter memory (DeepSpeed's default, PipeTransformer).
 
+Both cut as many stages as the schedule's placement asks (one per GPU, or WPipe's two).
+
 A layer is a run of nodes under one numbered module (`encoder.block.3`); nodes outside any
 layer (embeddings, final norm, loss) travel with the neighbouring layer.
 """
@@ -44,11 +46,11 @@ def gpipe(problem) -> Plan:
     costs = Costs.of(problem)
     chain = Chain(costs, layers(costs))
     U = len(chain)
-    stages = min(problem.gpus, U)
+    stages = min(problem.chain_length, U)
     q, r = divmod(U, stages)
     count = np.arange(U)[None, :] - np.arange(U)[:, None] + 1  # layers in segment k..j
     allowed = (count == q) | ((count == q + 1) & (r > 0))
-    segs = chain.split(chain.period, stages, exact=True, allowed=allowed)
+    segs = chain.split(chain.period, stages, exact=True, allowed=allowed, per_gpu=problem.per_gpu)
     if segs is None:
         raise infeasible(
             problem,
@@ -62,7 +64,9 @@ def params(problem) -> Plan:
     t0 = time.perf_counter()
     costs = Costs.of(problem)
     chain = Chain(costs, layers(costs))
-    segs = chain.split(chain.static.astype(float), problem.gpus, exact=True)
+    segs = chain.split(
+        chain.static.astype(float), problem.chain_length, exact=True, per_gpu=problem.per_gpu
+    )
     if segs is None:
         raise infeasible(problem, "params", "no contiguous split by layers fits")
     return build_plan(problem, *chain.assignment(segs), "params", time.perf_counter() - t0)

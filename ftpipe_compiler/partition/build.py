@@ -8,6 +8,7 @@ Every partitioner ends here, so the figures of competing plans are computed one 
 from __future__ import annotations
 
 import networkx as nx
+from ftpipe_runtime.schedules import StageInfo, with_chunks
 
 from ..errors import FtpipeError
 from .plan import Plan, PlanParam, Stage, Transfer
@@ -53,7 +54,9 @@ def build_plan(
     depth = {s: 0 for s in rg}
     for s in reversed(list(nx.topological_sort(rg))):
         depth[s] = max((depth[t] + 1 for t in rg.successors(s)), default=0)
-    sched = problem.sched
+    infos = with_chunks(
+        StageInfo(s, gpu_of[order[s]], depth[s], s == loss_stage) for s in range(len(order))
+    )
 
     members: dict[int, list[str]] = {s: [] for s in range(len(order))}
     for n in graph.nodes:
@@ -79,7 +82,7 @@ def build_plan(
                 fwd_s=sum(n.fwd_s for n in nodes),
                 bwd_s=sum(n.bwd_s for n in nodes),
                 recompute_s=sum(n.recompute_s for n in nodes),
-                recompute=sched.recompute(s == loss_stage),
+                recompute=problem.policy(infos[s]).recompute,
                 depth=depth[s],
                 params=tuple(
                     p

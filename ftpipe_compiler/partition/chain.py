@@ -2,11 +2,14 @@
 
 A unit is a run of consecutive nodes in the graph's (topological) order. For every
 segment k..j of units we precompute its period (FTPipe eq. 1 with the loss stage not
-recomputing when the schedule says so) and its memory as `base + in_flight(depth) *
-held`, so the DP can check memory at the depth where a segment would sit.
+recomputing when the schedule says so) and what its memory depends on (parameter bytes,
+inputs, activations), so the DP can ask the cost model for its memory at the depth where
+the segment would sit, for all segments at once.
 
     ch = Chain(costs, units)            # units: lists of node indices, in order
     segs = ch.split(ch.period, gpus)    # [(k, j), ...] or None when nothing fits
+    segs = ch.split(ch.period, 2 * gpus, exact=True, per_gpu=2)   # a schedule's pattern
+    stage_of, gpu_of = ch.assignment(segs)  # segment s on the pattern's GPU for position s
 
 Exact for contiguous splits when each tensor crosses to at most one later stage (a chain);
 otherwise a tensor sent to several later stages is counted once here (the plan counts it
@@ -20,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 from tqdm import tqdm
 
+from ..cost_model import period_s, stage_memory
 from .indexed import Costs
 
 
@@ -54,13 +58,15 @@ class Chain:
         bw = costs.problem.bandwidth
         inf = float("inf")
         self.period = np.full((U, U), inf)
-        self.base = np.full((U, U), inf)
-        self.held = np.full((U, U), inf)
         self.static = np.full((U, U), inf)
+        # What the memory of segment k..j depends on; the cost model turns it into bytes.
+        self.trainable, self.frozen, self.state = (np.zeros((U, U)) for _ in range(3))
+        self.inb, self.act = np.zeros((U, U)), np.zeros((U, U))
+        self.has_out = np.zeros((U, U), dtype=bool)
         rng = tqdm(range(U), desc="chain segments", leave=False, disable=None if progress else True)
         for k in rng:
             rec = last = 0.0
-            act = inb = bwd = send = static = 0
+            act = inb = bwd = send = static = trainable = frozen = state = 0
             seen, seen_in, params = set(), set(), set()
             weights_out: dict[int, int] = {}  # unit -> bytes of owned weights last read there
             has_out = False
@@ -78,6 +84,9 @@ class Chain:
                             bwd += costs.pbytes[p] if costs.ptrain[p] else 0
                             continue
                         static += costs.pstatic[p]
+                        trainable += costs.ptrainable[p]
+                        frozen += costs.pfrozen[p]
+                        state += costs.pstate[p]
                         if last_use_p[p] > j:
                             send += costs.pbytes[p]
                             weights_out[last_use_p[p]] = (
@@ -95,16 +104,28 @@ class Chain:
                         bwd += b if g else 0
                 send += sum(prod_out[j])
                 send -= sum(b for pu, b in ends[j] if k <= pu < j) + weights_out.pop(j, 0)
-                c = last if has_out else rec
-                self.period[k, j] = c + max(0.0, send / bw - c) + max(0.0, bwd / bw - c)
-                if costs.recompute(has_out):
-                    self.base[k, j], self.held[k, j] = static + act, inb
-                else:
-                    self.base[k, j], self.held[k, j] = static, act
+                self.period[k, j] = period_s(last if has_out else rec, send / bw, bwd / bw)
                 self.static[k, j] = static
+                self.trainable[k, j], self.frozen[k, j], self.state[k, j] = trainable, frozen, state
+                self.inb[k, j], self.act[k, j], self.has_out[k, j] = inb, act, has_out
 
     def __len__(self) -> int:
         return len(self.units)
+
+    def memory(self, depth: int, length: int) -> np.ndarray:
+        """Peak bytes of every segment as stage `depth` from the end of a chain of `length`."""
+        out = []
+        for is_last in (False, True):
+            held, transient = stage_memory(
+                trainable_bytes=self.trainable,
+                frozen_bytes=self.frozen,
+                state_bytes=self.state,
+                input_bytes=self.inb,
+                act_bytes=self.act,
+                policy=self.c.chain_policy(depth, is_last, length),
+            )
+            out.append(held + transient)
+        return np.where(self.has_out, out[1], out[0])
 
     def split(
         self,
@@ -112,17 +133,19 @@ class Chain:
         gpus: int,
         exact: bool = False,
         allowed: np.ndarray | None = None,
+        per_gpu: int = 1,
     ) -> list[tuple[int, int]] | None:
         """Minimise the largest `objective[k, j]` over splits into at most (or exactly) `gpus`
-        segments whose memory fits at their depth; ties prefer fewer stages."""
+        segments whose memory fits at their depth; ties prefer fewer stages. With `per_gpu`
+        stages on each GPU (a schedule's pattern), each gets that share of the memory."""
         c = self.c
-        U, mem = len(self), c.problem.memory
+        U, mem = len(self), c.problem.memory / per_gpu
         stages = min(gpus, U)
         inf = float("inf")
         B = np.full((stages, U + 1), inf)
         choice = np.zeros((stages, U), dtype=int)
         for d in range(stages):
-            ok = self.base + c.in_flight(d) * self.held <= mem
+            ok = self.memory(d, stages) <= mem
             if allowed is not None:
                 ok &= allowed
             obj = np.where(ok, objective, inf)
@@ -146,12 +169,17 @@ class Chain:
         return segs
 
     def assignment(self, segs: list[tuple[int, int]]) -> tuple[dict[str, int], dict[int, int]]:
-        """stage_of and gpu_of for build_plan: segment s on GPU s."""
+        """stage_of and gpu_of for build_plan: segment s on GPU s, or where the schedule's
+        placement puts chain position s."""
         stage_of = {}
         for s, (k, j) in enumerate(segs):
             for u in range(k, j + 1):
                 for i in self.units[u]:
                     stage_of[self.c.ids[i]] = s
+        problem = self.c.problem
+        if problem.patterned:
+            chain = problem.sched.placement.chain(problem.gpus)
+            return stage_of, {s: chain[s].gpu for s in range(len(segs))}
         return stage_of, {s: s for s in range(len(segs))}
 
 

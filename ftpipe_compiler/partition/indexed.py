@@ -28,7 +28,10 @@ class Costs:
     preds: list[tuple[int, ...]]
     succs: list[tuple[int, ...]]
     params: list[tuple[int, ...]]
-    pstatic: list[int]  # weights + gradients + optimizer state, by parameter index
+    pstatic: list[int]  # weights (one version) + gradients + optimizer state, by parameter index
+    ptrainable: list[int]  # one copy of the weight if trainable (kept per version), else 0
+    pfrozen: list[int]  # the weight if frozen (one copy, no gradient), else 0
+    pstate: list[int]  # gradient + optimizer state
     pbytes: list[int]  # what its owner sends to other stages reading it
     ptrain: list[bool]  # ... and whether a gradient comes back
     inputs: list[tuple[int, ...]]
@@ -53,6 +56,9 @@ class Costs:
             succs=[tuple(sorted({idx[s] for s in g.succs[n.id]})) for n in g.nodes],
             params=[tuple(dict.fromkeys(pidx[p] for p in n.params)) for n in g.nodes],
             pstatic=[problem.static_bytes[p.name] for p in g.params],
+            ptrainable=[problem.param_split[p.name][0] if p.trainable else 0 for p in g.params],
+            pfrozen=[0 if p.trainable else problem.param_split[p.name][0] for p in g.params],
+            pstate=[problem.param_split[p.name][1] for p in g.params],
             pbytes=[p.bytes for p in g.params],
             ptrain=[p.trainable for p in g.params],
             inputs=[tuple(dict.fromkeys(iidx[x] for x in n.inputs)) for n in g.nodes],
@@ -64,11 +70,9 @@ class Costs:
     def n(self) -> int:
         return len(self.ids)
 
-    def in_flight(self, depth: int) -> int:
-        return self.problem.sched.in_flight(depth, self.problem.micro_batches)
-
-    def recompute(self, is_loss: bool) -> bool:
-        return self.problem.sched.recompute(is_loss)
+    def chain_policy(self, depth: int, is_last: bool, length: int):
+        """The policy of stage `depth` from the end of a chain of `length` stages."""
+        return self.problem.policy(self.problem.chain_stage(depth, is_last, length))
 
 
 def topological_stages(costs: Costs, stage_of: list[int]) -> list[int]:

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from ftpipe_runtime.schedules import StageInfo
+
+from ..cost_model import gpu_memory_bytes, period_s, stage_memory
 from .indexed import Costs, topological_stages
 
 
@@ -36,8 +39,11 @@ class Layout:
         self.cg = [defaultdict(int) for _ in range(c.n)]  # ... per GPU
         self.mi = [defaultdict(int) for _ in range(S)]  # readers of a model input per stage
         self.pr = [defaultdict(int) for _ in c.pstatic]  # readers of a parameter per stage
-        self.static, self.fwd, self.bwd = [0] * G, [0] * G, [0] * G
+        self.fwd, self.bwd = [0] * G, [0] * G
+        # Parameter bytes each stage owns: trainable weights (kept per version), frozen, state.
+        self.trainable, self.frozen, self.state = [0] * S, [0] * S, [0] * S
         self.se: dict[tuple[int, int], int] = defaultdict(int)  # tensor and weight edges
+        self._pols, self._pols_loss = None, -1  # stage policies, see _policy
         # Build by "moving" every node in from nowhere (stage -1) so one code path keeps the books.
         place, self.stage = self.stage, [-1] * c.n
         for i in range(c.n):
@@ -51,13 +57,29 @@ class Layout:
 
     def compute(self, g: int) -> float:
         loss = self.loss
-        return sum(self.last[s] if s == loss else self.rec[s] for s in self.on[g])
+        keeps = loss in self.on[g] and not self._policy(loss).recompute
+        return sum(self.last[s] if s == loss and keeps else self.rec[s] for s in self.on[g])
+
+    def _policy(self, s: int):
+        """What stage s keeps under the schedule, as `Plan` will see it (cached until a depth,
+        the loss stage or the set of non-empty stages changes)."""
+        if self._dirty:
+            self._depths()
+        if self._pols is None or self._pols_loss != self.loss:
+            loss, pols = self.loss, [None] * self.nstages
+            for g, ids in enumerate(self.on):
+                chunk = 0
+                for t in ids:
+                    if self.size[t]:
+                        info = StageInfo(t, g, self.depth[t], t == loss, chunk)
+                        pols[t] = self.c.problem.policy(info)
+                        chunk += 1
+            self._pols, self._pols_loss = pols, loss
+        return self._pols[s]
 
     def gpu_period(self, g: int) -> float:
-        c = self.compute(g)
         bw = self.c.problem.bandwidth
-        f, b = self.fwd[g] / bw, self.bwd[g] / bw
-        return c + max(0.0, f - c) + max(0.0, b - c)
+        return period_s(self.compute(g), self.fwd[g] / bw, self.bwd[g] / bw)
 
     def periods(self) -> list[float]:
         return [self.gpu_period(g) for g in range(self.gpus)]
@@ -71,18 +93,21 @@ class Layout:
     def memory(self, g: int) -> int:
         if self._dirty:
             self._depths()
-        held = transient = 0
-        loss = self.loss
+        parts = []
         for s in self.on[g]:
             if not self.size[s]:
                 continue
-            k = self.c.in_flight(self.depth[s])
-            if self.c.recompute(s == loss):
-                held += k * self.inb[s]
-                transient = max(transient, self.act[s])
-            else:
-                held += k * self.act[s]
-        return self.static[g] + held + transient
+            parts.append(
+                stage_memory(
+                    trainable_bytes=self.trainable[s],
+                    frozen_bytes=self.frozen[s],
+                    state_bytes=self.state[s],
+                    input_bytes=self.inb[s],
+                    act_bytes=self.act[s],
+                    policy=self._policy(s),
+                )
+            )
+        return gpu_memory_bytes(parts)
 
     def fits(self, gpus=None) -> bool:
         mem = self.c.problem.memory
@@ -145,6 +170,8 @@ class Layout:
                 self.pr[p][a] -= 1
             self.pr[p][t] += 1
             self._param(p, +1)
+        if (a >= 0 and self.size[a] == 1) or not self.size[t]:
+            self._pols = None  # a stage empties or fills: chunks may shift
         if a >= 0:
             self.size[a] -= 1
             self.rec[a] -= c.rec[i]
@@ -190,7 +217,9 @@ class Layout:
         if not stages:
             return
         own, g, b = stages[0], self.gpu[stages[0]], self.c.pbytes[p]
-        self.static[g] += sign * self.c.pstatic[p]
+        self.trainable[own] += sign * self.c.ptrainable[p]
+        self.frozen[own] += sign * self.c.pfrozen[p]
+        self.state[own] += sign * self.c.pstate[p]
         dests = {self.gpu[s] for s in stages[1:]} - {g}
         self.fwd[g] += sign * b * len(dests)
         if self.c.ptrain[p]:
@@ -216,4 +245,4 @@ class Layout:
         depth = [0] * self.nstages
         for s in sorted(succ, reverse=True):  # edges go to higher stages: visit those first
             depth[s] = max(depth[t] + 1 for t in succ[s])
-        self.depth, self._dirty = depth, False
+        self.depth, self._dirty, self._pols = depth, False, None

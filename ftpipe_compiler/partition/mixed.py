@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+from ..cost_model import gpu_memory_bytes, stage_memory
 from ..granularity import layer_key, sublayer_key
 from .build import build_plan
 from .coarsen import Coarse, atoms, by_scope, grow_centers
@@ -33,8 +34,12 @@ def mixed(problem) -> Plan:
     units = base.groups()
     mem = problem.memory
 
+    policy = costs.chain_policy(P - 1, False, P)  # how many weight versions a stage keeps
+
     def fits(nodes) -> bool:
-        return _static(costs, nodes) + max((costs.act[i] for i in nodes), default=0) <= mem
+        params = {p for i in nodes for p in costs.params[i]}
+        peak = (0, max((costs.act[i] for i in nodes), default=0))
+        return gpu_memory_bytes([_params_memory(costs, params, policy), peak]) <= mem
 
     variants = [
         (key, L, offset)
@@ -107,26 +112,31 @@ def lpt(costs: Costs, blocks: list[list[int]], loss_blocks=frozenset()) -> list[
         sum((costs.last if k in loss_blocks else costs.rec)[i] for i in b)
         for k, b in enumerate(blocks)
     ]
-    held, peak = [], []
+    parts = []  # (held, transient) of each block as a stage of its own, parameters aside
     for k, b in enumerate(blocks):
-        if k in loss_blocks and not costs.recompute(True):
-            held.append(sum(costs.act[i] for i in b) * costs.in_flight(0))
-            peak.append(0)
-        else:
-            held.append(_input_bytes(costs, b) * costs.in_flight(L - 1 - k))
-            peak.append(sum(costs.act[i] for i in b))
+        last = k in loss_blocks
+        parts.append(
+            stage_memory(
+                trainable_bytes=0,
+                frozen_bytes=0,
+                state_bytes=0,
+                input_bytes=_input_bytes(costs, b),
+                act_bytes=sum(costs.act[i] for i in b),
+                policy=costs.chain_policy(0 if last else L - 1 - k, last, L),
+            )
+        )
+    first = costs.chain_policy(L - 1, False, L)  # how many weight versions a stage keeps
     load = [0.0] * P
     params: list[set[int]] = [set() for _ in range(P)]
-    gheld, gpeak = [0] * P, [0] * P
+    placed: list[list[tuple]] = [[] for _ in range(P)]
     gpu = [0] * L
+
     for k in sorted(range(L), key=lambda k: (-work[k], k)):
         bp = {p for i in blocks[k] for p in costs.params[i]}
-
         need = {
-            g: sum(costs.pstatic[p] for p in params[g] | bp)
-            + gheld[g]
-            + held[k]
-            + max(gpeak[g], peak[k])
+            g: gpu_memory_bytes(
+                [_params_memory(costs, params[g] | bp, first), *placed[g], parts[k]]
+            )
             for g in range(P)
         }
         order = sorted(range(P), key=lambda g: (load[g], g))
@@ -135,8 +145,7 @@ def lpt(costs: Costs, blocks: list[list[int]], loss_blocks=frozenset()) -> list[
         gpu[k] = g
         load[g] += work[k]
         params[g] |= bp
-        gheld[g] += held[k]
-        gpeak[g] = max(gpeak[g], peak[k])
+        placed[g].append(parts[k])
     return gpu
 
 
@@ -166,8 +175,16 @@ def stages(costs: Costs, blocks: list[list[int]], gpu: list[int]) -> tuple[list[
     return stage_of, gpu_of
 
 
-def _static(costs: Costs, nodes) -> int:
-    return sum(costs.pstatic[p] for p in {p for i in nodes for p in costs.params[i]})
+def _params_memory(costs: Costs, params, policy) -> tuple[int, int]:
+    """The cost model's (held, transient) of these parameters alone."""
+    return stage_memory(
+        trainable_bytes=sum(costs.ptrainable[p] for p in params),
+        frozen_bytes=sum(costs.pfrozen[p] for p in params),
+        state_bytes=sum(costs.pstate[p] for p in params),
+        input_bytes=0,
+        act_bytes=0,
+        policy=policy,
+    )
 
 
 def _input_bytes(costs: Costs, nodes) -> int:

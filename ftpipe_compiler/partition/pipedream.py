@@ -8,7 +8,9 @@ can), then the DP picks contiguous stages, one per GPU, minimising the slowest s
 
 run from the end of the chain so each stage's depth (and so its in-flight micro-batches)
 is known exactly. Unlike the public implementation it counts boundary transfers (FTPipe
-eq. 1), the loss stage that does not recompute, and memory.
+eq. 1), the loss stage that does not recompute, and memory. A schedule that fixes its
+placement (WPipe: 2 stages per GPU in a loop) gets a chain of exactly that many stages,
+placed by the pattern.
 
     plan = pipedream(problem)
 """
@@ -30,7 +32,8 @@ def pipedream(problem, max_units: int = MAX_UNITS) -> Plan:
     costs = Costs.of(problem)
     units = compress(costs, [[i] for i in range(costs.n)], max_units)
     chain = Chain(costs, units, progress=True)
-    segs = chain.split(chain.period, problem.gpus)
+    n = problem.chain_length  # a schedule with a pattern (WPipe's loop) gets exactly its stages
+    segs = chain.split(chain.period, n, exact=problem.patterned, per_gpu=problem.per_gpu)
     if segs is None:
         raise infeasible(problem, "pipedream", "no contiguous split fits")
     stage_of, gpu_of = chain.assignment(segs)

@@ -17,16 +17,24 @@ numbering stays topological.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
 import networkx as nx
 from ftpipe_runtime.atomic import write_atomic
+from ftpipe_runtime.schedules import (
+    ScheduleError,
+    StageInfo,
+    StagePolicy,
+    resolve_schedule,
+    with_chunks,
+)
 
+from ..cost_model import gpu_memory_bytes, period_s, stage_memory
 from ..errors import FtpipeError, PlanFormatError, unknown
 from ..graph import _typed, read_json
-from ..memory import gpu_memory_bytes
 from ..version import PLAN_FORMAT, __version__
 
 
@@ -118,9 +126,7 @@ class Plan:
 
     def gpu_period_s(self, gpu: int) -> float:
         """FTPipe eq. 1 with all stages of the GPU summed: compute, plus what transfers do not hide."""
-        c = self.gpu_compute_s(gpu)
-        f, b = self.gpu_comm_s(gpu)
-        return c + max(0.0, f - c) + max(0.0, b - c)
+        return period_s(self.gpu_compute_s(gpu), *self.gpu_comm_s(gpu))
 
     @property
     def period_s(self) -> float:
@@ -142,19 +148,41 @@ class Plan:
             total += t.bytes * dests * (2 if t.requires_grad else 1)
         return total
 
+    def stage_infos(self) -> list[StageInfo]:
+        """The stages as a schedule sees them (GPU, depth, loss, chunk)."""
+        return with_chunks(
+            StageInfo(s.id, s.gpu, s.depth, s.id == self.loss_stage) for s in self.stages
+        )
+
+    @functools.cached_property
+    def policies(self) -> dict[int, StagePolicy]:
+        """What every stage keeps under the plan's schedule."""
+        try:
+            sched = resolve_schedule(self.schedule)
+        except ScheduleError as e:
+            raise FtpipeError(str(e)) from None
+        return sched.policies(self.stage_infos(), self.micro_batches)
+
     def gpu_memory(self, gpu: int, in_flight: dict[int, int] | None = None) -> int:
         """Peak bytes on a GPU; in-flight micro-batches per stage from the schedule unless given."""
-        from ftpipe_runtime.schedules import get_schedule
-
-        sched = get_schedule(self.schedule)
-        stages = self.stages_on(gpu)
-        names = {p for s in stages for p in s.params}
-        static = sum(p.static_bytes for p in self.params if p.name in names)
-        rows = []
-        for s in stages:
-            k = in_flight[s.id] if in_flight else sched.in_flight(s.depth, self.micro_batches)
-            rows.append((s.input_bytes, s.act_bytes, s.recompute, k))
-        return gpu_memory_bytes(static, rows)
+        by_name = {p.name: p for p in self.params}
+        parts = []
+        for s in self.stages_on(gpu):
+            policy = self.policies[s.id]
+            if in_flight:
+                policy = replace(policy, in_flight=in_flight[s.id])
+            owned = [by_name[n] for n in s.params]
+            parts.append(
+                stage_memory(
+                    trainable_bytes=sum(p.bytes for p in owned if p.trainable),
+                    frozen_bytes=sum(p.bytes for p in owned if not p.trainable),
+                    state_bytes=sum(p.static_bytes - p.bytes for p in owned),
+                    input_bytes=s.input_bytes,
+                    act_bytes=s.act_bytes,
+                    policy=policy,
+                )
+            )
+        return gpu_memory_bytes(parts)
 
     @property
     def max_memory_bytes(self) -> int:
@@ -182,8 +210,9 @@ class Plan:
     # --- checks ---
     def validate(self, memory: bool = True) -> None:
         """Every node in one stage, stages numbered 0..n-1 on existing GPUs, transfers and
-        parameters between existing stages, stage graph acyclic; with `memory`, every GPU
-        within its memory. A plan read from a file is checked without memory."""
+        parameters between existing stages, stage graph acyclic, stages placed as the schedule
+        needs; with `memory`, every GPU within its memory. A plan read from a file is checked
+        without memory."""
         from ftpipe_runtime.schedules import SCHEDULES
 
         if self.schedule not in SCHEDULES:
@@ -221,6 +250,10 @@ class Plan:
             ids = [s.id for s in self.stages_on(gpu)]
             if ids != sorted(ids):
                 raise FtpipeError(f"stages on GPU {gpu} are not in topological order")
+        try:
+            resolve_schedule(self.schedule).check(self.stage_infos(), self.micro_batches)
+        except ScheduleError as e:
+            raise FtpipeError(str(e)) from None
         if not memory:
             return
         over = [g for g in range(self.gpus) if self.gpu_memory(g) > self.memory_bytes]

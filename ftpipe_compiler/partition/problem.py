@@ -2,6 +2,8 @@
 
 problem = Problem(graph, gpus=8, hardware=get_hardware("rtx2080ti"), schedule="ftpipe",
                   optimizer="adafactor", micro_batches=10)
+problem.policy(stage_info)        # what a stage keeps under the schedule (StagePolicy)
+problem.chain_stage(depth=2, is_last=False, length=8)   # a chain position as the schedule sees it
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from ftpipe_runtime.schedules import SCHEDULES, get_schedule
+from ftpipe_runtime.schedules import SCHEDULES, Schedule, ScheduleError, StageInfo, StagePolicy
 
+from ..cost_model import FP32, OPTIMIZERS, Precision, param_bytes
 from ..errors import FtpipeError, unknown
 from ..graph import OpGraph
 from ..hardware import Hardware
-from ..memory import OPTIMIZERS, optimizer_state_bytes
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class Problem:
     micro_batches: int = 4  # per optimizer step (GPipe / 1F1B flush size)
     seed: int = 0
     memory_bytes: int = 0  # 0: the hardware's memory
+    precision: Precision = FP32
 
     def __post_init__(self):
         if self.gpus < 1:
@@ -40,6 +43,11 @@ class Problem:
             )
         if self.schedule not in SCHEDULES:
             raise unknown("schedule", self.schedule, SCHEDULES)
+        try:
+            chain = self.sched.placement.chain(self.gpus) if self.patterned else []
+            self.sched.check(chain, self.micro_batches)
+        except ScheduleError as e:
+            raise FtpipeError(str(e)) from None
         if self.graph.profile == "none":
             raise FtpipeError("the graph has no costs; profile it first (ftpipe profile)")
 
@@ -51,9 +59,48 @@ class Problem:
     def bandwidth(self) -> float:
         return self.hardware.link_bandwidth
 
+    @property
+    def sched(self) -> Schedule:
+        return SCHEDULES[self.schedule]
+
+    @property
+    def patterned(self) -> bool:
+        """Does the schedule fix the placement (WPipe's loop) rather than leave it free?"""
+        return not self.sched.placement.free
+
+    @property
+    def per_gpu(self) -> int:
+        """Stages per GPU the schedule's pattern asks for (1 when the placement is free)."""
+        return self.sched.placement.per_gpu or 1
+
+    @property
+    def chain_length(self) -> int:
+        """Stages a sequential partitioner cuts: one per GPU, or the pattern's count."""
+        return self.per_gpu * self.gpus
+
+    def policy(self, st: StageInfo) -> StagePolicy:
+        """What a stage keeps under the schedule (cached: partitioners ask in inner loops)."""
+        got = self._policies.get(st)
+        if got is None:
+            got = self._policies[st] = self.sched.policy(st, self.micro_batches, self.gpus)
+        return got
+
     @functools.cached_property
-    def sched(self):
-        return get_schedule(self.schedule)
+    def _policies(self) -> dict[StageInfo, StagePolicy]:
+        return {}
+
+    def chain_stage(self, depth: int, is_last: bool, length: int) -> StageInfo:
+        """Stage `depth` from the end of a chain of `length` stages: in the schedule's
+        pattern when it has one, else one stage per GPU."""
+        pos = length - 1 - depth
+        if self.patterned:
+            st = self.sched.placement.chain(self.gpus)[pos]
+            return StageInfo(st.id, st.gpu, depth, is_last, st.chunk)
+        return StageInfo(pos, pos, depth, is_last)
+
+    @functools.cached_property
+    def loss_recomputes(self) -> bool:
+        return self.policy(self.chain_stage(0, True, self.chain_length)).recompute
 
     @functools.cached_property
     def work_recompute(self) -> dict[str, float]:
@@ -61,18 +108,21 @@ class Problem:
 
     @functools.cached_property
     def work_last(self) -> dict[str, float]:
-        rec = self.sched.recompute(True)
+        rec = self.loss_recomputes
         return {n.id: self.graph.work(n, rec) for n in self.graph.nodes}
 
     @functools.cached_property
+    def param_split(self) -> dict[str, tuple[int, int]]:
+        """(one copy of the weight, its gradient and optimizer state) of each parameter."""
+        return {
+            p.name: param_bytes(p.shape, p.dtype, p.trainable, self.optimizer, self.precision)
+            for p in self.graph.params
+        }
+
+    @functools.cached_property
     def static_bytes(self) -> dict[str, int]:
-        """Weights + gradients + optimizer state of each parameter."""
-        out = {}
-        for p in self.graph.params:
-            grad = p.bytes if p.trainable else 0
-            opt = optimizer_state_bytes(p.shape, p.bytes, self.optimizer) if p.trainable else 0
-            out[p.name] = p.bytes + grad + opt
-        return out
+        """Weights (one version) + gradients + optimizer state of each parameter."""
+        return {name: w + s for name, (w, s) in self.param_split.items()}
 
     @functools.cached_property
     def node_static_bytes(self) -> dict[str, int]:
@@ -93,7 +143,7 @@ class Problem:
         g = self.graph
         total = sum(self.work_recompute.values())
         w_max = max(self.work_last.values(), default=0.0)
-        if self.sched.recompute(True):
+        if self.loss_recomputes:
             return max(total / self.gpus, w_max)
         items = sorted(
             ((n.recompute_s, n.fwd_s + n.bwd_s) for n in g.nodes if n.recompute_s > 0),

@@ -7,7 +7,8 @@ A GPU starts the head of its list once it is free and the action's inputs are th
 finished F puts its tensors on the links (one per ordered GPU pair, one tensor at a time,
 in the order they were produced); a finished B sends a gradient back once all consumers of
 that tensor on its GPU are done. The first S of a synchronised group on each GPU waits for
-all the group's GPUs (the synchronous schedules' flush).
+all the group's GPUs (the synchronous schedules' flush). Each action kind (`KINDS`) has one
+handler to start it and one to finish it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class EventLoop:
         self.fwd = {s: x.fwd_s for s, x in st.items()}
         self.bwd = {s: x.bwd_s for s, x in st.items()}
         self.rec = {s: x.recompute_s for s, x in st.items()}
+        # Seconds a stage's optimizer step takes on its GPU (0 today; a data-parallel
+        # all-reduce of its gradients would go here).
+        self.step_s = dict.fromkeys(st, 0.0)
         # Forward: per producer, [(bytes, dest GPU, consumers there)]; backward: one gradient
         # "slot" per (tensor, consumer GPU) that the producer waits for.
         self.out = {s: [] for s in st}
@@ -76,6 +80,9 @@ class EventLoop:
         self.timeline: list[Event] = []
         self.heap: list[tuple[float, int, int]] = []
         self.seq = 0
+        # One handler per action kind: when it may start (None: not yet) and what it sets off.
+        self.start_of = {"F": self._start_f, "B": self._start_b, "S": self._start_s}
+        self.finish_of = {"F": self._finish_f, "B": self._finish_b, "S": self._finish_s}
 
     def go(self) -> None:
         for g in self.lists:
@@ -99,26 +106,31 @@ class EventLoop:
         lst = self.lists[g]
         if self.running[g] or self.pos[g] >= len(lst):
             return
-        a = lst[self.pos[g]]
+        got = self.start_of[lst[self.pos[g]].kind](g, lst[self.pos[g]])
+        if got is not None:
+            ready, dur = got
+            start = max(self.free[g], ready)
+            self._push(g, start, start + dur)
+
+    def _start_f(self, g: int, a):
+        if self.fcount[a.stage][a.mb] < self.need_f[a.stage]:
+            self.waiting[g] = ("F", a.stage, a.mb)
+            return None
+        return self.ftime[a.stage][a.mb], self.fwd[a.stage]
+
+    def _start_b(self, g: int, a):
         s, m = a.stage, a.mb
-        if a.kind == "F":
-            if self.fcount[s][m] < self.need_f[s]:
-                self.waiting[g] = ("F", s, m)
-                return
-            ready, dur = self.ftime[s][m], self.fwd[s]
-        elif a.kind == "B":
-            if self.bcount[s][m] < self.need_b[s]:
-                self.waiting[g] = ("B", s, m)
-                return
-            ready, dur = self.btime[s][m], self.bwd[s] + (self.rec[s] if a.recompute else 0.0)
-        else:
-            grp = self.group_of.get(s)
-            if grp is not None and (grp, m, g) not in self.released:
-                self._barrier(grp, m, g)
-                return
-            ready, dur = 0.0, 0.0
-        start = max(self.free[g], ready)
-        self._push(g, start, start + dur)
+        if self.bcount[s][m] < self.need_b[s]:
+            self.waiting[g] = ("B", s, m)
+            return None
+        return self.btime[s][m], self.bwd[s] + (self.rec[s] if a.recompute else 0.0)
+
+    def _start_s(self, g: int, a):
+        grp = self.group_of.get(a.stage)
+        if grp is not None and (grp, a.mb, g) not in self.released:
+            self._barrier(grp, a.mb, g)
+            return None
+        return 0.0, self.step_s[a.stage]
 
     def _barrier(self, grp, step: int, g: int) -> None:
         """The first S of a step group on a GPU waits until every GPU of the group is there."""
@@ -144,39 +156,43 @@ class EventLoop:
         self.pos[g] += 1
         self.running[g] = False
         self.free[g] = t
-        s, m, start = a.stage, a.mb, self.start[g]
-        if a.kind == "S":
-            self.step_end[g][m] = max(self.step_end[g].get(m, 0.0), t)
-        else:
-            self.busy[g].append((start, t))
-        if m < (self.cap_steps if a.kind == "S" else self.cap_mbs):
+        start = self.start[g]
+        if a.mb < (self.cap_mbs if a.spec.per_micro_batch else self.cap_steps):
             kind = "R" if a.recompute else a.kind
-            self.timeline.append(Event(g, s, kind, m, start, t))
-        if a.kind == "F":
-            self.held[s] += 1
-            self.peak[s] = max(self.peak[s], self.held[s])
-            for nbytes, dst, consumers in self.out[s]:
-                arrive = self._send(g, dst, nbytes, t)
-                for c in consumers:
-                    self._arrive(
-                        self.fcount[c], self.ftime[c], m, arrive, self.need_f[c], ("F", c, m)
-                    )
-        elif a.kind == "B":
-            self.held[s] -= 1
-            for idx, n, producer, nbytes, _ in self.grads[s]:
-                counts = self.slot_count[idx]
-                counts[m] += 1
-                if counts[m] == n:  # the last consumer on this GPU: send the summed gradient
-                    arrive = self._send(g, self.gpu[producer], nbytes, t)
-                    self._arrive(
-                        self.bcount[producer],
-                        self.btime[producer],
-                        m,
-                        arrive,
-                        self.need_b[producer],
-                        ("B", producer, m),
-                    )
+            self.timeline.append(Event(g, a.stage, kind, a.mb, start, t))
+        self.finish_of[a.kind](g, a, start, t)
         self.try_start(g)
+
+    def _finish_f(self, g: int, a, start: float, t: float) -> None:
+        s, m = a.stage, a.mb
+        self.busy[g].append((start, t))
+        self.held[s] += 1
+        self.peak[s] = max(self.peak[s], self.held[s])
+        for nbytes, dst, consumers in self.out[s]:
+            arrive = self._send(g, dst, nbytes, t)
+            for c in consumers:
+                self._arrive(self.fcount[c], self.ftime[c], m, arrive, self.need_f[c], ("F", c, m))
+
+    def _finish_b(self, g: int, a, start: float, t: float) -> None:
+        s, m = a.stage, a.mb
+        self.busy[g].append((start, t))
+        self.held[s] -= 1
+        for idx, n, producer, nbytes, _ in self.grads[s]:
+            counts = self.slot_count[idx]
+            counts[m] += 1
+            if counts[m] == n:  # the last consumer on this GPU: send the summed gradient
+                arrive = self._send(g, self.gpu[producer], nbytes, t)
+                self._arrive(
+                    self.bcount[producer],
+                    self.btime[producer],
+                    m,
+                    arrive,
+                    self.need_b[producer],
+                    ("B", producer, m),
+                )
+
+    def _finish_s(self, g: int, a, start: float, t: float) -> None:
+        self.step_end[g][a.mb] = max(self.step_end[g].get(a.mb, 0.0), t)
 
     def _arrive(self, count, times, m: int, arrive: float, need: int, key: tuple) -> None:
         count[m] += 1

@@ -3,8 +3,9 @@
     result = simulate(plan)                                   # the plan's own schedule
     result = simulate(plan, "gpipe", micro_batches=8, steps=4)
 
-Each GPU runs the schedule's action list (the runtime's very lists) strictly in order; an
-action starts when its GPU is free and its inputs have arrived. F takes the stage's fwd_s,
+Each GPU runs the schedule's action list (the runtime's very lists, checked by the same
+`validate`; a CSV file of per-GPU actions works as well) strictly in order; an action
+starts when its GPU is free and its inputs have arrived. F takes the stage's fwd_s,
 B its bwd_s plus recompute_s when it recomputes (per the schedule, not the plan's flags).
 A tensor crossing to another GPU goes once per destination GPU over that directed link,
 one tensor at a time, while compute goes on; a gradient goes back once per consumer GPU.
@@ -24,7 +25,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ftpipe_runtime.schedules import SCHEDULES, StageInfo, get_schedule
+from ftpipe_runtime.schedules import (
+    SCHEDULES,
+    ScheduleError,
+    StageGraph,
+    resolve_schedule,
+    validate,
+)
 
 from ..errors import FtpipeError, unknown
 from ..partition.plan import Plan
@@ -38,28 +45,41 @@ def simulate(
     plan: Plan, schedule: str | None = None, micro_batches: int | None = None, steps: int = 10
 ) -> SimResult:
     name = schedule or plan.schedule
-    if name not in SCHEDULES:
+    if name not in SCHEDULES and not name.lower().endswith(".csv"):
         raise unknown("schedule", name, SCHEDULES)
-    m = micro_batches or plan.micro_batches
+    try:
+        sched = resolve_schedule(name)
+    except ScheduleError as e:
+        raise FtpipeError(str(e)) from None
+    m = micro_batches or sched.micro_batches or plan.micro_batches
     if m < 1 or steps < 1:
         raise FtpipeError(f"micro-batches and steps must be at least 1, not {m} and {steps}")
-    sched = get_schedule(name)
+    infos = plan.stage_infos()
+    policies = sched.policies(infos, m)
     # Which stages recompute depends on the schedule, and memory follows from that.
     plan = plan.with_(
         schedule=name,
         micro_batches=m,
-        stages=tuple(
-            replace(s, recompute=sched.recompute(s.id == plan.loss_stage)) for s in plan.stages
-        ),
+        stages=tuple(replace(s, recompute=policies[s.id].recompute) for s in plan.stages),
     )
-    infos = [StageInfo(s.id, s.gpu, s.depth, s.id == plan.loss_stage) for s in plan.stages]
     groups = sched.step_groups(infos)  # the optimizer steps that wait for each other
-    # An asynchronous pipeline keeps streaming after the last measured step: simulate enough
-    # further micro-batches (every stage runs up to depth + 1 ahead) that no measured step
-    # is part of the drain.
-    depth = max((s.depth for s in plan.stages), default=0)
-    run_steps = steps + (0 if sched.synchronous else -(-(depth + 1) // m))
-    lists = sched.actions(infos, m, run_steps)
+    # A pipeline that never drains keeps streaming after the last measured step: simulate
+    # enough further steps (every stage runs up to its in-flight count ahead) that no
+    # measured step is part of the drain.
+    ahead = max((p.in_flight for p in policies.values()), default=0)
+    run_steps = steps + (0 if sched.synchronous else -(-ahead // m))
+    consumers = {s.id: set() for s in plan.stages}
+    for t in plan.transfers:
+        consumers[t.producer].update(t.consumers)
+    try:
+        sched.check(infos, m)
+    except ScheduleError as e:
+        raise FtpipeError(str(e)) from None
+    try:
+        lists = sched.actions(infos, m, run_steps)
+        validate(lists, StageGraph.of(infos, consumers), sched, m, run_steps)
+    except ScheduleError as e:
+        raise FtpipeError(f"schedule {name}: {e}") from None
     run = EventLoop(plan, lists, groups, m * run_steps, min(steps, TIMELINE_STEPS), m)
     run.go()
 

@@ -45,7 +45,7 @@ def assert_same_as_plan(lay: Layout, problem) -> None:
     assert lay.period() == pytest.approx(plan.period_s, rel=1e-9)
 
 
-@pytest.mark.parametrize("schedule", ["ftpipe", "gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["ftpipe", "gpipe", "1f1b", "2bw"])
 def test_layout_matches_plan_after_random_moves(seed, schedule):
     rng = random.Random(seed)
     for trial in range(8):

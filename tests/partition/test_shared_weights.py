@@ -9,7 +9,6 @@ from partition_helpers import make_graph, make_problem
 from test_layout import random_layout, random_legal_moves
 
 from ftpipe_compiler.errors import PlanFormatError
-from ftpipe_compiler.memory import gpu_memory_bytes
 from ftpipe_compiler.partition import build_plan
 from ftpipe_compiler.partition.indexed import Costs
 from ftpipe_compiler.partition.plan import Plan
@@ -51,12 +50,11 @@ def test_readers_on_two_gpus_one_owner_and_a_transfer_of_the_weight(seed):
     # Its static state (weights, gradients, optimizer) only on the owner's GPU: the graph's own
     # bookkeeping puts it at the first node reading it, which is in stage 0 here.
     problem = make_problem(graph, gpus=2)
-    sched = problem.sched
     for st in plan.stages:
         static = sum(problem.node_static_bytes[n] for n in st.nodes)
-        k = sched.in_flight(st.depth, plan.micro_batches)
-        rows = [(st.input_bytes, st.act_bytes, st.recompute, k)]
-        assert plan.gpu_memory(st.gpu) == gpu_memory_bytes(static, rows)
+        pol = plan.policies[st.id]
+        kept = pol.in_flight * (st.input_bytes if pol.recompute else st.act_bytes)
+        assert plan.gpu_memory(st.gpu) == static + kept + (st.act_bytes if pol.recompute else 0)
     assert problem.node_static_bytes[graph.nodes[0].id] >= problem.static_bytes["tied"]
 
 

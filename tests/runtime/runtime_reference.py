@@ -1,4 +1,5 @@
-"""Single-process references for the toy pipeline: plain training, and FTPipe's update rule."""
+"""Single-process references for the toy pipeline: plain training, FTPipe's update rule, and
+the stage-wise delayed rules of PipeDream-2BW and WPipe."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from ftpipe_runtime.data import make_data
 from ftpipe_runtime.models.hf import loss_of as hf_loss
 from ftpipe_runtime.optim import lr_at, make_optimizer
+from ftpipe_runtime.stage_api import run_in_one_process
 from runtime_toy import STAGES, ToyModel
 from torch.func import functional_call
 
@@ -134,3 +136,49 @@ def checkpoint_params(root, step: int, stages) -> dict[str, torch.Tensor]:
             assert name not in out, f"{name} is held by two stages"
             out[name] = value
     return out
+
+
+def train_delayed(
+    plan, steps, delay_of, optimizer="adamw", lr=0.01, seed=0, data=None, stages=None, init=None
+):
+    """A stage-wise delayed update in one process: step k's gradient is taken at each stage's
+    weights after max(k - delay, 0) of its steps, and applied to its newest weights,
+    W(t+1) = W(t) - lr * grad f(W(t - delay)). Every stage delay 1 is PipeDream-2BW's rule;
+    G0 stages 1 and G1 stages 0 is WPipe's (2GW eq. 1); all 0 is plain training. A weight
+    read by several stages follows its owner stage (the lowest reader). Returns per-step
+    losses and each stage's final weights."""
+    classes = stages or STAGES
+    ids = [s["id"] for s in plan["stages"]]
+    m = plan["micro_batches"]
+    source = make_data(plan["model"], data, seed)
+    live = {s: classes[s]() for s in ids}
+    work = {s: classes[s]() for s in ids}  # loaded with the version a step computes on
+    if init is not None:
+        for module in live.values():
+            own = module.state_dict()
+            module.load_state_dict({k: v for k, v in init.items() if k in own}, strict=False)
+    opts = {s: make_optimizer(optimizer, live[s].parameters(), lr) for s in ids}
+    history = {s: [_snapshot(live[s])] for s in ids}
+    losses = []
+    for k in range(steps):
+        for s in ids:
+            state = history[s][max(k - delay_of[s], 0)]
+            with torch.no_grad():
+                for n, p in work[s].named_parameters():
+                    p.copy_(state[n])
+                    p.grad = None
+        total = 0.0
+        for mb in range(k * m, (k + 1) * m):
+            inputs = {n: source.get(n, mb) for n in plan["model"]["inputs"]}
+            total += float(run_in_one_process(work, plan, inputs).detach())
+        losses.append(total / m)
+        for s in ids:
+            grads = {n: p.grad for n, p in work[s].named_parameters()}
+            for n, p in live[s].named_parameters():
+                p.grad = None if grads[n] is None else grads[n] / m
+            for group in opts[s].param_groups:
+                group["lr"] = lr_at(k, lr, steps)
+            opts[s].step()
+            opts[s].zero_grad()
+            history[s].append(_snapshot(live[s]))
+    return losses, {s: history[s][-1] for s in ids}

@@ -1,11 +1,12 @@
-"""Messages, step points and deadlock detection derived from action lists."""
+"""Messages, step points and weight versions derived from action lists; lists the plan's
+stage graph cannot run are refused by `validate`."""
 
 from __future__ import annotations
 
 import pytest
-from ftpipe_runtime.dataflow import action_lists, build_dataflow, check_progress
+from ftpipe_runtime.dataflow import action_lists, build_dataflow
 from ftpipe_runtime.errors import PipelineConfigError
-from ftpipe_runtime.schedules import Action
+from ftpipe_runtime.schedules import Action, get_schedule, validate
 from ftpipe_runtime.topology import Topology
 from runtime_toy import toy_plan
 
@@ -34,12 +35,13 @@ def test_a_plan_with_copied_weights_is_refused():
         Topology(plan)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "ftpipe"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "ftpipe", "2bw", "wpipe"])
 def test_each_tensor_crosses_once_per_destination_rank(schedule):
     topo, m, steps = Topology(toy_plan("two-ranks")), 4, 2
-    lists = action_lists(topo, schedule, m, steps)
-    flow = build_dataflow(topo, lists, m, synchronous=schedule != "ftpipe")
-    check_progress(topo, lists, flow)
+    sched = get_schedule(schedule)
+    lists = action_lists(topo, sched, m, steps)
+    validate(lists, topo.stage_graph(), sched, m, steps)
+    flow = build_dataflow(topo, lists, m, sched)
     to_1, to_0 = flow.order[(0, 1)], flow.order[(1, 0)]
     mbs = range(m * steps)
     assert sorted(k for k in to_1 if k[1] == "x0") == [("act", "x0", i) for i in mbs]
@@ -66,13 +68,14 @@ def test_each_tensor_crosses_once_per_destination_rank(schedule):
 
 def test_steps_are_placed_per_rank_when_synchronous_per_stage_when_not():
     topo, m = Topology(toy_plan("three-ranks")), 2
-    sync = build_dataflow(topo, action_lists(topo, "gpipe", m, 2), m, synchronous=True)
+    gpipe, ftpipe = get_schedule("gpipe"), get_schedule("ftpipe")
+    sync = build_dataflow(topo, action_lists(topo, gpipe, m, 2), m, gpipe)
     assert [(e.step, e.stages, e.ranks) for e in sync.events[0].values()] == [
         (0, (0, 2), (0, 1, 2)),
         (1, (0, 2), (0, 1, 2)),
     ]
-    lists = action_lists(topo, "ftpipe", m, 2)
-    flow = build_dataflow(topo, lists, m, synchronous=False)
+    lists = action_lists(topo, ftpipe, m, 2)
+    flow = build_dataflow(topo, lists, m, ftpipe)
     # Stage 3 reads stage 0's weight, yet steps alone: no collective, no waiting for rank 0.
     loss = [e for e in flow.events[2].values()]
     assert [(e.stages, e.ranks) for e in loss] == [((3,), (2,))] * 2
@@ -91,28 +94,44 @@ def test_a_deadlocking_order_is_refused():
         0: _acts("0F0 2F0 2R0 0R0 0S0 2S0"),
         1: _acts("3F0 1F0 3B0 1R0 1S0 3S0"),
     }
-    flow = build_dataflow(topo, lists, 1, synchronous=True)
-    with pytest.raises(PipelineConfigError, match="deadlock.*rank 0 at 2F0.*rank 1 at 3F0"):
-        check_progress(topo, lists, flow)
+    with pytest.raises(
+        PipelineConfigError,
+        match="deadlock: GPU 0 at 2F0 waits for 1F0; GPU 1 at 3F0 waits for 2F0",
+    ):
+        validate(lists, topo.stage_graph(), get_schedule("1f1b"), 1, 1)
 
 
 @pytest.mark.parametrize(
     ("rank0", "message"),
     [
-        ("0R0 0F0 2F0 2R0 0S0 2S0", "before its forward"),
-        ("0F0 2F0 2R0 0S0 0R0 2S0", "does not follow exactly"),
-        ("0F0 1F0", "a stage it does not host"),
+        ("0R0 0F0 2F0 2R0 0S0 2S0", "0R0 comes before 0F0 on GPU 0"),
+        ("0F0 2F0 2R0 0S0 0R0 2S0", "0S0 on GPU 0 does not follow exactly the 1 backwards"),
+        ("0F0 1F0", "1F0 is on GPU 0, but stage 1 is on GPU 1"),
+        ("0F0 2F0 2R0 0R0 2S0", "0S0 is missing: stage 0 never runs its optimizer step of step 0"),
     ],
 )
 def test_malformed_lists_are_refused(rank0, message):
     topo = Topology(toy_plan("two-ranks", micro_batches=1))
     lists = {0: _acts(rank0), 1: _acts("1F0 3F0 3B0 1R0 1S0 3S0")}
     with pytest.raises(PipelineConfigError, match=message):
-        build_dataflow(topo, lists, 1, synchronous=True)
+        validate(lists, topo.stage_graph(), get_schedule("1f1b"), 1, 1)
 
 
 def test_an_asynchronous_order_is_not_run_as_synchronous():
-    topo, m = Topology(toy_plan("two-ranks")), 2
-    lists = action_lists(topo, "ftpipe", m, 3)
-    with pytest.raises(PipelineConfigError, match="not a synchronous schedule"):
-        build_dataflow(topo, lists, m, synchronous=True)
+    topo, m = Topology(toy_plan("two-ranks")), 4
+    lists = action_lists(topo, get_schedule("ftpipe"), m, 3)
+    with pytest.raises(PipelineConfigError, match="0F4 needs the weights of stage 0 after 1"):
+        validate(lists, topo.stage_graph(), get_schedule("1f1b"), m, 3)
+
+
+def test_two_bw_and_wpipe_set_aside_the_versions_they_still_need():
+    topo, m = Topology(toy_plan("two-ranks")), 4
+    for name, stashing in [("2bw", {0, 1, 2, 3}), ("wpipe", {0, 1}), ("1f1b", set())]:
+        sched = get_schedule(name)
+        lists = action_lists(topo, sched, m, 3)
+        flow = build_dataflow(topo, lists, m, sched)
+        kept = {s for plan in flow.weights.values() for s, _ in plan.stashed}
+        assert kept == stashing, name
+        for rank, plan in flow.weights.items():  # a stash is dropped after its last use
+            for key in plan.stashed:
+                assert lists[rank][plan.last_use[key]].stage == key[0]

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from ftpipe_runtime import run
 from ftpipe_runtime.comm import Comm
 from ftpipe_runtime.data import make_data
-from ftpipe_runtime.dataflow import build_dataflow, check_progress
+from ftpipe_runtime.dataflow import build_dataflow
 from ftpipe_runtime.executor import Executor
 from ftpipe_runtime.optim import make_optimizer
-from ftpipe_runtime.schedules import Action
+from ftpipe_runtime.schedules import Action, listed_schedule, validate
 from ftpipe_runtime.stepping import Stepper
 from ftpipe_runtime.topology import Topology
 from runtime_reference import train_plain
@@ -31,8 +31,9 @@ def _train_once(plan, classes, recompute: bool, seed: int) -> dict:
     acts += [Action("B", s, mb, recompute and s != 3) for mb in range(m) for s in (3, 2, 1, 0)]
     acts += [Action("S", s, 0) for s in range(4)]
     lists = {0: acts}
-    flow = build_dataflow(topo, lists, m, synchronous=True)
-    check_progress(topo, lists, flow)
+    sched = listed_schedule(lists)
+    validate(lists, topo.stage_graph(), sched, m, 1)
+    flow = build_dataflow(topo, lists, m, sched)
     modules = {s: classes[s]() for s in range(4)}
     opts = {s: make_optimizer("sgd", mod.parameters(), 0.1) for s, mod in modules.items()}
     comm = Comm(0, 1, "cpu", 5, flow, None)
@@ -71,3 +72,51 @@ def test_run_refuses_a_package_that_disagrees_with_its_plan():
     plan = one_rank_plan()
     with pytest.raises(SystemExit, match="stage 1 takes"):
         run(plan, {**STAGES, 1: STAGES[2]}, ["--steps", "1"])
+
+
+# One step of 4 micro-batches on the one-rank toy, written by hand: GPipe's order for stages
+# 0-2 (recomputing), stage 3 keeping its activations.
+CSV = (
+    "# per-GPU actions of one step\n"
+    + ",".join(f"{s}F{mb}" for mb in range(4) for s in range(4))
+    + ","
+    + ",".join(f"{s}{'B' if s == 3 else 'R'}{mb}" for mb in range(4) for s in (3, 2, 1, 0))
+    + ",0S0,1S0,2S0,3S0\n"
+)
+
+
+def test_a_csv_schedule_runs_like_plain_training(tmp_path):
+    path = tmp_path / "mine.csv"
+    path.write_text(CSV)
+    plan = _one_rank("gpipe", micro_batches=4)
+    argv = ["--steps", "3", "--schedule", str(path), "--optimizer", "adamw", "--lr", "0.05"]
+    summary = run(plan, STAGES, argv + ["--clip", "0.5", "--checkpoint-dir", str(tmp_path)])
+    losses, _ = train_plain(plan, 3, "adamw", lr=0.05, clip=0.5)
+    assert summary["losses"] == pytest.approx(losses, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.replace("2F3,", ""), "2F3 is missing: stage 2 never runs its forward of "),
+        (lambda t: t.replace("0F0,1F0,", "1F0,0F0,"), "1F0 comes before 0F0 on GPU 0, and needs"),
+        (lambda t: t.replace("3B0", "3X0"), "mine.csv, row 1 \\(GPU 0\\): not an action: '3X0'"),
+        (lambda t: t.replace("3B0", "3R0"), "stage 3 recomputes in some backwards and not"),
+    ],
+)
+def test_a_csv_that_skips_or_deadlocks_is_refused_naming_the_action(tmp_path, edit, message):
+    path = tmp_path / "mine.csv"
+    path.write_text(edit(CSV))
+    with pytest.raises(SystemExit, match=message):
+        run(_one_rank(), STAGES, ["--steps", "2", "--schedule", str(path)])
+
+
+def test_a_csv_on_two_gpus_deadlocking_names_where_each_waits(tmp_path, monkeypatch):
+    """GPU 1 waits for stage 2's output before making stage 1's, which stage 2 needs; refused
+    before any process group forms."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    path = tmp_path / "bad.csv"
+    path.write_text("0F0,2F0,2R0,0R0,0S0,2S0\n3F0,1F0,3B0,1R0,1S0,3S0\n")
+    plan = toy_plan("two-ranks", "gpipe", micro_batches=1)
+    with pytest.raises(SystemExit, match="deadlock: GPU 0 at 2F0 waits for 1F0; GPU 1 at 3F0"):
+        run(plan, STAGES, ["--steps", "1", "--schedule", str(path)])

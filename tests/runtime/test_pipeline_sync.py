@@ -6,6 +6,8 @@ import json
 
 import pytest
 import torch
+from ftpipe_runtime.schedules import actions, write_lists
+from ftpipe_runtime.topology import Topology
 from runtime_reference import checkpoint_params, train_plain
 from runtime_toy import toy_plan
 
@@ -16,14 +18,23 @@ STEPS = 3
 
 @pytest.mark.parametrize(
     ("schedule", "layout", "optimizer", "clip"),
-    [("gpipe", "two-ranks", "adamw", 1.0), ("1f1b", "three-ranks", "sgd", 0.5)],
+    [
+        ("gpipe", "two-ranks", "adamw", 1.0),
+        ("1f1b", "three-ranks", "sgd", 0.5),
+        ("csv", "two-ranks", "adamw", 1.0),
+    ],
 )
 def test_sync_schedule_matches_plain_training(
     run_pipeline, tmp_path, schedule, layout, optimizer, clip
 ):
-    plan = toy_plan(layout, schedule)
+    plan = toy_plan(layout, "gpipe" if schedule == "csv" else schedule)
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.json"
+    if schedule == "csv":  # a schedule written as a file: one step of 1F1B, per GPU
+        schedule = str(tmp_path / "one-step.csv")
+        lists = actions("1f1b", Topology(plan).stage_infos(), plan["micro_batches"], 1)
+        write_lists(lists, schedule)
     argv = ["--steps", str(STEPS), "--optimizer", optimizer, "--lr", "0.05", "--clip", str(clip)]
+    argv += ["--schedule", schedule]
     argv += ["--save-every", "1", "--checkpoint-dir", str(ckpt), "--log-json", str(log)]
     codes, ranks = run_pipeline(plan, argv)
     assert codes == [0] * plan["gpus"], ranks.stderr()

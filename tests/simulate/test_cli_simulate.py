@@ -63,3 +63,62 @@ def test_report_to_an_unwritable_place(plan_factory, tmp_path):
     assert (
         r.exit_code == 1 and "cannot write the report" in r.output and "Traceback" not in r.output
     )
+
+
+def test_schedules_side_by_side(plan_factory, tmp_path):
+    path = tmp_path / "plan.json"
+    plan_factory([(1.0, 2.0, 1.0)] * 3, micro_batches=4).save(path)
+    r = run(path, "--schedule", "gpipe,1f1b,2bw,ftpipe,wpipe", "--steps", 4, "--json")
+    assert r.exit_code == 0, r.output
+    rows = {row["schedule"]: row for row in json.loads(r.output)}
+    assert list(rows) == ["gpipe", "1f1b", "2bw", "ftpipe", "wpipe"]
+    assert rows["gpipe"]["step_time_s"] == 4.0 * (4 + 3 - 1)  # GPipe's bubble: (K-1)/(M+K-1)
+    assert rows["2bw"]["step_time_s"] == rows["ftpipe"]["step_time_s"] == 4.0 * 4  # no flush
+    assert rows["2bw"]["max_memory_bytes"] > rows["1f1b"]["max_memory_bytes"]  # 2nd version
+    assert "wpipe needs 6 stages placed in a loop" in rows["wpipe"]["error"]
+    assert not rows["wpipe"]["fits"] and rows["gpipe"]["fits"]
+    table = run(path, "--schedule", "gpipe,wpipe", "--steps", 4)
+    assert table.exit_code == 0 and "samples/s" in table.output
+    assert "wpipe" in table.output and "cannot run: wpipe needs" in table.output
+
+
+def test_plans_side_by_side(plan_factory, tmp_path):
+    free, looped = tmp_path / "free.json", tmp_path / "looped.json"
+    plan_factory([(1.0, 2.0, 1.0)] * 2, schedule="2bw", micro_batches=4).save(free)
+    halves = [(0.5, 1.0, 0.5)] * 4
+    plan_factory(halves, gpu_of=[0, 1, 0, 1], schedule="wpipe", micro_batches=4).save(looped)
+    r = run(free, looped, "--steps", 6, "--json")
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.output)
+    assert [(row["label"], row["schedule"], row["stages"]) for row in rows] == [
+        (str(free), "2bw", 2),
+        (str(looped), "wpipe", 4),
+    ]
+    assert all(row["fits"] and row["samples_per_s"] > 0 for row in rows)
+    r = run(free, looped, "--report", tmp_path / "r.html")
+    assert r.exit_code == 1 and "--report draws one plan under one schedule" in r.output
+
+
+def test_a_csv_schedule_simulates_and_a_bad_one_is_refused(plan_factory, tmp_path):
+    from ftpipe_runtime.schedules import actions, write_lists
+
+    path = tmp_path / "plan.json"
+    plan = plan_factory([(1.0, 2.0, 1.0)] * 3, schedule="gpipe", micro_batches=4)
+    plan.save(path)
+    mine = tmp_path / "mine.csv"
+    write_lists(actions("gpipe", plan.stage_infos(), 4, 1), mine)
+    r = run(path, "--schedule", mine, "--steps", 3, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["step_time_s"] == 4.0 * (4 + 3 - 1)  # the same as gpipe's
+    skipped = tmp_path / "skipped.csv"
+    skipped.write_text(mine.read_text().replace("1F2,", ""))
+    r = run(path, "--schedule", skipped)
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert "1F2 is missing: stage 1 never runs its forward of micro-batch 2" in r.output
+    stuck = tmp_path / "stuck.csv"
+    rows = mine.read_text().splitlines()
+    rows[0] = "0F0,0R0,0F1,0F2,0F3,0R3,0R2,0R1,0S0"  # a backward before the others' forwards
+    stuck.write_text("\n".join(rows) + "\n")
+    r = run(path, "--schedule", stuck)
+    assert r.exit_code == 1, r.output
+    assert "these action lists deadlock: GPU 0 at 0R0 waits for 1B0; GPU 1 at 1F1" in r.output

@@ -123,17 +123,15 @@ def test_a_weight_read_by_two_stages_travels_like_an_activation(plan_factory, sc
 
 def test_memory_is_the_plan_memory_model_with_the_schedule_in_flight(plan_factory):
     plan = plan_factory([(1.0, 2.0, 1.0)] * 5, gpu_of=[0, 1, 2, 1, 0], micro_batches=3)
-    for name in ("gpipe", "1f1b", "ftpipe"):
+    for name in ("gpipe", "1f1b", "ftpipe", "2bw"):
         result = simulate(plan, name, steps=3)
-        sched = get_schedule(name)
-        # What the schedule promises: its recompute rule and its in-flight count per depth.
+        # What the schedule promises: its recompute rule and its in-flight count per stage.
+        pols = get_schedule(name).policies(plan.stage_infos(), 3)
         planned = plan.with_(
             schedule=name,
-            stages=tuple(
-                replace(s, recompute=sched.recompute(s.id == plan.loss_stage)) for s in plan.stages
-            ),
+            stages=tuple(replace(s, recompute=pols[s.id].recompute) for s in plan.stages),
         )
-        assert result.in_flight == tuple(sched.in_flight(s.depth, 3) for s in plan.stages)
+        assert result.in_flight == tuple(pols[s.id].in_flight for s in plan.stages)
         assert [g.peak_memory_bytes for g in result.gpus] == [
             planned.gpu_memory(g) for g in range(plan.gpus)
         ]
@@ -164,7 +162,7 @@ def test_result_json_round_trip(plan_factory):
 def test_bad_requests(plan_factory):
     plan = plan_factory([(1.0, 2.0, 1.0)] * 2)
     with pytest.raises(
-        FtpipeError, match="unknown schedule 'zigzag'; choose from 1f1b, ftpipe, gpipe"
+        FtpipeError, match="unknown schedule 'zigzag'; choose from 1f1b, 2bw, ftpipe, gpipe, wpipe"
     ):
         simulate(plan, "zigzag")
     with pytest.raises(FtpipeError, match="at least 1"):

@@ -1,0 +1,98 @@
+"""The one cost and memory model: a GPU's period (FTPipe eq. 1) and a GPU's peak memory.
+
+    period_s(compute_s=0.4, send_s=0.1, recv_s=0.5)          # 0.5: the receive is not hidden
+    weight, state = param_bytes((1024, 4096), "float32", trainable=True, optimizer="adamw")
+    held, transient = stage_memory(trainable_bytes=w, frozen_bytes=0, state_bytes=s,
+                                   input_bytes=i, act_bytes=a, policy=policy)
+    gpu_memory_bytes([(held, transient), ...])                # held summed, largest transient
+
+Every partitioner, `Plan`, the planner and the simulator call these; partitioners may cache
+or batch the calls (the functions are plain arithmetic, so numpy arrays pass through), never
+write the formulas again. What a stage keeps comes from its schedule's `StagePolicy` (the
+runtime's statement): trainable weights times the versions kept, gradients and optimizer
+state once (frozen parameters have neither), and activations: a stage that recomputes keeps
+only its inputs for each in-flight micro-batch and needs its full activations for one
+micro-batch while it recomputes; one that does not recompute keeps full activations for
+every in-flight micro-batch. Bytes per element come from a `Precision`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+OPTIMIZERS = ("sgd", "adam", "adamw", "adafactor")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per element of what training keeps (mixed precision would add a master copy)."""
+
+    name: str
+    weight: int  # each version of a weight
+    grad: int  # its gradient
+    state: int  # each optimizer-state element
+    master: int = 0  # a full-precision copy beside low-precision weights; 0: none
+
+
+PRECISIONS = {"fp32": Precision("fp32", weight=4, grad=4, state=4)}
+FP32 = PRECISIONS["fp32"]
+
+
+def optimizer_state_elements(shape: tuple[int, ...], optimizer: str) -> int:
+    """`optimizer_state_elements((1024, 4096), "adamw")` -> 2 * 1024 * 4096 (two moments)."""
+    numel = math.prod(shape)
+    if optimizer in ("adam", "adamw"):
+        return 2 * numel
+    if optimizer == "sgd":
+        return 0
+    if optimizer == "adafactor":
+        # Factored second moment (a row and a column vector) for matrices, no momentum.
+        return shape[-2] + shape[-1] if len(shape) >= 2 else numel
+    raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
+
+
+def param_bytes(
+    shape: tuple[int, ...],
+    dtype: str,
+    trainable: bool,
+    optimizer: str,
+    precision: Precision = FP32,
+) -> tuple[int, int]:
+    """(bytes of one copy of the weight, bytes of its gradient and optimizer state). Floating
+    tensors take the precision's sizes; others (integer position ids) their own dtype's."""
+    numel = math.prod(shape)
+    torch_dtype = getattr(torch, dtype)
+    if not torch_dtype.is_floating_point:
+        return numel * torch.empty((), dtype=torch_dtype).element_size(), 0
+    weight = numel * precision.weight
+    if not trainable:
+        return weight, 0
+    state = optimizer_state_elements(shape, optimizer) * precision.state
+    return weight, numel * (precision.grad + precision.master) + state
+
+
+def stage_memory(
+    *, trainable_bytes, frozen_bytes, state_bytes, input_bytes, act_bytes, policy
+) -> tuple:
+    """(bytes a stage holds throughout, bytes it needs on top while one backward runs)."""
+    static = trainable_bytes * policy.weight_versions + frozen_bytes + state_bytes
+    if policy.recompute:
+        return static + policy.in_flight * input_bytes, act_bytes
+    return static + policy.in_flight * act_bytes, 0 * act_bytes
+
+
+def gpu_memory_bytes(stages) -> int:
+    """Peak bytes of one GPU from its stages' (held, transient): one backward runs at a time."""
+    held = transient = 0
+    for h, t in stages:
+        held += h
+        transient = max(transient, t)
+    return held + transient
+
+
+def period_s(compute_s: float, send_s: float, recv_s: float) -> float:
+    """FTPipe eq. 1 for a GPU: its compute plus the transfer time compute does not hide."""
+    return compute_s + max(0.0, send_s - compute_s) + max(0.0, recv_s - compute_s)

@@ -1,0 +1,218 @@
+"""The one check of per-GPU action lists, for built-in schedules and CSV files alike.
+
+    validate(lists, StageGraph.of(stages, consumers), schedule, micro_batches, steps)
+
+Refuses, naming the offending action: an action on a GPU that does not host its stage, a
+repeated or skipped micro-batch, a backward before its forward, a step that does not close
+exactly its own backwards, more micro-batches or weight versions held than the schedule's
+memory statement says, a later step started before a synchronous step, and lists that
+cannot finish: executed in order, each action waiting for what its kind needs (`KINDS`)
+and a synchronous step for every GPU, some GPU would wait forever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ScheduleError
+from .actions import KINDS, Action
+from .base import Schedule, StageInfo, StagePolicy, with_chunks
+from .versions import weight_plan
+
+
+@dataclass(frozen=True)
+class StageGraph:
+    stages: tuple[StageInfo, ...]
+    consumers: dict[int, tuple[int, ...]]  # stage -> stages it sends to (real edges)
+
+    @classmethod
+    def of(cls, stages, consumers: dict[int, tuple[int, ...]]) -> StageGraph:
+        stages = tuple(with_chunks(stages))
+        return cls(stages, {s.id: tuple(sorted(consumers.get(s.id, ()))) for s in stages})
+
+    @classmethod
+    def assumed(cls, stages) -> StageGraph:
+        """Edges unknown: every lower-id stage of greater depth feeds every later one."""
+        return cls.of(
+            stages,
+            {
+                s.id: tuple(c.id for c in stages if c.id > s.id and c.depth < s.depth)
+                for s in stages
+            },
+        )
+
+    def related(self, relation: str, stage: int) -> tuple[int, ...]:
+        if relation == "self":
+            return (stage,)
+        if relation == "consumers":
+            return self.consumers[stage]
+        return tuple(p for p, cs in self.consumers.items() if stage in cs)
+
+
+def validate(
+    lists: dict[int, list[Action]],
+    graph: StageGraph,
+    schedule: Schedule,
+    micro_batches: int,
+    steps: int,
+) -> None:
+    m, stages = micro_batches, {s.id: s for s in graph.stages}
+    policies = schedule.policies(list(graph.stages), m)
+    _check_members(lists, stages, m, steps)
+    for g, acts in lists.items():
+        _check_stage_order(g, acts, policies, m)
+        plan = weight_plan(acts, policies, m)
+        for s, most in plan.most.items():
+            if most > policies[s].weight_versions:
+                raise ScheduleError(
+                    f"stage {s} would keep {most} versions of its weights on GPU {g}; "
+                    f"{schedule.name} keeps {policies[s].weight_versions}"
+                )
+    groups = schedule.step_groups(list(graph.stages))
+    if groups:
+        _check_flush(lists, m)
+    _check_progress(lists, graph, groups, m)
+
+
+def _check_members(lists, stages: dict[int, StageInfo], m: int, steps: int) -> None:
+    """Every action on its stage's GPU, each once; nothing missing, nothing out of range."""
+    seen: set[tuple[str, int, int]] = set()
+    for g, acts in lists.items():
+        for a in acts:
+            if a.stage not in stages:
+                raise ScheduleError(f"{a} on GPU {g}: the plan has no stage {a.stage}")
+            if stages[a.stage].gpu != g:
+                raise ScheduleError(
+                    f"{a} is on GPU {g}, but stage {a.stage} is on GPU {stages[a.stage].gpu}"
+                )
+            top = m * steps if a.spec.per_micro_batch else steps
+            if not 0 <= a.mb < top:
+                what = "micro-batches" if a.spec.per_micro_batch else "steps"
+                raise ScheduleError(f"{a} on GPU {g} is outside {what} 0..{top - 1}")
+            key = (a.kind, a.stage, a.mb)
+            if key in seen:
+                raise ScheduleError(f"{a} appears twice")
+            seen.add(key)
+    for s in sorted(stages):
+        for kind in KINDS.values():
+            top = m * steps if kind.per_micro_batch else steps
+            for mb in range(top):
+                if (kind.letter, s, mb) not in seen:
+                    what = "micro-batch" if kind.per_micro_batch else "step"
+                    raise ScheduleError(
+                        f"{s}{kind.letter}{mb} is missing: stage {s} never runs its "
+                        f"{kind.meaning} of {what} {mb} (GPU {stages[s].gpu} skips it)"
+                    )
+
+
+def _check_stage_order(g: int, acts: list[Action], policies: dict[int, StagePolicy], m: int):
+    """Per stage: forward before backward, a step after exactly its own backwards, the
+    recompute flag and the micro-batches held as the schedule's policy states."""
+    forward_at: dict[tuple[int, int], int] = {}
+    steps: dict[int, int] = {}
+    backwards: dict[int, list[int]] = {}  # stage -> micro-batches since its last step
+    held: dict[int, int] = {}
+    for i, a in enumerate(acts):
+        s, pol = a.stage, policies[a.stage]
+        if a.kind == "F":
+            forward_at[(s, a.mb)] = i
+            held[s] = held.get(s, 0) + 1
+            if held[s] > pol.in_flight:
+                raise ScheduleError(
+                    f"{a} on GPU {g}: stage {s} would hold {held[s]} micro-batches, the "
+                    f"schedule's memory model allows {pol.in_flight}"
+                )
+        elif a.kind == "B":
+            if (s, a.mb) not in forward_at:
+                raise ScheduleError(f"{a} comes before {s}F{a.mb} on GPU {g}")
+            if a.recompute != pol.recompute:
+                how = "recomputes" if pol.recompute else "keeps its activations"
+                raise ScheduleError(f"{a} on GPU {g}: stage {s} {how} under this schedule")
+            if a.mb // m != steps.get(s, 0):
+                raise ScheduleError(
+                    f"{a} on GPU {g} belongs to step {a.mb // m}, but stage {s} is "
+                    f"accumulating step {steps.get(s, 0)}"
+                )
+            if pol.weight_delay is None and not a.recompute:
+                between = [b for b in acts[forward_at[(s, a.mb)] : i] if b.kind == "S"]
+                if any(b.stage == s for b in between):
+                    raise ScheduleError(
+                        f"stage {s} steps between {s}F{a.mb} and {a} without recomputing on "
+                        f"GPU {g}; the activations it kept would be stale"
+                    )
+            held[s] -= 1
+            backwards.setdefault(s, []).append(a.mb)
+        elif a.kind == "S":
+            want = list(range(a.mb * m, a.mb * m + m))
+            if a.mb != steps.get(s, 0) or sorted(backwards.get(s, [])) != want:
+                raise ScheduleError(
+                    f"{a} on GPU {g} does not follow exactly the {m} backwards of step "
+                    f"{a.mb} of stage {s}"
+                )
+            steps[s] = a.mb + 1
+            backwards[s] = []
+
+
+def _check_flush(lists, m: int) -> None:
+    """Synchronous: nothing of step k + 1 on a GPU before that GPU's steps of step k."""
+    for g, acts in lists.items():
+        newest = -1
+        for a in acts:
+            if a.kind == "S":
+                if newest > a.mb:
+                    raise ScheduleError(
+                        f"GPU {g} starts step {newest} before {a}: under a synchronous "
+                        "schedule a step is finished before the next starts"
+                    )
+            else:
+                newest = max(newest, a.mb // m)
+
+
+def _check_progress(lists, graph: StageGraph, groups, m: int) -> None:
+    """Execute the lists in order with no durations; raise naming where every GPU waits."""
+    grouped = {s for grp in groups for s in grp}
+    last_step: dict[int, dict[int, int]] = {}  # GPU -> step -> index of its last grouped S
+    for g, acts in lists.items():
+        for i, a in enumerate(acts):
+            if a.kind == "S" and a.stage in grouped:
+                last_step.setdefault(g, {})[a.mb] = i
+    meeting = {k for steps in last_step.values() for k in steps}
+    hosts = {k: {g for g, steps in last_step.items() if k in steps} for k in meeting}
+    done: set[tuple[str, int, int]] = set()
+    pos = dict.fromkeys(lists, 0)
+    arrived: dict[int, set[int]] = {}
+
+    def missing(g: int, i: int, a: Action):
+        """What `a` still waits for: None, ("step", k) or (kind, stage, micro-batch)."""
+        if a.kind == "S" and last_step.get(g, {}).get(a.mb) == i:
+            arrived.setdefault(a.mb, set()).add(g)
+            return None if arrived[a.mb] >= hosts[a.mb] else ("step", a.mb)
+        for kind, relation in a.spec.needs:
+            for t in graph.related(relation, a.stage):
+                if (kind, t, a.mb) not in done:
+                    return (kind, t, a.mb)
+        return None
+
+    moved = True
+    while moved:
+        moved = False
+        for g, acts in lists.items():
+            while pos[g] < len(acts) and missing(g, pos[g], acts[pos[g]]) is None:
+                a = acts[pos[g]]
+                done.add((a.kind, a.stage, a.mb))
+                pos[g] += 1
+                moved = True
+    stuck = [(g, acts[pos[g]]) for g, acts in lists.items() if pos[g] < len(acts)]
+    if not stuck:
+        return
+    parts = []
+    for g, a in stuck:
+        need = missing(g, pos[g], a)
+        if need[0] == "step":
+            parts.append(f"GPU {g} at {a} waits for the other GPUs' step {need[1]}")
+            continue
+        kind, t, mb = need
+        if any((b.kind, b.stage, b.mb) == need for b in lists[g][pos[g] :]):
+            raise ScheduleError(f"{a} comes before {t}{kind}{mb} on GPU {g}, and needs it")
+        parts.append(f"GPU {g} at {a} waits for {t}{kind}{mb}")
+    raise ScheduleError("these action lists deadlock: " + "; ".join(parts))
