@@ -16,8 +16,9 @@ import torch
 from ftpipe_runtime.data import make_data
 from ftpipe_runtime.dataflow import action_lists
 from ftpipe_runtime.optim import lr_at, make_optimizer
+from ftpipe_runtime.schedules import get_schedule
 from ftpipe_runtime.topology import Topology
-from runtime_reference import checkpoint_params, train_stale
+from runtime_reference import checkpoint_params, train_delayed, train_stale
 
 pytest.importorskip("transformers")
 from ftpipe_compiler.codegen import generate_package, import_package  # noqa: E402
@@ -136,10 +137,44 @@ def test_ftpipe_package_follows_the_stale_rule(run_pipeline, packages, tmp_path,
         ["--optimizer", "adam", "--lr", str(lr), "--clip", "0"],
     )
     pkg, plan, init = packages[model]
-    lists = action_lists(Topology(plan), "ftpipe", plan["micro_batches"], steps)
+    lists = action_lists(Topology(plan), get_schedule("ftpipe"), plan["micro_batches"], steps)
     stages = import_package(pkg).STAGES
     init_state = torch.load(init, weights_only=True)
     losses, weights = train_stale(plan, lists, steps, "adam", lr, stages=stages, init=init_state)
+    assert log["losses"] == pytest.approx(losses, rel=1e-4)
+    noisy = _adam_noisy(model, plan)
+    for per_stage in weights.values():
+        for name, value in per_stage.items():
+            _assert_params_close(params[name], value, noisy, lr, name)
+
+
+@pytest.mark.parametrize(("model", "schedule"), [("gpt2-tiny", "2bw"), ("t5-tiny", "wpipe")])
+def test_package_follows_its_delayed_update_rule(run_pipeline, packages, tmp_path, model, schedule):
+    """PipeDream-2BW (every stage 1-stale) and WPipe (G0 1-stale, G1 fresh) on generated
+    packages; T5's 4 stages on 2 ranks are WPipe's loop: stages 0, 1 are G0, 2, 3 are G1."""
+    steps, lr = 3, 0.01
+    log, params = _launch(
+        run_pipeline,
+        packages,
+        model,
+        schedule,
+        steps,
+        tmp_path,
+        ["--optimizer", "adam", "--lr", str(lr), "--clip", "0"],
+    )
+    pkg, plan, init = packages[model]
+    policies = get_schedule(schedule).policies(Topology(plan).stage_infos(), plan["micro_batches"])
+    delays = {s: p.weight_delay for s, p in policies.items()}
+    assert set(delays.values()) == ({1} if schedule == "2bw" else {0, 1})
+    losses, weights = train_delayed(
+        plan,
+        steps,
+        delays,
+        "adam",
+        lr,
+        stages=import_package(pkg).STAGES,
+        init=torch.load(init, weights_only=True),
+    )
     assert log["losses"] == pytest.approx(losses, rel=1e-4)
     noisy = _adam_noisy(model, plan)
     for per_stage in weights.values():
