@@ -5,6 +5,7 @@
 
 Sections:
   plans     every partitioner on the paper's models and hardware, simulated (analytic costs)
+  schedules gpipe, 1f1b, 2bw, wpipe and ftpipe side by side on T5-3B and BERT-large
   compile   trace / profile / partition / simulate / codegen seconds for T5-3B
   runtime   the generated package vs torch.distributed.pipelining, an even split, one process
   fidelity  simulated vs measured step time of generated packages on CPU (measured profile)
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_fidelity  # noqa: E402 - sections 3 and 4 live beside this file
 import bench_runtime  # noqa: E402
+import bench_schedules  # noqa: E402
 from ftpipe_runtime.atomic import write_atomic  # noqa: E402
 
 from ftpipe_compiler.partition import problem_from_graph, run_partitioners  # noqa: E402
@@ -207,6 +209,7 @@ def compile_markdown(data: dict) -> str:
 
 SECTIONS = {
     "plans": (bench_plans, plans_markdown),
+    "schedules": (bench_schedules.measure, bench_schedules.markdown),
     "compile": (bench_compile, compile_markdown),
     "runtime": (bench_runtime.measure, bench_runtime.markdown),
     "fidelity": (bench_fidelity.measure, bench_fidelity.markdown),

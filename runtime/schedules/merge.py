@@ -27,6 +27,24 @@ def _reduced(deps: dict[int, set[int]]) -> dict[int, list[int]]:
     return {s: sorted(d - {x for y in d for x in deps[y]}) for s, d in deps.items()}
 
 
+def assumed_edges(stages: list[StageInfo]) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """(producers, consumers) of every stage when the real edges are unknown: every lower-id
+    stage of greater depth (a superset of the real edges: those always go to a lower depth),
+    with implied dependencies dropped."""
+    producers = _reduced(
+        {s.id: {p.id for p in stages if p.id < s.id and p.depth > s.depth} for s in stages}
+    )
+    consumers = _reduced(
+        {s.id: {c.id for c in stages if c.id > s.id and c.depth < s.depth} for s in stages}
+    )
+    return producers, consumers
+
+
+def duration(a: Action) -> int:
+    """Idealised duration of an action, for ordering only."""
+    return _UNIT[a.kind] + a.recompute
+
+
 def interleave(
     stages: list[StageInfo], per_stage: dict[int, list[Action]], sync=(), priority=backward_first
 ) -> dict[int, list[Action]]:
@@ -50,12 +68,7 @@ def _merge(stages, per_stage, sync, priority) -> tuple[dict[int, list[Action]], 
     order with any durations always finds the globally first pending action runnable.
     """
     info = {s.id: s for s in stages}
-    producers = _reduced(
-        {s.id: {p.id for p in stages if p.id < s.id and p.depth > s.depth} for s in stages}
-    )
-    consumers = _reduced(
-        {s.id: {c.id for c in stages if c.id > s.id and c.depth < s.depth} for s in stages}
-    )
+    producers, consumers = assumed_edges(stages)
     on_gpu: dict[int, list[int]] = {}
     for s in stages:
         on_gpu.setdefault(s.gpu, []).append(s.id)
@@ -100,7 +113,7 @@ def _merge(stages, per_stage, sync, priority) -> tuple[dict[int, list[Action]], 
             ]
             if todo:
                 _, s, a = min(todo)
-                gpu_free[g] = end[a.kind][s][a.mb] = t + _UNIT[a.kind] + a.recompute
+                gpu_free[g] = end[a.kind][s][a.mb] = t + duration(a)
                 keyed[g].append((t, 1, s, a.mb, s, a))
                 pos[s] += 1
                 left -= 1

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from partition_helpers import crafted_graph
 
 from ftpipe_compiler.cli import cli
-from ftpipe_compiler.partition import PARTITIONERS
+from ftpipe_compiler.partition import PARTITIONERS, PATTERNED
 from ftpipe_compiler.partition.plan import Plan
 
 
@@ -104,3 +104,23 @@ def test_infeasible_everywhere_says_what_is_needed(tmp_path):
         ["partition", str(path), "--gpus", "4", "--hardware", "rtx2080ti", "-p", "gpipe", "--json"],
     )
     assert res.exit_code == 0 and json.loads(res.stdout)["results"][0]["feasible"]
+
+
+def test_wpipe_plan_from_the_cli_runs_its_schedule(graph_file, tmp_path):
+    """Planned for WPipe: two stages per GPU in a loop, from the partitioners that can cut a
+    chain; the others say why not; the plan simulates under its schedule."""
+    out = tmp_path / "plan.json"
+    res = CliRunner().invoke(
+        cli, ["partition", graph_file, "--gpus", "2", "--schedule", "wpipe", "-o", str(out)]
+    )
+    assert res.exit_code == 0, res.output
+    assert "mixed: places stages freely, wpipe needs them in a loop" in res.output
+    plan = Plan.load(out)
+    assert plan.schedule == "wpipe" and plan.partitioner in PATTERNED
+    assert [(s.id, s.gpu) for s in plan.stages] == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    res = CliRunner().invoke(cli, ["simulate", str(out), "--schedule", "wpipe,2bw,ftpipe"])
+    assert res.exit_code == 0, res.output
+    assert all(f" {name} " in res.output for name in ("wpipe", "2bw", "ftpipe"))
+    assert "cannot run" not in res.output  # a looped plan runs under the free schedules too
+    res = CliRunner().invoke(cli, ["partition", graph_file, "--gpus", "2", "--schedule", "zz"])
+    assert res.exit_code == 1 and "unknown schedule 'zz'; choose from" in res.output

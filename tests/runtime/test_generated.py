@@ -124,18 +124,13 @@ def test_sync_package_matches_the_model(run_pipeline, packages, tmp_path, model,
         _assert_params_close(value, state[name], noisy, lr, name)
 
 
+ADAM = ["--optimizer", "adam", "--lr", "0.01", "--clip", "0"]  # the references' settings
+
+
 @pytest.mark.parametrize("model", ["gpt2-tiny", "t5-tiny"])
 def test_ftpipe_package_follows_the_stale_rule(run_pipeline, packages, tmp_path, model):
     steps, lr = 3, 0.01
-    log, params = _launch(
-        run_pipeline,
-        packages,
-        model,
-        "ftpipe",
-        steps,
-        tmp_path,
-        ["--optimizer", "adam", "--lr", str(lr), "--clip", "0"],
-    )
+    log, params = _launch(run_pipeline, packages, model, "ftpipe", steps, tmp_path, ADAM)
     pkg, plan, init = packages[model]
     lists = action_lists(Topology(plan), get_schedule("ftpipe"), plan["micro_batches"], steps)
     stages = import_package(pkg).STAGES
@@ -153,15 +148,7 @@ def test_package_follows_its_delayed_update_rule(run_pipeline, packages, tmp_pat
     """PipeDream-2BW (every stage 1-stale) and WPipe (G0 1-stale, G1 fresh) on generated
     packages; T5's 4 stages on 2 ranks are WPipe's loop: stages 0, 1 are G0, 2, 3 are G1."""
     steps, lr = 3, 0.01
-    log, params = _launch(
-        run_pipeline,
-        packages,
-        model,
-        schedule,
-        steps,
-        tmp_path,
-        ["--optimizer", "adam", "--lr", str(lr), "--clip", "0"],
-    )
+    log, params = _launch(run_pipeline, packages, model, schedule, steps, tmp_path, ADAM)
     pkg, plan, init = packages[model]
     policies = get_schedule(schedule).policies(Topology(plan).stage_infos(), plan["micro_batches"])
     delays = {s: p.weight_delay for s, p in policies.items()}

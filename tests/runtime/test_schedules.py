@@ -19,6 +19,7 @@ from ftpipe_runtime.schedules import (
     weight_plan,
     with_chunks,
 )
+from ftpipe_runtime.schedules.base import flushed
 
 FREE = [n for n, s in SCHEDULES.items() if s.placement.free]
 
@@ -382,15 +383,25 @@ def test_random_multi_stage_layouts_never_deadlock(seed, layout):
             assert ran[st.id] == sched.stage_actions(st, m, steps, gpus)
 
 
-@pytest.mark.parametrize("gpus,m", [(2, 2), (3, 4), (4, 4), (4, 7)])
+@pytest.mark.parametrize("gpus,m", [(2, 2), (3, 4), (4, 4), (4, 7), (8, 10)])
 def test_wpipe_lists_run_on_the_looped_chain(gpus, m):
+    """G1 keeps its 1F1B order; G0 forwards in order, backwards in order, and its forwards
+    of step k + 1 come before its backwards of step k end (one step ahead, §3.2)."""
     sched = get_schedule("wpipe")
     stages = sched.placement.chain(gpus)
     edges = {s.id: ([s.id + 1] if s.id + 1 < 2 * gpus else []) for s in stages}
     lists = actions("wpipe", stages, m, 3)
     ran = execute(lists, stages, edges, ())
+    pols = sched.policies(stages, m)
     for st in stages:
-        assert ran[st.id] == sched.stage_actions(st, m, 3, gpus)
+        if st.chunk:
+            assert ran[st.id] == flushed(st, pols[st.id], m, 3)
+            continue
+        mine = ran[st.id]
+        for kind in "FB":
+            assert [a.mb for a in mine if a.kind == kind] == list(range(3 * m))
+        where = {str(a): i for i, a in enumerate(mine)}
+        assert where[f"{st.id}F{m}"] < where[f"{st.id}S0"]  # step 1 starts before step 0 ends
     validate(lists, StageGraph.of(stages, {s: tuple(c) for s, c in edges.items()}), sched, m, 3)
 
 

@@ -167,3 +167,16 @@ def test_bad_requests(plan_factory):
         simulate(plan, "zigzag")
     with pytest.raises(FtpipeError, match="at least 1"):
         simulate(plan, steps=0)
+
+
+@pytest.mark.parametrize("gpus,m", [(2, 4), (4, 4), (4, 8), (8, 8), (8, 10)])
+def test_2bw_and_wpipe_run_at_the_busiest_gpus_work_on_uniform_stages(plan_factory, gpus, m):
+    """No flush: 2BW's steady step is m periods; WPipe's two half stages per GPU, merged
+    alternately, fill G1's per-step flush with G0's work, so it matches (WPipe §3.2)."""
+    two_bw = plan_factory([(1.0, 2.0, 1.0)] * gpus, schedule="2bw", micro_batches=m)
+    halves = [(0.5, 1.0, 0.5)] * (2 * gpus)
+    looped = [p % gpus for p in range(2 * gpus)]
+    wpipe = plan_factory(halves, gpu_of=looped, schedule="wpipe", micro_batches=m)
+    for plan in (two_bw, wpipe):
+        result = simulate(plan, steps=10)
+        assert result.step_time_s == pytest.approx(plan.period_s * m, rel=1e-9), plan.schedule

@@ -204,3 +204,20 @@ def test_fidelity_markdown_flags_errors_beyond_the_target():
     # busiest rank, simulated / measured: compute 0.8 x 1 s / F + B; step actions; waits
     assert "| p | 0 | 800 / 800 | 0 / 400 | 200 / 0 | 300 | 1000 / 1500 |" in text
     assert "largest part of the -33.3% is the optimizer-step actions (400 ms" in text
+
+
+def test_schedules_section_on_a_tiny_model():
+    """The side-by-side section end to end on GPT-2 tiny over 2 GPUs: every schedule gets a
+    plan, WPipe's is looped, and the comparison with the paper is written."""
+    import bench_schedules
+
+    data = bench_schedules.measure([("gpt2-tiny", None, "rtx2080ti", 2)], steps=4)
+    rows = data["cases"][0]["rows"]
+    assert list(rows) == list(bench_schedules.SCHEDULES)
+    assert all(r["best"] and r["best"]["fits"] for r in rows.values())
+    assert rows["wpipe"]["best"]["stages"] == 4
+    two_bw, wpipe = rows["2bw"]["best"]["memory"], rows["wpipe"]["best"]["memory"]
+    assert two_bw["extra"] > wpipe["extra"] > 0 and rows["gpipe"]["best"]["memory"]["extra"] == 0
+    text = bench_schedules.markdown(data)
+    assert "| wpipe | " in text and "WPipe vs 2BW (both cut by pipedream)" in text
+    assert "(paper 1.4x)" in text and "(paper -36%)" in text

@@ -1,0 +1,56 @@
+"""The one cost and memory model: eq. 1, parameter bytes by precision, versions, frozen."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from ftpipe_runtime.schedules import StagePolicy
+
+from ftpipe_compiler.cost_model import (
+    FP32,
+    PRECISIONS,
+    Precision,
+    gpu_memory_bytes,
+    param_bytes,
+    period_s,
+    stage_memory,
+)
+
+
+def test_period_is_compute_plus_what_transfers_do_not_hide():
+    assert period_s(1.0, 0.5, 0.9) == 1.0
+    assert period_s(1.0, 1.5, 0.2) == pytest.approx(1.5)
+    assert period_s(1.0, 1.5, 3.0) == pytest.approx(1.0 + 0.5 + 2.0)
+
+
+def test_parameter_bytes_by_optimizer_trainability_and_dtype():
+    shape = (1024, 4096)
+    n = 1024 * 4096
+    assert param_bytes(shape, "float32", True, "adamw") == (4 * n, 4 * n + 8 * n)
+    assert param_bytes(shape, "float32", True, "sgd") == (4 * n, 4 * n)
+    assert param_bytes(shape, "float32", True, "adafactor") == (4 * n, 4 * n + 4 * (1024 + 4096))
+    assert param_bytes((4096,), "float32", True, "adafactor") == (4 * 4096, 8 * 4096)
+    # Frozen: one copy, no gradient, no optimizer state; integer buffers keep their dtype.
+    assert param_bytes(shape, "float32", False, "adamw") == (4 * n, 0)
+    assert param_bytes((1, 512), "int64", False, "adamw") == (8 * 512, 0)
+    # Bytes per element come from the precision, not from hard-coded fours.
+    wide = Precision("test", weight=8, grad=8, state=8, master=4)
+    assert param_bytes(shape, "float32", True, "adamw", wide) == (8 * n, 12 * n + 16 * n)
+    assert PRECISIONS["fp32"] == FP32
+    with pytest.raises(ValueError, match="unknown optimizer 'lion'"):
+        param_bytes(shape, "float32", True, "lion")
+
+
+def test_stage_and_gpu_memory_follow_the_policy():
+    kw = dict(trainable_bytes=100, frozen_bytes=30, state_bytes=200, input_bytes=7, act_bytes=50)
+    # Recomputing, 3 in flight, two versions of the trainable weights (2BW, WPipe's G0).
+    two = StagePolicy(recompute=True, in_flight=3, weight_versions=2, weight_delay=1)
+    assert stage_memory(**kw, policy=two) == (2 * 100 + 30 + 200 + 3 * 7, 50)
+    keeps = StagePolicy(recompute=False, in_flight=2)
+    assert stage_memory(**kw, policy=keeps) == (100 + 30 + 200 + 2 * 50, 0)
+    # A GPU: everything held, plus the largest recompute buffer (one backward at a time).
+    assert gpu_memory_bytes([(10, 5), (20, 8), (1, 0)]) == 31 + 8
+    # Arrays pass through (the partitioners' batched calls).
+    arrays = {k: np.array([v, 2 * v]) for k, v in kw.items()}
+    held, transient = stage_memory(**arrays, policy=two)
+    assert held.tolist() == [451, 902] and transient.tolist() == [50, 100]
