@@ -7,8 +7,11 @@ raise infeasible(problem, "mixed")        # "mixed: infeasible: needs 3 GPUs / 3
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass
+
+from ftpipe_runtime.schedules import StageInfo
 
 from ..errors import FtpipeError, InfeasibleError
 from .problem import Problem
@@ -69,6 +72,18 @@ class Costs:
     @property
     def n(self) -> int:
         return len(self.ids)
+
+    @functools.cached_property
+    def loss_keeps(self) -> bool | None:
+        """Whether the loss stage keeps its activations (no recompute) wherever it sits, or
+        None when the schedule's answer depends on its depth or its GPU's other stages."""
+        p = self.problem
+        answers = {
+            not p.policy(StageInfo(0, 0, depth, True, chunk)).recompute
+            for depth in range(self.n + 1)
+            for chunk in range(p.per_gpu + 1)
+        }
+        return answers.pop() if len(answers) == 1 else None
 
     def chain_policy(self, depth: int, is_last: bool, length: int):
         """The policy of stage `depth` from the end of a chain of `length` stages."""

@@ -43,7 +43,7 @@ class Layout:
         # Parameter bytes each stage owns: trainable weights (kept per version), frozen, state.
         self.trainable, self.frozen, self.state = [0] * S, [0] * S, [0] * S
         self.se: dict[tuple[int, int], int] = defaultdict(int)  # tensor and weight edges
-        self._pols, self._pols_loss = None, -1  # stage policies, see _policy
+        self._pols, self._pols_loss, self._epoch = {}, -1, 0  # stage policies, see _policy
         # Build by "moving" every node in from nowhere (stage -1) so one code path keeps the books.
         place, self.stage = self.stage, [-1] * c.n
         for i in range(c.n):
@@ -57,25 +57,29 @@ class Layout:
 
     def compute(self, g: int) -> float:
         loss = self.loss
-        keeps = loss in self.on[g] and not self._policy(loss).recompute
+        if loss not in self.on[g]:
+            return sum(self.rec[s] for s in self.on[g])
+        keeps = self.c.loss_keeps
+        if keeps is None:  # it depends on where the loss stage sits: ask its policy
+            keeps = not self._policy(loss).recompute
         return sum(self.last[s] if s == loss and keeps else self.rec[s] for s in self.on[g])
 
     def _policy(self, s: int):
-        """What stage s keeps under the schedule, as `Plan` will see it (cached until a depth,
-        the loss stage or the set of non-empty stages changes)."""
+        """What stage s keeps under the schedule, as `Plan` will see it (cached per stage
+        until a depth, the loss stage or the set of non-empty stages changes)."""
         if self._dirty:
             self._depths()
-        if self._pols is None or self._pols_loss != self.loss:
-            loss, pols = self.loss, [None] * self.nstages
-            for g, ids in enumerate(self.on):
-                chunk = 0
-                for t in ids:
-                    if self.size[t]:
-                        info = StageInfo(t, g, self.depth[t], t == loss, chunk)
-                        pols[t] = self.c.problem.policy(info)
-                        chunk += 1
-            self._pols, self._pols_loss = pols, loss
-        return self._pols[s]
+        loss = self.loss
+        if loss != self._pols_loss:
+            self._pols_loss, self._epoch = loss, self._epoch + 1
+        got = self._pols.get(s)
+        if got is not None and got[0] == self._epoch:
+            return got[1]
+        g = self.gpu[s]
+        chunk = sum(1 for t in self.on[g] if t < s and self.size[t])
+        policy = self.c.problem.policy(StageInfo(s, g, self.depth[s], s == loss, chunk))
+        self._pols[s] = (self._epoch, policy)
+        return policy
 
     def gpu_period(self, g: int) -> float:
         bw = self.c.problem.bandwidth
@@ -171,7 +175,7 @@ class Layout:
             self.pr[p][t] += 1
             self._param(p, +1)
         if (a >= 0 and self.size[a] == 1) or not self.size[t]:
-            self._pols = None  # a stage empties or fills: chunks may shift
+            self._epoch += 1  # a stage empties or fills: chunks may shift
         if a >= 0:
             self.size[a] -= 1
             self.rec[a] -= c.rec[i]
@@ -245,4 +249,6 @@ class Layout:
         depth = [0] * self.nstages
         for s in sorted(succ, reverse=True):  # edges go to higher stages: visit those first
             depth[s] = max(depth[t] + 1 for t in succ[s])
-        self.depth, self._dirty, self._pols = depth, False, None
+        if depth != getattr(self, "depth", None):
+            self._epoch += 1
+        self.depth, self._dirty = depth, False

@@ -8,7 +8,9 @@ A schedule file defines a `Schedule`: a pure `stream` function giving one stage'
 ordered actions for (stage, its policy, micro-batches, steps), a `policy` function stating
 what the stage keeps (the memory model and the executor read it; nothing else decides it),
 the placement it needs (`Placement`), whether its optimizer step is a flush, and a
-`priority` for merging the streams of stages that share a GPU (`merge.interleave`).
+`priority` for merging the streams of stages that share a GPU (`merge.interleave`). A
+schedule whose GPUs interleave their stages in a way of their own (WPipe) gives `given`, a
+pure function (stages, micro-batches, steps) -> per-GPU lists, instead of `stream`.
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ PolicyFn = Callable[[StageInfo, int, int], StagePolicy]
 @dataclass(frozen=True)
 class Schedule:
     name: str
-    stream: Stream = field(repr=False, compare=False)
+    stream: Stream | None = field(repr=False, compare=False)
     policy_of: PolicyFn = field(repr=False, compare=False)
     synchronous: bool  # a step is a flush: all stages step together after all its backwards
     placement: Placement = FREE
@@ -163,6 +165,9 @@ class Schedule:
             )
 
     def stage_actions(self, st: StageInfo, micro_batches: int, steps: int, gpus: int):
+        """One stage's own actions (a schedule that orders whole GPU lists has none)."""
+        if self.stream is None:
+            raise ValueError(f"{self.name} orders whole GPU lists, not one stage's")
         return self.stream(st, self.policy(st, micro_batches, gpus), micro_batches, steps)
 
     def actions(
