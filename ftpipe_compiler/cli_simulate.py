@@ -19,9 +19,7 @@ from .simulate.report import write_report
 
 
 @cli.command("simulate")
-@click.argument(
-    "plan_files", metavar="PLAN.json [PLAN.json ...]", nargs=-1, type=click.Path(dir_okay=False)
-)
+@click.argument("plan_files", metavar="PLAN.json", nargs=-1, type=click.Path(dir_okay=False))
 @click.option(
     "--schedule",
     default=None,

@@ -88,7 +88,7 @@ CSV = (
 def test_a_csv_schedule_runs_like_plain_training(tmp_path):
     path = tmp_path / "mine.csv"
     path.write_text(CSV)
-    plan = _one_rank("gpipe", micro_batches=4)
+    plan = one_rank_plan("gpipe", micro_batches=4)
     argv = ["--steps", "3", "--schedule", str(path), "--optimizer", "adamw", "--lr", "0.05"]
     summary = run(plan, STAGES, argv + ["--clip", "0.5", "--checkpoint-dir", str(tmp_path)])
     losses, _ = train_plain(plan, 3, "adamw", lr=0.05, clip=0.5)
@@ -108,7 +108,7 @@ def test_a_csv_that_skips_or_deadlocks_is_refused_naming_the_action(tmp_path, ed
     path = tmp_path / "mine.csv"
     path.write_text(edit(CSV))
     with pytest.raises(SystemExit, match=message):
-        run(_one_rank(), STAGES, ["--steps", "2", "--schedule", str(path)])
+        run(one_rank_plan(), STAGES, ["--steps", "2", "--schedule", str(path)])
 
 
 def test_a_csv_on_two_gpus_deadlocking_names_where_each_waits(tmp_path, monkeypatch):

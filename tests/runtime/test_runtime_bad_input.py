@@ -72,7 +72,7 @@ CASES = [
     ("--log-every 0", {}, ["--log-every", "0"], 2, "argument --log-every: 0 must be at least 1"),
     ("--keep-checkpoints -1", {}, ["--keep-checkpoints", "-1"], 2, "argument --keep-checkpoints: -1 must be at least 0"),
     ("--steps 1.5", {}, ["--steps", "1.5"], 2, "argument --steps: '1.5' is not an integer"),
-    ("unknown schedule", {}, ["--schedule", "zigzag"], 2, "argument --schedule: invalid choice: 'zigzag'"),
+    ("unknown schedule", {}, ["--schedule", "zigzag"], 2, "argument --schedule: unknown schedule 'zigzag'; choose from gpipe"),
 ]  # fmt: skip
 
 

@@ -96,7 +96,9 @@ def test_plans_side_by_side(plan_factory, tmp_path):
     ]
     assert all(row["fits"] and row["samples_per_s"] > 0 for row in rows)
     r = run(free, looped, "--report", tmp_path / "r.html")
-    assert r.exit_code == 1 and "--report draws one plan under one schedule" in r.output
+    assert r.exit_code == 2 and "--report draws one plan under one schedule" in r.output
+    r = run(free, "--schedule", "2bw,zigzag")
+    assert r.exit_code == 2 and "unknown schedule 'zigzag'; choose from gpipe" in r.output
 
 
 def test_a_csv_schedule_simulates_and_a_bad_one_is_refused(plan_factory, tmp_path):

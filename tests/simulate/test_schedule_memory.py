@@ -8,7 +8,6 @@ of stage inputs and `ACT` bytes of activations per micro-batch.
 from __future__ import annotations
 
 import pytest
-from conftest import make_plan
 
 from ftpipe_compiler.simulate import simulate
 
@@ -16,7 +15,7 @@ W, INP, ACT = 4_000_000, 1_000, 300_000
 BIG = 10**12
 
 
-def uniform(schedule: str, d: int, m: int, inputs: int = INP):
+def uniform(make_plan, schedule: str, d: int, m: int, inputs: int = INP):
     """The model cut into d equal stages (2BW), or 2d half stages, GPU i holding i and d + i."""
     if schedule == "wpipe":
         plan = make_plan(
@@ -48,12 +47,12 @@ def both(plan) -> list[tuple[int, int]]:
 
 
 @pytest.mark.parametrize("d,m", [(4, 4), (4, 8), (8, 8)])
-def test_2bw_matches_its_worst_case_formula(d, m):
+def test_2bw_matches_its_worst_case_formula(plan_factory, d, m):
     """PipeDream-2BW §3.1: with recomputation the worst-case footprint per worker is
     (1/d)(2|W| + d |A_inp| + |A| - |A_inp|) for |W| the model's weights, |A_inp| its stage
     inputs and |A| its activations per micro-batch (inputs included); we add the gradient
     buffer (|W|/d), which the formula leaves out. Stage i holds min(m, d - i) inputs."""
-    plan = uniform("2bw", d, m)
+    plan = uniform(plan_factory, "2bw", d, m)
     model_w, model_inp, model_act = d * W, d * INP, d * (ACT + INP)
     paper = (2 * model_w + d * model_inp + model_act - model_inp) // d + W
     got = both(plan)
@@ -65,11 +64,14 @@ def test_2bw_matches_its_worst_case_formula(d, m):
 
 
 @pytest.mark.parametrize("d,m", [(4, 4), (8, 8), (4, 8)])
-def test_wpipe_halves_2bw_weight_and_activation_redundancy(d, m):
+def test_wpipe_halves_2bw_weight_and_activation_redundancy(plan_factory, d, m):
     """WPipe Table 1 (recomputation, stage inputs ignored as the table does): the weight
     buffer is S_m against 2BW's 2 S_m, i.e. only G0 keeps a second version, and the active
     activations 0.5 S_a against S_a: a GPU recomputes one of its two half stages at a time."""
-    two_bw, wpipe = both(uniform("2bw", d, m, inputs=0)), both(uniform("wpipe", d, m, inputs=0))
+    two_bw, wpipe = (
+        both(uniform(plan_factory, "2bw", d, m, inputs=0)),
+        both(uniform(plan_factory, "wpipe", d, m, inputs=0)),
+    )
     for g in range(d - 1):  # the last GPU holds the loss stage, which does not recompute
         assert two_bw[g] == (2 * W + W + ACT,) * 2  # two versions, gradients, one activation
         # G0: two versions of half the weights; G1: one; gradients of both; half an activation.
@@ -82,16 +84,19 @@ def test_wpipe_halves_2bw_weight_and_activation_redundancy(d, m):
             (plan.policies[s.id].weight_versions - 1) * W // (2 if name == "wpipe" else 1)
             for s in plan.stages
         )
-        for name, plan in (("2bw", uniform("2bw", d, m)), ("wpipe", uniform("wpipe", d, m)))
+        for name, plan in (
+            ("2bw", uniform(plan_factory, "2bw", d, m)),
+            ("wpipe", uniform(plan_factory, "wpipe", d, m)),
+        )
     }
     assert extra == {"2bw": d * W, "wpipe": d * W // 2}
 
 
-def test_wpipe_holds_the_inputs_its_streams_keep():
+def test_wpipe_holds_the_inputs_its_streams_keep(plan_factory):
     """With inputs counted: G0 keeps m + min(m, d - i) micro-batches (the next step's
     forwards run ahead of this step's backwards), G1 min(m, d - i); simulated = planned."""
     d, m = 4, 6
-    plan = uniform("wpipe", d, m)
+    plan = uniform(plan_factory, "wpipe", d, m)
     sim = simulate(plan, steps=6)
     assert sim.in_flight == tuple(
         [m + min(m, d - i) for i in range(d)] + [min(m, d - i) for i in range(d)]
