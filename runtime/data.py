@@ -2,14 +2,18 @@
 
     data = make_data(plan["model"], source=None | "copy" | "train.pt" | "train.jsonl", seed=0)
     data.get("input_ids", mb=12)      # the tensor of global micro-batch 12 (CPU)
+    text = make_data(plan["model"], "qa.csv", 0, TextOptions(prompt_field="q", target_field="a"),
+                     tokenizer="path/to/model")
 
 Synthetic data (the default) is `ftpipe_runtime.models.synthetic_batch`, the very inputs the
 compiler traced with and a package's `--check` compares on: each input of each micro-batch
 drawn from a generator seeded by (seed, micro-batch, input name), so every rank agrees. `copy`
 is a learnable synthetic task (counting sequences; labels follow from them) for watching an
-asynchronous loss fall. A file holds token ids; every rank derives the same sample order (a
-seeded permutation per epoch); inputs it lacks follow from the model's head (masks, causal-LM
-labels, seq2seq decoder inputs).
+asynchronous loss fall. A file holds token ids (`.pt`, `.jsonl` of id lists) or text
+(`.jsonl`, `.json`, `.csv`, `.parquet`, `.txt`: `text_data` tokenizes it with the model's
+tokenizer); every rank derives the same sample order (a seeded permutation per epoch); inputs
+it lacks follow from the model's head (masks, causal-LM labels, seq2seq decoder inputs). An
+evaluation set (`evaluation=True`) is read once, in order, by `EvalData`.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import torch
 
 from .errors import PipelineConfigError
 from .models import HEADS, IGNORE, Vocab, decoder_inputs, shift_right, synthetic_batch
+from .text_data import TEXT_FORMATS, TextOptions, is_text_file, load_tokenizer, read_text
 
-__all__ = ["IGNORE", "SOURCES", "make_data", "shift_right"]
+__all__ = ["IGNORE", "SOURCES", "EvalData", "FileData", "TextOptions", "make_data", "shift_right"]
 
 
 class _Inputs:
@@ -81,9 +86,9 @@ class FileData(_Inputs):
     of only such samples would have a loss of 0/0 = NaN.
     """
 
-    def __init__(self, model: dict, seed: int, path: str):
+    def __init__(self, model: dict, seed: int, columns: dict, path: str, say=None):
         super().__init__(model, seed)
-        self.columns = _read(Path(path))
+        self.columns = columns
         vocab = (model.get("vocab") or {}).get("vocab_size") if isinstance(model, dict) else None
         _check_vocabulary(self.columns, int(vocab or 0), path)
         keep = [r for r in range(_rows(self.columns)) if self._has_target(r)]
@@ -94,8 +99,7 @@ class FileData(_Inputs):
             )
         if len(keep) < _rows(self.columns):
             dropped = _rows(self.columns) - len(keep)
-            print(f"ftpipe: {path}: left out {dropped} samples with nothing to predict",
-                  file=sys.stderr)  # fmt: skip
+            (say or _warn)(f"ftpipe: {path}: left out {dropped} samples with nothing to predict")
             self.columns = {k: [v[r] for r in keep] for k, v in self.columns.items()}
         self.size = len(keep)
         self.micro_batch = next(iter(self.specs.values()))[0][0]
@@ -123,16 +127,20 @@ class FileData(_Inputs):
             out.append(int(self._perms[epoch][at]))
         return out
 
+    def row(self, name: str, r: int | None) -> torch.Tensor:
+        """Sample r of a column; None: an empty row (padding only)."""
+        return self.columns[name][r].reshape(-1) if r is not None else torch.zeros(0, dtype=int)
+
     def real(self, mb: int, length: int) -> torch.Tensor:
         """True where a row of micro-batch `mb` has a token, False on its padding."""
-        lengths = [len(self.columns["input_ids"][r].reshape(-1)) for r in self.rows(mb)]
+        lengths = [len(self.row("input_ids", r)) for r in self.rows(mb)]
         return torch.arange(length) < torch.tensor(lengths)[:, None]
 
     def make(self, name, mb, batch):
         shape, dtype = self.specs[name]
         if name in self.columns:
             pad = IGNORE if name == "labels" else 0
-            return _stack([self.columns[name][r] for r in self.rows(mb)], shape, pad).to(dtype)
+            return _stack([self.row(name, r) for r in self.rows(mb)], shape, pad).to(dtype)
         if name == "attention_mask" and "input_ids" in self.columns:
             return self.real(mb, shape[1]).to(dtype)
         if name == "labels" and self.head is not None and self.head.labels_are_input_ids:
@@ -150,13 +158,29 @@ class FileData(_Inputs):
         )
 
 
+class EvalData(FileData):
+    """An evaluation set: every sample once, in file order. The last micro-batch is filled
+    up with empty rows (all padding: masked, and ignored by the loss); `weight(mb)` counts
+    the real ones, so a mean over micro-batches weighs each sample once."""
+
+    @property
+    def micro_batches(self) -> int:
+        return -(-self.size // self.micro_batch)
+
+    def rows(self, mb: int) -> list[int | None]:
+        first = (mb % self.micro_batches) * self.micro_batch
+        return [i if i < self.size else None for i in range(first, first + self.micro_batch)]
+
+    def weight(self, mb: int) -> int:
+        return sum(r is not None for r in self.rows(mb))
+
+
 def _stack(rows: list[torch.Tensor], shape, pad: int) -> torch.Tensor:
     """Rows cut or padded to the traced shape (shapes are fixed by tracing)."""
     out = torch.full(shape, pad, dtype=torch.long)
     for i, r in enumerate(rows):
-        r = r.reshape(-1)
         if len(shape) == 1:  # one value per sample: answer positions
-            out[i] = r[0]
+            out[i] = r[0] if len(r) else pad
         else:
             out[i, : min(len(r), shape[1])] = r[: shape[1]]
     return out
@@ -257,13 +281,43 @@ def _check_vocabulary(columns: dict, vocab: int, path) -> None:
 
 
 SOURCES = {"synthetic": Synthetic, "copy": Copy}
+FILE_SUFFIXES = (".pt", *TEXT_FORMATS)
 
 
-def make_data(model: dict, source: str | None, seed: int) -> _Inputs:
+def make_data(
+    model: dict,
+    source: str | None,
+    seed: int,
+    text: TextOptions | None = None,
+    tokenizer=None,
+    say=None,
+    evaluation: bool = False,
+) -> _Inputs:
+    """The inputs of `source`: a name of SOURCES, a file of token ids, or a text file
+    (tokenized by `tokenizer`, a folder or a loaded tokenizer; see `text_data`).
+    `evaluation`: every sample once, in order (`EvalData`); a file only."""
+    text = text or TextOptions()
+    if evaluation and (source is None or source in SOURCES):
+        raise PipelineConfigError("--eval-data takes a file of text or of token ids")
     if source is None or source in SOURCES:
+        if text.given() or text.pack:
+            raise PipelineConfigError("the text options need --data FILE of text")
         return SOURCES[source or "synthetic"](model, seed)
-    if source.endswith((".pt", ".jsonl")):
-        return FileData(model, seed, source)
-    raise PipelineConfigError(
-        f"unknown data {source!r}; choose from {', '.join(SOURCES)} or a .pt / .jsonl file"
-    )
+    if not source.endswith(FILE_SUFFIXES):
+        raise PipelineConfigError(
+            f"unknown data {source!r}; choose from {', '.join(SOURCES)}, a .pt / .jsonl file "
+            f"of token ids or a {' / '.join(TEXT_FORMATS)} file of text"
+        )
+    if is_text_file(source, text, (model.get("inputs") or {})):
+        if isinstance(tokenizer, (str, Path)) or tokenizer is None:
+            tokenizer = load_tokenizer(tokenizer)
+        columns = read_text(source, model, text, tokenizer, say or _warn)
+    elif text.given() or text.pack:
+        raise PipelineConfigError(f"{source} holds token ids; the text options are for text")
+    else:
+        columns = _read(Path(source))
+    return (EvalData if evaluation else FileData)(model, seed, columns, source, say)
+
+
+def _warn(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

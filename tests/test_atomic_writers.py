@@ -127,7 +127,6 @@ def test_a_package_keeps_its_file_set(tmp_path):
         "README.md",
         "__init__.py",
         "__main__.py",
-        "check.py",
         "plan.json",
         "stages.py",
     ]

@@ -6,13 +6,12 @@
 
 The package (`out/<model>_pipeline/`) holds `stages.py` (one nn.Module per stage, straight-line
 ATen code, parameters under their original names), `plan.json` (what the runtime executes),
-`__init__.py` (STAGES, load_plan), `__main__.py` (torchrun entry point and `--check`),
-`check.py` and a README.
+`__init__.py` (STAGES, load_plan), `__main__.py` (torchrun entry point and `--check`, whose
+logic is the runtime's `ftpipe_runtime.check`) and a README.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import itertools
 import sys
@@ -41,5 +40,7 @@ def import_package(pkg_dir) -> object:
 
 def check_package(pkg_dir, seed: int = 0):
     """Run the package's own check (`python -m <pkg> --check`) and return its CheckResult."""
+    from ftpipe_runtime.check import check
+
     module = import_package(pkg_dir)
-    return importlib.import_module(f"{module.__name__}.check").check(seed)
+    return check(module.STAGES, module.load_plan(), seed)

@@ -1,4 +1,4 @@
-"""Write the pipeline package: stages.py, plan.json, __init__, __main__, check, README.
+"""Write the pipeline package: stages.py, plan.json, __init__, __main__, README.
 
     generate_package(traced, graph, plan, spec, Path("out"), command="ftpipe compile ...")
     # -> out/t5_tiny_pipeline/
@@ -33,7 +33,7 @@ from .emit import StageEmitter, value_names
 from .layout import layout, package_plan
 from .summary import describe
 
-TEMPLATES = ("stages.py", "__init__.py", "__main__.py", "check.py", "README.md")
+TEMPLATES = ("stages.py", "__init__.py", "__main__.py", "README.md")
 
 
 def generate_package(

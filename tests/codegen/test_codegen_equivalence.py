@@ -6,12 +6,12 @@ the stages run their generated code, never the fx graph.
 
 from __future__ import annotations
 
-import importlib
 import json
 import random
 
 import pytest
 from codegen_helpers import TINY, contiguous, costed, plan_from_cuts, problem
+from ftpipe_runtime import check
 from ftpipe_runtime.models import with_dropout
 from ftpipe_runtime.stage_api import run_in_one_process
 
@@ -92,7 +92,6 @@ def test_dropout_follows_the_stage_mode(model, task, tmp_path):
     assert "0.1 if self.training else 0.0" in (pkg / "stages.py").read_text()
     assert check_package(pkg).ok
     mod = import_package(pkg)
-    check = importlib.import_module(f"{mod.__name__}.check")
     stages = {k: cls() for k, cls in mod.STAGES.items()}
     inputs = check.synthetic_inputs(mod.load_plan())
     plan = mod.load_plan()

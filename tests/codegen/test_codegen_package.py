@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -11,6 +10,7 @@ import sys
 import pytest
 import torch
 from codegen_helpers import REPO, contiguous, costed, ruff_check
+from ftpipe_runtime.check import synthetic_inputs
 from ftpipe_runtime.stage_api import run_in_one_process
 
 from ftpipe_compiler.codegen import check_package, generate_package, import_package
@@ -20,7 +20,7 @@ from ftpipe_compiler.partition.plan import Plan
 from ftpipe_compiler.version import __version__
 
 COMMAND = "ftpipe compile --model t5-tiny --gpus 2"
-FILES = {"stages.py", "__init__.py", "__main__.py", "check.py", "README.md", "plan.json"}
+FILES = {"stages.py", "__init__.py", "__main__.py", "README.md", "plan.json"}
 
 
 def _generate(tmp_path, model="t5-tiny", k=3, force=False, command=COMMAND):
@@ -67,7 +67,7 @@ def test_plan_json_is_what_the_stages_exchange(tmp_path):
             assert sent[name]["producer"] == sd["id"]
     # The shapes and dtypes the runtime will allocate receive buffers with are the real ones.
     stages = {k: cls() for k, cls in mod.STAGES.items()}
-    inputs = importlib.import_module(f"{mod.__name__}.check").synthetic_inputs(data)
+    inputs = synthetic_inputs(data)
     produced = {}
     for k in sorted(stages):
         kwargs = {n: inputs[n] if n in inputs else produced[n] for n in stages[k].INPUTS}

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 from codegen_helpers import contiguous, costed
+from ftpipe_runtime import check
 
 from ftpipe_compiler.codegen import check_package, generate_package, import_package
 from ftpipe_compiler.zoo import resolve_model
@@ -38,7 +37,6 @@ def test_checkpoint_weights_reach_the_stages(t5_folder, tmp_path, monkeypatch):
     # Independently: the loss of transformers' own loader on the same inputs.
     import transformers
 
-    check = importlib.import_module(f"{mod.__name__}.check")
     net = transformers.T5ForConditionalGeneration.from_pretrained(t5_folder)
     loss = net(**check.synthetic_inputs(mod.load_plan()), use_cache=False).loss
     assert result.loss == pytest.approx(loss.item(), rel=1e-5)
