@@ -5,22 +5,20 @@ with output_folder("out/t5-3b", force=False) as tmp:
 # out/t5-3b now holds exactly what was written; on any error nothing changed and no
 # temporary folder is left behind.
 
-The finished folder replaces the old one in one step: on Linux `renameat2(RENAME_EXCHANGE)`
-swaps the two, so `out` never stops existing; where that call is missing the old folder is
-renamed aside first (a window of one rename). Concurrent `--force` writers each swap in their
-own complete folder: the last one wins and none of them leaves a `.out.xxxx` folder.
+The finished folder replaces the old one in one step (`ftpipe_runtime.atomic.new_folder`:
+`renameat2(RENAME_EXCHANGE)`, so `out` never stops existing). Concurrent `--force` writers each
+swap in their own complete folder: the last one wins and none of them leaves debris.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import os
-import secrets
 import shutil
 import tempfile
 from pathlib import Path
+
+from ftpipe_runtime.atomic import swap_folder, temporary_folder
 
 from .errors import FtpipeError, OutputExistsError
 
@@ -59,12 +57,10 @@ def output_folder(out, force: bool = False):
     out = Path(out)
     check_writable(out, force)
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        tmp = temporary_folder(out)
     except OSError as e:
         raise FtpipeError(f"cannot write {out}: {e.strerror}; choose another folder with -o") from e
     try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; an output folder is ordinary
         yield tmp
         try:
             _swap_in(tmp, out, force)
@@ -75,68 +71,9 @@ def output_folder(out, force: bool = False):
 
 
 def _swap_in(tmp: Path, out: Path, force: bool) -> None:
-    """Put `tmp` at `out`; afterwards `tmp` holds the replaced folder, if there was one."""
-    while True:
-        try:
-            os.rename(tmp, out)  # out missing or empty: done in one step
-            return
-        except OSError as e:
-            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-        if not force:  # another writer filled `out` since check_writable
-            raise OutputExistsError(
-                f"{out} appeared while compiling; pass --force to replace it, or choose another folder"
-            )
-        swapped = _exchange(tmp, out)
-        if swapped is None:  # no renameat2 here: rename the old folder aside
-            aside = out.with_name(f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
-            with contextlib.suppress(FileNotFoundError):  # a concurrent writer moved it
-                os.rename(out, aside)
-            try:
-                os.rename(tmp, out)
-            except OSError as e:
-                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                    raise
-                continue  # another writer got in between: go round again
-            finally:
-                shutil.rmtree(aside, ignore_errors=True)
-            return
-        if swapped:
-            return
-        # `out` vanished between our two calls (another writer's rename-aside): go round
-
-
-_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
-
-
-def _exchange(a: Path, b: Path) -> bool | None:
-    """Swap two paths atomically: True done, False `b` is missing, None unsupported here."""
-    fn = getattr(_libc(), "renameat2", None) if _libc() is not None else None
-    if fn is None:
-        return None
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err == errno.ENOENT:
-        return False
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return None
-    raise OSError(err, os.strerror(err), str(b))
-
-
-_LIBC: list = []
-
-
-def _libc():
-    if not _LIBC:
-        try:
-            _LIBC.append(ctypes.CDLL(None, use_errno=True))
-        except OSError:
-            _LIBC.append(None)
-    return _LIBC[0]
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    try:
+        swap_folder(tmp, out, replace=force)
+    except FileExistsError:  # another writer filled `out` since check_writable
+        raise OutputExistsError(
+            f"{out} appeared while compiling; pass --force to replace it, or choose another folder"
+        ) from None

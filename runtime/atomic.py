@@ -3,12 +3,19 @@
     write_atomic("plan.json", text)                 # str or bytes
     with atomic_open("stage-2.pt", "wb") as f:      # a file object
         torch.save(state, f)
+    with new_folder("out/model") as tmp:             # a folder, swapped in whole
+        write_atomic(tmp / "config.json", text)
 
 Data goes to a temporary file in the target's folder (`.NAME.<pid>-<random>.tmp`), is
 flushed and fsync'ed, and only then renamed over the target: `os.replace` is atomic, so a
 full disk, an exception or a crash mid-write leaves the previous file byte-identical. Any
 failure removes the temporary file; only a killed process can leave one behind, and
 `remove_temporaries` clears those. An OSError becomes a `WriteFailed` naming the file.
+
+A folder is built beside its destination and swapped in with one
+`renameat2(RENAME_EXCHANGE)`, so it never stops existing; where that call is missing the old
+folder is renamed aside first (a window of one rename). Concurrent writers each swap in
+their own complete folder: the last one wins and none leaves a `.out.xxxx` folder behind.
 The compiler imports this module too (`ftpipe_runtime.atomic`): the runtime never imports
 the compiler, so the writer lives here.
 """
@@ -16,9 +23,13 @@ the compiler, so the writer lives here.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import re
 import secrets
+import shutil
+import tempfile
 from pathlib import Path
 
 from .errors import WriteFailed
@@ -27,7 +38,10 @@ __all__ = [
     "atomic_open",
     "check_writable_file",
     "check_writable_folder",
+    "new_folder",
     "remove_temporaries",
+    "swap_folder",
+    "temporary_folder",
     "write_atomic",
 ]
 
@@ -113,3 +127,100 @@ def _sync_folder(folder: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+@contextlib.contextmanager
+def new_folder(out, replace: bool = True):
+    """A temporary folder beside `out`, put in its place whole when the block succeeds.
+
+    Raises WriteFailed when the temporary folder cannot be made or put in place (nothing
+    changed), FileExistsError when `out` holds files and `replace` is False."""
+    out = Path(out)
+    try:
+        tmp = temporary_folder(out)
+    except OSError as e:
+        raise WriteFailed(f"cannot write {out}: {e.strerror}") from e
+    try:
+        yield tmp
+        try:
+            swap_folder(tmp, out, replace)
+        except FileExistsError:
+            raise
+        except OSError as e:
+            raise WriteFailed(f"cannot put {out} in place: {e.strerror}; nothing changed") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # the old folder after a swap, or our leftovers
+
+
+def temporary_folder(out: Path) -> Path:
+    """An empty folder beside `out` with ordinary permissions, to be swapped in later."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; an output folder is ordinary
+    return tmp
+
+
+def swap_folder(tmp: Path, out: Path, replace: bool = True) -> None:
+    """Put `tmp` at `out`; afterwards `tmp` holds the replaced folder, if there was one."""
+    while True:
+        try:
+            os.rename(tmp, out)  # out missing or empty: done in one step
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        if not replace:  # another writer filled `out` meanwhile
+            raise FileExistsError(errno.EEXIST, "it is there already", str(out))
+        swapped = _exchange(tmp, out)
+        if swapped is None:  # no renameat2 here: rename the old folder aside
+            aside = out.with_name(f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+            with contextlib.suppress(FileNotFoundError):  # a concurrent writer moved it
+                os.rename(out, aside)
+            try:
+                os.rename(tmp, out)
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                continue  # another writer got in between: go round again
+            finally:
+                shutil.rmtree(aside, ignore_errors=True)
+            return
+        if swapped:
+            return
+        # `out` vanished between our two calls (another writer's rename-aside): go round
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _exchange(a: Path, b: Path) -> bool | None:
+    """Swap two paths atomically: True done, False `b` is missing, None unsupported here."""
+    fn = getattr(_libc(), "renameat2", None) if _libc() is not None else None
+    if fn is None:
+        return None
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.ENOENT:
+        return False
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return None
+    raise OSError(err, os.strerror(err), str(b))
+
+
+_LIBC: list = []
+
+
+def _libc():
+    if not _LIBC:
+        try:
+            _LIBC.append(ctypes.CDLL(None, use_errno=True))
+        except OSError:
+            _LIBC.append(None)
+    return _LIBC[0]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -2,16 +2,19 @@
 run that made them.
 
     ckpt = Checkpoints(root, rank, world, run=run_identity(plan, args, schedule, m), keep=3)
-    ckpt.save_stage(4, stage_id, module, optimizer)   # root/step-000004/stage-2.pt
+    ckpt.save_stage(4, stage_id, module, optimizer)   # root/step-000004/stage-2.safetensors
     ckpt.finish_rank(4, next_micro_batch=4 * m)        # rank-1.pt (RNG), then rank-1.json
     step = ckpt.choose(agree)                         # newest complete, intact, same run (or 0)
     ckpt.load_stage(step, stage_id, module, optimizer, device); ckpt.load_rank(step)
 
-One checkpoint is the folder `root/step-000004/`: `stage-<id>.pt` (a stage's state dict and
-optimizer state), `rank-<r>.pt` (rank r's random-number generators) and `rank-<r>.json`,
+One checkpoint is the folder `root/step-000004/`: `stage-<id>.safetensors` (a stage's
+tensors: its fp32 master weights under mixed precision), `stage-<id>.optimizer.pt` (its
+optimizer state), `rank-<r>.pt` (rank r's random-number generators and loss scale) and
+`rank-<r>.json`,
 rank r's manifest, written last: the run's identity, the data position, and the size and
 CRC-32 of each of that rank's files. The checkpoint is complete once every rank's manifest
-exists. Every file is written atomically (`ftpipe_runtime.atomic`).
+exists. Every file is written atomically (`ftpipe_runtime.atomic`); loading never unpickles
+anything but tensors and numbers (safetensors, `torch.load(weights_only=True)`).
 
 `choose` resumes from the newest complete checkpoint whose files are intact on every rank
 (one exchange between ranks per candidate); a damaged one is skipped with a warning. One
@@ -35,9 +38,18 @@ import torch
 from .atomic import atomic_open, write_atomic
 from .errors import PipelineConfigError
 
-__all__ = ["Checkpoints", "Saver", "default_dir", "plan_hash", "run_identity", "step_dir"]
+__all__ = [
+    "Checkpoints",
+    "Saver",
+    "default_dir",
+    "plan_hash",
+    "read_tensors",
+    "run_identity",
+    "step_dir",
+    "tensor_bytes",
+]
 
-FORMAT = 1
+FORMAT = 2  # 2: stage weights in safetensors
 _STEP_DIR = re.compile(r"step-(\d+)$")
 # What makes a plan's stages what they are; its costs and the command that made it do not.
 _PLAN_KEYS = ("gpus", "loss_stage", "stages", "transfers", "params")
@@ -75,6 +87,25 @@ def run_identity(plan: dict, args, schedule: str, micro_batches: int) -> dict:
         "decay": args.decay,
         "clip": args.clip,
     }
+
+
+def tensor_bytes(tensors: dict) -> bytes:
+    """A dict of tensors in the safetensors format."""
+    from safetensors.torch import save
+
+    return save(tensors, metadata={"format": "pt"})
+
+
+def read_tensors(path, device="cpu") -> dict:
+    """The tensors of a safetensors file (FileNotFoundError when absent)."""
+    from safetensors.torch import load_file
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(path)
+    try:
+        return load_file(str(path), device=str(device))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own types on damage
+        raise ValueError(f"not a safetensors file: {e}") from None
 
 
 def _difference(saved: dict, mine: dict) -> str | None:
@@ -117,6 +148,7 @@ class Checkpoints:
 
     # --- writing ---
     def _save(self, step: int, name: str, obj) -> None:
+        """`obj` into the step's folder: a dict of tensors as safetensors, else torch.save."""
         folder = step_dir(self.root, step)
         if step not in self._files:  # rewriting a step: incomplete until the manifest is back
             folder.mkdir(parents=True, exist_ok=True)
@@ -124,17 +156,23 @@ class Checkpoints:
             self._files[step] = {}
         with atomic_open(folder / name, "wb") as f:
             summed = _Summing(f)
-            torch.save(obj, summed)
+            if name.endswith(".safetensors"):
+                summed.write(tensor_bytes(obj))
+            else:
+                torch.save(obj, summed)
         self._files[step][name] = [summed.size, summed.crc]
 
-    def save_stage(self, step: int, stage: int, module, optimizer) -> None:
-        state = {
-            "stage": stage,
-            "step": step,
-            "params": _cpu(module.state_dict()),
-            "optimizer": _cpu(optimizer.state_dict()) if optimizer is not None else None,
+    def save_stage(self, step: int, stage: int, module, optimizer, tensors=None) -> None:
+        """The stage's tensors (`tensors`, else its state dict) as safetensors; its optimizer
+        state beside them (tensors and numbers only: loaded with weights_only)."""
+        tensors = tensors if tensors is not None else module.state_dict()
+        copies = {
+            k: v.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+            for k, v in tensors.items()
         }
-        self._save(step, f"stage-{stage}.pt", state)
+        self._save(step, f"stage-{stage}.safetensors", copies)
+        if optimizer is not None:
+            self._save(step, f"stage-{stage}.optimizer.pt", _cpu(optimizer.state_dict()))
 
     def finish_rank(self, step: int, next_micro_batch: int, steps: int | None = None) -> None:
         """The rank's RNG, then its manifest (last: it marks its part complete), then prune."""
@@ -252,17 +290,18 @@ class Checkpoints:
         run = next((m.get("run") for m in manifests if "run" in m), None)
         return _difference(run, self.run) if isinstance(run, dict) else None
 
-    def load_stage(self, step: int, stage: int, module, optimizer, device) -> None:
-        path = step_dir(self.root, step) / f"stage-{stage}.pt"
+    def load_stage(self, step: int, stage: int, module, optimizer, device, load=None) -> None:
+        """Stage tensors into `module` (or through `load(tensors)`), then its optimizer state."""
+        folder = step_dir(self.root, step)
+        path = folder / f"stage-{stage}.safetensors"
         try:
-            state = torch.load(path, map_location=device, weights_only=True)
-            module.load_state_dict(state["params"])
-            if optimizer is not None and state["optimizer"] is not None:
-                optimizer.load_state_dict(state["optimizer"])
+            tensors = read_tensors(path, device)
+            (load or module.load_state_dict)(tensors)
+            extra = folder / f"stage-{stage}.optimizer.pt"
+            if optimizer is not None and extra.is_file():
+                optimizer.load_state_dict(torch.load(extra, map_location=device, weights_only=True))
         except FileNotFoundError:
-            raise PipelineConfigError(
-                f"{path.parent} has no stage {stage}: another plan?"
-            ) from None
+            raise PipelineConfigError(f"{folder} has no stage {stage}: another plan?") from None
         except (RuntimeError, KeyError, ValueError) as e:
             raise PipelineConfigError(f"{path} does not fit stage {stage} ({e})") from None
 

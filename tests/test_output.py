@@ -12,6 +12,7 @@ import threading
 
 import pytest
 from click.testing import CliRunner
+from ftpipe_runtime import atomic
 
 from ftpipe_compiler import output
 from ftpipe_compiler.cli import cli
@@ -99,7 +100,7 @@ def test_the_output_folder_never_stops_existing(tmp_path, monkeypatch):
 
 
 def test_without_an_atomic_swap_the_old_folder_is_renamed_aside_and_removed(tmp_path, monkeypatch):
-    monkeypatch.setattr(output, "_exchange", lambda a, b: None)
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: None)
     out = tmp_path / "out"
     _write(out, "old")
     _write(out, "new")

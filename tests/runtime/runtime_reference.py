@@ -12,6 +12,7 @@ from ftpipe_runtime.models.hf import loss_of as hf_loss
 from ftpipe_runtime.optim import lr_at, make_optimizer
 from ftpipe_runtime.stage_api import run_in_one_process
 from runtime_toy import STAGES, ToyModel
+from safetensors.torch import load_file
 from torch.func import functional_call
 
 
@@ -131,8 +132,8 @@ def checkpoint_params(root, step: int, stages) -> dict[str, torch.Tensor]:
     """All parameters of a pipeline checkpoint by name; each must be in exactly one stage."""
     out: dict[str, torch.Tensor] = {}
     for s in stages:
-        state = torch.load(Path(root) / f"step-{step:06d}" / f"stage-{s}.pt", weights_only=True)
-        for name, value in state["params"].items():
+        state = load_file(str(Path(root) / f"step-{step:06d}" / f"stage-{s}.safetensors"))
+        for name, value in state.items():
             assert name not in out, f"{name} is held by two stages"
             out[name] = value
     return out

@@ -89,7 +89,7 @@ def test_the_plan_and_schedule_are_part_of_the_identity(tmp_path):
 def test_a_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path):
     _save(tmp_path, 2, ranks=(0, 1))
     _save(tmp_path, 4, ranks=(0, 1))
-    stage = step_dir(tmp_path, 4) / "stage-1.pt"
+    stage = step_dir(tmp_path, 4) / "stage-1.safetensors"
     data = bytearray(stage.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, different content
     stage.write_bytes(bytes(data))
@@ -98,11 +98,11 @@ def test_a_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path):
     rank0 = Checkpoints(tmp_path, 0, 2, _identity(), say=said.append)
     rank1 = Checkpoints(tmp_path, 1, 2, _identity())
     reason = rank1._intact(rank1.complete()[0][1])
-    assert reason and "stage-1.pt has changed" in reason
+    assert reason and "stage-1.safetensors has changed" in reason
     rank1_says = iter([reason, None])  # about step 4, then about step 2
     assert rank0.choose(agree=lambda mine: [mine, next(rank1_says)])[0] == 2
     assert (
-        len(said) == 1 and "step-000004 is damaged (stage-1.pt" in said[0] and "\n" not in said[0]
+        len(said) == 1 and "step-000004 is damaged (stage-1.safetensors" in said[0] and "\n" not in said[0]
     )
     assert rank1.choose()[0] == 2
     stage.write_bytes(b"")
@@ -128,10 +128,10 @@ def test_old_checkpoints_and_abandoned_saves_are_pruned(tmp_path):
 
 def test_a_killed_save_leaves_a_temporary_that_is_removed(tmp_path):
     _save(tmp_path, 2, ranks=(0, 1))
-    stale = step_dir(tmp_path, 2) / ".stage-0.pt.4242-0123abcd.tmp"
+    stale = step_dir(tmp_path, 2) / ".stage-0.safetensors.4242-0123abcd.tmp"
     stale.write_bytes(b"half a file")
     assert remove_temporaries(tmp_path) == [stale]
-    assert not stale.exists() and (step_dir(tmp_path, 2) / "stage-0.pt").exists()
+    assert not stale.exists() and (step_dir(tmp_path, 2) / "stage-0.safetensors").exists()
 
 
 def _run(argv, tmp_path):
@@ -145,13 +145,13 @@ def test_resume_after_a_damaged_checkpoint_equals_the_uninterrupted_run(tmp_path
     _run([*base, "--steps", "6"], tmp_path)  # stopped after step 6 ...
     manifest = json.loads((step_dir(tmp_path / "ckpt", 6) / "rank-0.json").read_text())
     assert manifest["next_micro_batch"] == 24 and manifest["run"]["plan"]
-    (step_dir(tmp_path / "ckpt", 6) / "stage-2.pt").write_bytes(b"\0" * 100)  # ... and damaged
+    (step_dir(tmp_path / "ckpt", 6) / "stage-2.safetensors").write_bytes(b"\0" * 100)  # ... and damaged
     stale = step_dir(tmp_path / "ckpt", 6) / ".stage-1.pt.999-0badf00d.tmp"  # a save killed
     stale.write_bytes(b"half")
     capsys.readouterr()
     resumed = _run([*base, "--steps", "8", "--resume"], tmp_path)
     err = capsys.readouterr().err
-    assert "step-000006 is damaged (stage-2.pt" in err and "resuming from step 4" in err
+    assert "step-000006 is damaged (stage-2.safetensors" in err and "resuming from step 4" in err
     assert "learning-rate" not in err  # --steps 6 there and 8 here, but the rate is constant
     assert resumed["first_step"] == 4 and not stale.exists()
     assert resumed["losses"] == whole["losses"][4:]

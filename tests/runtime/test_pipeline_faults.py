@@ -54,10 +54,10 @@ def test_ranks_agree_to_skip_a_checkpoint_only_one_of_them_finds_damaged(run_pip
     plan, argv = toy_plan("two-ranks", "1f1b"), [*base, "--checkpoint-dir", str(broken)]
     codes, ranks = run_pipeline(plan, [*argv, "--steps", "2"], name="first")
     assert codes == [0, 0], ranks.stderr()
-    (broken / "step-000002" / "stage-3.pt").write_bytes(b"\0" * 64)
+    (broken / "step-000002" / "stage-3.safetensors").write_bytes(b"\0" * 64)
     codes, ranks = run_pipeline(plan, [*argv, "--steps", "3", "--resume"], name="resume")
     assert codes == [0, 0], ranks.stderr()
-    assert "step-000002 is damaged (stage-3.pt" in ranks.stderr(0)
+    assert "step-000002 is damaged (stage-3.safetensors" in ranks.stderr(0)
     assert "resuming from step 1" in ranks.stderr(0)
     a, b = checkpoint_params(whole, 3, range(4)), checkpoint_params(broken, 3, range(4))
     for name in a:
