@@ -114,9 +114,15 @@ def check(stage_classes: dict, plan: dict, seed: int = 0) -> CheckResult:
     loss_abs = abs(value - ref_value)
     loss_rel = loss_abs / max(abs(ref_value), 1e-30)
     return CheckResult(
-        loss=value, reference_loss=ref_value, loss_abs_diff=loss_abs, loss_rel_diff=loss_rel,
-        grad_max_abs_diff=max_abs, grad_max_rel_diff=max_rel, worst_param=worst,
-        params_compared=compared, ok=loss_rel <= LOSS_RTOL and grads_ok,
+        loss=value,
+        reference_loss=ref_value,
+        loss_abs_diff=loss_abs,
+        loss_rel_diff=loss_rel,
+        grad_max_abs_diff=max_abs,
+        grad_max_rel_diff=max_rel,
+        worst_param=worst,
+        params_compared=compared,
+        ok=loss_rel <= LOSS_RTOL and grads_ok,
     )
 
 
@@ -175,12 +181,19 @@ def main(argv, stage_classes: dict, load_plan, prog: str = "--check") -> int:
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
-        print(f"loss {result.loss:.8g}, original model {result.reference_loss:.8g}: "
-              f"abs diff {result.loss_abs_diff:.3g}, rel diff {result.loss_rel_diff:.3g}")
-        print(f"gradients of {result.params_compared} parameters: max abs diff "
-              f"{result.grad_max_abs_diff:.3g}, max rel diff {result.grad_max_rel_diff:.3g} "
-              f"({result.worst_param})")
-        print("OK: the stages compute what the original model computes" if result.ok else
-              f"MISMATCH (tolerance: loss {LOSS_RTOL:g}, gradients {GRAD_RTOL:g} relative, "
-              f"{GRAD_ATOL:g} of the largest gradient absolute)")
+        print(
+            f"loss {result.loss:.8g}, original model {result.reference_loss:.8g}: "
+            f"abs diff {result.loss_abs_diff:.3g}, rel diff {result.loss_rel_diff:.3g}"
+        )
+        print(
+            f"gradients of {result.params_compared} parameters: max abs diff "
+            f"{result.grad_max_abs_diff:.3g}, max rel diff {result.grad_max_rel_diff:.3g} "
+            f"({result.worst_param})"
+        )
+        print(
+            "OK: the stages compute what the original model computes"
+            if result.ok
+            else f"MISMATCH (tolerance: loss {LOSS_RTOL:g}, gradients {GRAD_RTOL:g} relative, "
+            f"{GRAD_ATOL:g} of the largest gradient absolute)"
+        )
     return 0 if result.ok else 1

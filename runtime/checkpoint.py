@@ -70,12 +70,18 @@ def default_dir(plan: dict) -> str:
     return str(Path("checkpoints") / f"{name.strip('_') or 'pipeline'}-{plan_hash(plan)[:8]}")
 
 
+_TEXT_OPTIONS = ("text_field", "prompt_field", "target_field", "tokenizer", "pack", "truncate")
+
+
 def run_identity(plan: dict, args, schedule: str, micro_batches: int) -> dict:
     """What a resumed run must share with the one that saved: else it is another run."""
     data = args.data or "synthetic"
-    if Path(data).suffix in (".pt", ".jsonl") and Path(data).is_file():
+    if Path(data).is_file():
         data = f"{Path(data).name} ({Path(data).stat().st_size} bytes)"
-    return {
+    text = {k: getattr(args, k, None) for k in _TEXT_OPTIONS if getattr(args, k, None)}
+    if getattr(args, "shuffle_seed", None) is not None:
+        text["shuffle_seed"] = args.shuffle_seed
+    return text | {
         "plan": plan_hash(plan),
         "schedule": schedule,
         "micro_batches": micro_batches,
@@ -234,11 +240,18 @@ class Checkpoints:
     def _intact(self, manifests: list[dict]) -> str | None:
         """Why this rank's part is damaged, or None; reads this rank's files once."""
         damaged = [m["damaged"] for m in manifests if "damaged" in m]
+        return damaged[0] if damaged else self._changed(manifests[self.rank])
+
+    def damaged(self, manifests: list[dict]) -> str | None:
+        """Why any rank's part is damaged, or None (reads every rank's files)."""
+        damaged = [m["damaged"] for m in manifests if "damaged" in m]
         if damaged:
             return damaged[0]
-        mine = manifests[self.rank]
-        for name, (size, crc) in mine.get("files", {}).items():
-            path = step_dir(self.root, mine["step"]) / name
+        return next(filter(None, (self._changed(m) for m in manifests)), None)
+
+    def _changed(self, manifest: dict) -> str | None:
+        for name, (size, crc) in manifest.get("files", {}).items():
+            path = step_dir(self.root, manifest["step"]) / name
             try:
                 got, sum_ = path.stat().st_size, 0
                 with open(path, "rb") as f:

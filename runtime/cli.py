@@ -1,10 +1,10 @@
 """The command line of every generated package, which only hands over what is its own.
 
-    python -m t5_tiny_pipeline [options]             # train: run(plan, stages, argv)
-    python -m t5_tiny_pipeline --check [--json]       # the stages against the original model
-    python -m t5_tiny_pipeline export --checkpoint-dir D [--step N] -o DIR   # a HuggingFace folder
+python -m t5_tiny_pipeline [options]             # train: run(plan, stages, argv)
+python -m t5_tiny_pipeline --check [--json]       # the stages against the original model
+python -m t5_tiny_pipeline export --checkpoint-dir D [--step N] -o DIR   # a HuggingFace folder
 
-    main(sys.argv[1:], STAGES, PLAN_PATH, package="t5_tiny_pipeline")   # the package's __main__
+main(sys.argv[1:], STAGES, PLAN_PATH, package="t5_tiny_pipeline")   # the package's __main__
 """
 
 from __future__ import annotations

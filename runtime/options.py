@@ -17,6 +17,7 @@ import torch
 from .data import SOURCES
 from .optim import DECAYS, OPTIMIZERS
 from .schedules import SCHEDULES
+from .text_data import TEXT_FORMATS
 
 
 def _schedule(text: str) -> str:
@@ -53,7 +54,16 @@ def parse_args(argv, plan: dict) -> argparse.Namespace:
     model = plan.get("model", {})
     p = argparse.ArgumentParser(prog="python -m <package>", description="Fine-tune the pipeline.")
     p.add_argument(
-        "--steps", type=number(int, 1), default=10, help="optimizer steps in all (default 10)"
+        "--steps",
+        type=number(int, 1),
+        default=None,
+        help="optimizer steps in all (default 10, or what --epochs makes)",
+    )
+    p.add_argument(
+        "--epochs",
+        type=number(float, 0, above=True),
+        default=None,
+        help="passes over --data instead of --steps (rounded up to whole steps)",
     )
     p.add_argument(
         "--schedule",
@@ -82,10 +92,34 @@ def parse_args(argv, plan: dict) -> argparse.Namespace:
         "--clip", type=number(float, 0), default=1.0, help="max gradient norm; 0: no clipping"
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
+    data = p.add_argument_group("data (README: fine-tuning)")
+    data.add_argument(
         "--data",
         default=None,
-        help=f"{' | '.join(SOURCES)} (default synthetic) or a .pt / .jsonl of token ids",
+        help=f"{' | '.join(SOURCES)} (default synthetic), a .pt / .jsonl of token ids, or text: "
+        f"{' / '.join(TEXT_FORMATS)}",
+    )
+    data.add_argument("--eval-data", default=None, help="a file like --data, evaluated in order")
+    data.add_argument(
+        "--eval-every",
+        type=number(int, 0),
+        default=0,
+        help="evaluate every N steps (0: at the end)",
+    )
+    data.add_argument("--text-field", default=None, help="the field of the text (default text)")
+    data.add_argument("--prompt-field", default=None, help="with --target-field: loss on targets")
+    data.add_argument("--target-field", default=None)
+    data.add_argument(
+        "--tokenizer", default=None, help="tokenizer folder (default: the compiled model's)"
+    )
+    data.add_argument("--pack", action="store_true", help="causal LM: join texts into full rows")
+    data.add_argument(
+        "--truncate",
+        action="store_true",
+        help="cut texts longer than the compiled length (default: refuse them)",
+    )
+    data.add_argument(
+        "--shuffle-seed", type=int, default=None, help="order of the samples (default --seed)"
     )
     p.add_argument("--init", default=None, help="a .pt state dict to start from (by name)")
     p.add_argument(
@@ -114,5 +148,16 @@ def parse_args(argv, plan: dict) -> argparse.Namespace:
     )
     p.add_argument("--init-method", default="env://", help="torch.distributed rendezvous")
     p.add_argument("--log-json", default=None, help="write losses and checksums here (rank 0)")
+    p.add_argument(
+        "--log-dir", default=None, help="log.jsonl and TensorBoard scalars (where installed)"
+    )
+    p.add_argument(
+        "--save-hf", default=None, help="write the trained model here as a HuggingFace folder"
+    )
+    p.add_argument(
+        "--save-hf-every-checkpoint",
+        action="store_true",
+        help="also write each complete checkpoint as <save-hf>/step-N",
+    )
     p.add_argument("--log-every", type=number(int, 1), default=1)
     return p.parse_args(argv)

@@ -24,7 +24,10 @@ class Progress:
     ):
         self.enabled, self.steps, self.first = enabled, steps, first
         self.samples_per_step, self.log_every = samples_per_step, max(1, log_every)
+        self.log = None  # a RunLog: JSON lines and TensorBoard scalars
+        self.lr_of = None  # step -> learning rate, for the log
         self.losses: dict[int, float] = {}
+        self.evals: dict[int, dict] = {}  # step -> {"loss", "perplexity", "samples"}
         self.times: dict[int, float] = {}  # seconds from the start to each step's end
         self.bar = None
         if enabled and tqdm is not None:
@@ -45,6 +48,10 @@ class Progress:
         self.times[step] = float(message[-1])
         if not self.enabled:
             return
+        if self.log is not None:
+            lr = self.lr_of(step) if self.lr_of is not None else None
+            self.log.record("train", step + 1, loss=self.losses[step], lr=lr,
+                            samples_per_s=self.samples_per_s(), time_s=self.times[step])  # fmt: skip
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{self.losses[step]:.4f}")

@@ -30,13 +30,14 @@ from .atomic import (
     write_atomic,
 )
 from .comm import Comm, init_distributed
-from .data import make_data
 from .dataflow import action_lists, build_dataflow
 from .errors import PeerFailure, PipelineConfigError, WriteFailed
 from .executor import Executor
+from .finetune import HFExporter, open_sources
 from .optim import lr_at, make_optimizer
 from .options import parse_args
 from .report import Progress, checksums, human_bytes, peak_memory
+from .runlog import RunLog
 from .schedules import resolve_schedule, validate
 from .stages import build_stages, load_init
 from .stepping import Stepper
@@ -92,13 +93,15 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     sched = resolve_schedule(name)
     m = args.micro_batches or sched.micro_batches or int(plan["micro_batches"])
     # Everything that can be refused is refused here, before any rank waits for another:
-    # the schedule's lists on this plan first (a CSV file that skips or deadlocks).
-    validate(action_lists(topo, sched, m, args.steps), topo.stage_graph(), sched, m, args.steps)
+    # the data (which settles --steps under --epochs), then the schedule's lists on this
+    # plan (a CSV file that skips or deadlocks).
     if args.log_json and rank == 0:
         check_writable_file(args.log_json, "--log-json")
-    data = make_data(plan["model"], args.data, args.seed)
-    root = Path(args.checkpoint_dir or checkpoint.default_dir(plan))
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if rank == 0 else _quiet
+    sources = open_sources(plan, args, m, say)
+    data = sources.train
+    validate(action_lists(topo, sched, m, args.steps), topo.stage_graph(), sched, m, args.steps)
+    root = Path(args.checkpoint_dir or checkpoint.default_dir(plan))
     ckpt = checkpoint.Checkpoints(
         root, rank, world, checkpoint.run_identity(plan, args, name, m), args.keep_checkpoints, say
     )
@@ -106,6 +109,8 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
         _check_folder(root)
         if not args.resume:
             ckpt.refuse_foreign()
+    exporter = HFExporter(plan, args, ckpt, say) if args.save_hf else None
+    runlog = RunLog(args.log_dir, rank, say=say) if args.log_dir else None
     modules = build_stages(topo, stage_classes, rank, device)
     if args.init:
         load_init(modules, args.init, plan)
@@ -142,7 +147,9 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
         ckpt.load_rank(first)
 
     micro_batch = next(iter(plan["model"]["inputs"].values()))[0][0]
+    lr_of = lambda k: lr_at(k, args.lr, args.steps, args.warmup, args.decay)  # noqa: E731
     progress = Progress(rank == 0, args.steps, first, m * micro_batch, args.log_every)
+    progress.log, progress.lr_of = runlog, lr_of
     if args.resume:
         where = f"step {first} of {root}" if first else f"step 0: no checkpoint in {root}"
         if rank == 0:
@@ -156,9 +163,13 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
         optimizers,
         comm,
         flow.events[rank],
-        lambda k: lr_at(k, args.lr, args.steps, args.warmup, args.decay),
+        lr_of,
         args.clip,
-        saver if args.save_every else None,
+        _after_steps(
+            saver if args.save_every else None,
+            (lambda ev, k: exporter.after_checkpoint()) if exporter and rank == 0 else None,
+            (lambda ev, k: runlog.memory(k + 1, peak_memory(device))) if runlog else None,
+        ),
     )
     stepper.step_offset = first
     executor = Executor(
@@ -198,7 +209,26 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     comm.finish()
     wall = time.perf_counter() - start
     progress.close()
+    if exporter is not None:  # every rank sends its tensors, rank 0 writes the folder
+        _barrier(world, "saving the HuggingFace folder")
+        mine = {k: v for mod in modules.values() for k, v in mod.state_dict().items()}
+        exporter.at_end(mine, rank, world, device, lambda p: getattr(torch, p["dtype"]))
+    if runlog is not None:
+        runlog.close()
     return _finish(args, plan, topo, modules, progress, device, world, rank, first, m, wall)
+
+
+def _after_steps(*hooks):
+    """One on_stepped hook calling those given (None: absent), in order."""
+    hooks = [h for h in hooks if h is not None]
+    if not hooks:
+        return None
+
+    def call(event, step):
+        for hook in hooks:
+            hook(event, step)
+
+    return call
 
 
 def _message_specs(topo: Topology):

@@ -1,0 +1,74 @@
+"""What a run records for people to look at: JSON lines, and TensorBoard scalars where installed.
+
+    log = RunLog("runs/exp1", rank=0)     # runs/exp1/log.jsonl and runs/exp1/tensorboard/
+    log.record("train", step=3, loss=4.1, lr=1e-3, samples_per_s=812.0)
+    log.record("eval", step=5, loss=3.9, perplexity=49.4)
+    log.memory(step=3, peak_bytes=2**30)  # every rank: tensorboard/rank-<r>/
+    log.close()
+
+Rank 0 writes `log.jsonl` (one object per line: kind, step, figures) and the scalars `train/*`,
+`eval/*`; every rank writes its own peak memory under `tensorboard/rank-<r>`. The JSON-lines
+file is rewritten whole through the atomic writer, at most every `flush_s` seconds and at
+the end, so a crash leaves the previous complete file. TensorBoard is optional
+(`pip install tensorboard`): without it the scalars are skipped, said once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from .atomic import check_writable_folder, write_atomic
+
+__all__ = ["RunLog"]
+
+
+class RunLog:
+    def __init__(self, folder, rank: int, flush_s: float = 5.0, say=print):
+        self.folder, self.rank, self.flush_s = Path(folder), rank, flush_s
+        self.lines: list[str] = []
+        self._flushed = 0.0
+        self.board = None
+        self.folder.mkdir(parents=True, exist_ok=True)
+        check_writable_folder(self.folder, f"the log folder {self.folder}")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            if rank == 0:
+                say("ftpipe: note: tensorboard is not installed; logging JSON lines only")
+        else:
+            self.board = SummaryWriter(str(self.folder / "tensorboard" / f"rank-{rank}"))
+
+    @property
+    def path(self) -> Path:
+        return self.folder / "log.jsonl"
+
+    def record(self, kind: str, step: int, **figures) -> None:
+        """One line of the JSON-lines log (rank 0) and its scalars under `kind/`."""
+        if self.rank != 0:
+            return
+        self.lines.append(json.dumps({"kind": kind, "step": step, **figures}))
+        if self.board is not None:
+            for name, value in figures.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.board.add_scalar(f"{kind}/{name}", value, step)
+        if time.monotonic() - self._flushed >= self.flush_s:
+            self.flush()
+
+    def memory(self, step: int, peak_bytes: int) -> None:
+        """This rank's peak memory, as a scalar of its own TensorBoard run."""
+        if self.board is not None:
+            self.board.add_scalar("memory/peak_GiB", peak_bytes / 2**30, step)
+
+    def flush(self) -> None:
+        if self.rank == 0 and self.lines:
+            write_atomic(self.path, "\n".join(self.lines) + "\n")
+        if self.board is not None:
+            self.board.flush()
+        self._flushed = time.monotonic()
+
+    def close(self) -> None:
+        self.flush()
+        if self.board is not None:
+            self.board.close()
