@@ -7,6 +7,7 @@ import time
 import click
 from ftpipe_runtime.atomic import check_writable_file
 from ftpipe_runtime.models import HEADS
+from ftpipe_runtime.precision import PRECISIONS
 
 from .cli import cli, echo_json
 from .measured import DEVICES
@@ -41,7 +42,8 @@ def models(as_json):
     click.echo("\nHardware (--hardware NAME):")
     for h in rows["hardware"]:
         click.echo(
-            f"  {h['name']:<12} {h['memory_bytes'] / 2**30:>5.0f} GiB  {h['peak_flops'] / 1e12:>6.1f} TFLOP/s  "
+            f"  {h['name']:<12} {h['memory_bytes'] / 2**30:>5.0f} GiB  {h['peak_flops'] / 1e12:>6.1f} "
+            f"TFLOP/s fp32 {h['peak_flops_16bit']['bfloat16'] / 1e12:>6.1f} bf16  "
             f"link {h['link_bandwidth'] / 1e9:>5.0f} GB/s  {h['description']}"
         )
     click.echo(
@@ -111,6 +113,15 @@ def model_options(f):
         ),
         click.option(
             "--hardware", default="rtx2080ti", show_default=True, help="GPU spec for the costs."
+        ),
+        click.option(
+            "--dtype",
+            "precision",
+            type=click.Choice(list(PRECISIONS)),
+            default="fp32",
+            show_default=True,
+            help="Training precision: bf16 and fp16 compute in 16 bits with fp32 master weights "
+            "and optimizer state (fp16 with loss scaling); bf16-pure keeps everything in bf16.",
         ),
         click.option(
             "--granularity", type=click.Choice(GRANULARITIES), default="op", show_default=True

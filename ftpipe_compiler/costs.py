@@ -3,7 +3,8 @@
     graph = analytic_costs(traced, get_hardware("rtx2080ti"))
 
 FLOPs come from `torch.utils.flop_counter.FlopCounterMode` while the exported program
-runs on `meta` tensors (no memory, about a second for T5-3B). Bytes moved are the bytes
+runs on `meta` tensors (no memory, about a second for T5-3B). An op runs at the hardware's
+peak for its output dtype (bf16 / fp16 tensor cores for a model traced in 16 bits). Bytes moved are the bytes
 an op reads and writes; view ops move nothing. Backward costs twice the forward unless
 the op needs no gradient; recompute costs one forward.
 """
@@ -79,11 +80,12 @@ def analytic_costs(traced: Traced, hw: Hardware, granularity: str = "op") -> OpG
             + sum(input_bytes[i] for i in n.inputs)
         )
         moved = 0.0 if view else float(read + n.out_bytes)
-        fwd = 0.0 if view else hw.op_time(f, moved)
+        # A matmul computing in bf16 makes bf16: its output dtype says which peak it runs at.
+        fwd = 0.0 if view else hw.op_time(f, moved, n.dtype)
         bwd = (
             0.0
             if (view or not n.requires_grad)
-            else hw.op_time(BACKWARD_FACTOR * f, BACKWARD_FACTOR * moved)
+            else hw.op_time(BACKWARD_FACTOR * f, BACKWARD_FACTOR * moved, n.dtype)
         )
         act = 0 if (view or not n.requires_grad) else n.out_bytes
         nodes.append(

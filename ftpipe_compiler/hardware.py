@@ -12,27 +12,35 @@ from .resources import config_names, load_config
 class Hardware:
     name: str
     memory_bytes: int
-    peak_flops: float
+    peak_flops: float  # fp32
     memory_bandwidth: float  # bytes/s
     link_bandwidth: float  # bytes/s between two devices
     efficiency: float = 0.5  # fraction of peak that real kernels reach
     kernel_overhead_s: float = 0.0
     description: str = ""
+    # (dtype, FLOP/s): dense tensor-core peaks of 16-bit math (fp32 accumulate)
+    peak_flops_16bit: tuple[tuple[str, float], ...] = ()
 
-    def op_time(self, flops: float, bytes_moved: float) -> float:
+    def peak(self, dtype: str = "float32") -> float:
+        """Peak FLOP/s of math in `dtype` (an op computing in bf16 runs on bf16 tensor cores)."""
+        return dict(self.peak_flops_16bit).get(dtype, self.peak_flops)
+
+    def op_time(self, flops: float, bytes_moved: float, dtype: str = "float32") -> float:
         """Roofline time of one kernel: compute- or memory-bound, whichever is slower."""
         if flops == 0 and bytes_moved == 0:
             return 0.0
-        compute = flops / (self.peak_flops * self.efficiency)
+        compute = flops / (self.peak(dtype) * self.efficiency)
         memory = bytes_moved / (self.memory_bandwidth * self.efficiency)
         return max(compute, memory) + self.kernel_overhead_s
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return asdict(self) | {"peak_flops_16bit": dict(self.peak_flops_16bit)}
 
     @classmethod
     def from_json(cls, d: dict) -> Hardware:
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        d = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        d["peak_flops_16bit"] = tuple(sorted(dict(d.get("peak_flops_16bit") or {}).items()))
+        return cls(**d)
 
 
 def get_hardware(name: str) -> Hardware:

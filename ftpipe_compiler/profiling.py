@@ -5,6 +5,8 @@ traced, graph = costed_graph("t5-3b", task="rte", hardware="rtx2080ti")
 
 from __future__ import annotations
 
+from ftpipe_runtime.precision import PRECISIONS
+
 from .costs import analytic_costs
 from .errors import FtpipeError
 from .graph import OpGraph
@@ -29,6 +31,7 @@ def costed_graph(
     head: str | None = None,
     target_len: int | None = None,
     batch: int | None = None,
+    precision: str = "fp32",
     **measured_options,
 ) -> tuple[ModelSpec, Task, Traced, OpGraph]:
     if granularity not in GRANULARITIES:
@@ -40,7 +43,9 @@ def costed_graph(
     hw = get_hardware(hardware)
     spec = resolve_model(model, head)
     t = resolve_task(spec, task, seq_len, target_len, micro_batch, batch)
-    traced = trace_model(spec, t, t.micro_batch)
+    if precision not in PRECISIONS:
+        raise FtpipeError(f"unknown precision {precision!r}; choose from {', '.join(PRECISIONS)}")
+    traced = trace_model(spec, t, t.micro_batch, precision=precision)
     if profile == "measured":
         from .measured import measured_costs
 

@@ -11,10 +11,11 @@ import contextlib
 import signal
 import textwrap
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from ftpipe_runtime.precision import get_precision
 from torch import fx
 
 from .errors import TraceError
@@ -62,8 +63,14 @@ class Traced:
     placeholders: dict[str, tuple[str, str]]
 
 
-def trace_model(spec: ModelSpec, task: Task, micro_batch: int, device="meta", model=None) -> Traced:
-    model = model if model is not None else spec.build(device)
+def trace_model(
+    spec: ModelSpec, task: Task, micro_batch: int, device="meta", model=None, precision="fp32"
+) -> Traced:
+    """Trace the training forward of `spec` as it runs in `precision` (the model built at its
+    compute dtype, as transformers builds it: the casts and fp32 islands are the model's)."""
+    compute = get_precision(precision).dtype
+    if model is None:
+        model = spec.build(device, dtype=None if compute == torch.float32 else compute)
     inputs = spec.example_inputs(task, micro_batch, device)
     with _noting_ctrl_c() as interrupted:
         try:
@@ -81,7 +88,9 @@ def trace_model(spec: ModelSpec, task: Task, micro_batch: int, device="meta", mo
             ) from None
     _check_loss(spec, program)
     inline_regions(program.graph_module)
-    return Traced(*_to_graph(spec, task, micro_batch, model, inputs, program))
+    graph, program, placeholders = _to_graph(spec, task, micro_batch, model, inputs, program)
+    meta = {**graph.meta, "precision": precision, "compute_dtype": str(compute)[6:]}
+    return Traced(replace(graph, meta=meta), program, placeholders)
 
 
 def inline_regions(gm: fx.GraphModule) -> None:

@@ -81,14 +81,18 @@ class ModelSpec:
     def package_name(self) -> str:
         return re.sub(r"\W", "_", self.name).strip("_").lower() + "_pipeline"
 
-    def build(self, device="meta", dropout: float | None = None, seed: int = 0) -> nn.Module:
-        """The loss-returning model, randomly initialised (on `meta`: no memory at all)."""
+    def build(
+        self, device="meta", dropout: float | None = None, seed: int = 0, dtype=None
+    ) -> nn.Module:
+        """The loss-returning model, randomly initialised (on `meta`: no memory at all);
+        `dtype` (bf16, fp16): as transformers builds the model at that dtype."""
         if self.kind == "function":
             model, _ = self._call_function()
+            model = model.to(dtype) if dtype is not None else model
             return FunctionModel(model).to(device)
         from ftpipe_runtime.models import hf
 
-        model = hf.build_model(self.config, self.hf_class, device, dropout, seed)
+        model = hf.build_model(self.config, self.hf_class, device, dropout, seed, dtype)
         if HEADS[self.head].decoder and not hf.shift_agrees(model, self.vocab, self.model_type):
             raise FtpipeError(
                 f"{self.spec}: {self.hf_class} makes its decoder inputs from the labels in its own "

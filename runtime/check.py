@@ -97,7 +97,9 @@ def load_reference_weights(net, folder) -> None:
 def check(stage_classes: dict, plan: dict, seed: int = 0) -> CheckResult:
     """All stages chained in one CPU process against the original model, as the doc says."""
     net, forward = reference_model(plan, seed)
-    stages = {k: cls(device="cpu") for k, cls in stage_classes.items()}
+    # In fp32 whatever the package was compiled for: its 16-bit casts follow the stage's dtype,
+    # so this checks the code, exactly, against the original model in fp32.
+    stages = {k: cls(device="cpu", dtype=torch.float32) for k, cls in stage_classes.items()}
     folder = weights_folder(stages[0])
     if weight_files(folder):
         load_reference_weights(net, folder)  # the stages loaded theirs when they were built

@@ -39,14 +39,19 @@ class StageModule(nn.Module):
     PARAMS: tuple = ()
     BUFFERS_FILE: Path | None = None  # values of the non-trainable tensors (position ids...)
     WEIGHTS_DIR: str = ""  # the model's folder, when it holds *.safetensors
+    TRACED_DTYPE: str = "float32"  # the compute dtype the code was traced in
 
     def __init__(self, device="cpu", dtype=None, materialize=True):
+        """`dtype`: the compute dtype to run in (default: the traced one). Tensors traced in
+        the traced compute dtype take it; others (fp32 islands, integer ids) keep theirs."""
         super().__init__()
+        traced = getattr(torch, self.TRACED_DTYPE)
+        self.compute_dtype = dtype or traced
         where = torch.device(device) if materialize else torch.device("meta")
         for name, shape, dt, trainable, _ in self.PARAMS:
             dt = getattr(torch, dt)
-            if dtype is not None and dt.is_floating_point:
-                dt = dtype
+            if dt == traced:
+                dt = self.compute_dtype
             t = torch.empty(tuple(shape), dtype=dt, device=where)
             owner, leaf = self._owner(name)
             if trainable:

@@ -29,6 +29,7 @@ HW_KEYS = {
     "description",
     "memory_bytes",
     "peak_flops",
+    "peak_flops_16bit",
     "memory_bandwidth",
     "link_bandwidth",
     "efficiency",
@@ -82,6 +83,8 @@ def check_hardware(folder: Path, errors: list[str]) -> None:
             errors.append(f"hardware {p.name}: name {h.get('name')!r} != file stem")
         if not h.get("sources"):
             errors.append(f"hardware {p.name}: no sources for its figures")
+        if set(h.get("peak_flops_16bit") or {}) != {"bfloat16", "float16"}:
+            errors.append(f"hardware {p.name}: peak_flops_16bit needs bfloat16 and float16")
 
 
 def main() -> int:

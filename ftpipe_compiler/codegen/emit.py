@@ -1,9 +1,10 @@
 """Turn a stage's traced values into the straight-line body of its `forward`.
 
-One line per ATen call, `aten.<op>.<overload>(...)` exactly as traced, with three rewrites:
+One line per ATen call, `aten.<op>.<overload>(...)` exactly as traced, with four rewrites:
 devices baked in by tracing become the stage's `device`, dropout's `train` flag becomes
-`self.training`, and an in-place op on a tensor the stage received works on a copy (the
-sender's tensor is not the stage's to change). A weight owned by another stage is read from
+`self.training`, a 16-bit trace's compute dtype becomes the stage's `self.compute_dtype`, and
+an in-place op on a tensor the stage received works on a copy (the sender's tensor is not
+the stage's to change). A weight owned by another stage is read from
 `tensors` like an activation; its owner returns it (the parameter itself) beside its outputs.
 """
 
@@ -54,11 +55,20 @@ class StageEmitter:
     """Writes the body of one stage's forward."""
 
     def __init__(
-        self, st: StageLayout, lay: Layout, names: dict[str, str], placeholders: dict, param_expr
+        self,
+        st: StageLayout,
+        lay: Layout,
+        names: dict[str, str],
+        placeholders: dict,
+        param_expr,
+        compute: torch.dtype = torch.float32,
     ):
         self.st, self.lay, self.names = st, lay, dict(names)
         self.placeholders = placeholders
         self.param_expr = param_expr
+        # Traced in 16 bits, a cast to that dtype is a cast to the compute dtype: it follows
+        # the stage's (an fp32 run of the same code then computes what fp32 HF does).
+        self.compute = compute if compute != torch.float32 else None
         self.uses_operator = False
         self.uses_device = False
 
@@ -144,6 +154,8 @@ class StageEmitter:
             return "device"
         if isinstance(a, _Raw):
             return a.text
+        if isinstance(a, torch.dtype) and a == self.compute:
+            return "self.compute_dtype"
         if isinstance(a, list):
             return "[" + ", ".join(self._arg(x) for x in a) + "]"
         if isinstance(a, tuple):

@@ -60,13 +60,14 @@ def generate_package(
         [w.name for w in lay.wires.values() if w.weight],
     )
     info = {p.name: p for p in plan.params}
+    compute = getattr(torch, graph.meta.get("compute_dtype", "float32"))
     generated_by = f"ftpipe {__version__}: {command}"
     stages = []
     uses_operator = False
     summaries = describe(lay.stages)
     for st in tqdm(lay.stages, desc="generating stages", unit="stage", disable=None):
         emitter = StageEmitter(
-            st, lay, names, traced.placeholders, lambda n: param_expr(n, info[n].trainable)
+            st, lay, names, traced.placeholders, lambda n: param_expr(n, info[n].trainable), compute
         )
         body = emitter.body()
         uses_operator |= emitter.uses_operator
@@ -107,6 +108,7 @@ def generate_package(
         "uses_operator": uses_operator,
         "has_buffers": bool(buffers),
         "weights_dir": spec.path if _has_safetensors(spec.path) else "",
+        "traced_dtype": str(compute).removeprefix("torch."),
     }
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(templates_dir() / "package")),

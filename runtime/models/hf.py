@@ -12,6 +12,7 @@ functions, never when the runtime is imported.
 from __future__ import annotations
 
 import inspect
+import re
 
 import torch
 
@@ -96,15 +97,49 @@ def forward_inputs(class_name: str, head: str, config) -> tuple[str, ...]:
 
 
 def build_model(
-    config: dict, class_name: str, device="cpu", dropout: float | None = None, seed: int = 0
+    config: dict,
+    class_name: str,
+    device="cpu",
+    dropout: float | None = None,
+    seed: int = 0,
+    dtype: torch.dtype | None = None,
 ) -> torch.nn.Module:
-    """The model, randomly initialised from `seed` (on `meta`: no memory), in training mode."""
+    """The model, randomly initialised from `seed` (on `meta`: no memory), in training mode.
+
+    `dtype` (bf16, fp16): built as `from_pretrained(..., dtype=dtype)` builds it, the default
+    dtype set while constructing (buffers made explicitly in fp32, like rotary frequencies,
+    stay fp32) and the modules the class keeps in fp32 at that dtype upcast."""
     cls = model_class(class_name)
     hf = hf_config(config, dropout)
     torch.manual_seed(seed)
-    with torch.device(device):
-        net = cls(hf)
+    default = torch.get_default_dtype()
+    try:
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+            hf.dtype = dtype
+        with torch.device(device):
+            net = cls(hf)
+    finally:
+        torch.set_default_dtype(default)
+    if dtype is not None:
+        _keep_in_fp32(net, dtype)
     return net.train()
+
+
+def _keep_in_fp32(net: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Upcast what transformers keeps in fp32 when loading at `dtype`: `_keep_in_fp32_modules`
+    under fp16, `_keep_in_fp32_modules_strict` under fp16 and bf16 (patterns searched in the
+    parameter names, as its loader does)."""
+    patterns = list(getattr(net, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == torch.float16:
+        patterns += list(getattr(net, "_keep_in_fp32_modules", None) or ())
+    if not patterns:
+        return
+    found = re.compile("|".join(p.replace("*", ".*") for p in patterns))
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if found.search(name) and p.dtype.is_floating_point:
+                p.data = p.data.float()
 
 
 def loss_of(net: torch.nn.Module, inputs: dict) -> torch.Tensor:

@@ -102,7 +102,9 @@ def test_a_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path):
     rank1_says = iter([reason, None])  # about step 4, then about step 2
     assert rank0.choose(agree=lambda mine: [mine, next(rank1_says)])[0] == 2
     assert (
-        len(said) == 1 and "step-000004 is damaged (stage-1.safetensors" in said[0] and "\n" not in said[0]
+        len(said) == 1
+        and "step-000004 is damaged (stage-1.safetensors" in said[0]
+        and "\n" not in said[0]
     )
     assert rank1.choose()[0] == 2
     stage.write_bytes(b"")
@@ -145,7 +147,9 @@ def test_resume_after_a_damaged_checkpoint_equals_the_uninterrupted_run(tmp_path
     _run([*base, "--steps", "6"], tmp_path)  # stopped after step 6 ...
     manifest = json.loads((step_dir(tmp_path / "ckpt", 6) / "rank-0.json").read_text())
     assert manifest["next_micro_batch"] == 24 and manifest["run"]["plan"]
-    (step_dir(tmp_path / "ckpt", 6) / "stage-2.safetensors").write_bytes(b"\0" * 100)  # ... and damaged
+    (step_dir(tmp_path / "ckpt", 6) / "stage-2.safetensors").write_bytes(
+        b"\0" * 100
+    )  # ... and damaged
     stale = step_dir(tmp_path / "ckpt", 6) / ".stage-1.pt.999-0badf00d.tmp"  # a save killed
     stale.write_bytes(b"half")
     capsys.readouterr()

@@ -64,7 +64,11 @@ def write_tokenizer(folder: Path, style: str = "llama"):
             single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", eos)]
         )
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
     )
     folder.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(folder))

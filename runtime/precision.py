@@ -1,0 +1,201 @@
+"""Training precision: what the stages compute in, and what the optimizer keeps.
+
+    p = get_precision("bf16")              # Precision(compute="bfloat16", master=True, ...)
+    p.bytes_per_element()                  # {"weight": 2, "grad": 4, "master": 4, "state": 4}
+    mixed = MixedPrecision(p, modules, traced="bfloat16")   # this rank's stages
+    mixed.trainable(stage)                 # what the optimizer steps and clipping measures
+    loss * mixed.loss_scale / m            # fp16: backward of the scaled loss
+    ok = mixed.unscale_and_check(grads, total_norm_sq)   # False: overflow, skip the step
+    mixed.after_step(stage)                # master -> the stage's 16-bit weights
+
+| name | stages compute in | optimizer steps | bytes per trainable element |
+| --- | --- | --- | --- |
+| fp32 | float32 | the weights | 4 weight + 4 gradient + state in fp32 |
+| bf16 | bfloat16 | fp32 master copies; gradients summed in fp32 | 2 + 4 + 4 master + fp32 state |
+| fp16 | float16, dynamic loss scaling | as bf16 | 2 + 4 + 4 master + fp32 state |
+| bf16-pure | bfloat16 | the bf16 weights themselves | 2 + 2 + bf16 state: half the memory; small updates round away |
+
+Under mixed precision a hook on every 16-bit weight adds its gradient into the fp32 master's
+as soon as autograd produces it and frees it, so micro-batches accumulate in fp32 (as
+DeepSpeed's and Megatron's bf16 optimizers do). A weight traced in fp32 (T5's `wo` under
+fp16: transformers' `_keep_in_fp32_modules`) stays fp32 and is its own master.
+
+fp16's overflow check is global: the squared gradient norm every synchronous step sums over
+all ranks (the one collective of the step) is inf or nan on every rank when any gradient
+anywhere overflowed, so every stage skips that step and halves the scale together; after
+`growth_interval` good steps the scale doubles. `FTPIPE_INJECT_INF=stage:step` puts an inf
+into a gradient of that stage at that step, for tests of exactly this.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .errors import PipelineConfigError
+
+__all__ = ["PRECISIONS", "LossScale", "MixedPrecision", "Precision", "get_precision"]
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    compute: str  # the stages' weights, activations and messages
+    master: bool  # fp32 master weights, fp32 gradient sums and fp32 optimizer state
+    loss_scaling: bool = False
+    doc: str = ""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.compute)
+
+    def bytes_per_element(self) -> dict[str, int]:
+        """Bytes each trainable element costs: weight, its gradient, a master copy, and each
+        optimizer-state element."""
+        weight = torch.empty((), dtype=self.dtype).element_size()
+        kept = 4 if self.master else weight
+        return {"weight": weight, "grad": kept, "master": 4 if self.master else 0, "state": kept}
+
+
+PRECISIONS = {
+    p.name: p
+    for p in (
+        Precision("fp32", "float32", master=False, doc="fp32 weights, gradients and state"),
+        Precision("bf16", "bfloat16", master=True,
+                  doc="bf16 compute, fp32 master weights, gradient sums and optimizer state"),
+        Precision("fp16", "float16", master=True, loss_scaling=True,
+                  doc="fp16 compute with dynamic loss scaling, fp32 master weights and state"),
+        Precision("bf16-pure", "bfloat16", master=False,
+                  doc="bf16 weights, gradients and optimizer state: half the memory, less exact"),
+    )
+}  # fmt: skip
+
+
+def get_precision(name: str) -> Precision:
+    try:
+        return PRECISIONS[name]
+    except KeyError:
+        raise PipelineConfigError(
+            f"unknown precision {name!r}; choose from {', '.join(PRECISIONS)}"
+        ) from None
+
+
+def runnable(precision: Precision, traced: str) -> str | None:
+    """Why a package traced in `traced` cannot run in `precision` (None: it can). The traced
+    casts to the compute dtype follow the run's; code traced in fp32 has no such casts to
+    follow, and fp16's code differs from bf16's (transformers clamps fp16 activations)."""
+    if precision.compute in (traced, "float32"):
+        return None
+    if traced == "float32":
+        return f"it was compiled in fp32; compile it with --dtype {precision.name} to train so"
+    return f"it was compiled for {traced}; compile it again with --dtype {precision.name}"
+
+
+@dataclass
+class LossScale:
+    """Dynamic loss scaling (fp16): halve on overflow, double after `growth_interval` good steps."""
+
+    scale: float = 2.0**16
+    growth_interval: int = 2000
+    good_steps: int = 0
+    skipped: int = 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale = max(self.scale / 2, 1.0)
+            self.good_steps = 0
+            self.skipped += 1
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale *= 2
+            self.good_steps = 0
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+class MixedPrecision:
+    """The trainable tensors of this rank's stages under `precision` (see the module doc)."""
+
+    def __init__(self, precision: Precision, modules: dict):
+        self.precision = precision
+        self.loss_scale = LossScale() if precision.loss_scaling else None
+        self.inject = _injected()
+        self._pairs: dict[int, list[tuple[str, torch.nn.Parameter, torch.Tensor]]] = {}
+        for s, module in modules.items():
+            pairs = []
+            for name, p in module.named_parameters():
+                if not p.requires_grad:
+                    continue
+                master = p
+                if precision.master and p.dtype != torch.float32:
+                    master = p.detach().float().requires_grad_(True)
+                    p.register_post_accumulate_grad_hook(_into(master))
+                pairs.append((name, p, master))
+            self._pairs[s] = pairs
+
+    def trainable(self, stage: int) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor whose .grad the optimizer reads): the masters, or the weights."""
+        return [(n, master) for n, _, master in self._pairs.get(stage, ())]
+
+    def multiplier(self) -> float:
+        return self.loss_scale.scale if self.loss_scale else 1.0
+
+    def unscale(self, grads: list) -> None:
+        """Undo the loss scale on the gradients of a step (fp16)."""
+        if self.loss_scale is not None:
+            for g in grads:
+                g.mul_(1.0 / self.loss_scale.scale)
+
+    def poison(self, stage: int, step: int) -> None:
+        """FTPIPE_INJECT_INF: make a gradient of `stage` at `step` infinite."""
+        if self.inject == (stage, step):
+            grads = [t.grad for _, t in self.trainable(stage) if t.grad is not None]
+            if grads:
+                grads[0].view(-1)[0] = float("inf")
+
+    @torch.no_grad()
+    def after_step(self, stage: int) -> None:
+        """Copy the stepped masters into the stage's 16-bit weights."""
+        for _, p, master in self._pairs.get(stage, ()):
+            if master is not p:
+                p.copy_(master)
+
+    def state_dict(self, stage: int, module) -> dict:
+        """The stage's tensors for a checkpoint: fp32 masters in place of 16-bit weights."""
+        state = dict(module.state_dict())
+        for name, _, master in self._pairs.get(stage, ()):
+            state[name] = master.detach()
+        return state
+
+    @torch.no_grad()
+    def load(self, stage: int, module, tensors: dict) -> None:
+        """A checkpoint's tensors into the stage (cast to its dtypes) and its masters."""
+        own = module.state_dict()
+        missing = sorted(set(own) - set(tensors))
+        if missing:
+            raise KeyError(f"{missing[0]} is not in the checkpoint")
+        module.load_state_dict({k: tensors[k].to(own[k].dtype) for k in own})
+        for name, p, master in self._pairs.get(stage, ()):
+            if master is not p:
+                master.copy_(tensors[name])
+
+
+def _into(master: torch.Tensor):
+    def hook(p: torch.Tensor) -> None:
+        g = p.grad.float()
+        master.grad = g if master.grad is None else master.grad.add_(g)
+        p.grad = None
+
+    return hook
+
+
+def _injected() -> tuple[int, int] | None:
+    text = os.environ.get("FTPIPE_INJECT_INF", "")
+    if not text:
+        return None
+    stage, step = text.split(":")
+    return int(stage), int(step)
