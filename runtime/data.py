@@ -308,7 +308,9 @@ def make_data(
             f"unknown data {source!r}; choose from {', '.join(SOURCES)}, a .pt / .jsonl file "
             f"of token ids or a {' / '.join(TEXT_FORMATS)} file of text"
         )
-    if is_text_file(source, text, (model.get("inputs") or {})):
+    if Path(source).is_file() and Path(source).stat().st_size == 0:
+        raise PipelineConfigError(f"{source} is empty; give one sample per line or row")
+    if is_text_file(source, model.get("inputs") or {}):
         if isinstance(tokenizer, (str, Path)) or tokenizer is None:
             tokenizer = load_tokenizer(tokenizer)
         columns = read_text(source, model, text, tokenizer, say or _warn)

@@ -46,7 +46,7 @@ def open_sources(plan: dict, args, micro_batches: int, say=print) -> Sources:
     files = [f for f in (args.data, args.eval_data) if f and f not in SOURCES]
     inputs = model.get("inputs") or {}
     tokenizer = args.tokenizer or model.get("path")
-    if any(Path(f).is_file() and is_text_file(f, text, inputs) for f in files):
+    if any(Path(f).is_file() and is_text_file(f, inputs) for f in files):
         tokenizer = load_tokenizer(tokenizer)  # once, for both files
     seed = args.seed if args.shuffle_seed is None else args.shuffle_seed
     train = make_data(model, args.data, seed, text, tokenizer, say)

@@ -16,6 +16,7 @@ import torch
 
 from .data import SOURCES
 from .optim import DECAYS, OPTIMIZERS
+from .precision import PRECISIONS
 from .schedules import SCHEDULES
 from .text_data import TEXT_FORMATS
 
@@ -53,13 +54,14 @@ def number(kind, low, above: bool = False):
 def parse_args(argv, plan: dict) -> argparse.Namespace:
     model = plan.get("model", {})
     p = argparse.ArgumentParser(prog="python -m <package>", description="Fine-tune the pipeline.")
-    p.add_argument(
+    length = p.add_mutually_exclusive_group()
+    length.add_argument(
         "--steps",
         type=number(int, 1),
         default=None,
         help="optimizer steps in all (default 10, or what --epochs makes)",
     )
-    p.add_argument(
+    length.add_argument(
         "--epochs",
         type=number(float, 0, above=True),
         default=None,
@@ -79,6 +81,13 @@ def parse_args(argv, plan: dict) -> argparse.Namespace:
         help=f"per optimizer step (plan: {plan.get('micro_batches')})",
     )
     p.add_argument("--lr", type=number(float, 0), default=float(model.get("lr") or 1e-3))
+    p.add_argument(
+        "--dtype",
+        choices=list(PRECISIONS),
+        default=model.get("precision") or "fp32",
+        help=f"training precision (compiled: {model.get('precision') or 'fp32'}); "
+        "fp32 runs any package",
+    )
     p.add_argument(
         "--optimizer",
         choices=sorted(OPTIMIZERS),

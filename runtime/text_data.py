@@ -60,13 +60,13 @@ class TextOptions:
         return {k: v for k, v in self.__dict__.items() if v not in (None, False)}
 
 
-def is_text_file(path, options: TextOptions, model_inputs=()) -> bool:
+def is_text_file(path, model_inputs=()) -> bool:
     """Whether `path` holds text (else token ids: `.pt`, or `.jsonl` of id lists). A `.jsonl`
     is text unless its first record is a list or names a model input (`input_ids`...)."""
     suffix = Path(path).suffix
     if suffix not in TEXT_FORMATS:
         return False
-    if suffix != ".jsonl" or options.given():
+    if suffix != ".jsonl":
         return True
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -151,7 +151,7 @@ def _read_rows(path: Path, fields: list[str]) -> dict[str, list[str]]:
             "text data needs datasets and transformers: pip install 'ftpipe[hf]'"
         ) from None
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # errors: one sentence, ours
     builder = TEXT_FORMATS[path.suffix]
     try:  # a private cache: ranks do not share (or lock) one, and nothing stays behind
         with tempfile.TemporaryDirectory(prefix="ftpipe-data-") as cache:

@@ -17,6 +17,7 @@ import torch
 from ftpipe_runtime import run
 from runtime_helpers import RUNTIME_HOME
 from runtime_toy import STAGES, V, one_rank_plan, toy_plan
+from text_helpers import WORDS, write_tokenizer
 
 
 def _pt(obj):
@@ -34,10 +35,15 @@ def _lines(*lines: str):
     return lambda path: path.write_text("\n".join(lines) + "\n")
 
 
+def _tokenizer(path):
+    write_tokenizer(path, words=WORDS[:10])  # 14 tokens: the toy's vocabulary has 16
+
+
+TOK, TOK_ARG = {"tok": _tokenizer}, ["--tokenizer", "tok"]
 GOOD_ROWS = [[1, 2, 3, 4, 5, 6]] * 4
 # (case, files to write first {name: writer}, argv, exit code, what the one sentence says)
 CASES = [
-    ("empty .pt", {"d.pt": _bytes(b"")}, ["--data", "d.pt"], 1, "d.pt is not a torch file"),
+    ("empty .pt", {"d.pt": _bytes(b"")}, ["--data", "d.pt"], 1, "d.pt is empty; give one sample per line or row"),
     ("garbage .pt", {"d.pt": _bytes(b"\x80garbage" * 9)}, ["--data", "d.pt"], 1, "not a torch file"),
     ("float .pt", {"d.pt": _pt(torch.rand(4, 6))}, ["--data", "d.pt"], 1, "holds torch.float32 values; token ids are integers"),
     ("0-d .pt", {"d.pt": _pt(torch.tensor(3))}, ["--data", "d.pt"], 1, "'input_ids' is a single number"),
@@ -73,6 +79,22 @@ CASES = [
     ("--keep-checkpoints -1", {}, ["--keep-checkpoints", "-1"], 2, "argument --keep-checkpoints: -1 must be at least 0"),
     ("--steps 1.5", {}, ["--steps", "1.5"], 2, "argument --steps: '1.5' is not an integer"),
     ("unknown schedule", {}, ["--schedule", "zigzag"], 2, "argument --schedule: unknown schedule 'zigzag'; choose from gpipe"),
+    # text data (the toy compiles 6 tokens; TOK: a tokenizer folder)
+    ("missing text file", TOK, ["--data", "nope.csv", *TOK_ARG], 1, "no data file nope.csv"),
+    ("missing field", {**TOK, "d.jsonl": _lines('{"question": "one two"}')}, ["--data", "d.jsonl", *TOK_ARG], 1, "d.jsonl has no field 'text' \\(it has question\\); name the text with --text-field"),
+    ("missing target field", {**TOK, "d.csv": _lines("q,a", "one,two")}, ["--data", "d.csv", "--prompt-field", "q", "--target-field", "answer", *TOK_ARG], 1, "d.csv has no field 'answer' \\(it has q, a\\)"),
+    ("empty text file", {**TOK, "d.jsonl": _bytes(b"")}, ["--data", "d.jsonl", *TOK_ARG], 1, "d.jsonl is empty; give one sample per line or row"),
+    ("only empty texts", {**TOK, "d.txt": _lines("", "  ")}, ["--data", "d.txt", *TOK_ARG], 1, "d.txt holds only empty texts"),
+    ("over-long text", {**TOK, "d.jsonl": _lines('{"text": "one two"}', '{"text": "one two three four five six seven"}')}, ["--data", "d.jsonl", *TOK_ARG], 1, "d.jsonl sample 2 has 8 tokens of input_ids, more than the 6 the package was compiled for; pass --truncate to cut such texts, or compile again with a longer --seq-len"),
+    ("a number as text", {**TOK, "d.jsonl": _lines('{"text": 7}')}, ["--data", "d.jsonl", *TOK_ARG], 1, "d.jsonl sample 1: field 'text' holds int, not text"),
+    ("unreadable csv", {**TOK, "d.parquet": _bytes(b"PAR1 not really")}, ["--data", "d.parquet", *TOK_ARG], 1, "d.parquet cannot be read as parquet"),
+    ("no tokenizer", {"d.jsonl": _lines('{"text": "one two"}')}, ["--data", "d.jsonl"], 1, "text data needs the model's tokenizer, and the plan names no model folder; pass --tokenizer FOLDER"),
+    ("a bad eval file", {**TOK, "d.jsonl": _lines('{"text": "one two"}')}, ["--data", "d.jsonl", "--eval-data", "v.jsonl", *TOK_ARG], 1, "no data file v.jsonl"),
+    ("--eval-every without eval data", {}, ["--eval-every", "2"], 1, "--eval-every needs an evaluation set: pass --eval-data FILE"),
+    ("--epochs and --steps", {}, ["--epochs", "1"], 2, "argument --epochs: not allowed with argument --steps"),
+    ("--epochs 0", {}, ["--epochs", "0"], 2, "argument --epochs: 0 must be above 0"),
+    ("--save-hf of a function model", {}, ["--save-hf", "out"], 1, "a HuggingFace folder needs a HuggingFace model"),
+    ("--dtype unknown", {}, ["--dtype", "fp8"], 2, "argument --dtype: invalid choice: 'fp8'"),
 ]  # fmt: skip
 
 

@@ -46,12 +46,12 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def write_tokenizer(folder: Path, style: str = "llama"):
-    """A word-level tokenizer of WORDS in `folder`, loadable with AutoTokenizer."""
+def write_tokenizer(folder: Path, style: str = "llama", words=WORDS):
+    """A word-level tokenizer of `words` in `folder`, loadable with AutoTokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate([*SPECIAL, *WORDS])}
+    vocab = {w: i for i, w in enumerate([*SPECIAL, *words])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     bos, eos = vocab["<s>"], vocab["</s>"]
