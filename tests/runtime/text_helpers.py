@@ -73,3 +73,40 @@ def write_tokenizer(folder: Path, style: str = "llama", words=WORDS):
     folder.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(folder))
     return fast
+
+
+def tiny_models(root: Path) -> dict[str, Path]:
+    """Tiny Llama (tied embeddings) and T5 folders, each with its trained tokenizer, compiled
+    for 2 GPUs (16 tokens; T5: 8 target tokens): model name -> the package folder."""
+    import torch
+    import transformers
+    from click.testing import CliRunner
+
+    from ftpipe_compiler.cli import cli
+
+    configs = {
+        "llama": transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=32, max_position_embeddings=64,
+            tie_word_embeddings=True, attention_dropout=0.0, bos_token_id=2, eos_token_id=3,
+            pad_token_id=0,
+        ),
+        "t5": transformers.T5Config(
+            d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=32,
+            decoder_start_token_id=0, dropout_rate=0.0, eos_token_id=3, pad_token_id=0,
+        ),
+    }  # fmt: skip
+    classes = {"llama": "LlamaForCausalLM", "t5": "T5ForConditionalGeneration"}
+    out = {}
+    for name, config in configs.items():
+        folder = root / "models" / name
+        torch.manual_seed(0)
+        getattr(transformers, classes[name])(config).save_pretrained(folder)
+        write_tokenizer(folder, "llama" if name == "llama" else "t5")
+        shape = ["--seq-len", "16", "--micro-batch", "2", "--batch", "4"]
+        shape += ["--target-len", "8"] if name == "t5" else []
+        args = ["compile", "--model", str(folder), "--gpus", "2", *shape, "-o", str(root / name)]
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 0, result.output
+        out[name] = root / name / f"{name}_pipeline"
+    return out
