@@ -18,6 +18,7 @@ from tqdm import tqdm
 from .cli import cli, command_line, echo_json
 from .cli_commands import model_options
 from .codegen import generate_package
+from .cost_model import describe
 from .output import check_writable, output_folder
 from .partition import PARTITIONERS, pick_best, problem_from_graph, run_partitioners
 from .profiling import costed_graph
@@ -164,6 +165,7 @@ def compile_command(
             {
                 "lower_bound_s": problem.lower_bound(),
                 "winner": best.partitioner,
+                "precision": problem.precision.name,
                 "gpus": plan.gpus,
                 "results": rows,
                 "package": str(package),
@@ -178,6 +180,7 @@ def compile_command(
         f"{gpus} x {problem.hardware.name}, schedule {schedule}, {problem.optimizer}, "
         f"{problem.micro_batches} micro-batches of {graph.meta.get('micro_batch')}"
     )
+    click.echo(describe(problem.precision, problem.hardware))
     from .cli_partition import table  # a sibling command module: imported late, no cycle
 
     click.echo(table(results, problem.lower_bound()))

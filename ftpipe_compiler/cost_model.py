@@ -22,23 +22,45 @@ import math
 from dataclasses import dataclass
 
 import torch
+from ftpipe_runtime.precision import PRECISIONS as RUNTIME_PRECISIONS
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "adafactor")
 
 
 @dataclass(frozen=True)
 class Precision:
-    """Bytes per element of what training keeps (mixed precision would add a master copy)."""
+    """Bytes per element of what training keeps, for tensors in the compute dtype."""
 
     name: str
     weight: int  # each version of a weight
-    grad: int  # its gradient
+    grad: int  # its gradient (the sum over a step's micro-batches)
     state: int  # each optimizer-state element
     master: int = 0  # a full-precision copy beside low-precision weights; 0: none
+    compute: str = "float32"  # the stages' dtype: tensors traced in another keep their own
+
+    @classmethod
+    def of(cls, runtime) -> Precision:
+        """The sizes of a runtime precision (`ftpipe_runtime.precision`: what training does)."""
+        b = runtime.bytes_per_element()
+        return cls(runtime.name, b["weight"], b["grad"], b["state"], b["master"], runtime.compute)
 
 
-PRECISIONS = {"fp32": Precision("fp32", weight=4, grad=4, state=4)}
+# fp32 4 + 4 + 4 per state element; bf16 / fp16 mixed 2 + 4 + 4 master + 4; bf16-pure 2 + 2 + 2.
+PRECISIONS = {name: Precision.of(p) for name, p in RUNTIME_PRECISIONS.items()}
 FP32 = PRECISIONS["fp32"]
+
+
+def describe(precision: Precision, hardware=None) -> str:
+    """One line on what a precision keeps per trainable parameter, and where its math runs."""
+    p = precision
+    kept = f"{p.weight} B weight + {p.grad} B gradient"
+    kept += f" + {p.master} B fp32 master" if p.master else ""
+    line = f"precision {p.name}: {kept} per parameter, {p.state} B per optimizer-state element"
+    if hardware is not None and p.compute != "float32":
+        peak = hardware.peak(p.compute)
+        slow = " (no tensor cores for it: the fp32 rate)" if peak <= hardware.peak_flops else ""
+        line += f"; {p.compute} math at {peak / 1e12:.1f} TFLOP/s on {hardware.name}{slow}"
+    return line
 
 
 def optimizer_state_elements(shape: tuple[int, ...], optimizer: str) -> int:
@@ -61,12 +83,17 @@ def param_bytes(
     optimizer: str,
     precision: Precision = FP32,
 ) -> tuple[int, int]:
-    """(bytes of one copy of the weight, bytes of its gradient and optimizer state). Floating
-    tensors take the precision's sizes; others (integer position ids) their own dtype's."""
+    """(bytes of one copy of the weight, bytes of its gradient and optimizer state). Tensors
+    in the precision's compute dtype take its sizes; others (integer position ids, an fp32
+    island of a 16-bit model such as T5's `wo` under fp16) their own dtype's, with a gradient
+    and optimizer state of that size and no master copy."""
     numel = math.prod(shape)
     torch_dtype = getattr(torch, dtype)
+    size = torch.empty((), dtype=torch_dtype).element_size()
     if not torch_dtype.is_floating_point:
-        return numel * torch.empty((), dtype=torch_dtype).element_size(), 0
+        return numel * size, 0
+    if dtype != precision.compute:
+        precision = Precision(dtype, weight=size, grad=size, state=size, compute=dtype)
     weight = numel * precision.weight
     if not trainable:
         return weight, 0

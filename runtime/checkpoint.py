@@ -83,6 +83,7 @@ def run_identity(plan: dict, args, schedule: str, micro_batches: int) -> dict:
         text["shuffle_seed"] = args.shuffle_seed
     return text | {
         "plan": plan_hash(plan),
+        "dtype": getattr(args, "dtype", "fp32"),
         "schedule": schedule,
         "micro_batches": micro_batches,
         "seed": args.seed,
@@ -180,7 +181,9 @@ class Checkpoints:
         if optimizer is not None:
             self._save(step, f"stage-{stage}.optimizer.pt", _cpu(optimizer.state_dict()))
 
-    def finish_rank(self, step: int, next_micro_batch: int, steps: int | None = None) -> None:
+    def finish_rank(
+        self, step: int, next_micro_batch: int, steps: int | None = None, state=None
+    ) -> None:
         """The rank's RNG, then its manifest (last: it marks its part complete), then prune."""
         cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
         self._save(step, f"rank-{self.rank}.pt", {"cpu": torch.get_rng_state(), "cuda": cuda})
@@ -194,6 +197,7 @@ class Checkpoints:
             "steps": steps,
             "next_micro_batch": next_micro_batch,  # where the data continues
             "in_flight": None,  # room for an asynchronous schedule's pipeline state
+            "state": state or {},  # small run state: fp16's loss scale
             "files": self._files.pop(step),
         }
         write_atomic(step_dir(self.root, step) / f"rank-{self.rank}.json", json.dumps(manifest))
@@ -352,6 +356,7 @@ class Saver:
         self.ckpt, self.every, self.steps, self.m = ckpt, every, steps, micro_batches
         self.modules: dict = {}
         self.optimizers: dict = {}
+        self.precision = None  # a MixedPrecision: its fp32 masters are the weights saved
         self._saved: dict[int, set] = {}  # step -> stages saved (asynchronous: one at a time)
 
     def __call__(self, event, step: int) -> None:
@@ -359,8 +364,12 @@ class Saver:
         if done % self.every and done != self.steps:
             return
         for s in event.stages:
-            self.ckpt.save_stage(done, s, self.modules[s], self.optimizers[s])
+            mixed, module = self.precision, self.modules[s]
+            tensors = mixed.state_dict(s, module) if mixed is not None else None
+            self.ckpt.save_stage(done, s, module, self.optimizers[s], tensors)
         self._saved.setdefault(done, set()).update(event.stages)
         if self._saved[done] == set(self.modules):
-            self.ckpt.finish_rank(done, next_micro_batch=done * self.m, steps=self.steps)
+            scale = getattr(self.precision, "loss_scale", None)
+            state = {"loss_scale": scale.to_json()} if scale is not None else None
+            self.ckpt.finish_rank(done, done * self.m, steps=self.steps, state=state)
             del self._saved[done]

@@ -42,6 +42,8 @@ def init_distributed(rank: int, world: int, device: str, init_method: str, setup
 
 def describe(key: Key) -> str:
     kind, name, index = key
+    if kind == "eval":
+        return f"activation {name!r} of evaluation batch {index}"
     what = "activation" if kind == "act" else "gradient"
     return f"{what} {name!r} of micro-batch {index}"
 
@@ -87,23 +89,24 @@ class Comm:
             elif self.rank == dst:
                 dist.recv(token, src=src, group=group)
 
-    # --- the per-step losses, from the loss stage's rank to rank 0 (logging) ---
-    def send_loss(self, step: int, message: torch.Tensor) -> None:
-        work = dist.isend(message, dst=0, group=self.loss_group, tag=step)
-        self._sends.append((work, message, 0, ("loss", "", step)))
+    # --- the per-step losses and evaluation results, from the loss stage's rank to rank 0 ---
+    def send_loss(self, tag: int, message: torch.Tensor) -> None:
+        work = dist.isend(message, dst=0, group=self.loss_group, tag=tag)
+        self._sends.append((work, message, 0, ("loss", "", tag)))
 
-    def listen_losses(self, src: int, steps: int, size: int, callback) -> threading.Thread:
-        """Receive the losses of `steps` steps in a thread, calling `callback(step, message)`.
-        A thread, because a posted gloo receive reports completion only to `wait`."""
+    def listen_losses(self, src: int, messages) -> threading.Thread:
+        """Receive `messages`, (tag, size, callback) in the order `src` sends them, in a
+        thread, calling `callback(message)` for each. A thread, because a posted gloo
+        receive reports completion only to `wait`."""
 
         def loop():
             try:
                 if self.device.type == "cuda":  # the current device is per thread
                     torch.cuda.set_device(self.device)
-                for k in range(steps):
+                for tag, size, callback in messages:
                     buf = torch.empty(size, dtype=torch.float64, device=self.device)
-                    dist.irecv(buf, src=src, group=self.loss_group, tag=k).wait()
-                    callback(k, buf)
+                    dist.irecv(buf, src=src, group=self.loss_group, tag=tag).wait()
+                    callback(buf)
             except Exception as e:  # noqa: BLE001 - reported by the main thread
                 self.listener_error = e
 

@@ -9,7 +9,7 @@
 
 Receivers post their receives in the sender's order (NCCL matches point-to-point messages
 by order, not tag), so both ends must derive that order from the same lists. Keys:
-("act", tensor, mb) and ("grad", tensor, mb).
+("act", tensor, mb), ("grad", tensor, mb) and ("eval", tensor, evaluation batch).
 
 Optimizer steps: synchronous schedules step every stage of a rank at its last S of a step
 (all backwards of the step are done then), so one gradient norm across all ranks can clip.
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from .schedules import Schedule, WeightPlan, weight_plan
 from .topology import Topology
 
-Key = tuple  # ("act" | "grad", tensor name, micro-batch)
+Key = tuple  # ("act" | "grad" | "eval", tensor name, micro-batch)
 
 
 @dataclass(frozen=True)
@@ -76,9 +76,10 @@ def build_dataflow(topo: Topology, lists: dict, micro_batches: int, schedule: Sc
 def sends(topo: Topology, flow: Dataflow, rank: int, a) -> list[tuple]:
     """(destination rank, key) of every message action `a` sends, in sending order."""
     out = []
-    if a.kind == "F":
+    if a.kind in ("F", "E"):
+        key = "act" if a.kind == "F" else "eval"
         for t in topo.outputs[a.stage]:
-            out += [(dst, ("act", t, a.mb)) for dst in topo.remote_ranks(t)]
+            out += [(dst, (key, t, a.mb)) for dst in topo.remote_ranks(t)]
     elif a.kind == "B":
         for t in topo.inputs[a.stage]:
             tr = topo.transfers[t]

@@ -36,6 +36,7 @@ class Executor:
         self.comm, self.data, self.stepper = comm, data, stepper
         self.m, self.device, self.on_loss = micro_batches, torch.device(device), on_loss
         self.mb_offset = 0  # micro-batches done before this run (resume)
+        self.loss_scale = lambda: 1.0  # fp16: the loss multiplier (precision.MixedPrecision)
         self.start = time.perf_counter()
         self.recompute: dict[tuple[int, int], bool] = {}
         self.acts: dict[tuple[str, int], list] = {}  # (tensor, mb) -> [value, uses left]
@@ -49,13 +50,14 @@ class Executor:
         if self.weights is not None:
             for key in self.weights.stashed:
                 self._drop.setdefault(self.weights.last_use[key], []).append(key)
-        self._run = {"F": self.forward, "B": self.backward, "S": self.step}
+        # One handler per action kind; evaluation's ("E") is added by the run when it has one.
+        self.handlers = {"F": self.forward, "B": self.backward, "S": self.step}
 
     def run(self, actions, after=None) -> None:
         self.start = time.perf_counter()
         self.recompute = {(a.stage, a.mb): a.recompute for a in actions if a.kind == "B"}
         for i, a in enumerate(actions):
-            self._run[a.kind](i, a)
+            self.handlers[a.kind](i, a)
             for key in self._drop.get(i, ()):
                 del self.stash[key]
             if after is not None:
@@ -134,7 +136,8 @@ class Executor:
                 out = self._call(s, params, inputs)
         roots, grads = [], []
         if s == self.topo.loss_stage:
-            roots.append(out["loss"] * (1.0 / self.m))  # gradients accumulate over the step
+            # Gradients accumulate over the step (and carry fp16's loss scale).
+            roots.append(out["loss"] * (self.loss_scale() / self.m))
             grads.append(None)
         for t in self.topo.outputs[s]:
             if self.topo.transfers[t].grad:

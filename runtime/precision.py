@@ -117,12 +117,25 @@ class LossScale:
         return dict(self.__dict__)
 
 
+def plan_in(plan: dict, precision: Precision) -> dict:
+    """The plan as this run computes: messages traced in the compute dtype carry the run's."""
+    traced = plan.get("model", {}).get("compute_dtype", "float32")
+    if traced == precision.compute:
+        return plan
+    transfers = [
+        {**t, "dtype": precision.compute} if str(t["dtype"]) == traced else t
+        for t in plan["transfers"]
+    ]
+    return {**plan, "transfers": transfers}
+
+
 class MixedPrecision:
     """The trainable tensors of this rank's stages under `precision` (see the module doc)."""
 
     def __init__(self, precision: Precision, modules: dict):
         self.precision = precision
         self.loss_scale = LossScale() if precision.loss_scaling else None
+        self.skipped: list[int] = []  # steps skipped for an overflow
         self.inject = _injected()
         self._pairs: dict[int, list[tuple[str, torch.nn.Parameter, torch.Tensor]]] = {}
         for s, module in modules.items():
@@ -144,11 +157,28 @@ class MixedPrecision:
     def multiplier(self) -> float:
         return self.loss_scale.scale if self.loss_scale else 1.0
 
-    def unscale(self, grads: list) -> None:
-        """Undo the loss scale on the gradients of a step (fp16)."""
-        if self.loss_scale is not None:
-            for g in grads:
-                g.mul_(1.0 / self.loss_scale.scale)
+    def sweep(self, stage: int) -> None:
+        """Move gradients that reached a 16-bit weight without autograd (a set-aside weight
+        version's, added by the executor) into its master."""
+        for _, p, master in self._pairs.get(stage, ()):
+            if master is not p and p.grad is not None:
+                _into(master)(p)
+
+    def checked(self, grads: list, total_sq: torch.Tensor, step: int) -> bool:
+        """fp16: undo the loss scale on `grads` and on their summed squared norm (every
+        rank's), update the scale; False when the step must be skipped (inf or nan)."""
+        if self.loss_scale is None:
+            return True
+        used = self.loss_scale.scale  # what this step's loss was multiplied by
+        overflow = not bool(torch.isfinite(total_sq))
+        self.loss_scale.update(overflow)
+        if overflow:
+            self.skipped.append(step)
+            return False
+        for g in grads:
+            g.mul_(1.0 / used)
+        total_sq.mul_(1.0 / used**2)
+        return True
 
     def poison(self, stage: int, step: int) -> None:
         """FTPIPE_INJECT_INF: make a gradient of `stage` at `step` infinite."""
@@ -163,6 +193,20 @@ class MixedPrecision:
         for _, p, master in self._pairs.get(stage, ()):
             if master is not p:
                 p.copy_(master)
+
+    def restore(self, state: dict) -> None:
+        """The loss scale a checkpoint's manifest kept (`Saver`: state["loss_scale"])."""
+        saved = state.get("loss_scale")
+        if self.loss_scale is not None and isinstance(saved, dict):
+            self.loss_scale = LossScale(**saved)
+
+    def saved_dtype(self, param: dict, traced: str) -> torch.dtype:
+        """The dtype `state_dict` holds a plan parameter in: fp32 for a trainable weight with a
+        master, else its traced dtype, which follows the compute dtype if it was that one."""
+        dtype = self.precision.compute if param["dtype"] == traced else param["dtype"]
+        if self.precision.master and param.get("trainable") and dtype in ("bfloat16", "float16"):
+            return torch.float32
+        return getattr(torch, dtype)
 
     def state_dict(self, stage: int, module) -> dict:
         """The stage's tensors for a checkpoint: fp32 masters in place of 16-bit weights."""

@@ -61,6 +61,16 @@ class Progress:
                 f"{self.samples_per_s():.1f} samples/s"
             )
 
+    def evaluated(self, step: int, loss: float, ppl: float | None, samples: int) -> None:
+        """An evaluation after `step` steps: its mean loss (and perplexity) over `samples`."""
+        self.evals[step] = {"loss": loss, "perplexity": ppl, "samples": samples}
+        if not self.enabled:
+            return
+        more = f", perplexity {ppl:.2f}" if ppl is not None else ""
+        self.write(f"eval after step {step}: loss {loss:.4f}{more} ({samples} samples)")
+        if self.log is not None:
+            self.log.record("eval", step, loss=loss, perplexity=ppl, samples=samples)
+
     def samples_per_s(self) -> float:
         """Samples of finished steps over the time since training started (pipeline fill too)."""
         if not self.times:

@@ -32,10 +32,12 @@ from .atomic import (
 from .comm import Comm, init_distributed
 from .dataflow import action_lists, build_dataflow
 from .errors import PeerFailure, PipelineConfigError, WriteFailed
+from .evaluate import Evaluator, eval_points, loss_messages, perplexity, with_evaluation
 from .executor import Executor
 from .finetune import HFExporter, open_sources
 from .optim import lr_at, make_optimizer
 from .options import parse_args
+from .precision import MixedPrecision, get_precision, plan_in, runnable
 from .report import Progress, checksums, human_bytes, peak_memory
 from .runlog import RunLog
 from .schedules import resolve_schedule, validate
@@ -92,6 +94,8 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     name = args.schedule or plan["schedule"]
     sched = resolve_schedule(name)
     m = args.micro_batches or sched.micro_batches or int(plan["micro_batches"])
+    precision = _precision(plan, args, sched)
+    topo = Topology(plan_in(plan, precision))  # messages in the run's compute dtype
     # Everything that can be refused is refused here, before any rank waits for another:
     # the data (which settles --steps under --epochs), then the schedule's lists on this
     # plan (a CSV file that skips or deadlocks).
@@ -100,7 +104,8 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if rank == 0 else _quiet
     sources = open_sources(plan, args, m, say)
     data = sources.train
-    validate(action_lists(topo, sched, m, args.steps), topo.stage_graph(), sched, m, args.steps)
+    lists = _with_evaluation(action_lists(topo, sched, m, args.steps), topo, args, m, sources, 0)
+    validate(lists, topo.stage_graph(), sched, m, args.steps)
     root = Path(args.checkpoint_dir or checkpoint.default_dir(plan))
     ckpt = checkpoint.Checkpoints(
         root, rank, world, checkpoint.run_identity(plan, args, name, m), args.keep_checkpoints, say
@@ -111,11 +116,13 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
             ckpt.refuse_foreign()
     exporter = HFExporter(plan, args, ckpt, say) if args.save_hf else None
     runlog = RunLog(args.log_dir, rank, say=say) if args.log_dir else None
-    modules = build_stages(topo, stage_classes, rank, device)
+    modules = build_stages(topo, stage_classes, rank, device, precision.dtype)
     if args.init:
         load_init(modules, args.init, plan)
+    mixed = MixedPrecision(precision, modules)  # after --init: the masters copy the weights
     optimizers = {
-        s: make_optimizer(args.optimizer, mod.parameters(), args.lr) for s, mod in modules.items()
+        s: make_optimizer(args.optimizer, [t for _, t in mixed.trainable(s)], args.lr)
+        for s in modules
     }
 
     torch.manual_seed(args.seed * 7919 + rank)  # dropout differs per rank, repeats per run
@@ -131,20 +138,25 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     if rank == 0 and (args.save_every or args.resume):
         remove_temporaries(root)  # of a killed save; nobody saves before the barrier below
 
-    lists = action_lists(topo, sched, m, args.steps - first)
     if first:
+        lists = action_lists(topo, sched, m, args.steps - first)
+        lists = _with_evaluation(lists, topo, args, m, sources, first)
         validate(lists, topo.stage_graph(), sched, m, args.steps - first)
     flow = build_dataflow(topo, lists, m, sched)
     comm = Comm(rank, world, device, args.timeout, flow, _message_specs(topo))
     # The one collective: the gradient norm, across all ranks, when a synchronous step clips.
-    collective_sets = [tuple(range(world))] if sched.synchronous and args.clip else []
+    # fp16's overflow check rides on it: the norm is computed then even without clipping.
+    collective = sched.synchronous and (args.clip or precision.loss_scaling)
+    collective_sets = [tuple(range(world))] if collective else []
     loss_rank = topo.rank_of[topo.loss_stage]
     comm.make_groups(collective_sets, loss_rank)
 
     if first:
         for s, mod in modules.items():
-            ckpt.load_stage(first, s, mod, optimizers[s], device)
+            load = lambda t, s=s, mod=mod: mixed.load(s, mod, t)  # noqa: E731
+            ckpt.load_stage(first, s, mod, optimizers[s], device, load)
         ckpt.load_rank(first)
+        mixed.restore((manifest or {}).get("state", {}))
 
     micro_batch = next(iter(plan["model"]["inputs"].values()))[0][0]
     lr_of = lambda k: lr_at(k, args.lr, args.steps, args.warmup, args.decay)  # noqa: E731
@@ -155,7 +167,7 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
         if rank == 0:
             progress.write(f"resuming from {where}")
     saver = checkpoint.Saver(ckpt, args.save_every, args.steps, m)
-    saver.modules, saver.optimizers = modules, optimizers
+    saver.modules, saver.optimizers, saver.precision = modules, optimizers, mixed
     stepper = Stepper(
         topo,
         rank,
@@ -170,6 +182,7 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
             (lambda ev, k: exporter.after_checkpoint()) if exporter and rank == 0 else None,
             (lambda ev, k: runlog.memory(k + 1, peak_memory(device))) if runlog else None,
         ),
+        precision=mixed,
     )
     stepper.step_offset = first
     executor = Executor(
@@ -185,6 +198,13 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
         on_loss=lambda k, v: progress.loss(k + first, v),
     )
     executor.mb_offset = first * m
+    executor.loss_scale = mixed.multiplier
+    on_eval = _evaluations(args, plan, first, progress)
+    if sources.eval is not None:
+        evaluator = Evaluator(
+            topo, rank, modules, comm, sources.eval, device, args.steps - first, on_eval
+        )
+        executor.handlers["E"] = evaluator.forward
     fault = _fault(rank, lists[rank], first)
 
     def after(i, a):
@@ -197,8 +217,14 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     _barrier(world, "starting")
     listener = None
     if rank == 0 and loss_rank != 0:
-        log_loss = lambda k, message: progress.loss(k + first, message)  # noqa: E731
-        listener = comm.listen_losses(loss_rank, args.steps - first, m + 1, log_loss)
+        n = sources.eval.micro_batches if sources.eval is not None else 1
+        messages = [
+            (k, m + 1, lambda msg, k=k: progress.loss(k + first, msg))
+            if kind == "loss"
+            else (args.steps - first + k, 3, lambda msg, k=k: on_eval(k, msg))
+            for kind, k in loss_messages(lists[loss_rank], topo.loss_stage, m, n)
+        ]
+        listener = comm.listen_losses(loss_rank, messages)
     start = time.perf_counter()
     executor.run(lists[rank], after)
     if listener is not None:
@@ -211,11 +237,47 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     progress.close()
     if exporter is not None:  # every rank sends its tensors, rank 0 writes the folder
         _barrier(world, "saving the HuggingFace folder")
-        mine = {k: v for mod in modules.values() for k, v in mod.state_dict().items()}
-        exporter.at_end(mine, rank, world, device, lambda p: getattr(torch, p["dtype"]))
+        mine = {k: v for s, mod in modules.items() for k, v in mixed.state_dict(s, mod).items()}
+        traced = plan["model"].get("compute_dtype", "float32")
+        exporter.at_end(mine, rank, world, device, lambda p: mixed.saved_dtype(p, traced))
     if runlog is not None:
         runlog.close()
-    return _finish(args, plan, topo, modules, progress, device, world, rank, first, m, wall)
+    return _finish(args, plan, modules, progress, device, world, rank, first, m, wall, mixed)
+
+
+def _precision(plan: dict, args, sched):
+    """The run's precision, refused where the package or the schedule cannot run it."""
+    precision = get_precision(args.dtype)
+    why = runnable(precision, plan.get("model", {}).get("compute_dtype", "float32"))
+    if why:
+        raise PipelineConfigError(f"--dtype {args.dtype}: {why}")
+    if precision.loss_scaling and not sched.synchronous:
+        raise PipelineConfigError(
+            f"--dtype fp16 scales the loss by a factor all stages change together at their "
+            f"steps, and {sched.name} does not step them together; use gpipe or 1f1b, or bf16"
+        )
+    return precision
+
+
+def _with_evaluation(lists, topo, args, m: int, sources, first: int):
+    """The lists with the evaluation rounds spliced in (none without --eval-data)."""
+    if sources.eval is None:
+        return lists
+    points = eval_points(args.steps, first, args.eval_every)
+    return with_evaluation(lists, topo, m, points, sources.eval.micro_batches)
+
+
+def _evaluations(args, plan: dict, first: int, progress):
+    """Rank 0's callback for evaluation round r: [weighted loss, samples, seconds]."""
+    points = eval_points(args.steps, first, args.eval_every)
+    head = plan.get("model", {}).get("head", "")
+
+    def on_eval(r: int, message) -> None:
+        total, samples, _ = (float(x) for x in message)
+        loss = total / samples
+        progress.evaluated(first + points[r] + 1, loss, perplexity(head, loss), int(samples))
+
+    return on_eval
 
 
 def _after_steps(*hooks):
@@ -293,8 +355,12 @@ def _barrier(world: int, what: str) -> None:
             raise PeerFailure(f"a rank never arrived while {what} ({e})") from e
 
 
-def _finish(args, plan, topo, modules, progress, device, world, rank, first, m, wall) -> dict:
-    mine = {"memory": peak_memory(device), "checksums": checksums(modules)}
+def _finish(args, plan, modules, progress, device, world, rank, first, m, wall, mixed) -> dict:
+    mine = {
+        "memory": peak_memory(device),
+        "checksums": checksums(modules),
+        "skipped_steps": mixed.skipped,
+    }
     everyone = [mine]
     if world > 1:
         everyone = [None] * world
@@ -312,6 +378,9 @@ def _finish(args, plan, topo, modules, progress, device, world, rank, first, m, 
         "samples_per_s": progress.samples_per_s(),
         "steady_samples_per_s": progress.steady_samples_per_s(),
         "memory_bytes": [e["memory"] for e in everyone],
+        "dtype": args.dtype,
+        "evals": [{"step": k, **v} for k, v in sorted(progress.evals.items())],
+        "skipped_steps": [e["skipped_steps"] for e in everyone],  # per rank: the same
         "checksums": {k: v for e in everyone for k, v in sorted(e["checksums"].items())},
     }
     if rank == 0:

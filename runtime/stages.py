@@ -12,9 +12,9 @@ from torch import nn
 from .errors import PipelineConfigError
 
 
-def build_stages(topo, classes: dict, rank: int, device) -> dict[int, nn.Module]:
-    """A stage class is called as `cls(device=..., dtype=None, materialize=True)`; a module
-    instance is taken as it is (moved to the device)."""
+def build_stages(topo, classes: dict, rank: int, device, dtype=None) -> dict[int, nn.Module]:
+    """A stage class is called as `cls(device=..., dtype=dtype, materialize=True)` (`dtype`:
+    the compute dtype, None: the traced one); a module instance is taken as it is (moved)."""
     classes = {int(k): v for k, v in classes.items()}
     modules = {}
     for s in topo.stages_on(rank):
@@ -24,7 +24,7 @@ def build_stages(topo, classes: dict, rank: int, device) -> dict[int, nn.Module]
         module = (
             made.to(device)
             if isinstance(made, nn.Module)
-            else made(device=str(device), dtype=None, materialize=True)
+            else made(device=str(device), dtype=dtype, materialize=True)
         )
         _check_signature(topo, s, module)
         modules[s] = module.train()

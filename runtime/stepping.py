@@ -4,7 +4,10 @@
     stepper.on_step(index, action)    # at every S action; returns the StepEvent it applied
 
 At a step: clip by the norm over everything stepped together (all ranks when synchronous,
-the one stage when not), set the learning rate, step, clear the gradients. A weight read by
+the one stage when not), set the learning rate, step, clear the gradients. Under mixed
+precision (`precision.MixedPrecision`) the optimizer steps the fp32 masters and the stages'
+16-bit weights are copied from them; under fp16 the same norm, summed over every rank, is
+the overflow check: not finite anywhere, and every rank skips the step. A weight read by
 several stages has one owner, whose gradient already sums every use (the readers sent theirs
 back), so nothing is summed here. A stage puts its gradients aside at its own S, so
 backwards of the next step cannot leak into them while the stages it steps with catch up.
@@ -29,14 +32,18 @@ class Stepper:
         lr_of,
         clip,
         on_stepped=None,
+        precision=None,
     ):
         self.topo, self.rank, self.modules, self.optimizers = topo, rank, modules, optimizers
         self.comm, self.events, self.lr_of, self.clip = comm, events, lr_of, clip
         self.on_stepped = on_stepped
+        self.precision = precision  # a MixedPrecision: masters, loss scale; None: fp32
         self.step_offset = 0  # steps done before this run (resume)
         self._aside: dict[tuple[int, int], dict[str, torch.Tensor | None]] = {}
 
     def on_step(self, index: int, action):
+        if self.precision is not None:
+            self.precision.sweep(action.stage)
         self._aside[(action.stage, action.mb)] = {
             n: p.grad for n, p in self._trainable(action.stage)
         }
@@ -52,28 +59,45 @@ class Stepper:
             aside = self._aside.pop((s, ev.step), {})
             for n, p in self._trainable(s):
                 p.grad = aside.get(n)
-        if self.clip:
-            self._clip(ev)
         step = ev.step + self.step_offset
-        lr = self.lr_of(step)
-        for s in ev.stages:
-            opt = self.optimizers.get(s)
-            if opt is None:
-                continue
-            for group in opt.param_groups:
-                group["lr"] = lr
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        if self._checked_and_clipped(ev, step):
+            lr = self.lr_of(step)
+            for s in ev.stages:
+                opt = self.optimizers.get(s)
+                if opt is None:
+                    continue
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                opt.step()
+                if self.precision is not None:
+                    self.precision.after_step(s)
+        for s in ev.stages:  # stepped, or skipped for an overflow: the gradients are spent
+            for _, p in self._trainable(s):
+                p.grad = None
         if self.on_stepped is not None:
             self.on_stepped(ev, step)
 
     def _trainable(self, stage: int):
+        if self.precision is not None:
+            return self.precision.trainable(stage)
         return [(n, p) for n, p in self.modules[stage].named_parameters() if p.requires_grad]
 
-    def _clip(self, ev) -> None:
+    def _checked_and_clipped(self, ev, step: int) -> bool:
+        """Clip by the norm over every rank stepping here; under loss scaling first undo the
+        scale and skip the step (False) when that norm is not finite anywhere."""
+        scaled = self.precision is not None and self.precision.loss_scale is not None
+        if not (self.clip or scaled):
+            return True
+        if scaled:
+            for s in ev.stages:
+                self.precision.poison(s, step)
         grads = [p.grad for s in ev.stages for _, p in self._trainable(s) if p.grad is not None]
         total = squared_norm(grads).to(self.comm.device)
         self.comm.all_reduce(total, ev.ranks, "the gradient norm")
-        coef = clip_coef(total, self.clip)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
+        if scaled and not self.precision.checked(grads, total, step):
+            return False
+        if self.clip:
+            coef = clip_coef(total, self.clip)
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
+        return True

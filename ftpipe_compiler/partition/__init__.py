@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from ..cost_model import PRECISIONS
 from ..errors import FtpipeError, InfeasibleError, unknown
 
 # Modules, not their functions: `partition.mixed` must stay the module of that name.
@@ -77,6 +78,7 @@ def problem_from_graph(
         optimizer or meta.get("optimizer", "adamw"),
         micro_batches=micro_batches,
         seed=seed,
+        precision=PRECISIONS[meta.get("precision", "fp32")],  # what the graph was traced for
     )
 
 

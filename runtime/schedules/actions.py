@@ -3,6 +3,7 @@
     Action.parse("3F2")     # stage 3 forwards micro-batch 2
     Action.parse("3R2")     # its backward, recomputing the forward first ("B" with recompute)
     Action.parse("3S1")     # its optimizer step number 1
+    Action.parse("3E4")     # its forward of evaluation batch 4 (no gradient, nothing kept)
     str(Action("B", 3, 2))  # "3B2"
 
 A kind says which earlier actions an action of that kind waits for, as data: `needs` lists
@@ -26,12 +27,18 @@ class Kind:
     needs: tuple[tuple[str, str], ...]  # (kind, relation) of the same micro-batch, done first
     holds: int  # +1: the stage keeps the micro-batch's activations from here; -1: frees them
     per_micro_batch: bool  # False: `mb` counts optimizer steps, not micro-batches
+    # False: not part of a training schedule (evaluation): `mb` numbers its own inputs, and
+    # only the deadlock check applies to it; a schedule never makes one, the run adds them.
+    trains: bool = True
 
 
 KINDS: dict[str, Kind] = {
     "F": Kind("F", "forward", (("F", "producers"),), +1, True),
     "B": Kind("B", "backward", (("F", "self"), ("B", "consumers")), -1, True),
     "S": Kind("S", "optimizer step", (), 0, False),
+    # A forward of evaluation batch mb, nothing kept (`ftpipe_runtime.evaluate`); not timed
+    # by the simulator, which plans training only.
+    "E": Kind("E", "evaluation forward", (("E", "producers"),), 0, True, trains=False),
 }
 RECOMPUTE = "R"  # printed for a backward that recomputes its forward first
 _ACTION = re.compile(r"(\d+)([A-Z])(\d+)")

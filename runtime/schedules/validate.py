@@ -85,6 +85,8 @@ def _check_members(lists, stages: dict[int, StageInfo], m: int, steps: int) -> N
                 raise ScheduleError(
                     f"{a} is on GPU {g}, but stage {a.stage} is on GPU {stages[a.stage].gpu}"
                 )
+            if not a.spec.trains:  # evaluation: numbered apart, checked for progress only
+                continue
             top = m * steps if a.spec.per_micro_batch else steps
             if not 0 <= a.mb < top:
                 what = "micro-batches" if a.spec.per_micro_batch else "steps"
@@ -94,7 +96,7 @@ def _check_members(lists, stages: dict[int, StageInfo], m: int, steps: int) -> N
                 raise ScheduleError(f"{a} appears twice")
             seen.add(key)
     for s in sorted(stages):
-        for kind in KINDS.values():
+        for kind in (k for k in KINDS.values() if k.trains):
             top = m * steps if kind.per_micro_batch else steps
             for mb in range(top):
                 if (kind.letter, s, mb) not in seen:
@@ -164,7 +166,7 @@ def _check_flush(lists, m: int) -> None:
                         f"GPU {g} starts step {newest} before {a}: under a synchronous "
                         "schedule a step is finished before the next starts"
                     )
-            else:
+            elif a.spec.trains:
                 newest = max(newest, a.mb // m)
 
 

@@ -39,6 +39,8 @@ def weight_plan(acts, policies: dict[int, StagePolicy], micro_batches: int) -> W
             step_at[(s, steps.get(s, 0))] = i
             steps[s] = steps.get(s, 0) + 1
             continue
+        if not a.spec.trains:  # evaluation runs on the weights current at its turn
+            continue
         v = policies[s].version(a.mb, micro_batches)
         if v is None:
             continue

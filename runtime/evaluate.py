@@ -1,0 +1,146 @@
+"""Evaluation through the pipeline: forward-only actions spliced into the training lists.
+
+    points = eval_points(steps=40, first=0, every=5)          # after steps 5, 10, ..., 40
+    lists = with_evaluation(lists, topo, micro_batches, points, batches=eval_data.micro_batches)
+    evaluator = Evaluator(topo, rank, modules, comm, eval_data, device, tag_base=steps)
+    executor.handlers["E"] = evaluator.forward                 # the handler of kind E
+    loss_messages(lists[loss_rank], topo.loss_stage, m, n)     # what rank 0 receives, in order
+
+An evaluation round is one `E` action (`schedules.KINDS`) per stage and evaluation batch:
+a forward in eval mode (dropout off), under no_grad, that keeps nothing and sends its
+outputs on as ("eval", tensor, batch) messages. On every GPU the round after step k sits
+just before the stage's first forward of step k + 1, so an evaluation needs exactly what
+that forward needs and the lists stay deadlock-free (the validator checks them all the
+same); under a synchronous schedule every stage has then taken step k. The last round comes
+after everything. The loss stage adds up each batch's loss weighted by its real samples and
+sends rank 0 [sum, samples, seconds]: the mean loss of the evaluation set.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from .schedules import Action
+
+__all__ = ["Evaluator", "eval_points", "loss_messages", "with_evaluation", "perplexity"]
+
+LM_HEADS = ("causal-lm", "seq2seq-lm", "masked-lm")
+
+
+def eval_points(steps: int, first: int, every: int) -> list[int]:
+    """Steps of this run (counted from 0 at `first`) after which to evaluate: every `every`
+    steps of the whole run (0: none), and the last."""
+    local = steps - first
+    points = [k for k in range(local - 1) if every and (first + k + 1) % every == 0]
+    return [*points, local - 1]
+
+
+def with_evaluation(lists: dict, topo, micro_batches: int, points: list[int], batches: int):
+    """The lists with an evaluation round (batches 0..batches-1 of every stage) after each of
+    `points`; round r's actions number its batches r * batches + j."""
+    *middle, _ = points
+    before = {(k + 1) * micro_batches: r for r, k in enumerate(middle)}  # first F of step k + 1
+    out = {}
+    for g, acts in lists.items():
+        merged = []
+        for a in acts:
+            if a.kind == "F" and a.mb in before:
+                merged += _round(a.stage, before[a.mb], batches)
+            merged.append(a)
+        for s in topo.stages_on(g):  # the last round, after everything
+            merged += _round(s, len(middle), batches)
+        out[g] = merged
+    return out
+
+
+def _round(stage: int, r: int, batches: int) -> list[Action]:
+    return [Action("E", stage, r * batches + j) for j in range(batches)]
+
+
+def loss_messages(acts: list, loss_stage: int, micro_batches: int, batches: int) -> list[tuple]:
+    """("loss", step) and ("eval", round) in the order the loss stage's rank sends them."""
+    counts: dict[tuple[str, int], int] = {}
+    out = []
+    for a in acts:
+        if a.stage != loss_stage or a.kind not in ("F", "E"):
+            continue
+        key = ("loss", a.mb // micro_batches) if a.kind == "F" else ("eval", a.mb // batches)
+        counts[key] = counts.get(key, 0) + 1
+        if counts[key] == (micro_batches if a.kind == "F" else batches):
+            out.append(key)
+    return out
+
+
+def perplexity(head: str, loss: float) -> float | None:
+    """exp(mean loss) for language models (None otherwise; inf past exp's range)."""
+    if head not in LM_HEADS:
+        return None
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+class Evaluator:
+    """The E handler of one rank: forward-only, nothing kept, the loss stage sums."""
+
+    def __init__(self, topo, rank, modules, comm, data, device, tag_base: int, on_result=None):
+        self.topo, self.rank, self.modules, self.comm = topo, rank, modules, comm
+        self.data, self.device = data, torch.device(device)
+        self.batches = data.micro_batches
+        self.tag_base, self.on_result = tag_base, on_result
+        self.acts: dict[tuple[str, int], list] = {}  # (tensor, batch) -> [value, uses left]
+        self.sums: dict[int, list[float]] = {}  # round -> [weighted loss, samples, batches]
+        self.start = time.perf_counter()
+
+    @torch.no_grad()
+    def forward(self, i: int, a) -> None:
+        s, j = a.stage, a.mb
+        index = j % self.batches
+        inputs = {n: self.data.get(n, index).to(self.device) for n in self.topo.model_inputs[s]}
+        for t in self.topo.inputs[s]:
+            inputs[t] = self._take(t, j)
+        module = self.modules[s]
+        training = module.training
+        module.eval()  # dropout off; the RNG stream of training is left as it was
+        try:
+            out = module(**inputs)
+        finally:
+            module.train(training)
+        for t in self.topo.outputs[s]:
+            value = out[t].detach()
+            if self.topo.transfers[t].weight:  # the parameter itself: a step would change it
+                value = value.clone()
+            uses = len(self.topo.local_consumers(t, self.rank))
+            if uses:
+                self.acts[(t, j)] = [value, uses]
+            for dst in self.topo.remote_ranks(t):
+                self.comm.send(dst, ("eval", t, j), value)
+        if s == self.topo.loss_stage:
+            self._add(j, float(out["loss"]), self.data.weight(index))
+
+    def _take(self, t: str, j: int) -> torch.Tensor:
+        entry = self.acts.get((t, j))
+        if entry is None:
+            src = self.topo.rank_of[self.topo.transfers[t].producer]
+            value = self.comm.recv(src, ("eval", t, j))
+            entry = self.acts[(t, j)] = [value, len(self.topo.local_consumers(t, self.rank))]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.acts[(t, j)]
+        return entry[0]
+
+    def _add(self, j: int, loss: float, weight: int) -> None:
+        r = j // self.batches
+        total = self.sums.setdefault(r, [0.0, 0.0, 0])
+        total[0] += loss * weight
+        total[1] += weight
+        total[2] += 1
+        if total[2] < self.batches:
+            return
+        del self.sums[r]
+        message = torch.tensor([total[0], total[1], time.perf_counter() - self.start])
+        if self.rank != 0:
+            self.comm.send_loss(self.tag_base + r, message.double().to(self.device))
+        elif self.on_result is not None:
+            self.on_result(r, message.double())
