@@ -136,6 +136,7 @@ class MixedPrecision:
         self.precision = precision
         self.loss_scale = LossScale() if precision.loss_scaling else None
         self.skipped: list[int] = []  # steps skipped for an overflow
+        self.say = None  # where a skipped step is reported (rank 0)
         self.inject = _injected()
         self._pairs: dict[int, list[tuple[str, torch.nn.Parameter, torch.Tensor]]] = {}
         for s, module in modules.items():
@@ -174,6 +175,11 @@ class MixedPrecision:
         self.loss_scale.update(overflow)
         if overflow:
             self.skipped.append(step)
+            if self.say is not None:
+                self.say(
+                    f"ftpipe: step {step + 1}: the gradients overflowed in fp16 on some rank; "
+                    f"every rank skips the step, loss scale {used:g} -> {self.loss_scale.scale:g}"
+                )
             return False
         for g in grads:
             g.mul_(1.0 / used)

@@ -120,6 +120,7 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     if args.init:
         load_init(modules, args.init, plan)
     mixed = MixedPrecision(precision, modules)  # after --init: the masters copy the weights
+    mixed.say = say
     optimizers = {
         s: make_optimizer(args.optimizer, [t for _, t in mixed.trainable(s)], args.lr)
         for s in modules

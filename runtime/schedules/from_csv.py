@@ -34,6 +34,12 @@ def read_lists(path) -> dict[int, list[Action]]:
             lists[g] = [Action.parse(c) for c in row.split(",") if c.strip()]
         except ValueError as e:
             raise ScheduleError(f"{path}, row {g + 1} (GPU {g}): {e}") from None
+        extra = next((a for a in lists[g] if not a.spec.trains), None)
+        if extra is not None:
+            raise ScheduleError(
+                f"{path}, row {g + 1} (GPU {g}): {extra} is an {extra.spec.meaning}; a schedule "
+                "lists training actions only (--eval-data adds the evaluation)"
+            )
     if not any(lists.values()):
         raise ScheduleError(f"{path} holds no actions; write one row of actions per GPU")
     return lists

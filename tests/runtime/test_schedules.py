@@ -126,7 +126,9 @@ def test_action_strings_round_trip():
         for a in (Action("F", 3, 2), Action("B", 3, 2), Action("B", 3, 2, True), Action("S", 3, 1))
     ] == ["3F2", "3B2", "3R2", "3S1"]
     assert {Action.parse(f"1{k}0").kind for k in KINDS} == set(KINDS)
-    with pytest.raises(ValueError, match="not an action: '3X2'; write e.g. 3F2, 3B2, 3S2, 3R2"):
+    with pytest.raises(
+        ValueError, match="not an action: '3X2'; write e.g. 3F2, 3B2, 3S2, 3E2, 3R2"
+    ):
         Action.parse("3X2")
     with pytest.raises(ValueError):
         Action("F", 0, 0, recompute=True)
