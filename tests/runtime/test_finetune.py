@@ -232,3 +232,16 @@ def test_fp16_overflow_on_one_stage_is_skipped_by_every_stage(runs):
         for k in (1, 2, 3)
     ]
     assert scales == [2.0**16, 2.0**15, 2.0**15]
+
+
+@pytest.mark.parametrize("name", ["llama_bf16", "t5_bf16"])
+def test_a_bf16_package_runs_its_own_code_in_fp32_exactly(runs, name):
+    """Traced in bf16, the casts to bf16 follow the stage's dtype: run in fp32 (`--check`),
+    the stages give the original fp32 model's loss and gradients exactly."""
+    from ftpipe_compiler.codegen import check_package
+
+    _, pkgs, _, _ = runs
+    code = (pkgs[name] / "stages.py").read_text()
+    assert 'TRACED_DTYPE = "bfloat16"' in code and "self.compute_dtype" in code
+    result = check_package(pkgs[name])
+    assert result.ok and result.loss_abs_diff == 0.0 and result.grad_max_abs_diff == 0.0

@@ -95,6 +95,7 @@ CASES = [
     ("--epochs 0", {}, ["--epochs", "0"], 2, "argument --epochs: 0 must be above 0"),
     ("--save-hf of a function model", {}, ["--save-hf", "out"], 1, "a HuggingFace folder needs a HuggingFace model"),
     ("--dtype unknown", {}, ["--dtype", "fp8"], 2, "argument --dtype: invalid choice: 'fp8'"),
+    ("--dtype bf16 of an fp32 package", {}, ["--dtype", "bf16"], 1, "--dtype bf16: it was compiled in fp32; compile it with --dtype bf16 to train so"),
 ]  # fmt: skip
 
 
@@ -121,6 +122,8 @@ PLANS = [
     ("a transfer backwards", _plan_with(transfers=[{**t, "producer": 3} if t["tensor"] == "h1" else t for t in one_rank_plan()["transfers"]]), 1, "transfer h1 goes to an earlier stage"),
     ("a loss stage that is not there", _plan_with(loss_stage=9), 1, "the loss stage 9 is not in the plan"),
     ("more processes than the plan's GPUs", toy_plan("two-ranks"), 1, "the plan is for 2 GPUs but 1 processes started"),
+    ("fp16 under an asynchronous schedule", _plan_with(schedule="ftpipe", model={**one_rank_plan()["model"], "precision": "fp16", "compute_dtype": "float16"}), 1, "--dtype fp16 scales the loss by a factor all stages change together at their steps, and ftpipe does not step them together; use gpipe or 1f1b, or bf16"),
+    ("a package compiled for fp16 run in bf16", _plan_with(model={**one_rank_plan()["model"], "precision": "bf16", "compute_dtype": "float16"}), 1, "--dtype bf16: it was compiled for float16; compile it again with --dtype bf16"),
 ]  # fmt: skip
 
 
