@@ -2,6 +2,7 @@
 
     points = eval_points(steps=40, first=0, every=5)          # after steps 5, 10, ..., 40
     lists = with_evaluation(lists, topo, micro_batches, points, batches=eval_data.micro_batches)
+    lists = splice(lists, topo, m, eval_data, steps=40, first=0, every=5)   # the same, or as is
     evaluator = Evaluator(topo, rank, modules, comm, eval_data, device, tag_base=steps)
     executor.handlers["E"] = evaluator.forward                 # the handler of kind E
     loss_messages(lists[loss_rank], topo.loss_stage, m, n)     # what rank 0 receives, in order
@@ -25,7 +26,15 @@ import torch
 
 from .schedules import Action
 
-__all__ = ["Evaluator", "eval_points", "loss_messages", "with_evaluation", "perplexity"]
+__all__ = [
+    "Evaluator",
+    "eval_points",
+    "loss_messages",
+    "perplexity",
+    "reporter",
+    "splice",
+    "with_evaluation",
+]
 
 LM_HEADS = ("causal-lm", "seq2seq-lm", "masked-lm")
 
@@ -54,6 +63,27 @@ def with_evaluation(lists: dict, topo, micro_batches: int, points: list[int], ba
             merged += _round(s, len(middle), batches)
         out[g] = merged
     return out
+
+
+def splice(lists: dict, topo, micro_batches: int, data, steps: int, first: int, every: int):
+    """The run's lists with its evaluation rounds (as they are without an evaluation set)."""
+    if data is None:
+        return lists
+    points = eval_points(steps, first, every)
+    return with_evaluation(lists, topo, micro_batches, points, data.micro_batches)
+
+
+def reporter(plan: dict, steps: int, first: int, every: int, progress):
+    """Rank 0's callback for round r's [weighted loss, samples, seconds]: `progress.evaluated`."""
+    points = eval_points(steps, first, every)
+    head = plan.get("model", {}).get("head", "")
+
+    def on_eval(r: int, message) -> None:
+        total, samples, _ = (float(x) for x in message)
+        loss = total / samples
+        progress.evaluated(first + points[r] + 1, loss, perplexity(head, loss), int(samples))
+
+    return on_eval
 
 
 def _round(stage: int, r: int, batches: int) -> list[Action]:

@@ -36,7 +36,16 @@ import torch
 
 from .errors import PipelineConfigError
 
-__all__ = ["PRECISIONS", "LossScale", "MixedPrecision", "Precision", "get_precision"]
+__all__ = [
+    "PRECISIONS",
+    "LossScale",
+    "MixedPrecision",
+    "Precision",
+    "for_run",
+    "get_precision",
+    "plan_in",
+    "runnable",
+]
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,20 @@ def runnable(precision: Precision, traced: str) -> str | None:
     if traced == "float32":
         return f"it was compiled in fp32; compile it with --dtype {precision.name} to train so"
     return f"it was compiled for {traced}; compile it again with --dtype {precision.name}"
+
+
+def for_run(plan: dict, name: str, schedule) -> Precision:
+    """The precision `name` for this plan and schedule, or one sentence saying why not."""
+    precision = get_precision(name)
+    why = runnable(precision, plan.get("model", {}).get("compute_dtype", "float32"))
+    if why:
+        raise PipelineConfigError(f"--dtype {name}: {why}")
+    if precision.loss_scaling and not schedule.synchronous:
+        raise PipelineConfigError(
+            f"--dtype fp16 scales the loss by a factor all stages change together at their "
+            f"steps, and {schedule.name} does not step them together; use gpipe or 1f1b, or bf16"
+        )
+    return precision
 
 
 @dataclass

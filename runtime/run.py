@@ -32,12 +32,12 @@ from .atomic import (
 from .comm import Comm, init_distributed
 from .dataflow import action_lists, build_dataflow
 from .errors import PeerFailure, PipelineConfigError, WriteFailed
-from .evaluate import Evaluator, eval_points, loss_messages, perplexity, with_evaluation
+from .evaluate import Evaluator, loss_messages, reporter, splice
 from .executor import Executor
 from .finetune import HFExporter, open_sources
 from .optim import lr_at, make_optimizer
 from .options import parse_args
-from .precision import MixedPrecision, get_precision, plan_in, runnable
+from .precision import MixedPrecision, for_run, plan_in
 from .report import Progress, checksums, human_bytes, peak_memory
 from .runlog import RunLog
 from .schedules import resolve_schedule, validate
@@ -94,7 +94,7 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     name = args.schedule or plan["schedule"]
     sched = resolve_schedule(name)
     m = args.micro_batches or sched.micro_batches or int(plan["micro_batches"])
-    precision = _precision(plan, args, sched)
+    precision = for_run(plan, args.dtype, sched)
     topo = Topology(plan_in(plan, precision))  # messages in the run's compute dtype
     # Everything that can be refused is refused here, before any rank waits for another:
     # the data (which settles --steps under --epochs), then the schedule's lists on this
@@ -104,7 +104,8 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if rank == 0 else _quiet
     sources = open_sources(plan, args, m, say)
     data = sources.train
-    lists = _with_evaluation(action_lists(topo, sched, m, args.steps), topo, args, m, sources, 0)
+    rounds = dict(data=sources.eval, steps=args.steps, every=args.eval_every)
+    lists = splice(action_lists(topo, sched, m, args.steps), topo, m, first=0, **rounds)
     validate(lists, topo.stage_graph(), sched, m, args.steps)
     root = Path(args.checkpoint_dir or checkpoint.default_dir(plan))
     ckpt = checkpoint.Checkpoints(
@@ -141,7 +142,7 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
 
     if first:
         lists = action_lists(topo, sched, m, args.steps - first)
-        lists = _with_evaluation(lists, topo, args, m, sources, first)
+        lists = splice(lists, topo, m, first=first, **rounds)
         validate(lists, topo.stage_graph(), sched, m, args.steps - first)
     flow = build_dataflow(topo, lists, m, sched)
     comm = Comm(rank, world, device, args.timeout, flow, _message_specs(topo))
@@ -200,7 +201,7 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     )
     executor.mb_offset = first * m
     executor.loss_scale = mixed.multiplier
-    on_eval = _evaluations(args, plan, first, progress)
+    on_eval = reporter(plan, args.steps, first, args.eval_every, progress)
     if sources.eval is not None:
         evaluator = Evaluator(
             topo, rank, modules, comm, sources.eval, device, args.steps - first, on_eval
@@ -244,41 +245,6 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     if runlog is not None:
         runlog.close()
     return _finish(args, plan, modules, progress, device, world, rank, first, m, wall, mixed)
-
-
-def _precision(plan: dict, args, sched):
-    """The run's precision, refused where the package or the schedule cannot run it."""
-    precision = get_precision(args.dtype)
-    why = runnable(precision, plan.get("model", {}).get("compute_dtype", "float32"))
-    if why:
-        raise PipelineConfigError(f"--dtype {args.dtype}: {why}")
-    if precision.loss_scaling and not sched.synchronous:
-        raise PipelineConfigError(
-            f"--dtype fp16 scales the loss by a factor all stages change together at their "
-            f"steps, and {sched.name} does not step them together; use gpipe or 1f1b, or bf16"
-        )
-    return precision
-
-
-def _with_evaluation(lists, topo, args, m: int, sources, first: int):
-    """The lists with the evaluation rounds spliced in (none without --eval-data)."""
-    if sources.eval is None:
-        return lists
-    points = eval_points(args.steps, first, args.eval_every)
-    return with_evaluation(lists, topo, m, points, sources.eval.micro_batches)
-
-
-def _evaluations(args, plan: dict, first: int, progress):
-    """Rank 0's callback for evaluation round r: [weighted loss, samples, seconds]."""
-    points = eval_points(args.steps, first, args.eval_every)
-    head = plan.get("model", {}).get("head", "")
-
-    def on_eval(r: int, message) -> None:
-        total, samples, _ = (float(x) for x in message)
-        loss = total / samples
-        progress.evaluated(first + points[r] + 1, loss, perplexity(head, loss), int(samples))
-
-    return on_eval
 
 
 def _after_steps(*hooks):
