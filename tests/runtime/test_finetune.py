@@ -74,21 +74,37 @@ def runs(tmp_path_factory):
     write_jsonl(root / "val.jsonl", pairs(16, seed=1))
     fp16_plan = json.loads((pkgs["t5_fp16"] / "plan.json").read_text())
     inject = max(s["id"] for s in fp16_plan["stages"] if s["gpu"] == 1)
-    jobs = {
-        "llama": ([*FP32, "--save-hf", "hf-llama", "--log-dir", "logs-llama"], {}),
-        "t5": ([*FP32, "--save-hf", "hf-t5"], {}),
-        "llama_bf16": (BF16, {}),
-        "t5_bf16": (BF16, {}),
-        "t5_fp16": (["--schedule", "gpipe", "--steps", "3", "--save-every", "1",
-                     "--keep-checkpoints", "0", "--checkpoint-dir", "ck-fp16"],
-                    {"FTPIPE_INJECT_INF": f"{inject}:1"}),
+    fp16 = [
+        "--schedule",
+        "gpipe",
+        "--decay",
+        "constant",
+        "--save-every",
+        "1",
+        "--keep-checkpoints",
+        "0",
+    ]
+    poison = {"FTPIPE_INJECT_INF": f"{inject}:1"}
+    jobs = {  # name: (package, arguments, environment)
+        "llama": ("llama", [*FP32, "--save-hf", "hf-llama", "--log-dir", "logs-llama",
+                            "--save-every", "20", "--checkpoint-dir", "ck-llama",
+                            "--save-hf-every-checkpoint"], {}),
+        "t5": ("t5", [*FP32, "--save-hf", "hf-t5"], {}),
+        "llama_bf16": ("llama_bf16", BF16, {}),
+        "t5_bf16": ("t5_bf16", BF16, {}),
+        "llama_bf16_pure": ("llama_bf16", [*BF16, "--dtype", "bf16-pure"], {}),
+        "t5_fp16": ("t5_fp16", [*fp16, "--steps", "3", "--checkpoint-dir", "ck-fp16"], poison),
+        "t5_fp16_resumed": ("t5_fp16", [*fp16, "--steps", "4", "--checkpoint-dir", "ck-fp16",
+                                        "--resume"], poison),
+        "t5_fp16_whole": ("t5_fp16", [*fp16, "--steps", "4", "--checkpoint-dir", "ck-whole"],
+                          poison),
     }  # fmt: skip
     argvs = []
-    for name, (argv, env) in jobs.items():
+    for name, (pkg, argv, env) in jobs.items():
         data = ["--data", "train.jsonl"] + (
             ["--eval-data", "val.jsonl"] if "--eval-every" in argv else []
         )
-        argvs.append((pkgs[name].name, [*data, *QA, *argv, "--device", "cpu", "--init-method",
+        argvs.append((pkgs[pkg].name, [*data, *QA, *argv, "--device", "cpu", "--init-method",
                       f"file://{root / (name + '.store')}", "--log-json", f"{name}.json"], env))  # fmt: skip
     proc = _torchrun(root, pkgs, argvs)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -217,6 +233,35 @@ def test_bf16_follows_single_process_bf16_training(runs, name, monkeypatch):
     assert sum(off) < 0.5 * sum(abs(a - b) for a, b in zip(log["losses"], fp32)), (off, fp32)
 
 
+def test_bf16_pure_steps_the_bf16_weights_themselves(runs, monkeypatch):
+    """--dtype bf16-pure: no master copy; AdamW on the bf16 weights (its state in bf16)."""
+    root, pkgs, logs, _ = runs
+    monkeypatch.chdir(root)
+    log = logs["llama_bf16_pure"]
+    plan = _plan(pkgs["llama_bf16"])
+    model = plan["model"]
+    net = getattr(transformers, model["hf_class"]).from_pretrained(
+        model["path"], dtype=torch.bfloat16
+    )
+    opt = torch.optim.AdamW(net.parameters(), lr=LR)
+    data = make_data(model, "train.jsonl", 0, TEXT, model["path"])
+    m, losses = plan["micro_batches"], []
+    for k in range(BF16_STEPS):
+        total = 0.0
+        for mb in range(k * m, (k + 1) * m):
+            loss = loss_of(net, {n: data.get(n, mb) for n in model["inputs"]})
+            (loss / m).backward()
+            total += loss.item()
+        losses.append(total / m)
+        torch.nn.utils.clip_grad_norm_(list(net.parameters()), CLIP)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(k, LR, BF16_STEPS)
+        opt.step()
+        opt.zero_grad()
+    assert log["dtype"] == "bf16-pure" and log["losses"] == pytest.approx(losses, rel=1e-2)
+    assert log["losses"] != logs["llama_bf16"]["losses"]  # another recipe
+
+
 def test_fp16_overflow_on_one_stage_is_skipped_by_every_stage(runs):
     root, pkgs, logs, stderr = runs
     plan = _plan(pkgs["t5_fp16"])
@@ -245,3 +290,32 @@ def test_a_bf16_package_runs_its_own_code_in_fp32_exactly(runs, name):
     assert 'TRACED_DTYPE = "bfloat16"' in code and "self.compute_dtype" in code
     result = check_package(pkgs[name])
     assert result.ok and result.loss_abs_diff == 0.0 and result.grad_max_abs_diff == 0.0
+
+
+def test_fp16_resumes_exactly_with_its_masters_and_loss_scale(runs):
+    """Resumed at step 3 (fp32 masters and the halved loss scale from the checkpoint), step 4
+    gives the weights of an uninterrupted run bit for bit."""
+    root, pkgs, logs, _ = runs
+    assert logs["t5_fp16_resumed"]["first_step"] == 3
+    assert logs["t5_fp16_whole"]["skipped_steps"] == [[1], [1]]
+    for s in _plan(pkgs["t5_fp16"])["stages"]:
+        name = f"stage-{s['id']}.safetensors"
+        resumed = read_tensors(step_dir(root / "ck-fp16", 4) / name)
+        whole = read_tensors(step_dir(root / "ck-whole", 4) / name)
+        assert resumed.keys() == whole.keys()
+        assert all(torch.equal(resumed[n], whole[n]) for n in whole)
+        queries = [v for n, v in whole.items() if n.endswith(".q.weight")]  # fp16 weights:
+        assert all(v.dtype == torch.float32 for v in queries)  # saved as their fp32 masters
+    state = json.loads((step_dir(root / "ck-fp16", 4) / "rank-1.json").read_text())["state"]
+    assert state["loss_scale"]["scale"] == 2.0**15
+
+
+def test_each_checkpoint_becomes_a_huggingface_folder(runs):
+    root, pkgs, _, _ = runs
+    plan = _plan(pkgs["llama"])
+    cls = getattr(transformers, plan["model"]["hf_class"])
+    assert (root / "hf-llama-step-000020" / "config.json").is_file()
+    final = cls.from_pretrained(str(root / "hf-llama")).state_dict()
+    last, info = cls.from_pretrained(str(root / "hf-llama-step-000040"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert all(torch.equal(v, final[k]) for k, v in last.state_dict().items())
