@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
-from ftpipe_runtime.atomic import swap_folder, temporary_folder
+from ftpipe_runtime.atomic import new_folder
 
 from .errors import FtpipeError, OutputExistsError
 
@@ -56,24 +55,13 @@ def check_writable(out, force: bool) -> None:
 def output_folder(out, force: bool = False):
     out = Path(out)
     check_writable(out, force)
-    try:
-        tmp = temporary_folder(out)
-    except OSError as e:
-        raise FtpipeError(f"cannot write {out}: {e.strerror}; choose another folder with -o") from e
-    try:
+    with new_folder(
+        out, force, FtpipeError, "; choose another folder with -o", exists=_appeared
+    ) as tmp:
         yield tmp
-        try:
-            _swap_in(tmp, out, force)
-        except OSError as e:
-            raise FtpipeError(f"cannot put {out} in place: {e.strerror}; nothing changed") from e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # the old folder after a swap, or our leftovers
 
 
-def _swap_in(tmp: Path, out: Path, force: bool) -> None:
-    try:
-        swap_folder(tmp, out, replace=force)
-    except FileExistsError:  # another writer filled `out` since check_writable
-        raise OutputExistsError(
-            f"{out} appeared while compiling; pass --force to replace it, or choose another folder"
-        ) from None
+def _appeared(out: Path) -> OutputExistsError:
+    return OutputExistsError(
+        f"{out} appeared while compiling; pass --force to replace it, or choose another folder"
+    )

@@ -130,24 +130,27 @@ def _sync_folder(folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def new_folder(out, replace: bool = True):
+def new_folder(out, replace: bool = True, error=WriteFailed, hint: str = "", exists=None):
     """A temporary folder beside `out`, put in its place whole when the block succeeds.
 
-    Raises WriteFailed when the temporary folder cannot be made or put in place (nothing
-    changed), FileExistsError when `out` holds files and `replace` is False."""
+    `error(message)` is raised when the folder cannot be made (message + `hint`) or put in
+    place (nothing changed); `exists(out)` (default FileExistsError) when `replace` is False
+    and another writer filled `out` meanwhile. Errors of the block itself pass unchanged."""
     out = Path(out)
     try:
         tmp = temporary_folder(out)
     except OSError as e:
-        raise WriteFailed(f"cannot write {out}: {e.strerror}") from e
+        raise error(f"cannot write {out}: {e.strerror}{hint}") from e
     try:
         yield tmp
         try:
             swap_folder(tmp, out, replace)
         except FileExistsError:
-            raise
+            if exists is None:
+                raise
+            raise exists(out) from None
         except OSError as e:
-            raise WriteFailed(f"cannot put {out} in place: {e.strerror}; nothing changed") from e
+            raise error(f"cannot put {out} in place: {e.strerror}; nothing changed") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # the old folder after a swap, or our leftovers
 

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from .executor import Outputs
 from .schedules import Action
 
 __all__ = [
@@ -119,7 +120,7 @@ class Evaluator:
         self.data, self.device = data, torch.device(device)
         self.batches = data.micro_batches
         self.tag_base, self.on_result = tag_base, on_result
-        self.acts: dict[tuple[str, int], list] = {}  # (tensor, batch) -> [value, uses left]
+        self.outputs = Outputs(topo, rank, comm, "eval")
         self.sums: dict[int, list[float]] = {}  # round -> [weighted loss, samples, batches]
         self.start = time.perf_counter()
 
@@ -129,7 +130,7 @@ class Evaluator:
         index = j % self.batches
         inputs = {n: self.data.get(n, index).to(self.device) for n in self.topo.model_inputs[s]}
         for t in self.topo.inputs[s]:
-            inputs[t] = self._take(t, j)
+            inputs[t] = self.outputs.take(t, j)
         module = self.modules[s]
         training = module.training
         module.eval()  # dropout off; the RNG stream of training is left as it was
@@ -138,27 +139,9 @@ class Evaluator:
         finally:
             module.train(training)
         for t in self.topo.outputs[s]:
-            value = out[t].detach()
-            if self.topo.transfers[t].weight:  # the parameter itself: a step would change it
-                value = value.clone()
-            uses = len(self.topo.local_consumers(t, self.rank))
-            if uses:
-                self.acts[(t, j)] = [value, uses]
-            for dst in self.topo.remote_ranks(t):
-                self.comm.send(dst, ("eval", t, j), value)
+            self.outputs.put(t, j, out[t])
         if s == self.topo.loss_stage:
             self._add(j, float(out["loss"]), self.data.weight(index))
-
-    def _take(self, t: str, j: int) -> torch.Tensor:
-        entry = self.acts.get((t, j))
-        if entry is None:
-            src = self.topo.rank_of[self.topo.transfers[t].producer]
-            value = self.comm.recv(src, ("eval", t, j))
-            entry = self.acts[(t, j)] = [value, len(self.topo.local_consumers(t, self.rank))]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self.acts[(t, j)]
-        return entry[0]
 
     def _add(self, j: int, loss: float, weight: int) -> None:
         r = j // self.batches

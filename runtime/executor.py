@@ -39,7 +39,7 @@ class Executor:
         self.loss_scale = lambda: 1.0  # fp16: the loss multiplier (precision.MixedPrecision)
         self.start = time.perf_counter()
         self.recompute: dict[tuple[int, int], bool] = {}
-        self.acts: dict[tuple[str, int], list] = {}  # (tensor, mb) -> [value, uses left]
+        self.acts = Outputs(topo, rank, comm, "act")
         self.grads: dict[tuple[str, int], torch.Tensor] = {}  # (tensor, mb) -> summed gradient
         self.saved: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs, rng, outputs
         self.losses: dict[int, dict[int, torch.Tensor]] = {}  # step -> {mb: loss}
@@ -71,7 +71,7 @@ class Executor:
             for n in self.topo.model_inputs[s]
         }
         for t in self.topo.inputs[s]:
-            leaf = self._take(t, m).detach()
+            leaf = self.acts.take(t, m).detach()
             inputs[t] = leaf.requires_grad_(True) if self.topo.transfers[t].grad else leaf
         keep_graph = not self.recompute.get((s, m), False)
         rng = None if keep_graph else _rng_state(self.device)
@@ -80,27 +80,9 @@ class Executor:
             out = self._call(s, params, inputs)
         self.saved[(s, m)] = (inputs, rng, out if keep_graph else None, params)
         for t in self.topo.outputs[s]:
-            value = self._checked(t, out).detach()
-            if self.topo.transfers[t].weight:  # the parameter itself: steps would change it
-                value = value.clone()
-            uses = len(self.topo.local_consumers(t, self.rank))
-            if uses:
-                self.acts[(t, m)] = [value, uses]
-            for dst in self.topo.remote_ranks(t):
-                self.comm.send(dst, ("act", t, m), value)
+            self.acts.put(t, m, self._checked(t, out))
         if s == self.topo.loss_stage:
             self._record_loss(m, out["loss"].detach().float())
-
-    def _take(self, t: str, m: int) -> torch.Tensor:
-        entry = self.acts.get((t, m))
-        if entry is None:
-            src = self.topo.rank_of[self.topo.transfers[t].producer]
-            value = self.comm.recv(src, ("act", t, m))
-            entry = self.acts[(t, m)] = [value, len(self.topo.local_consumers(t, self.rank))]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self.acts[(t, m)]
-        return entry[0]
 
     def _checked(self, t: str, out: dict) -> torch.Tensor:
         info = self.topo.transfers[t]
@@ -208,6 +190,37 @@ class Executor:
         if params is None:
             return self.modules[s](**inputs)
         return torch.func.functional_call(self.modules[s], params, args=(), kwargs=inputs)
+
+
+class Outputs:
+    """Stage outputs of one kind of forward ("act": training, "eval": evaluation), by (tensor,
+    micro-batch): kept for this rank's consumers until their last use, and sent once to
+    every other rank that consumes them."""
+
+    def __init__(self, topo, rank: int, comm, kind: str):
+        self.topo, self.rank, self.comm, self.kind = topo, rank, comm, kind
+        self.held: dict[tuple[str, int], list] = {}  # (tensor, mb) -> [value, uses left]
+
+    def put(self, t: str, m: int, value: torch.Tensor) -> None:
+        value = value.detach()
+        if self.topo.transfers[t].weight:  # the parameter itself: steps would change it
+            value = value.clone()
+        uses = len(self.topo.local_consumers(t, self.rank))
+        if uses:
+            self.held[(t, m)] = [value, uses]
+        for dst in self.topo.remote_ranks(t):
+            self.comm.send(dst, (self.kind, t, m), value)
+
+    def take(self, t: str, m: int) -> torch.Tensor:
+        entry = self.held.get((t, m))
+        if entry is None:
+            src = self.topo.rank_of[self.topo.transfers[t].producer]
+            value = self.comm.recv(src, (self.kind, t, m))
+            entry = self.held[(t, m)] = [value, len(self.topo.local_consumers(t, self.rank))]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.held[(t, m)]
+        return entry[0]
 
 
 def _rng_state(device: torch.device) -> tuple:

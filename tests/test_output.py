@@ -14,7 +14,6 @@ import pytest
 from click.testing import CliRunner
 from ftpipe_runtime import atomic
 
-from ftpipe_compiler import output
 from ftpipe_compiler.cli import cli
 from ftpipe_compiler.errors import FtpipeError, OutputExistsError
 from ftpipe_compiler.output import output_folder
@@ -56,10 +55,10 @@ def test_an_error_in_the_body_or_the_swap_changes_nothing(tmp_path, monkeypatch)
         (tmp / "a.txt").write_text("new")
         raise ZeroDivisionError("the work failed half-way")
 
-    def broken_swap(tmp, out, force):
+    def broken_swap(tmp, out, replace):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(output, "_swap_in", broken_swap)
+    monkeypatch.setattr(atomic, "swap_folder", broken_swap)
     with pytest.raises(FtpipeError, match="cannot put .*out in place: Input/output error"):
         _write(out, "new")
     assert (out / "a.txt").read_text() == "old" and not _debris(tmp_path)

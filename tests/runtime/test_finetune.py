@@ -184,16 +184,17 @@ def test_the_run_log_has_every_step_and_evaluation(runs):
     ]
 
 
-def _reference(pkg: Path, steps: int, dtype: torch.dtype) -> list[float]:
+def _reference(pkg: Path, steps: int, dtype: torch.dtype, masters: bool = True) -> list[float]:
     """The original model loaded in `dtype`, trained in one process with the pipeline's
-    recipe: fp32 masters and gradient sums, AdamW on the masters, global-norm clipping."""
+    recipe: fp32 masters and gradient sums, AdamW on the masters, global-norm clipping
+    (`masters=False`: AdamW on the weights themselves, bf16-pure)."""
     plan = _plan(pkg)
     model = plan["model"]
     cls = getattr(transformers, model["hf_class"])
     net = cls.from_pretrained(model["path"], dtype=dtype).train()
     params = [p for p in net.parameters() if p.requires_grad]
-    masters = [p.detach().float().requires_grad_(True) for p in params]
-    opt = torch.optim.AdamW(masters, lr=LR)
+    kept = [p.detach().float().requires_grad_(True) for p in params] if masters else params
+    opt = torch.optim.AdamW(kept, lr=LR)
     data = make_data(model, "train.jsonl", 0, TEXT, model["path"])
     m = plan["micro_batches"]
     losses = []
@@ -203,18 +204,18 @@ def _reference(pkg: Path, steps: int, dtype: torch.dtype) -> list[float]:
             loss = loss_of(net, {n: data.get(n, mb) for n in model["inputs"]})
             (loss / m).backward()
             total += loss.item()
-            for p, w in zip(params, masters):
-                if p.grad is not None:
+            for p, w in zip(params, kept):
+                if p.grad is not None and w is not p:
                     w.grad = p.grad.float() if w.grad is None else w.grad + p.grad.float()
                     p.grad = None
         losses.append(total / m)
-        torch.nn.utils.clip_grad_norm_(masters, CLIP)
+        torch.nn.utils.clip_grad_norm_(kept, CLIP)
         for group in opt.param_groups:
             group["lr"] = lr_at(k, LR, steps)
         opt.step()
         opt.zero_grad()
         with torch.no_grad():
-            for p, w in zip(params, masters):
+            for p, w in zip(params, kept):
                 p.copy_(w)
     return losses
 
@@ -238,27 +239,8 @@ def test_bf16_pure_steps_the_bf16_weights_themselves(runs, monkeypatch):
     root, pkgs, logs, _ = runs
     monkeypatch.chdir(root)
     log = logs["llama_bf16_pure"]
-    plan = _plan(pkgs["llama_bf16"])
-    model = plan["model"]
-    net = getattr(transformers, model["hf_class"]).from_pretrained(
-        model["path"], dtype=torch.bfloat16
-    )
-    opt = torch.optim.AdamW(net.parameters(), lr=LR)
-    data = make_data(model, "train.jsonl", 0, TEXT, model["path"])
-    m, losses = plan["micro_batches"], []
-    for k in range(BF16_STEPS):
-        total = 0.0
-        for mb in range(k * m, (k + 1) * m):
-            loss = loss_of(net, {n: data.get(n, mb) for n in model["inputs"]})
-            (loss / m).backward()
-            total += loss.item()
-        losses.append(total / m)
-        torch.nn.utils.clip_grad_norm_(list(net.parameters()), CLIP)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(k, LR, BF16_STEPS)
-        opt.step()
-        opt.zero_grad()
-    assert log["dtype"] == "bf16-pure" and log["losses"] == pytest.approx(losses, rel=1e-2)
+    reference = _reference(pkgs["llama_bf16"], BF16_STEPS, torch.bfloat16, masters=False)
+    assert log["dtype"] == "bf16-pure" and log["losses"] == pytest.approx(reference, rel=1e-2)
     assert log["losses"] != logs["llama_bf16"]["losses"]  # another recipe
 
 
