@@ -9,12 +9,14 @@
 
 An evaluation round is one `E` action (`schedules.KINDS`) per stage and evaluation batch:
 a forward in eval mode (dropout off), under no_grad, that keeps nothing and sends its
-outputs on as ("eval", tensor, batch) messages. On every GPU the round after step k sits
-just before the stage's first forward of step k + 1, so an evaluation needs exactly what
-that forward needs and the lists stay deadlock-free (the validator checks them all the
-same); under a synchronous schedule every stage has then taken step k. The last round comes
-after everything. The loss stage adds up each batch's loss weighted by its real samples and
-sends rank 0 [sum, samples, seconds]: the mean loss of the evaluation set.
+outputs on as ("eval", tensor, batch) messages. On every GPU the round after step k sits just
+before the stage's first forward of step k + 1, so an evaluation needs exactly what that
+forward needs and the lists stay deadlock-free (the validator checks them all the same); under
+a synchronous schedule every stage has then taken step k, under an asynchronous one each stage
+evaluates the weights it holds at that point (a stage that forwards ahead may not have applied
+step k yet), as it trains. The last round comes after everything. The loss stage adds up each
+batch's loss weighted by its real samples and sends rank 0 [sum, samples, seconds]: the mean
+loss of the evaluation set.
 """
 
 from __future__ import annotations

@@ -15,9 +15,11 @@
 | fp16 | float16, dynamic loss scaling | as bf16 | 2 + 4 + 4 master + fp32 state |
 | bf16-pure | bfloat16 | the bf16 weights themselves | 2 + 2 + bf16 state: half the memory; small updates round away |
 
-Under mixed precision a hook on every 16-bit weight adds its gradient into the fp32 master's
-as soon as autograd produces it and frees it, so micro-batches accumulate in fp32 (as
-DeepSpeed's and Megatron's bf16 optimizers do). A weight traced in fp32 (T5's `wo` under
+Under mixed precision a hook on every 16-bit weight adds its gradient into the fp32 master's as
+soon as autograd produces it and frees it, so micro-batches accumulate in fp32 (as DeepSpeed's
+and Megatron's bf16 optimizers do). The masters start from the stages' 16-bit weights (a
+checkpoint loaded at the compute dtype, as `from_pretrained(dtype=...)` loads it); a resumed
+run takes them from its checkpoint, which holds them. A weight traced in fp32 (T5's `wo` under
 fp16: transformers' `_keep_in_fp32_modules`) stays fp32 and is its own master.
 
 fp16's overflow check is global: the squared gradient norm every synchronous step sums over

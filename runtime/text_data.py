@@ -208,7 +208,8 @@ def _fit(columns: dict, lengths: dict, name: str, truncate: bool, say) -> dict:
     cut = 0
     for column, rows in columns.items():
         limit = lengths.get(column, lengths["input_ids"])
-        flag = "--target-len" if limit != lengths["input_ids"] else "--seq-len"
+        seq2seq = column == "labels" and "decoder_input_ids" in lengths
+        flag = "--target-len" if seq2seq else "--seq-len"
         for i, row in enumerate(rows):
             if len(row) <= limit:
                 continue

@@ -120,3 +120,21 @@ def test_samples_with_nothing_to_predict_are_left_out(tmp_path, capsys):
     assert sorted(rows) == [[2, 3], [2, 3], [5, 6], [5, 6]]
     labels = d.get("labels", 0)
     assert (labels != IGNORE).sum(dim=1).min() >= 2  # every sample has a target
+
+
+def test_epochs_set_the_steps_and_the_shuffle_seed_the_order(tmp_path, monkeypatch):
+    """--epochs E: steps to cover the file E times (toy: 4 micro-batches of 2 per step);
+    --shuffle-seed changes the order, not the samples."""
+    from ftpipe_runtime import run
+    from runtime_toy import STAGES, one_rank_plan
+
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps([1 + i % 5, 2, 3, 4]) + "\n" for i in range(12)))
+    summary = run(one_rank_plan(), STAGES, ["--data", str(path), "--epochs", "2"])
+    assert summary["steps"] == 3  # ceil(2 * 12 / 8)
+    model = one_rank_plan()["model"]
+    a, b = make_data(model, str(path), 1), make_data(model, str(path), 2)
+    first_epoch = [r for mb in range(6) for r in a.rows(mb)]  # 6 micro-batches of 2
+    assert sorted(first_epoch) == list(range(12))
+    assert first_epoch != [r for mb in range(6) for r in b.rows(mb)]

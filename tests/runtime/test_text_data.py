@@ -123,6 +123,16 @@ def test_a_text_longer_than_the_compiled_length_is_refused_or_cut(tok, tmp_path)
     assert max(len(data.row("input_ids", r)) for r in range(2)) == L
 
 
+def test_an_over_long_target_names_the_target_length_even_when_it_equals_the_input_length(
+    tok, tmp_path
+):
+    same = {**SEQ2SEQ, "inputs": {k: [[2, 4], "int64"] for k in SEQ2SEQ["inputs"]}}
+    rows = [{"question": "one", "answer": "one two three four five six"}]
+    path = write_jsonl(tmp_path / "t.jsonl", rows)
+    with pytest.raises(PipelineConfigError, match="tokens of labels, .* a longer --target-len"):
+        make_data(same, str(path), 0, QA, tok)
+
+
 def test_an_evaluation_set_is_read_once_in_order(tok, tmp_path):
     rows = pairs(5, seed=5)
     path = write_jsonl(tmp_path / "val.jsonl", rows)
