@@ -5,6 +5,7 @@
     held, transient = stage_memory(trainable_bytes=w, frozen_bytes=0, state_bytes=s,
                                    input_bytes=i, act_bytes=a, policy=policy)
     gpu_memory_bytes([(held, transient), ...])                # held summed, largest transient
+    ring_allreduce_s(nbytes=2**30, replicas=8, bandwidth=40e9, latency_s=1e-5)
 
 Every partitioner, `Plan`, the planner and the simulator call these; partitioners may cache
 or batch the calls (the functions are plain arithmetic, so numpy arrays pass through), never
@@ -118,6 +119,17 @@ def gpu_memory_bytes(stages) -> int:
         held += h
         transient = max(transient, t)
     return held + transient
+
+
+def ring_allreduce_s(
+    nbytes: float, replicas: int, bandwidth: float, latency_s: float = 0.0
+) -> float:
+    """A ring all-reduce of `nbytes` among `replicas` ranks over links of `bandwidth`: each
+    rank sends (and receives) 2(d-1) chunks of nbytes/d, one latency each."""
+    if replicas <= 1 or nbytes <= 0:
+        return 0.0
+    d = replicas
+    return 2 * (d - 1) / d * nbytes / bandwidth + 2 * (d - 1) * latency_s
 
 
 def period_s(compute_s: float, send_s: float, recv_s: float) -> float:

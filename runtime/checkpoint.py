@@ -352,8 +352,11 @@ class Checkpoints:
 class Saver:
     """The step hook that checkpoints every `every` steps and after the last one."""
 
-    def __init__(self, ckpt: Checkpoints, every: int, steps: int, micro_batches: int):
+    def __init__(
+        self, ckpt: Checkpoints, every: int, steps: int, micro_batches: int, stages: bool = True
+    ):
         self.ckpt, self.every, self.steps, self.m = ckpt, every, steps, micro_batches
+        self.stages = stages  # False: a replica other than the first; its stages are the same
         self.modules: dict = {}
         self.optimizers: dict = {}
         self.precision = None  # a MixedPrecision: its fp32 masters are the weights saved
@@ -363,7 +366,7 @@ class Saver:
         done = step + 1
         if done % self.every and done != self.steps:
             return
-        for s in event.stages:
+        for s in event.stages if self.stages else ():
             mixed, module = self.precision, self.modules[s]
             tensors = mixed.state_dict(s, module) if mixed is not None else None
             self.ckpt.save_stage(done, s, module, self.optimizers[s], tensors)

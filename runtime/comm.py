@@ -1,15 +1,20 @@
 """Messages between ranks: point-to-point transfers in a fixed order, and the few collectives.
 
     init_distributed(rank, world, "cpu", "file:///tmp/x/store", setup_s=300)
-    comm = Comm(rank, world, device, timeout_s, flow, spec_of)
+    comm = Comm(gpu, gpus, device, timeout_s, flow, spec_of, replicas, replica)
     comm.send(1, ("act", "add_7", 3), tensor)      # non-blocking
     x = comm.recv(0, ("act", "add_7", 3))           # waits at most timeout_s, then PeerFailure
+    work = comm.all_reduce_async(flat, ranks)       # gradient buckets with the replicas
 
-Every ordered pair of ranks gets its own process group, used in one direction only, and the
-receiver posts its receives in the order the sender sends (`Dataflow.order`). NCCL matches
-point-to-point messages by order within a communicator and serialises a pair's sends and
-receives on one stream, so mixing directions or orders could deadlock; gloo would also
-match by tag, which we set to the message's position all the same.
+Ranks in `send`, `recv` and `all_reduce` are the pipeline's GPUs (`rank`, `world`: this
+process's GPU and the pipeline's GPU count); with data parallelism (`replicas`, a
+`ftpipe_runtime.replicas.Replicas`) each replica's GPU g is a different process, and Comm
+turns pipeline GPUs into the job's ranks. Every ordered pair of a replica's GPUs gets its
+own process group, used in one direction only, and the receiver posts its receives in the
+order the sender sends (`Dataflow.order`). NCCL matches point-to-point messages by order
+within a communicator and serialises a pair's sends and receives on one stream, so mixing
+directions or orders could deadlock; gloo would also match by tag, which we set to the
+message's position all the same.
 """
 
 from __future__ import annotations
@@ -49,63 +54,92 @@ def describe(key: Key) -> str:
 
 
 class Comm:
-    def __init__(self, rank: int, world: int, device, timeout_s: float, flow: Dataflow, spec_of):
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        device,
+        timeout_s: float,
+        flow: Dataflow,
+        spec_of,
+        replicas=None,
+        replica: int = 0,
+    ):
         self.rank, self.world, self.device = rank, world, torch.device(device)
         self.timeout = timedelta(seconds=timeout_s)
         self.flow, self.spec_of = flow, spec_of
+        self.replicas, self.replica = replicas, replica
+        # The job's rank of each GPU of every replica's pipeline (one replica: the GPU itself).
+        self.pipelines = (
+            [replicas.pipeline(r) for r in range(replicas.count)] if replicas else [range(world)]
+        )
+        self.ranks = self.pipelines[replica]
+        self.global_rank = self.ranks[rank]
+        self.world_size = sum(len(p) for p in self.pipelines)
         self.pair_groups: dict[tuple[int, int], object] = {}
         self.groups: dict[tuple[int, ...], object] = {}
         self._next_post = {src: 0 for src, dst in flow.order if dst == rank}
         self._next_send = {dst: 0 for src, dst in flow.order if src == rank}
         self._posted: dict[tuple[int, Key], tuple] = {}
         self._sends: list[tuple] = []
-        self.loss_group = None
+        self.loss_groups: dict[int, object] = {}  # job rank of a loss stage -> its group with 0
         self.listener_error: Exception | None = None
 
-    def make_groups(self, rank_sets, loss_rank: int) -> None:
-        """Create every process group, in one order on every rank (new_group is collective)."""
-        if self.world == 1:
+    def make_groups(self, rank_sets, loss_rank: int, job_sets=()) -> None:
+        """Create every process group, in one order on every rank (new_group is collective):
+        each replica's pairs and `rank_sets` (GPUs of a pipeline), `job_sets` (job ranks:
+        the replicas of a GPU), and a loss channel from each replica's loss GPU to rank 0."""
+        if self.world_size == 1:
             return
         t = self.timeout
-        for src, dst in self.flow.peers():
-            self.pair_groups[(src, dst)] = dist.new_group(sorted({src, dst}), timeout=t)
-        for ranks in sorted({tuple(sorted(r)) for r in rank_sets if len(r) > 1}):
+        for r, ranks in enumerate(self.pipelines):
+            for src, dst in self.flow.peers():
+                group = dist.new_group(sorted({ranks[src], ranks[dst]}), timeout=t)
+                if r == self.replica:
+                    self.pair_groups[(src, dst)] = group
+        sets = {tuple(sorted(p[x] for x in s)) for p in self.pipelines for s in rank_sets}
+        sets |= {tuple(sorted(s)) for s in job_sets}
+        for ranks in sorted(s for s in sets if len(s) > 1):
             self.groups[ranks] = dist.new_group(list(ranks), timeout=t)
-        if loss_rank != 0:  # steps may take long: losses have no deadline of their own
-            self.loss_group = dist.new_group([0, loss_rank], timeout=timedelta(days=1))
-        self._connect(loss_rank)  # needed by NCCL, harmless (and so tested) on gloo
+        for ranks in self.pipelines:  # steps may take long: losses have no deadline of their own
+            if ranks[loss_rank] != 0:
+                group = dist.new_group([0, ranks[loss_rank]], timeout=timedelta(days=1))
+                self.loss_groups[ranks[loss_rank]] = group
+        self._connect()  # needed by NCCL, harmless (and so tested) on gloo
 
-    def _connect(self, loss_rank: int) -> None:
-        """Open every NCCL point-to-point channel now, pair by pair in one global order.
-        NCCL opens one on its first message and blocks the sender until the receiver comes;
-        opened mid-run, a send waiting for a peer that itself waits elsewhere could deadlock."""
-        pairs = sorted(self.pair_groups.items())
-        if self.loss_group is not None:
-            pairs.append(((loss_rank, 0), self.loss_group))
+    def _connect(self) -> None:
+        """Open every NCCL point-to-point channel now, pair by pair in one global order (of
+        job ranks). NCCL opens one on its first message and blocks the sender until the
+        receiver comes; opened mid-run, a send waiting for a peer that itself waits
+        elsewhere could deadlock."""
+        pairs = [((self.ranks[s], self.ranks[d]), g) for (s, d), g in self.pair_groups.items()]
+        pairs += [((src, 0), g) for src, g in self.loss_groups.items()]
         token = torch.zeros(1, device=self.device)
-        for (src, dst), group in pairs:
-            if self.rank == src:
+        for (src, dst), group in sorted(pairs, key=lambda x: x[0]):
+            if self.global_rank == src:
                 dist.send(token, dst=dst, group=group)
-            elif self.rank == dst:
+            elif self.global_rank == dst:
                 dist.recv(token, src=src, group=group)
 
-    # --- the per-step losses and evaluation results, from the loss stage's rank to rank 0 ---
+    # --- the per-step losses and evaluation results, from the loss stages to rank 0 ---
     def send_loss(self, tag: int, message: torch.Tensor) -> None:
-        work = dist.isend(message, dst=0, group=self.loss_group, tag=tag)
+        group = self.loss_groups[self.global_rank]
+        work = dist.isend(message, dst=0, group=group, tag=tag)
         self._sends.append((work, message, 0, ("loss", "", tag)))
 
-    def listen_losses(self, src: int, messages) -> threading.Thread:
-        """Receive `messages`, (tag, size, callback) in the order `src` sends them, in a
-        thread, calling `callback(message)` for each. A thread, because a posted gloo
-        receive reports completion only to `wait`."""
+    def listen_losses(self, messages) -> threading.Thread:
+        """Receive `messages`, (src, tag, size, callback) with `src` a job rank, in the order
+        given (each source's in the order it sends them), in a thread, calling
+        `callback(message)` for each. A thread, because a posted gloo receive reports
+        completion only to `wait`."""
 
         def loop():
             try:
                 if self.device.type == "cuda":  # the current device is per thread
                     torch.cuda.set_device(self.device)
-                for tag, size, callback in messages:
+                for src, tag, size, callback in messages:
                     buf = torch.empty(size, dtype=torch.float64, device=self.device)
-                    dist.irecv(buf, src=src, group=self.loss_group, tag=tag).wait()
+                    dist.irecv(buf, src=src, group=self.loss_groups[src], tag=tag).wait()
                     callback(buf)
             except Exception as e:  # noqa: BLE001 - reported by the main thread
                 self.listener_error = e
@@ -123,7 +157,8 @@ class Comm:
             raise RuntimeError(f"rank {self.rank} sends {key} to rank {dst}, but {due} is due")
         self._next_send[dst] = i + 1
         t = tensor.detach().contiguous()  # gloo refuses strided views
-        work = dist.isend(t, dst=dst, group=self.pair_groups[(self.rank, dst)], tag=i)
+        group = self.pair_groups[(self.rank, dst)]
+        work = dist.isend(t, dst=self.ranks[dst], group=group, tag=i)
         self._sends.append((work, t, dst, key))
         if len(self._sends) > 64:
             self._reap()
@@ -131,7 +166,7 @@ class Comm:
     def recv(self, src: int, key: Key) -> torch.Tensor:
         work, buf = self._post_until(src, key)
         del self._posted[(src, key)]
-        self._wait(work, f"waiting for {describe(key)} from rank {src}")
+        self.wait(work, f"waiting for {describe(key)} from rank {src}")
         return buf
 
     def _post_until(self, src: int, key: Key) -> tuple:
@@ -144,7 +179,8 @@ class Comm:
             shape, dtype = self.spec_of(k)
             buf = torch.empty(shape, dtype=dtype, device=self.device)
             group = self.pair_groups[(src, self.rank)]
-            self._posted[(src, k)] = (dist.irecv(buf, src=src, group=group, tag=i), buf)
+            work = dist.irecv(buf, src=self.ranks[src], group=group, tag=i)
+            self._posted[(src, k)] = (work, buf)
             i += 1
             self._next_post[src] = i
             if k == key:
@@ -155,7 +191,7 @@ class Comm:
         pending = []
         for entry in self._sends:
             if entry[0].is_completed():
-                self._wait(entry[0], f"sending {describe(entry[3])} to rank {entry[2]}")
+                self.wait(entry[0], f"sending {describe(entry[3])} to rank {entry[2]}")
             else:
                 pending.append(entry)
         self._sends = pending
@@ -163,24 +199,29 @@ class Comm:
     def finish(self) -> None:
         """Wait for every send to be delivered (a sender's buffers must outlive its sends)."""
         for work, _, dst, key in self._sends:
-            self._wait(work, f"sending {describe(key)} to rank {dst}")
+            self.wait(work, f"sending {describe(key)} to rank {dst}")
         self._sends = []
 
     # --- collectives ---
     def all_reduce(self, tensor: torch.Tensor, ranks, what: str) -> torch.Tensor:
-        """Sum over `ranks` in place (a no-op on one rank)."""
-        ranks = tuple(sorted(ranks))
+        """Sum over `ranks` (GPUs of this replica's pipeline) in place (a no-op on one)."""
+        ranks = tuple(sorted(self.ranks[r] for r in ranks))
         if len(ranks) > 1:
             work = dist.all_reduce(tensor, group=self._group(ranks), async_op=True)
-            self._wait(work, f"summing {what} with ranks {list(ranks)} (one of them stopped)")
+            self.wait(work, f"summing {what} with ranks {list(ranks)} (one of them stopped)")
         return tensor
 
+    def all_reduce_async(self, tensor: torch.Tensor, ranks: tuple[int, ...]):
+        """Start summing `tensor` in place over job ranks `ranks`; `wait` for the result."""
+        return dist.all_reduce(tensor, group=self._group(tuple(sorted(ranks))), async_op=True)
+
     def _group(self, ranks: tuple[int, ...]):
-        if ranks not in self.groups and len(ranks) == self.world:
+        if ranks not in self.groups and len(ranks) == self.world_size:
             self.groups[ranks] = dist.group.WORLD
         return self.groups[ranks]
 
-    def _wait(self, work, what: str) -> None:
+    def wait(self, work, what: str) -> None:
+        """Wait for `work` at most the timeout; a peer that stopped is a PeerFailure."""
         try:
             work.wait(timeout=self.timeout)
         except Exception as e:  # noqa: BLE001 - gloo and NCCL raise several types

@@ -37,6 +37,7 @@ class Executor:
         self.m, self.device, self.on_loss = micro_batches, torch.device(device), on_loss
         self.mb_offset = 0  # micro-batches done before this run (resume)
         self.loss_scale = lambda: 1.0  # fp16: the loss multiplier (precision.MixedPrecision)
+        self.grad_sync = None  # with replicas: a GradSync summing each step's gradients
         self.start = time.perf_counter()
         self.recompute: dict[tuple[int, int], bool] = {}
         self.acts = Outputs(topo, rank, comm, "act")
@@ -104,7 +105,7 @@ class Executor:
         values = torch.stack([step[j] for j in sorted(step)]).double().cpu()
         message = torch.cat([values, torch.tensor([time.perf_counter() - self.start])])
         del self.losses[k]
-        if self.rank != 0:
+        if self.comm.global_rank != 0:
             self.comm.send_loss(k, message.to(self.device))
         elif self.on_loss is not None:
             self.on_loss(k, message)
@@ -127,6 +128,9 @@ class Executor:
                 if out[t].requires_grad:
                     roots.append(out[t])
                     grads.append(g)
+        sync = self.grad_sync
+        if sync is not None:
+            sync.before_backward(s, m)
         if roots:
             torch.autograd.backward(roots, grads)
         if params is not None:  # a set-aside version: its gradients are the stage's
@@ -136,6 +140,8 @@ class Executor:
                     p = own[n]
                     p.grad = t.grad if p.grad is None else p.grad + t.grad
                     t.grad = None
+        if sync is not None:
+            sync.after_backward(s, m)
         for t in self.topo.inputs[s]:
             info = self.topo.transfers[t]
             if not info.grad:

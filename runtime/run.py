@@ -5,7 +5,10 @@
         --init-method file:///tmp/x/store ...               # (and RANK=1 beside it)
 
 Rank r builds only the stages on GPU r, executes its action list of the schedule, and
-rank 0 logs the loss of every step (options: `options.py`). A peer that dies or stops answering makes this rank
+rank 0 logs the loss of every step (options: `options.py`). With data parallelism the plan
+places `replicas` copies of the pipeline on the ranks (`ftpipe_runtime.replicas`): a rank
+runs one GPU of one replica, reads that replica's share of every batch, and sums its
+stages' gradients with the same GPU of the other replicas before each step. A peer that dies or stops answering makes this rank
 print which rank it waited for and exit with status 1 (`os._exit`: a process group with a
 dead member cannot be shut down cleanly). FTPIPE_FAULT=rank:step:exit|hang makes a rank
 fail after that step, for tests of exactly that.
@@ -38,6 +41,7 @@ from .finetune import HFExporter, open_sources
 from .optim import lr_at, make_optimizer
 from .options import parse_args
 from .precision import MixedPrecision, for_run, plan_in
+from .replicas import GradSync, LossGather, Replicas, Shard, last_backwards, launch_hint
 from .report import Progress, checksums, human_bytes, peak_memory
 from .runlog import RunLog
 from .schedules import resolve_schedule, validate
@@ -78,11 +82,13 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     topo = Topology(plan)
-    if world != topo.world:
+    reps = Replicas.of(plan)
+    if world != reps.world:
         raise PipelineConfigError(
-            f"the plan is for {topo.world} GPUs but {world} processes started; run "
-            f"torchrun --nproc_per_node {topo.world} ..."
+            f"the plan is for {reps.world} GPUs but {world} processes started; run "
+            f"torchrun {launch_hint(plan)} ..."
         )
+    replica, gpu = reps.where(rank)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise PipelineConfigError("--device cuda, but torch sees no GPU here; use --device cpu")
     device = torch.device(f"cuda:{local_rank}" if args.device == "cuda" else "cpu")
@@ -93,6 +99,8 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
     name = args.schedule or plan["schedule"]
     sched = resolve_schedule(name)
+    if not plan.get("recompute", True) and sched.can_keep_activations:
+        sched = sched.without_recompute()  # the planner chose to keep activations
     m = args.micro_batches or sched.micro_batches or int(plan["micro_batches"])
     precision = for_run(plan, args.dtype, sched)
     topo = Topology(plan_in(plan, precision))  # messages in the run's compute dtype
@@ -103,7 +111,12 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
         check_writable_file(args.log_json, "--log-json")
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if rank == 0 else _quiet
     sources = open_sources(plan, args, m, say)
-    data = sources.train
+    if reps.count > 1 and (sources.eval is not None or args.save_hf):
+        raise PipelineConfigError(
+            "evaluation and --save-hf do not run with data-parallel replicas yet; leave them "
+            "out, or compile the package with --replicas 1"
+        )
+    data = Shard(sources.train, replica, reps.count, m)
     rounds = dict(data=sources.eval, steps=args.steps, every=args.eval_every)
     lists = splice(action_lists(topo, sched, m, args.steps), topo, m, first=0, **rounds)
     validate(lists, topo.stage_graph(), sched, m, args.steps)
@@ -117,7 +130,7 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
             ckpt.refuse_foreign()
     exporter = HFExporter(plan, args, ckpt, say) if args.save_hf else None
     runlog = RunLog(args.log_dir, rank, say=say) if args.log_dir else None
-    modules = build_stages(topo, stage_classes, rank, device, precision.dtype)
+    modules = build_stages(topo, stage_classes, gpu, device, precision.dtype)
     if args.init:
         load_init(modules, args.init, plan)
     mixed = MixedPrecision(precision, modules)  # after --init: the masters copy the weights
@@ -145,13 +158,15 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
         lists = splice(lists, topo, m, first=first, **rounds)
         validate(lists, topo.stage_graph(), sched, m, args.steps - first)
     flow = build_dataflow(topo, lists, m, sched)
-    comm = Comm(rank, world, device, args.timeout, flow, _message_specs(topo))
-    # The one collective: the gradient norm, across all ranks, when a synchronous step clips.
-    # fp16's overflow check rides on it: the norm is computed then even without clipping.
+    comm = Comm(gpu, topo.world, device, args.timeout, flow, _message_specs(topo), reps, replica)
+    # The collectives: the gradient norm across a pipeline's ranks when a synchronous step
+    # clips (fp16's overflow check rides on it: the norm is computed then even without
+    # clipping), and each GPU's gradients with its replicas.
     collective = sched.synchronous and (args.clip or precision.loss_scaling)
-    collective_sets = [tuple(range(world))] if collective else []
+    collective_sets = [tuple(range(topo.world))] if collective else []
+    dp_sets = [reps.stage_group(g) for g in range(topo.world)] if reps.count > 1 else []
     loss_rank = topo.rank_of[topo.loss_stage]
-    comm.make_groups(collective_sets, loss_rank)
+    comm.make_groups(collective_sets, loss_rank, dp_sets)
 
     if first:
         for s, mod in modules.items():
@@ -162,21 +177,22 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
 
     micro_batch = next(iter(plan["model"]["inputs"].values()))[0][0]
     lr_of = lambda k: lr_at(k, args.lr, args.steps, args.warmup, args.decay)  # noqa: E731
-    progress = Progress(rank == 0, args.steps, first, m * micro_batch, args.log_every)
+    samples = reps.count * m * micro_batch
+    progress = Progress(rank == 0, args.steps, first, samples, args.log_every)
     progress.log, progress.lr_of = runlog, lr_of
     if args.resume:
         where = f"step {first} of {root}" if first else f"step 0: no checkpoint in {root}"
         if rank == 0:
             progress.write(f"resuming from {where}")
-    saver = checkpoint.Saver(ckpt, args.save_every, args.steps, m)
+    saver = checkpoint.Saver(ckpt, args.save_every, args.steps, m, stages=replica == 0)
     saver.modules, saver.optimizers, saver.precision = modules, optimizers, mixed
     stepper = Stepper(
         topo,
-        rank,
+        gpu,
         modules,
         optimizers,
         comm,
-        flow.events[rank],
+        flow.events[gpu],
         lr_of,
         args.clip,
         _after_steps(
@@ -189,7 +205,7 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     stepper.step_offset = first
     executor = Executor(
         topo,
-        rank,
+        gpu,
         modules,
         flow,
         comm,
@@ -204,10 +220,13 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     on_eval = reporter(plan, args.steps, first, args.eval_every, progress)
     if sources.eval is not None:
         evaluator = Evaluator(
-            topo, rank, modules, comm, sources.eval, device, args.steps - first, on_eval
+            topo, gpu, modules, comm, sources.eval, device, args.steps - first, on_eval
         )
         executor.handlers["E"] = evaluator.forward
-    fault = _fault(rank, lists[rank], first)
+    if reps.count > 1:
+        sync = GradSync(modules, comm, reps.stage_group(gpu), last_backwards(lists[gpu]))
+        executor.grad_sync = stepper.grad_sync = sync
+    fault = _fault(rank, lists[gpu], first)
 
     def after(i, a):
         if fault and i == fault[0]:
@@ -218,22 +237,33 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
 
     _barrier(world, "starting")
     listener = None
-    if rank == 0 and loss_rank != 0:
+    if rank == 0 and reps.count > 1:  # every replica's losses, one step's together
+        heads = [reps.rank(r, loss_rank) for r in range(reps.count)]
+        gather = LossGather(heads, lambda k, msg: progress.loss(k + first, msg))
+        executor.on_loss = lambda k, msg: gather.add(k, 0, msg)
+        messages = [
+            (src, k, m + 1, lambda msg, k=k, src=src: gather.add(k, src, msg))
+            for _, k in loss_messages(lists[loss_rank], topo.loss_stage, m, 1)
+            for src in heads
+            if src != 0
+        ]
+        listener = comm.listen_losses(messages)
+    elif rank == 0 and loss_rank != 0:
         n = sources.eval.micro_batches if sources.eval is not None else 1
         messages = [
-            (k, m + 1, lambda msg, k=k: progress.loss(k + first, msg))
+            (loss_rank, k, m + 1, lambda msg, k=k: progress.loss(k + first, msg))
             if kind == "loss"
-            else (args.steps - first + k, 3, lambda msg, k=k: on_eval(k, msg))
+            else (loss_rank, args.steps - first + k, 3, lambda msg, k=k: on_eval(k, msg))
             for kind, k in loss_messages(lists[loss_rank], topo.loss_stage, m, n)
         ]
-        listener = comm.listen_losses(loss_rank, messages)
+        listener = comm.listen_losses(messages)
     start = time.perf_counter()
-    executor.run(lists[rank], after)
+    executor.run(lists[gpu], after)
     if listener is not None:
         listener.join(args.timeout)
         if listener.is_alive() or comm.listener_error:
             why = comm.listener_error or f"nothing for {args.timeout:.0f} s"
-            raise PeerFailure(f"rank 0 gave up waiting for the losses from rank {loss_rank}: {why}")
+            raise PeerFailure(f"rank 0 gave up waiting for the losses of the loss stage: {why}")
     comm.finish()
     wall = time.perf_counter() - start
     progress.close()
@@ -244,7 +274,9 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
         exporter.at_end(mine, rank, world, device, lambda p: mixed.saved_dtype(p, traced))
     if runlog is not None:
         runlog.close()
-    return _finish(args, plan, modules, progress, device, world, rank, first, m, wall, mixed)
+    return _finish(
+        args, plan, modules, progress, device, (world, rank, replica), first, m, wall, mixed
+    )
 
 
 def _after_steps(*hooks):
@@ -322,11 +354,30 @@ def _barrier(world: int, what: str) -> None:
             raise PeerFailure(f"a rank never arrived while {what} ({e})") from e
 
 
-def _finish(args, plan, modules, progress, device, world, rank, first, m, wall, mixed) -> dict:
+def _first_replica(everyone: list[dict]) -> dict:
+    return {k: v for e in everyone if e["replica"] == 0 for k, v in sorted(e["checksums"].items())}
+
+
+def _replica_difference(everyone: list[dict]) -> float:
+    first = _first_replica(everyone)
+    return max(
+        (
+            abs(a - b)
+            for e in everyone
+            for k, v in e["checksums"].items()
+            for a, b in zip(v, first.get(k, v))
+        ),
+        default=0.0,
+    )
+
+
+def _finish(args, plan, modules, progress, device, where, first, m, wall, mixed) -> dict:
+    world, rank, replica = where
     mine = {
         "memory": peak_memory(device),
         "checksums": checksums(modules),
         "skipped_steps": mixed.skipped,
+        "replica": replica,
     }
     everyone = [mine]
     if world > 1:
@@ -348,7 +399,10 @@ def _finish(args, plan, modules, progress, device, world, rank, first, m, wall, 
         "dtype": args.dtype,
         "evals": [{"step": k, **v} for k, v in sorted(progress.evals.items())],
         "skipped_steps": [e["skipped_steps"] for e in everyone],  # per rank: the same
-        "checksums": {k: v for e in everyone for k, v in sorted(e["checksums"].items())},
+        "checksums": _first_replica(everyone),
+        # Every replica holds the same weights after every step: the first replica's,
+        # compared with each other's (0.0: identical).
+        "replica_difference": _replica_difference(everyone),
     }
     if rank == 0:
         mem = ", ".join(f"rank {r} {human_bytes(b)}" for r, b in enumerate(summary["memory_bytes"]))

@@ -3,8 +3,10 @@
     stepper = Stepper(topo, rank, modules, optimizers, comm, flow.events[rank], ...)
     stepper.on_step(index, action)    # at every S action; returns the StepEvent it applied
 
-At a step: clip by the norm over everything stepped together (all ranks when synchronous,
-the one stage when not), set the learning rate, step, clear the gradients. Under mixed
+At a step: with replicas, wait for the stage's gradients summed with its replicas' (each
+replica then holds the same mean gradient of the whole batch); clip by the norm over
+everything stepped together (all of the pipeline's ranks when synchronous, the one stage
+when not), set the learning rate, step, clear the gradients. Under mixed
 precision (`precision.MixedPrecision`) the optimizer steps the fp32 masters and the stages'
 16-bit weights are copied from them; under fp16 the same norm, summed over every rank, is
 the overflow check: not finite anywhere, and every rank skips the step. A weight read by
@@ -39,9 +41,12 @@ class Stepper:
         self.on_stepped = on_stepped
         self.precision = precision  # a MixedPrecision: masters, loss scale; None: fp32
         self.step_offset = 0  # steps done before this run (resume)
+        self.grad_sync = None  # with replicas: the stage's gradients summed before its step
         self._aside: dict[tuple[int, int], dict[str, torch.Tensor | None]] = {}
 
     def on_step(self, index: int, action):
+        if self.grad_sync is not None:  # before the masters take the gradients
+            self.grad_sync.wait(action.stage, action.mb)
         if self.precision is not None:
             self.precision.sweep(action.stage)
         self._aside[(action.stage, action.mb)] = {

@@ -23,7 +23,10 @@ from .errors import PipelineConfigError
 from .schedules import StageGraph, StageInfo, with_chunks
 
 # Bumped whenever plan.json changes shape; the compiler and the runtime refuse other formats.
-PLAN_FORMAT = 1
+# Format 2 added data parallelism (replicas, placement, cluster); a format-1 plan is one
+# pipeline, read as such.
+PLAN_FORMAT = 2
+READABLE_FORMATS = (1, 2)
 
 
 def read_plan(path) -> dict:
@@ -56,10 +59,11 @@ class Topology:
     def __init__(self, plan: dict):
         if not isinstance(plan, dict) or plan.get("kind", "ftpipe-plan") != "ftpipe-plan":
             raise PipelineConfigError("this is not an ftpipe plan; compile the package again")
-        if plan.get("format", PLAN_FORMAT) != PLAN_FORMAT:
+        if plan.get("format", PLAN_FORMAT) not in READABLE_FORMATS:
             raise PipelineConfigError(
-                f"the plan has format {plan.get('format')!r} but this runtime runs format "
-                f"{PLAN_FORMAT}; compile the package again with this ftpipe"
+                f"the plan has format {plan.get('format')!r} but this runtime runs formats "
+                f"{' and '.join(map(str, READABLE_FORMATS))}; compile the package again with "
+                "this ftpipe"
             )
         try:
             self.world = int(plan["gpus"])

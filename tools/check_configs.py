@@ -34,8 +34,10 @@ HW_KEYS = {
     "link_bandwidth",
     "efficiency",
     "kernel_overhead_s",
+    "node",
     "sources",
 }
+NODE_KEYS = {"gpus", "intra_node", "inter_node", "sources"}
 
 
 def count(model: torch.nn.Module) -> int:
@@ -85,6 +87,11 @@ def check_hardware(folder: Path, errors: list[str]) -> None:
             errors.append(f"hardware {p.name}: no sources for its figures")
         if set(h.get("peak_flops_16bit") or {}) != {"bfloat16", "float16"}:
             errors.append(f"hardware {p.name}: peak_flops_16bit needs bfloat16 and float16")
+        node = h.get("node") or {}
+        if set(node) != NODE_KEYS or not node.get("sources"):
+            errors.append(f"hardware {p.name}: node keys {sorted(set(node) ^ NODE_KEYS)} differ")
+        elif not node["inter_node"].get("bandwidth", 0) > 0:
+            errors.append(f"hardware {p.name}: the node's network needs a bandwidth")
 
 
 def main() -> int:

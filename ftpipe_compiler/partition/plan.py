@@ -32,10 +32,11 @@ from ftpipe_runtime.schedules import (
     with_chunks,
 )
 
+from ..cluster import Cluster
 from ..cost_model import gpu_memory_bytes, period_s, stage_memory
 from ..errors import FtpipeError, PlanFormatError, unknown
 from ..graph import _typed, read_json
-from ..version import PLAN_FORMAT, __version__
+from ..version import PLAN_FORMAT, READABLE_FORMATS, __version__
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,23 @@ class Plan:
     competitors: tuple[dict, ...] = ()
     simulated: dict = field(default_factory=dict)
     command: str = ""
+    recompute: bool = True  # False: every stage keeps its activations (the planner's choice)
+    # Data parallelism: `replicas` copies of the pipeline; rank r of the job runs GPU
+    # placement[r][1] of replica placement[r][0] (() : one replica, rank = GPU).
+    replicas: int = 1
+    placement: tuple[tuple[int, int], ...] = ()
+    cluster: Cluster | None = None  # the nodes and links the plan was made for
     version: str = __version__
+
+    # --- where the ranks are ---
+    @property
+    def world(self) -> int:
+        """Processes the plan runs on: every GPU of every replica."""
+        return self.replicas * self.gpus
+
+    def placed(self) -> tuple[tuple[int, int], ...]:
+        """(replica, GPU of the pipeline) of every rank."""
+        return self.placement or tuple((0, g) for g in range(self.gpus))
 
     # --- figures ---
     def stages_on(self, gpu: int) -> list[Stage]:
@@ -158,7 +175,7 @@ class Plan:
     def policies(self) -> dict[int, StagePolicy]:
         """What every stage keeps under the plan's schedule."""
         try:
-            sched = resolve_schedule(self.schedule)
+            sched = resolve_schedule(self.schedule, self.recompute)
         except ScheduleError as e:
             raise FtpipeError(str(e)) from None
         return sched.policies(self.stage_infos(), self.micro_batches)
@@ -203,6 +220,8 @@ class Plan:
         used = sorted({s.gpu for s in self.stages})
         if len(used) == self.gpus:
             return self
+        if self.replicas > 1:
+            raise FtpipeError("compact a plan before replicating it")
         new = {g: i for i, g in enumerate(used)}
         stages = tuple(replace(s, gpu=new[s.gpu]) for s in self.stages)
         return replace(self, gpus=len(used), stages=stages)
@@ -251,9 +270,12 @@ class Plan:
             if ids != sorted(ids):
                 raise FtpipeError(f"stages on GPU {gpu} are not in topological order")
         try:
-            resolve_schedule(self.schedule).check(self.stage_infos(), self.micro_batches)
+            resolve_schedule(self.schedule, self.recompute).check(
+                self.stage_infos(), self.micro_batches
+            )
         except ScheduleError as e:
             raise FtpipeError(str(e)) from None
+        self._validate_placement()
         if not memory:
             return
         over = [g for g in range(self.gpus) if self.gpu_memory(g) > self.memory_bytes]
@@ -263,10 +285,25 @@ class Plan:
                 f"{self.memory_bytes / 2**30:.1f} GiB"
             )
 
+    def _validate_placement(self) -> None:
+        if self.replicas < 1:
+            raise FtpipeError(f"a plan needs at least 1 replica, not {self.replicas}")
+        want = sorted((r, g) for r in range(self.replicas) for g in range(self.gpus))
+        if sorted(self.placed()) != want:
+            raise FtpipeError(
+                f"the placement must give each of the {self.replicas} replicas' {self.gpus} GPUs "
+                "one rank"
+            )
+        if self.cluster is not None and self.cluster.gpus != self.world:
+            raise FtpipeError(
+                f"the plan runs on {self.world} GPUs but its cluster has {self.cluster.gpus}"
+            )
+
     # --- serialisation ---
     def to_json(self) -> dict:
         d = asdict(self)
         d = {"format": PLAN_FORMAT, "kind": "ftpipe-plan", **d}
+        d["cluster"] = self.cluster.to_json() if self.cluster else None
         d["summary"] = {
             "period_s": self.period_s,
             "expected_speedup": self.expected_speedup,
@@ -282,12 +319,14 @@ class Plan:
             raise PlanFormatError(
                 "this file is not an ftpipe plan; make one with `ftpipe partition` or `ftpipe compile`"
             )
-        if d.get("format") != PLAN_FORMAT:
+        if d.get("format") not in READABLE_FORMATS:
             raise PlanFormatError(
                 f"plan format {d.get('format')} was written by ftpipe {d.get('version', '?')}; this "
-                f"ftpipe reads format {PLAN_FORMAT}: run `ftpipe compile` again with this version"
+                f"ftpipe reads formats {' and '.join(map(str, READABLE_FORMATS))}: run `ftpipe compile` "
+                "again with this version"
             )
-        flat = [f.name for f in fields(cls) if f.name not in ("stages", "transfers", "params")]
+        nested = ("stages", "transfers", "params", "cluster")
+        flat = [f.name for f in fields(cls) if f.name not in nested]
         try:
             plan = _typed(
                 cls,
@@ -296,9 +335,10 @@ class Plan:
                     "stages": tuple(_typed(Stage, s) for s in d["stages"]),
                     "transfers": tuple(_typed(Transfer, t) for t in d["transfers"]),
                     "params": tuple(_typed(PlanParam, p) for p in d["params"]),
+                    "cluster": Cluster.from_json(d["cluster"]) if d.get("cluster") else None,
                 },
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, FtpipeError) as e:
             raise PlanFormatError(
                 f"the plan file is incomplete or damaged ({type(e).__name__}: {e}); write it "
                 "again with `ftpipe compile`"

@@ -33,6 +33,8 @@ class Problem:
     seed: int = 0
     memory_bytes: int = 0  # 0: the hardware's memory
     precision: Precision = FP32
+    recompute: bool = True  # False: every stage keeps its activations (where the schedule may)
+    link_bandwidth: float = 0.0  # between the pipeline's GPUs; 0: the hardware's
 
     def __post_init__(self):
         if self.gpus < 1:
@@ -43,6 +45,8 @@ class Problem:
             )
         if self.schedule not in SCHEDULES:
             raise unknown("schedule", self.schedule, SCHEDULES)
+        if not self.recompute and not SCHEDULES[self.schedule].can_keep_activations:
+            raise FtpipeError(f"{self.schedule} must recompute; plan it with recompute")
         try:
             chain = self.sched.placement.chain(self.gpus) if self.patterned else []
             self.sched.check(chain, self.micro_batches)
@@ -57,11 +61,12 @@ class Problem:
 
     @property
     def bandwidth(self) -> float:
-        return self.hardware.link_bandwidth
+        return self.link_bandwidth or self.hardware.link_bandwidth
 
-    @property
+    @functools.cached_property
     def sched(self) -> Schedule:
-        return SCHEDULES[self.schedule]
+        sched = SCHEDULES[self.schedule]
+        return sched if self.recompute else sched.without_recompute()
 
     @property
     def patterned(self) -> bool:
@@ -104,7 +109,9 @@ class Problem:
 
     @functools.cached_property
     def work_recompute(self) -> dict[str, float]:
-        return {n.id: self.graph.work(n, True) for n in self.graph.nodes}
+        """Work of each node in a stage other than the loss stage: with its recompute, unless
+        the problem keeps activations."""
+        return {n.id: self.graph.work(n, self.recompute) for n in self.graph.nodes}
 
     @functools.cached_property
     def work_last(self) -> dict[str, float]:
@@ -143,7 +150,7 @@ class Problem:
         g = self.graph
         total = sum(self.work_recompute.values())
         w_max = max(self.work_last.values(), default=0.0)
-        if self.loss_recomputes:
+        if self.loss_recomputes or not self.recompute:
             return max(total / self.gpus, w_max)
         items = sorted(
             ((n.recompute_s, n.fwd_s + n.bwd_s) for n in g.nodes if n.recompute_s > 0),

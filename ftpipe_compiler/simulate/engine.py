@@ -6,9 +6,11 @@
 A GPU starts the head of its list once it is free and the action's inputs are there. A
 finished F puts its tensors on the links (one per ordered GPU pair, one tensor at a time,
 in the order they were produced); a finished B sends a gradient back once all consumers of
-that tensor on its GPU are done. The first S of a synchronised group on each GPU waits for
-all the group's GPUs (the synchronous schedules' flush). Each action kind (`KINDS`) has one
-handler to start it and one to finish it.
+that tensor on its GPU are done. Links, and with replicas the gradient all-reduce a stage
+starts during its last backward of a step, are `Network`'s; a stage's S waits for its
+all-reduce. The first S of a synchronised group on each GPU waits for all the group's GPUs
+(the synchronous schedules' flush) and for every all-reduce of its own stages. Each action
+kind (`KINDS`) has one handler to start it and one to finish it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import heapq
 
 from ..partition.plan import Plan
+from .network import Network
 from .result import Event
 
 
@@ -27,15 +30,19 @@ class EventLoop:
     ):
         self.lists, self.cap_steps = lists, timeline_steps
         self.cap_mbs = timeline_steps * micro_batches
-        self.bw = plan.bandwidth
+        self.m = micro_batches
+        self.net = Network(plan)
         st = {s.id: s for s in plan.stages}
         self.gpu = {s: x.gpu for s, x in st.items()}
         self.fwd = {s: x.fwd_s for s, x in st.items()}
         self.bwd = {s: x.bwd_s for s, x in st.items()}
         self.rec = {s: x.recompute_s for s, x in st.items()}
-        # Seconds a stage's optimizer step takes on its GPU (0 today; a data-parallel
-        # all-reduce of its gradients would go here).
+        # Seconds a stage's optimizer step takes on its GPU (0 today); the data-parallel
+        # all-reduce before it is `ar_done`: when (stage, step)'s gradients are summed.
         self.step_s = dict.fromkeys(st, 0.0)
+        self.b_done: dict[tuple[int, int], int] = {}
+        self.ar_done: dict[tuple[int, int], float] = {}
+        self.stages_of = {g: [s for s in st if self.gpu[s] == g] for g in lists}
         # Forward: per producer, [(bytes, dest GPU, consumers there)]; backward: one gradient
         # "slot" per (tensor, consumer GPU) that the producer waits for.
         self.out = {s: [] for s in st}
@@ -71,8 +78,7 @@ class EventLoop:
         self.start = dict.fromkeys(lists, 0.0)
         self.running = dict.fromkeys(lists, False)
         self.waiting: dict[int, tuple] = {}
-        self.link_free: dict[tuple[int, int], float] = {}
-        self.sent: dict[int, float] = {}
+        self.sent = self.net.sent
         self.busy: dict[int, list[tuple[float, float]]] = {g: [] for g in lists}
         self.step_end: dict[int, dict[int, float]] = {g: {} for g in lists}
         self.held = dict.fromkeys(st, 0)
@@ -128,14 +134,15 @@ class EventLoop:
     def _start_s(self, g: int, a):
         grp = self.group_of.get(a.stage)
         if grp is not None and (grp, a.mb, g) not in self.released:
-            self._barrier(grp, a.mb, g)
+            summed = max(self.ar_done.get((s, a.mb), 0.0) for s in self.stages_of[g])
+            self._barrier(grp, a.mb, g, max(self.free[g], summed))
             return None
-        return 0.0, self.step_s[a.stage]
+        return self.ar_done.get((a.stage, a.mb), 0.0), self.step_s[a.stage]
 
-    def _barrier(self, grp, step: int, g: int) -> None:
+    def _barrier(self, grp, step: int, g: int, arrive: float) -> None:
         """The first S of a step group on a GPU waits until every GPU of the group is there."""
         here = self.arrived.setdefault((grp, step), {})
-        here[g] = self.free[g]
+        here[g] = arrive
         if len(here) < len(self.group_gpus[grp]):
             return
         t0 = max(here.values())
@@ -144,12 +151,7 @@ class EventLoop:
             self._push(h, t0, t0)
 
     def _send(self, src: int, dst: int, nbytes: int, t: float) -> float:
-        if src == dst:
-            return t
-        start = max(self.link_free.get((src, dst), 0.0), t)
-        self.link_free[src, dst] = arrive = start + nbytes / self.bw
-        self.sent[src] = self.sent.get(src, 0) + nbytes
-        return arrive
+        return self.net.send(src, dst, nbytes, t)
 
     def complete(self, g: int, t: float) -> None:
         a = self.lists[g][self.pos[g]]
@@ -177,6 +179,11 @@ class EventLoop:
         s, m = a.stage, a.mb
         self.busy[g].append((start, t))
         self.held[s] -= 1
+        key = (s, m // self.m)
+        self.b_done[key] = self.b_done.get(key, 0) + 1
+        if self.b_done[key] == self.m:  # the step's last backward: its gradients are complete
+            grads_from = start + (self.rec[s] if a.recompute else 0.0)
+            self.ar_done[key] = self.net.all_reduce(s, g, grads_from, t)
         for idx, n, producer, nbytes, _ in self.grads[s]:
             counts = self.slot_count[idx]
             counts[m] += 1

@@ -55,6 +55,7 @@ class SimResult:
     in_flight: tuple[int, ...]  # per stage: most micro-batches held between F and B at once
     gpus: tuple[GpuResult, ...]
     timeline: tuple[Event, ...] = ()  # the first few steps, for the report
+    replicas: int = 1  # data-parallel copies of the pipeline (samples/s counts them all)
 
     @property
     def max_memory_bytes(self) -> int:
@@ -68,6 +69,7 @@ class SimResult:
         """The figures `ftpipe simulate --json` prints."""
         return {
             "schedule": self.schedule,
+            "replicas": self.replicas,
             "micro_batches": self.micro_batches,
             "step_time_s": self.step_time_s,
             "samples_per_s": self.samples_per_s,
@@ -94,9 +96,10 @@ class SimResult:
     @classmethod
     def from_json(cls, d: dict) -> SimResult:
         try:
-            names = {f.name for f in fields(cls)} - {"gpus", "timeline"}
+            names = {f.name for f in fields(cls)} - {"gpus", "timeline", "replicas"}
             return cls(
                 **{k: tuple(d[k]) if isinstance(d[k], list) else d[k] for k in names},
+                replicas=d.get("replicas", 1),
                 gpus=tuple(GpuResult(**{**g, "stages": tuple(g["stages"])}) for g in d["gpus"]),
                 timeline=tuple(Event(*row) for row in d.get("timeline", ())),
             )

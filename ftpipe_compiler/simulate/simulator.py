@@ -12,7 +12,9 @@ one tensor at a time, while compute goes on; a gradient goes back once per consu
 A weight read by several stages is one such tensor, sent by its owner with every
 micro-batch. Stages on one GPU hand over for free. Under a synchronous schedule every
 GPU's optimizer steps wait for the slowest GPU (the flush, and one gradient norm); under
-the asynchronous one every stage steps at its own pace.
+the asynchronous one every stage steps at its own pace. With replicas (data parallelism) one
+replica is timed, its links and the all-reduce of each stage's gradients modelled by
+`network.Network`; samples/s count every replica.
 
 Figures (see SimResult): E_k is the time the slowest GPU finishes step k (its last S);
 the step time is the mean of E_k - E_{k-1} over the last half of the steps, and busy and
@@ -48,7 +50,7 @@ def simulate(
     if name not in SCHEDULES and not name.lower().endswith(".csv"):
         raise unknown("schedule", name, SCHEDULES)
     try:
-        sched = resolve_schedule(name)
+        sched = resolve_schedule(name, plan.recompute)
     except ScheduleError as e:
         raise FtpipeError(str(e)) from None
     m = micro_batches or sched.micro_batches or plan.micro_batches
@@ -111,13 +113,14 @@ def simulate(
         micro_batch_size=size,
         steps=steps,
         step_time_s=step_time,
-        samples_per_s=m * size / step_time if step_time > 0 else 0.0,
+        samples_per_s=plan.replicas * m * size / step_time if step_time > 0 else 0.0,
         bubble_fraction=1.0 - sum(used) / max(len(used), 1),
         window_s=window,
         step_ends_s=tuple(ends),
         in_flight=tuple(in_flight[s.id] for s in plan.stages),
         gpus=gpus,
         timeline=tuple(run.timeline),
+        replicas=plan.replicas,
     )
 
 

@@ -71,11 +71,11 @@ def get_schedule(name: str) -> Schedule:
         ) from None
 
 
-def resolve_schedule(name: str) -> Schedule:
-    """A built-in schedule by name, or the schedule written in a .csv file."""
-    if name.lower().endswith(".csv"):
-        return csv_schedule(name)
-    return get_schedule(name)
+def resolve_schedule(name: str, recompute: bool = True) -> Schedule:
+    """A built-in schedule by name, or the schedule written in a .csv file; `recompute`
+    False: its variant keeping every stage's activations (a plan's `recompute: false`)."""
+    sched = csv_schedule(name) if name.lower().endswith(".csv") else get_schedule(name)
+    return sched if recompute else sched.without_recompute()
 
 
 def actions(

@@ -16,7 +16,7 @@ pure function (stages, micro-batches, steps) -> per-GPU lists, instead of `strea
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import ScheduleError
 from .actions import Action
@@ -143,6 +143,29 @@ class Schedule:
 
     def policy(self, stage: StageInfo, micro_batches: int, gpus: int) -> StagePolicy:
         return self.policy_of(stage, micro_batches, gpus)
+
+    @property
+    def can_keep_activations(self) -> bool:
+        """May every stage keep its activations instead of recomputing? Not when a forward's
+        weights change in place before its backward (FTPipe's asynchronous rule): the kept
+        graph would be stale. A flushed or versioned schedule (weight_delay not None) may."""
+        probe = StageInfo(0, 0, 1, False)
+        return self.given is None and self.policy_of(probe, 2, 2).weight_delay is not None
+
+    def without_recompute(self) -> Schedule:
+        """The same schedule with every stage keeping its activations (no recompute): more
+        memory, less compute. A planner's choice; `can_keep_activations` says where allowed."""
+        if not self.can_keep_activations:
+            raise ScheduleError(
+                f"{self.name} must recompute: its backwards run on weights newer than their "
+                "forward's, so a kept graph would be stale"
+            )
+        policy_of = self.policy_of
+
+        def keeping(st: StageInfo, m: int, gpus: int) -> StagePolicy:
+            return replace(policy_of(st, m, gpus), recompute=False)
+
+        return replace(self, policy_of=keeping)
 
     def policies(self, stages: list[StageInfo], micro_batches: int) -> dict[int, StagePolicy]:
         gpus = max((s.gpu for s in stages), default=0) + 1

@@ -51,11 +51,12 @@ class Ranks:
 def launch(
     tmp_path: Path, plan: dict, argv: list[str], name: str = "run", env=None, module=None, cwd=None
 ) -> Ranks:
-    """Start `plan["gpus"]` ranks of the toy pipeline, or of `python -m module` run in `cwd`."""
+    """Start the plan's ranks (every GPU of every replica) of the toy pipeline, or of
+    `python -m module` run in `cwd`."""
     plan_file = tmp_path / f"{name}-plan.json"
     plan_file.write_text(json.dumps(plan))
     store = tmp_path / f"{name}-store"
-    world = plan["gpus"]
+    world = plan["gpus"] * plan.get("replicas", 1)
     procs, logs = [], []
     cmd = [sys.executable, "-m", module] if module else [sys.executable, str(TOY), str(plan_file)]
     for rank in range(world):

@@ -1,0 +1,84 @@
+"""Upper bounds on what a shape can reach, so the planner skips shapes that cannot win.
+
+    bound = throughput_bound(problem, replicas=4, cluster=cluster)   # samples/s no plan beats
+    memory_floor(problem)                                           # bytes the fullest GPU needs
+
+Every figure is a bound over all partitions of the shape, so a shape whose bound is below
+the best plan found so far cannot beat it:
+
+- compute: a step of m micro-batches keeps some GPU busy m x `Problem.lower_bound()`
+  (FTPipe eq. 1's period can be no lower than the work spread evenly, nor than the largest
+  indivisible node);
+- network: every step each stage sums its gradients with its replicas. Over one node the
+  GPUs reduce in parallel, the busiest at least the average's share; across nodes the
+  pipeline's node interfaces carry its whole model's ring traffic, the busiest at least
+  its share (`cost_model.ring_allreduce_s`);
+- memory: every GPU holds its weights (times the versions the schedule keeps), gradients
+  and optimizer state, and without recompute the activations of at least one micro-batch
+  per stage in flight; the fullest GPU at least the average.
+
+The two time bounds overlap in the best case (the runtime overlaps them), so a step is at
+least the larger of the two.
+"""
+
+from __future__ import annotations
+
+from ..cluster import Cluster
+from ..cost_model import ring_allreduce_s
+from ..partition.problem import Problem
+from .shapes import node_span, placement
+
+
+def gradient_bytes(problem: Problem) -> int:
+    """Bytes of all trainable gradients (what the replicas of all stages sum each step):
+    the runtime reduces each gradient in its parameter's dtype, one weight's worth."""
+    trainable = {p.name for p in problem.graph.params if p.trainable}
+    return sum(w for name, (w, _) in problem.param_split.items() if name in trainable)
+
+
+def memory_floor(problem: Problem) -> float:
+    """Bytes the fullest GPU needs at least, whatever the partition."""
+    probes = [problem.policy(problem.chain_stage(k, k == 0, problem.chain_length)) for k in (0, 1)]
+    versions = min(p.weight_versions for p in probes)
+    trainable = {p.name for p in problem.graph.params if p.trainable}
+    held = sum(
+        w * (versions if name in trainable else 1) + s
+        for name, (w, s) in problem.param_split.items()
+    )
+    if not problem.recompute:
+        in_flight = min(p.in_flight for p in probes)
+        held += in_flight * sum(n.act_bytes for n in problem.graph.nodes)
+    return held / problem.gpus
+
+
+def allreduce_floor(problem: Problem, replicas: int, cluster: Cluster, orientation: str) -> float:
+    """Seconds per step some link spends summing gradients, at least."""
+    if replicas == 1:
+        return 0.0
+    grads = gradient_bytes(problem)
+    placed = placement(replicas, problem.gpus, orientation)
+    rank_of = {rg: r for r, rg in enumerate(placed)}
+    spans = any(
+        len({cluster.node_of(rank_of[(r, g)]) for r in range(replicas)}) > 1
+        for g in range(problem.gpus)
+    )
+    if not spans:  # each GPU reduces with its replicas inside the node, all in parallel
+        link = cluster.intra_node
+        return ring_allreduce_s(grads / problem.gpus, replicas, link.bandwidth, link.latency_s)
+    link = cluster.inter_node
+    nodes = len(node_span(cluster, placed))
+    return ring_allreduce_s(grads / nodes, replicas, link.bandwidth, link.latency_s)
+
+
+def throughput_bound(
+    problem: Problem, replicas: int, cluster: Cluster, orientations: list[str]
+) -> float:
+    """Samples per second no plan of this shape exceeds (0: it cannot fit in memory)."""
+    if memory_floor(problem) > problem.memory:
+        return 0.0
+    m = problem.micro_batches
+    compute = m * problem.lower_bound()
+    network = min(allreduce_floor(problem, replicas, cluster, o) for o in orientations)
+    step = max(compute, network)
+    size = int(problem.graph.meta.get("micro_batch", 1))
+    return replicas * m * size / step if step > 0 else float("inf")

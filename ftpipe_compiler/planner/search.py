@@ -1,0 +1,263 @@
+"""The planner: which shape (replicas x depth), micro-batch, schedule and recompute to run.
+
+    found = plan_shape(graph_for, cluster, Space(batch=40, schedules=("ftpipe", "2bw")))
+    found.plan, found.sim, found.candidate, found.rows
+
+A candidate is one point of the search space: d replicas of a p-GPU pipeline (d x p = the
+cluster's GPUs), micro-batches of b sequences, m of them per replica and step (d x b x m =
+the global batch, kept fixed so every candidate trains the same way), a schedule, and
+recompute or not. Each is judged like `ftpipe compile` judges one pipeline, by `best_plan`:
+every competing partitioner cuts the pipeline, every cut is placed in each orientation the
+cluster allows and simulated with its replicas, the most samples/s that fit win.
+
+Candidates are taken best bound first (`bounds.throughput_bound`); one whose bound is not
+above the best plan found so far by more than the `gap` is pruned, with its bound in the
+table: the plan chosen is within `gap` of every candidate left unexplored (as a MIP
+solver's relative gap). Graphs of other micro-batch sizes are traced when a bound first
+needs them.
+
+*Effective speedup* (`effective_speedup`): the plan's simulated samples/s over those of
+one GPU doing the same computation alone, the plan's forward, backward and recompute
+back to back with no transfers, bubbles or all-reduce: how many GPUs' worth of work the
+plan keeps busy, at most the number of GPUs. `useful` counts forward and backward only,
+charging recompute as overhead too.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from tqdm import tqdm
+
+from ..cluster import Cluster
+from ..errors import FtpipeError, InfeasibleError
+from ..partition import Problem, run_partitioners
+from ..partition.plan import Plan
+from ..simulate import SimResult, simulate
+from .bounds import throughput_bound
+from .shapes import depths, orientations, placement
+
+__all__ = ["Candidate", "Found", "Row", "Space", "best_plan", "effective_speedup", "plan_shape"]
+
+
+@dataclass(frozen=True)
+class Space:
+    """What the planner may choose from; a fixed value is a one-element choice."""
+
+    batch: int  # sequences per optimizer step, all replicas together
+    micro_batch_sizes: tuple[int, ...] = ()  # () : the graph's own
+    schedules: tuple[str, ...] = ("ftpipe",)
+    recompute: tuple[bool, ...] = (True,)
+    replicas: int | None = None  # None: any width
+    micro_batches: int | None = None  # per replica and step; None: batch / (d x b)
+    partitioners: tuple[str, ...] | None = None  # None: all
+    optimizer: str = "adamw"
+    seed: int = 0
+    steps: int = 20  # simulated per plan
+    gap: float = 0.02
+
+
+@dataclass(frozen=True)
+class Candidate:
+    replicas: int
+    gpus: int  # per replica
+    micro_batch: int
+    micro_batches: int  # per replica and step
+    schedule: str
+    recompute: bool
+
+    @property
+    def label(self) -> str:
+        rec = "" if self.recompute else ", no recompute"
+        return (
+            f"{self.replicas} x {self.gpus}, {self.micro_batches} x {self.micro_batch}, "
+            f"{self.schedule}{rec}"
+        )
+
+
+@dataclass(frozen=True)
+class Row:
+    """What became of one candidate."""
+
+    candidate: Candidate
+    bound: float  # samples/s no plan of it beats (0: does not fit)
+    status: str  # chosen, simulated, pruned, no memory, infeasible
+    partitioner: str = ""
+    orientation: str = ""
+    samples_per_s: float = 0.0
+    effective_speedup: float = 0.0
+    seconds: float = 0.0
+    error: str = ""
+
+    def to_json(self) -> dict:
+        return {
+            **asdict(self.candidate),
+            **{k: v for k, v in asdict(self).items() if k != "candidate"},
+        }
+
+
+@dataclass(frozen=True)
+class Found:
+    plan: Plan
+    sim: SimResult
+    candidate: Candidate
+    rows: tuple[Row, ...]
+    seconds: float
+    trace_seconds: float
+    competitors: tuple[dict, ...] = field(default=())  # the winner's partitioners, as compile's
+
+    def to_json(self) -> dict:
+        c = self.candidate
+        return {
+            "replicas": c.replicas,
+            "gpus_per_replica": c.gpus,
+            "micro_batch": c.micro_batch,
+            "micro_batches": c.micro_batches,
+            "batch": c.replicas * c.micro_batches * c.micro_batch,
+            "schedule": c.schedule,
+            "recompute": c.recompute,
+            "partitioner": self.plan.partitioner,
+            "placement": [list(x) for x in self.plan.placed()],
+            "samples_per_s": self.sim.samples_per_s,
+            "effective_speedup": effective_speedup(self.plan, self.sim),
+            "useful_speedup": effective_speedup(self.plan, self.sim, useful=True),
+            "planning_seconds": self.seconds,
+            "trace_seconds": self.trace_seconds,
+            "candidates": [r.to_json() for r in self.rows],
+        }
+
+
+def effective_speedup(plan: Plan, sim: SimResult, useful: bool = False) -> float:
+    """Samples/s of the plan over samples/s of one GPU running the same work back to back
+    (see the module docstring); `useful`: forward and backward only."""
+    policies = plan.policies
+    work = sum(
+        s.fwd_s + s.bwd_s + (s.recompute_s if policies[s.id].recompute and not useful else 0.0)
+        for s in plan.stages
+    )
+    size = int(plan.model.get("micro_batch", 1))
+    return sim.samples_per_s * work / size if work > 0 else 0.0
+
+
+def best_plan(problem: Problem, candidate: Candidate, cluster: Cluster, space: Space):
+    """The fastest fitting (plan, simulation, partitioner rows) of one candidate: every
+    partitioner's cut, replicated and placed in each orientation, simulated. None: no fit.
+
+    The one call the planner makes per candidate (a schedule search may take its place)."""
+    results = run_partitioners(problem, space.partitioners, progress=False)
+    best, rows = None, []
+    for r in results:
+        row = r.to_json()
+        if r.feasible:
+            for o in orientations(cluster, candidate.replicas, candidate.gpus):
+                plan = r.plan.with_(
+                    replicas=candidate.replicas,
+                    placement=placement(candidate.replicas, candidate.gpus, o),
+                    cluster=cluster,
+                    recompute=candidate.recompute,
+                )
+                sim = simulate(plan, steps=space.steps)
+                if sim.fits and (best is None or sim.samples_per_s > best[1].samples_per_s):
+                    best = (plan, sim, o)
+                if sim.samples_per_s > (row.get("simulated_samples_per_s") or 0):
+                    row.update(simulated_step_time_s=sim.step_time_s,
+                               simulated_samples_per_s=sim.samples_per_s, orientation=o)  # fmt: skip
+        rows.append(row)
+    return best, tuple(rows)
+
+
+def candidates(cluster: Cluster, space: Space, sizes: tuple[int, ...]) -> list[Candidate]:
+    out = []
+    for p in depths(cluster, space.replicas):
+        d = cluster.gpus // p
+        for b in sizes:
+            if space.micro_batches:
+                m = space.micro_batches
+            elif space.batch % (d * b) == 0:
+                m = space.batch // (d * b)
+            else:
+                continue
+            for sched in space.schedules:
+                for rec in space.recompute:
+                    out.append(Candidate(d, p, b, m, sched, rec))
+    return out
+
+
+def plan_shape(graph_for: Callable[[int], object], cluster: Cluster, space: Space, hardware=None,
+               progress: bool = True) -> Found:  # fmt: skip
+    """Search the space (see the module docstring). `graph_for(b)`: the costed graph traced
+    with micro-batches of b (cached by the caller)."""
+    t0 = time.perf_counter()
+    traced = {"s": 0.0}
+
+    def graph(b):
+        t = time.perf_counter()
+        g = graph_for(b)
+        traced["s"] += time.perf_counter() - t
+        return g
+
+    sizes = space.micro_batch_sizes or (int(graph_for(None).meta.get("micro_batch", 1)),)
+    hw = hardware or cluster.gpu
+    todo = []
+    rows: list[Row] = []
+    for c in candidates(cluster, space, sizes):
+        try:
+            problem = Problem(
+                graph(c.micro_batch), c.gpus, hw, c.schedule, space.optimizer,
+                micro_batches=c.micro_batches, seed=space.seed, recompute=c.recompute,
+                link_bandwidth=cluster.intra_node.bandwidth,
+            )  # fmt: skip
+        except FtpipeError as e:  # too few micro-batches for the schedule, and the like
+            rows.append(Row(c, 0.0, "infeasible", error=str(e)))
+            continue
+        bound = throughput_bound(
+            problem, c.replicas, cluster, orientations(cluster, c.replicas, c.gpus)
+        )
+        if bound <= 0:
+            rows.append(
+                Row(c, 0.0, "no memory", error="weights, gradients and state alone overflow")
+            )
+            continue
+        todo.append((bound, c, problem))
+    # Best bound first; among equal bounds the cheaper partitioning (fewer GPUs per pipeline).
+    todo.sort(
+        key=lambda x: (-x[0], x[1].gpus, -x[1].micro_batch, x[1].schedule, not x[1].recompute)
+    )
+    best = None
+    bar = tqdm(todo, desc="planning", file=sys.stderr, disable=not progress, leave=False)
+    for bound, c, problem in bar:
+        if best is not None and bound <= best[1].samples_per_s * (1 + space.gap):
+            rows.append(Row(c, bound, "pruned"))
+            continue
+        bar.set_postfix_str(c.label)
+        t = time.perf_counter()
+        got, competitors = best_plan(problem, c, cluster, space)
+        seconds = time.perf_counter() - t
+        if got is None:
+            why = (
+                "; ".join(x.get("error", "") for x in competitors if x.get("error"))
+                or "nothing fits"
+            )
+            rows.append(Row(c, bound, "infeasible", seconds=seconds, error=why[:300]))
+            continue
+        plan, sim, orientation = got
+        rows.append(Row(c, bound, "simulated", plan.partitioner, orientation, sim.samples_per_s,
+                        effective_speedup(plan, sim), seconds))  # fmt: skip
+        if best is None or sim.samples_per_s > best[1].samples_per_s:
+            best = (plan, sim, c, competitors)
+    bar.close()
+    if best is None:
+        why = "; ".join(f"{r.candidate.label}: {r.error}" for r in rows if r.error)[:500]
+        raise InfeasibleError(f"no shape of {cluster.gpus} GPUs fits: {why or 'nothing to try'}")
+    plan, sim, chosen, competitors = best
+    rows = [
+        Row(**{**r.__dict__, "status": "chosen"})
+        if r.candidate == chosen and r.status == "simulated"
+        else r
+        for r in rows
+    ]
+    rows.sort(key=lambda r: (-r.samples_per_s, -r.bound))
+    return Found(plan, sim, chosen, tuple(rows), time.perf_counter() - t0, traced["s"], competitors)

@@ -1,0 +1,112 @@
+"""The pieces of data parallelism, one process: placement, shards, buckets, the gradient
+sums started during the last backward, the losses of every replica."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ftpipe_runtime.errors import PipelineConfigError
+from ftpipe_runtime.replicas import (
+    GradSync,
+    LossGather,
+    Replicas,
+    Shard,
+    bucket_indices,
+    last_backwards,
+    launch_hint,
+)
+from ftpipe_runtime.schedules import StageInfo, actions
+from torch import nn
+
+
+def test_buckets_hold_the_last_parameters_first():
+    assert bucket_indices([10, 10, 10, 30, 1], limit=25) == [[4], [3], [2, 1], [0]]
+    assert bucket_indices([5] * 4, limit=100) == [[3, 2, 1, 0]]
+    assert bucket_indices([]) == []
+
+
+def test_placement():
+    plan = {"gpus": 2, "replicas": 2, "placement": [[0, 0], [1, 0], [0, 1], [1, 1]]}
+    reps = Replicas.of(plan)
+    assert (reps.world, reps.where(1), reps.rank(1, 1)) == (4, (1, 0), 3)
+    assert reps.pipeline(1) == (1, 3) and reps.stage_group(0) == (0, 1)
+    assert Replicas.of({"gpus": 3}).pipeline(0) == (0, 1, 2)  # a plan of one pipeline
+    with pytest.raises(PipelineConfigError, match="exactly one rank"):
+        Replicas.of({**plan, "placement": [[0, 0], [0, 0], [0, 1], [1, 1]]})
+    with pytest.raises(PipelineConfigError, match="exactly one rank"):
+        Replicas.of({"gpus": 2, "replicas": 2})  # two replicas need a placement
+
+
+def test_shards_split_each_step_between_the_replicas():
+    class Numbers:
+        def get(self, name, mb):
+            return mb
+
+    m, d = 3, 2
+    seen = [[Shard(Numbers(), r, d, m).get("x", mb) for mb in range(2 * m)] for r in range(d)]
+    assert seen == [[0, 1, 2, 6, 7, 8], [3, 4, 5, 9, 10, 11]]  # step 0: 0..5, step 1: 6..11
+
+
+def test_last_backward_of_each_step():
+    stages = [StageInfo(0, 0, 1, False), StageInfo(1, 1, 0, True)]
+    gpipe = actions("gpipe", stages, 3, 2)[0]  # backwards of a step in reverse
+    assert last_backwards(gpipe) == {(0, 0): 0, (0, 1): 3}
+    ftpipe = actions("ftpipe", stages, 3, 2)[0]
+    assert last_backwards(ftpipe) == {(0, 0): 2, (0, 1): 5}
+
+
+def test_losses_of_all_replicas_in_replica_order():
+    got = {}
+    gather = LossGather([0, 5], lambda k, msg: got.setdefault(k, msg))
+    gather.add(0, 5, torch.tensor([3.0, 4.0, 9.0]))  # losses, then the time it finished
+    assert got == {}
+    gather.add(0, 0, torch.tensor([1.0, 2.0, 7.0]))
+    assert got[0].tolist() == [1.0, 2.0, 3.0, 4.0, 9.0]
+
+
+def test_launch_hint():
+    plan = {"gpus": 4, "replicas": 4, "placement": [divmod(r, 4) for r in range(16)]}
+    assert launch_hint(plan) == "--nproc_per_node 16"
+    plan["cluster"] = {"gpus_per_node": 8}
+    assert launch_hint(plan).startswith("--nnodes 2 --nproc_per_node 8 --rdzv-backend c10d")
+
+
+class _Twice:
+    """A pretend group of two identical replicas: a sum is twice the value."""
+
+    def __init__(self):
+        self.started, self.finished = [], False
+
+    def all_reduce_async(self, tensor, ranks):
+        self.started.append((tensor.numel(), self.finished))
+        tensor.mul_(2)
+        return None
+
+    def wait(self, work, what):
+        pass
+
+
+def test_buckets_start_during_the_last_backward_and_average():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 4))
+    comm = _Twice()
+    limit = 64 * 64 * 4  # one weight per bucket
+    sync = GradSync({0: net}, comm, (0, 1), {(0, 0): 1})
+    sync.order = {0: bucket_indices([p.numel() * 4 for p in sync.params[0]], limit)}
+    for mb in range(2):
+        x = torch.randn(8, 64)
+        sync.before_backward(0, mb)
+        net(x).square().mean().backward()
+        comm.finished = True
+        sync.after_backward(0, mb)
+        comm.finished = False
+        if mb == 0:
+            assert comm.started == []  # not the step's last backward
+    want = [p.grad.clone() for p in net.parameters()]
+    sizes = [n for n, _ in comm.started]
+    assert sum(sizes) == sum(p.numel() for p in net.parameters())
+    assert sizes[0] == 4 + 4 * 64 + 64  # the last layer and the bias before it, first
+    assert not comm.started[0][1]  # ... while the backward still ran
+    sync.wait(0, 0)
+    for p, w in zip(net.parameters(), want):  # twice the sum, halved: the mean
+        torch.testing.assert_close(p.grad, w)
