@@ -12,11 +12,13 @@ import time
 from pathlib import Path
 
 import click
+from ftpipe_runtime.replicas import launch_hint
 from ftpipe_runtime.schedules import SCHEDULES
 from tqdm import tqdm
 
 from .cli import cli, command_line, echo_json
 from .cli_commands import model_options
+from .cli_plan import cluster_of, describe, plan_on_cluster
 from .codegen import generate_package
 from .cost_model import describe
 from .output import check_writable, output_folder
@@ -60,6 +62,27 @@ from .simulate import simulate, write_report
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
+    "--gpus-per-node",
+    type=click.IntRange(min=1),
+    default=None,
+    help="GPUs in each node (default: the hardware file's node); the planner then chooses "
+    "replicas x pipeline depth over the nodes.",
+)
+@click.option(
+    "--cluster",
+    "cluster_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="A cluster description (JSON: gpu, gpus_per_node, intra_node, inter_node) to plan for.",
+)
+@click.option(
+    "--replicas",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Data-parallel copies of the pipeline (default: 1, or the planner's choice with "
+    "--gpus-per-node or --cluster).",
+)
+@click.option(
     "-o",
     "--output",
     type=click.Path(file_okay=False),
@@ -83,6 +106,9 @@ def compile_command(
     micro_batches,
     steps,
     seed,
+    gpus_per_node,
+    cluster_file,
+    replicas,
     output,
     force,
     as_json,
@@ -103,17 +129,64 @@ def compile_command(
     )
     phases.set_postfix_str("trace and profile")
     timings = {}
+    planned = gpus_per_node or cluster_file or replicas
+    cluster = cluster_of(hardware, gpus, gpus_per_node, cluster_file, replicas) if planned else None
+    if cluster_file:
+        hardware = cluster.gpu.name  # the cluster's GPU is the one to cost
     t0 = time.perf_counter()
-    spec, t, traced, graph = costed_graph(
-        model, task, hardware, micro_batch, seq_len, granularity, profiler, **measured
-    )
+    cost_args = dict(model=model, task=task, hardware=hardware, micro_batch=micro_batch,
+                     seq_len=seq_len, granularity=granularity, profile=profiler, **measured)  # fmt: skip
+    spec, t, traced, graph = costed_graph(**cost_args)
     timings["trace_profile_s"] = time.perf_counter() - t0
-    if micro_batches and measured.get("batch") and micro_batches * t.micro_batch != t.batch:
-        raise click.UsageError(
-            f"--batch {t.batch} is not --micro-batches {micro_batches} x micro-batch "
-            f"{t.micro_batch}; give one of the two"
-        )
+    if micro_batches and measured.get("batch") and not planned:
+        if micro_batches * t.micro_batch != t.batch:
+            raise click.UsageError(
+                f"--batch {t.batch} is not --micro-batches {micro_batches} x micro-batch "
+                f"{t.micro_batch}; give one of the two"
+            )
     phases.update()
+    if planned:
+        phases.set_postfix_str("plan replicas x depth")
+        t0 = time.perf_counter()
+        options = dict(schedule=schedule, replicas=replicas, micro_batches=micro_batches,
+                       partitioners=_names(partitioners), optimizer=optimizer or t.optimizer,
+                       seed=seed, steps=steps, progress=not as_json)  # fmt: skip
+        found, traces = plan_on_cluster((spec, t, traced, graph), cluster, cost_args, options)
+        timings["plan_s"] = time.perf_counter() - t0
+        _, _, traced, graph = traces[found.candidate.micro_batch]
+        sim = found.sim
+        plan = found.plan.with_(
+            competitors=found.competitors, simulated=sim.summary(), command=command
+        )
+        phases.update(2)
+        pkg = _generate(out, force, phases, timings, traced, graph, plan, sim, spec, command)
+        phases.close()
+        timings["total_s"] = time.perf_counter() - t_start
+        package = out / pkg.name
+        if as_json:
+            echo_json(
+                {
+                    "replicas": plan.replicas,
+                    "gpus_per_replica": plan.gpus,
+                    "winner": plan.partitioner,
+                    "gpus": plan.world,
+                    "planner": found.to_json(),
+                    "package": str(package),
+                    "output": str(out),
+                    "simulated": sim.summary(),
+                    "timings": timings,
+                }
+            )
+            return
+        for line in describe(found, cluster):
+            click.echo(line)
+        click.echo(
+            f"wrote {out}/plan.json, {out}/report.html and the package {package} "
+            f"in {timings['total_s']:.1f} s"
+        )
+        hint = launch_hint(plan.to_json())
+        click.echo(f"run it on every node: cd {out} && torchrun {hint} -m {pkg.name}")
+        return
     phases.set_postfix_str("partition")
     problem = problem_from_graph(
         graph,
@@ -125,8 +198,7 @@ def compile_command(
         seed,
     )
     t0 = time.perf_counter()
-    names = [n.strip() for n in partitioners.split(",")] if partitioners else None
-    results = run_partitioners(problem, names)
+    results = run_partitioners(problem, _names(partitioners))
     timings["partition_s"] = time.perf_counter() - t0
     phases.update()
     phases.set_postfix_str("simulate")
@@ -149,14 +221,7 @@ def compile_command(
     winner_sim = sims[best.partitioner]
     plan = best.plan.with_(competitors=tuple(rows), simulated=winner_sim.summary(), command=command)
     phases.update()
-    phases.set_postfix_str("generate")
-    t0 = time.perf_counter()
-    with output_folder(out, force) as tmp:
-        plan.save(tmp / "plan.json")
-        write_report(tmp / "report.html", plan, winner_sim, command)
-        pkg = generate_package(traced, graph, plan, spec, tmp, command, force=True)
-    timings["generate_s"] = time.perf_counter() - t0
-    phases.update()
+    pkg = _generate(out, force, phases, timings, traced, graph, plan, winner_sim, spec, command)
     phases.close()
     package = out / pkg.name
     timings["total_s"] = time.perf_counter() - t_start
@@ -205,3 +270,20 @@ def compile_command(
             "would have no stage to run"
         )
     click.echo(f"run it: cd {out} && torchrun --nproc_per_node {plan.gpus} -m {pkg.name}")
+
+
+def _names(partitioners: str | None) -> list[str] | None:
+    return [n.strip() for n in partitioners.split(",")] if partitioners else None
+
+
+def _generate(out, force, phases, timings, traced, graph, plan, sim, spec, command):
+    """Write plan.json, report.html and the package into `out`, all or nothing."""
+    phases.set_postfix_str("generate")
+    t0 = time.perf_counter()
+    with output_folder(out, force) as tmp:
+        plan.save(tmp / "plan.json")
+        write_report(tmp / "report.html", plan, sim, command)
+        pkg = generate_package(traced, graph, plan, spec, tmp, command, force=True)
+    timings["generate_s"] = time.perf_counter() - t0
+    phases.update()
+    return pkg

@@ -126,6 +126,9 @@ CASES = [
     ("compile: a loss that is not a scalar", _nothing, ["compile", "-m", "zoo_fixtures:vector_model", "-g", "2", "-o", "new"], 1, "returns a float32 of shape \\(4,\\), not a scalar loss"),
     ("compile: -o .", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "2", "-o", ".", "--force"], 1, "is the folder you are in"),
     ("compile: an existing folder", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "2", "-o", "out"], 1, "out already exists; pass --force to replace it"),
+    ("compile: --cluster and --gpus-per-node", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "4", "--cluster", "c.json", "--gpus-per-node", "2", "-o", "new"], 2, "give --cluster or --gpus-per-node, not both"),
+    ("compile: a missing cluster file", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "4", "--cluster", "none.json", "-o", "new"], 1, "cannot read the cluster file none.json"),
+    ("compile: --replicas not dividing --gpus", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "4", "--replicas", "3", "-o", "new"], 2, "--replicas 3 does not divide --gpus 4"),
     ("compile: an unknown task", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "2", "-t", "nope", "-o", "new"], 1, "unknown task 'nope'; choose from"),
 ]  # fmt: skip
 

@@ -57,7 +57,7 @@ class Space:
     optimizer: str = "adamw"
     seed: int = 0
     steps: int = 20  # simulated per plan
-    gap: float = 0.02
+    gap: float = 0.05
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,7 @@ def _stage_on(gpu):
 PLANS = [
     ("a GPU without a stage", _plan_with(gpus=2), 1, "the plan gives GPU 1 no stage"),
     ("a stage on a GPU that does not exist", _stage_on(5), 1, "a stage is on GPU 5, outside 0..0"),
-    ("another format", _plan_with(format=99), 1, "the plan has format 99 but this runtime runs format 1"),
+    ("another format", _plan_with(format=99), 1, "the plan has format 99 but this runtime runs formats 1 and 2"),
     ("not a plan", _plan_with(kind="ftpipe-graph"), 1, "this is not an ftpipe plan"),
     ("no stages key", {k: v for k, v in one_rank_plan().items() if k != "stages"}, 1, "the plan is incomplete or damaged \\(KeyError: 'stages'\\)"),
     ("a stage id that is text", _plan_with(loss_stage="three"), 1, "incomplete or damaged \\(ValueError"),
@@ -168,7 +168,7 @@ def test_bad_plans(case, plan, code, message, tmp_path, monkeypatch, capsys):
     [
         ("{not json", "is not valid JSON"),
         ("\x00\xff", "is not valid JSON"),
-        (json.dumps({**one_rank_plan(), "format": 2}), "has format 2"),
+        (json.dumps({**one_rank_plan(), "format": 99}), "has format 99"),
     ],
 )
 def test_a_damaged_plan_file(text, message, tmp_path, monkeypatch, capsys):
@@ -202,7 +202,7 @@ def package(tmp_path_factory):
     "damage, message",
     [
         (lambda text: text[: len(text) // 2], "is not valid JSON \\(damaged or edited\\?\\)"),
-        (lambda text: text.replace('"format": 1', '"format": 7'), "has format 7"),
+        (lambda text: text.replace('"format": 2', '"format": 7'), "has format 7"),
     ],
 )
 def test_a_package_with_a_damaged_plan_says_so_in_one_line(package, damage, message, tmp_path):

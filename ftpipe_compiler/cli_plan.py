@@ -1,0 +1,96 @@
+"""`ftpipe compile` on a cluster: the planner chooses replicas x pipeline depth.
+
+    ftpipe compile -m t5-11b -t rte --batch 640 --gpus 64 --hardware v100-32gb --gpus-per-node 8
+    ftpipe compile -m t5-3b --gpus 16 --cluster lab.json --replicas 2   # the width fixed
+
+`compile` comes here when a cluster is described (`--gpus-per-node`, `--cluster`) or the
+width is given (`--replicas`); otherwise it plans one pipeline as before. The search is
+`planner.plan_shape`'s; this module turns the options into its `Space` and its result into
+the lines `compile` prints.
+"""
+
+from __future__ import annotations
+
+import click
+
+from .cluster import Cluster, get_cluster, load_cluster
+from .planner import Space, orientation_of, plan_shape
+from .planner.search import Found
+from .profiling import costed_graph
+
+__all__ = ["cluster_of", "describe", "plan_on_cluster"]
+
+
+def cluster_of(hardware: str, gpus: int, gpus_per_node, cluster_file, replicas=None) -> Cluster:
+    """The cluster the options describe: a `--cluster` file, or the hardware's nodes."""
+    if cluster_file and gpus_per_node:
+        raise click.UsageError("give --cluster or --gpus-per-node, not both")
+    if replicas and gpus % replicas:
+        raise click.UsageError(
+            f"--replicas {replicas} does not divide --gpus {gpus}: every replica is a "
+            "pipeline of --gpus / --replicas GPUs"
+        )
+    if cluster_file:
+        return load_cluster(cluster_file, gpus)
+    return get_cluster(hardware, gpus, gpus_per_node)
+
+
+def plan_on_cluster(first, cluster: Cluster, cost_args: dict, options: dict) -> tuple[Found, dict]:
+    """Search the shapes; `first` is the (spec, task, traced, graph) already traced with the
+    task's micro-batch, `cost_args` what traced it. Returns the search and every trace
+    made, by micro-batch size (the package is generated from the winner's)."""
+    t = first[1]
+    traces = {t.micro_batch: first}
+
+    def graph_for(b):
+        b = b or t.micro_batch
+        if b not in traces:
+            traces[b] = costed_graph(**{**cost_args, "micro_batch": b})
+        return traces[b][3]
+
+    space = Space(
+        batch=t.batch,
+        micro_batch_sizes=(t.micro_batch,),
+        schedules=(options["schedule"],),
+        recompute=(True, False),
+        replicas=options["replicas"],
+        micro_batches=options["micro_batches"],
+        partitioners=options["partitioners"],
+        optimizer=options["optimizer"],
+        seed=options["seed"],
+        steps=options["steps"],
+    )
+    found = plan_shape(graph_for, cluster, space, progress=options["progress"])
+    return found, traces
+
+
+def describe(found: Found, cluster: Cluster) -> list[str]:
+    """The candidates table and where the chosen plan puts its ranks."""
+    lines = [
+        f"{cluster.describe()}: {len(found.rows)} shapes, planned in {found.seconds:.1f} s",
+        f"  {'replicas x GPUs':<16} {'m x b':>9} {'schedule':<16} {'status':<11} "
+        f"{'bound':>9} {'samples/s':>10} {'speedup':>8}",
+    ]
+    for r in found.rows:
+        c = r.candidate
+        sched = c.schedule + ("" if c.recompute else " keep")
+        lines.append(
+            f"  {f'{c.replicas} x {c.gpus}':<16} {f'{c.micro_batches} x {c.micro_batch}':>9} "
+            f"{sched:<16} {r.status:<11} {r.bound:9.2f} {r.samples_per_s:10.2f} "
+            f"{r.effective_speedup:8.1f}"
+        )
+    plan = found.plan
+    placed = plan.placed()
+    lines.append(
+        f"chosen: {plan.replicas} replicas x {plan.gpus} GPUs ({orientation_of(placed)} "
+        f"orientation), {len(plan.stages)} stages; where the ranks go:"
+    )
+    per_node: dict[int, list[str]] = {}
+    for rank, (replica, gpu) in enumerate(placed):
+        stages = ",".join(str(s.id) for s in plan.stages_on(gpu))
+        per_node.setdefault(cluster.node_of(rank), []).append(
+            f"rank {rank} = replica {replica} GPU {gpu} (stages {stages})"
+        )
+    for node, ranks in sorted(per_node.items()):
+        lines.append(f"  node {node}: " + "; ".join(ranks))
+    return lines
