@@ -25,7 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_allreduce  # noqa: E402
 import bench_fidelity  # noqa: E402 - sections 3 and 4 live beside this file
+import bench_planner  # noqa: E402
 import bench_runtime  # noqa: E402
 import bench_schedules  # noqa: E402
 from ftpipe_runtime.atomic import write_atomic  # noqa: E402
@@ -213,6 +215,8 @@ SECTIONS = {
     "compile": (bench_compile, compile_markdown),
     "runtime": (bench_runtime.measure, bench_runtime.markdown),
     "fidelity": (bench_fidelity.measure, bench_fidelity.markdown),
+    "planner": (bench_planner.measure, bench_planner.markdown),
+    "allreduce": (bench_allreduce.measure, bench_allreduce.markdown),
 }
 
 
