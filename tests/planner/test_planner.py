@@ -1,0 +1,59 @@
+"""The planner against brute force: its bounds bound, its pruning loses at most its gap, and
+its plans (replicas, placement, cluster) survive a round trip."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from ftpipe_compiler.cluster import get_cluster
+from ftpipe_compiler.partition.plan import Plan
+from ftpipe_compiler.planner import Space, depths, orientations, placement, plan_shape
+
+BATCH = 32
+
+
+@pytest.fixture(scope="module")
+def planned(tiny_t5_costed):
+    """The same search with pruning (5% gap) and without (every shape simulated)."""
+    cluster = get_cluster("rtx2080ti", gpus=8, gpus_per_node=4)
+    space = Space(batch=BATCH, schedules=("1f1b",), recompute=(True, False), partitioners=("pipedream", "gpipe"))  # fmt: skip
+    pruned = plan_shape(lambda b: tiny_t5_costed, cluster, space, progress=False)
+    every = plan_shape(lambda b: tiny_t5_costed, cluster, replace(space, gap=-1.0), progress=False)
+    return cluster, pruned, every
+
+
+def test_every_bound_holds(planned):
+    _, _, every = planned
+    simulated = [r for r in every.rows if r.status in ("simulated", "chosen")]
+    assert len(simulated) >= 4
+    for r in simulated:
+        assert r.samples_per_s <= r.bound * (1 + 1e-9), r.candidate.label
+
+
+def test_pruning_loses_at_most_the_gap(planned):
+    _, pruned, every = planned
+    best = max(r.samples_per_s for r in every.rows)
+    assert every.sim.samples_per_s == best
+    assert pruned.sim.samples_per_s >= best / 1.05
+    assert any(r.status == "pruned" for r in pruned.rows) or pruned.sim.samples_per_s == best
+
+
+def test_shapes_and_placements():
+    cluster = get_cluster("rtx2080ti", gpus=64, gpus_per_node=8)
+    assert depths(cluster) == [1, 2, 4, 8, 16, 32, 64]
+    # 3 x 8 in nodes of 8: a stage's 8 replicas fill a node (replica orientation)
+    assert depths(get_cluster("rtx2080ti", gpus=24, gpus_per_node=8)) == [1, 2, 3, 4, 6, 8, 12, 24]
+    assert orientations(get_cluster("rtx2080ti", gpus=24, gpus_per_node=8), 8, 3) == ["replica"]
+    assert orientations(cluster, 8, 8) == ["pipeline", "replica"]
+    assert placement(2, 3, "pipeline") == ((0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2))
+    assert placement(2, 3, "replica") == ((0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2))
+
+
+def test_replicated_plan_round_trip(planned, tmp_path):
+    _, pruned, _ = planned
+    plan = pruned.plan
+    plan.save(tmp_path / "plan.json")
+    again = Plan.load(tmp_path / "plan.json")
+    assert again == plan and again.world == plan.replicas * plan.gpus
