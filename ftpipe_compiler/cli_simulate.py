@@ -89,8 +89,9 @@ def simulate_command(plan_files, schedule, micro_batches, steps, report, as_json
         return
     model = plan.model.get("spec") or plan.model.get("name") or "plan"
     hardware = plan.model.get("hardware") or "GPUs"
+    width = f"{plan.replicas} replicas of " if plan.replicas > 1 else ""
     click.echo(
-        f"{model} on {plan.gpus} x {hardware}: {result.schedule} schedule, "
+        f"{model} on {width}{plan.gpus} x {hardware}: {result.schedule} schedule, "
         f"{result.micro_batches} micro-batches of {result.micro_batch_size} per step, "
         f"{len(plan.stages)} stages, {steps} steps simulated"
     )
