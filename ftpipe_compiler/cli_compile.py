@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from .cli import cli, command_line, echo_json
 from .cli_commands import model_options
-from .cli_plan import cluster_of, describe, plan_on_cluster
+from .cli_plan import cluster_of, describe_shapes, plan_on_cluster
 from .codegen import generate_package
 from .cost_model import describe
 from .output import check_writable, output_folder
@@ -178,7 +178,7 @@ def compile_command(
                 }
             )
             return
-        for line in describe(found, cluster):
+        for line in describe_shapes(found, cluster):
             click.echo(line)
         click.echo(
             f"wrote {out}/plan.json, {out}/report.html and the package {package} "

@@ -18,7 +18,7 @@ from .planner import Space, orientation_of, plan_shape
 from .planner.search import Found
 from .profiling import costed_graph
 
-__all__ = ["cluster_of", "describe", "plan_on_cluster"]
+__all__ = ["cluster_of", "describe_shapes", "plan_on_cluster"]
 
 
 def cluster_of(hardware: str, gpus: int, gpus_per_node, cluster_file, replicas=None) -> Cluster:
@@ -64,7 +64,7 @@ def plan_on_cluster(first, cluster: Cluster, cost_args: dict, options: dict) -> 
     return found, traces
 
 
-def describe(found: Found, cluster: Cluster) -> list[str]:
+def describe_shapes(found: Found, cluster: Cluster) -> list[str]:
     """The candidates table and where the chosen plan puts its ranks."""
     lines = [
         f"{cluster.describe()}: {len(found.rows)} shapes, planned in {found.seconds:.1f} s",

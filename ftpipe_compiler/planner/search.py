@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from tqdm import tqdm
 
 from ..cluster import Cluster
+from ..cost_model import PRECISIONS
 from ..errors import FtpipeError, InfeasibleError
 from ..partition import Problem, run_partitioners
 from ..partition.plan import Plan
@@ -205,10 +206,12 @@ def plan_shape(graph_for: Callable[[int], object], cluster: Cluster, space: Spac
     rows: list[Row] = []
     for c in candidates(cluster, space, sizes):
         try:
+            g = graph(c.micro_batch)
             problem = Problem(
-                graph(c.micro_batch), c.gpus, hw, c.schedule, space.optimizer,
+                g, c.gpus, hw, c.schedule, space.optimizer,
                 micro_batches=c.micro_batches, seed=space.seed, recompute=c.recompute,
                 link_bandwidth=cluster.intra_node.bandwidth,
+                precision=PRECISIONS[(g.meta or {}).get("precision", "fp32")],  # as traced
             )  # fmt: skip
         except FtpipeError as e:  # too few micro-batches for the schedule, and the like
             rows.append(Row(c, 0.0, "infeasible", error=str(e)))
