@@ -103,7 +103,7 @@ CASES = [
     ("simulate: a transfer to no stage", _plan_edit(lambda p: p["transfers"][0].update(consumers=[9])), SIM, 1, "names a stage the plan does not have"),
     ("simulate: a missing loss stage", _plan_edit(_set(["loss_stage"], 5)), SIM, 1, "the loss stage 5 is not a stage of the plan"),
     ("simulate: an unknown schedule", _plan_edit(_set(["schedule"], "zigzag")), SIM, 1, "unknown schedule 'zigzag'; choose from"),
-    ("simulate: format 2", _plan_edit(_set(["format"], 2)), SIM, 1, "plan format 2 was written by ftpipe"),
+    ("simulate: format 3", _plan_edit(_set(["format"], 3)), SIM, 1, "plan format 3 was written by ftpipe"),
     ("simulate: no such file", _nothing, ["simulate", "nope.json"], 1, "plan file nope.json does not exist"),
     ("simulate: a folder", _nothing, ["simulate", "out"], 2, "'PLAN.json': File 'out' is a directory"),
     ("simulate: --micro-batches 0", _nothing, ["simulate", "plan.json", "-M", "0"], 2, "0 is not in the range x>=1"),
