@@ -6,13 +6,16 @@ run that made them.
     ckpt.finish_rank(4, next_micro_batch=4 * m)        # rank-1.pt (RNG), then rank-1.json
     step = ckpt.choose(agree)                         # newest complete, intact, same run (or 0)
     ckpt.load_stage(step, stage_id, module, optimizer, device); ckpt.load_rank(step)
+    ckpt.load_versions(step)                          # {(stage, version): weights} kept aside
 
 One checkpoint is the folder `root/step-000004/`: `stage-<id>.safetensors` (a stage's
 tensors: its fp32 master weights under mixed precision), `stage-<id>.optimizer.pt` (its
-optimizer state), `rank-<r>.pt` (rank r's random-number generators and loss scale) and
-`rank-<r>.json`,
-rank r's manifest, written last: the run's identity, the data position, and the size and
-CRC-32 of each of that rank's files. The checkpoint is complete once every rank's manifest
+optimizer state), `rank-<r>.pt` (rank r's random-number generators and loss scale),
+`versions-rank-<r>.safetensors` (older weight versions the next steps still use:
+PipeDream-2BW's and WPipe's shadow weights) and `rank-<r>.json`, rank r's manifest, written
+last: the run's identity, the data position, what was in flight (`"in_flight"`: the versions
+kept, and whether the schedule drained its pipeline here; see `schedules.timeline`) and the
+size and CRC-32 of each of that rank's files. The checkpoint is complete once every rank's manifest
 exists. Every file is written atomically (`ftpipe_runtime.atomic`); loading never unpickles
 anything but tensors and numbers (safetensors, `torch.load(weights_only=True)`).
 
@@ -182,11 +185,30 @@ class Checkpoints:
             self._save(step, f"stage-{stage}.optimizer.pt", _cpu(optimizer.state_dict()))
 
     def finish_rank(
-        self, step: int, next_micro_batch: int, steps: int | None = None, state=None
+        self,
+        step: int,
+        next_micro_batch: int,
+        steps: int | None = None,
+        state=None,
+        versions: dict[int, dict[int, dict]] | None = None,
+        drained: bool = False,
     ) -> None:
-        """The rank's RNG, then its manifest (last: it marks its part complete), then prune."""
+        """The rank's RNG and kept weight versions ({stage: {version: weights}}), then its
+        manifest (last: it marks its part complete), then prune. `state`: small run state
+        (fp16's loss scale)."""
         cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
         self._save(step, f"rank-{self.rank}.pt", {"cpu": torch.get_rng_state(), "cuda": cuda})
+        versions = {s: kept for s, kept in (versions or {}).items() if kept}
+        if versions:
+            flat = {
+                f"{s}.{v}.{name}": t.detach().to(
+                    "cpu", copy=True, memory_format=torch.contiguous_format
+                )
+                for s, kept in versions.items()
+                for v, params in kept.items()
+                for name, t in params.items()
+            }
+            self._save(step, f"versions-rank-{self.rank}.safetensors", flat)
         manifest = {
             "kind": "ftpipe-checkpoint",
             "format": FORMAT,
@@ -196,7 +218,10 @@ class Checkpoints:
             "run": self.run,
             "steps": steps,
             "next_micro_batch": next_micro_batch,  # where the data continues
-            "in_flight": None,  # room for an asynchronous schedule's pipeline state
+            "in_flight": {
+                "drained": drained,
+                "weight_versions": {str(s): sorted(kept) for s, kept in versions.items()},
+            },
             "state": state or {},  # small run state: fp16's loss scale
             "files": self._files.pop(step),
         }
@@ -329,6 +354,21 @@ class Checkpoints:
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
 
+    def load_versions(self, step: int) -> dict[tuple[int, int], dict]:
+        """{(stage, version): weights} this rank kept aside at `step` ({} when none)."""
+        path = step_dir(self.root, step) / f"versions-rank-{self.rank}.safetensors"
+        if not path.exists():
+            return {}
+        try:
+            flat = read_tensors(path)
+        except ValueError as e:
+            raise PipelineConfigError(f"{path} is damaged ({e})") from None
+        kept: dict[tuple[int, int], dict] = {}
+        for key, t in flat.items():
+            s, v, name = key.split(".", 2)  # "stage.version.parameter name"
+            kept.setdefault((int(s), int(v)), {})[name] = t
+        return kept
+
     # --- tidying ---
     def prune(self) -> None:
         """Keep the newest `keep` complete checkpoints (0: all); partial ones older than the
@@ -360,6 +400,8 @@ class Saver:
         self.modules: dict = {}
         self.optimizers: dict = {}
         self.precision = None  # a MixedPrecision: its fp32 masters are the weights saved
+        self.versions = lambda stage, step: {}  # kept weight versions a resume at step needs
+        self.drained = False  # whether the schedule drains its pipeline at checkpoints
         self._saved: dict[int, set] = {}  # step -> stages saved (asynchronous: one at a time)
 
     def __call__(self, event, step: int) -> None:
@@ -374,5 +416,6 @@ class Saver:
         if self._saved[done] == set(self.modules):
             scale = getattr(self.precision, "loss_scale", None)
             state = {"loss_scale": scale.to_json()} if scale is not None else None
-            self.ckpt.finish_rank(done, done * self.m, steps=self.steps, state=state)
+            kept = {s: self.versions(s, done) for s in self.modules}
+            self.ckpt.finish_rank(done, done * self.m, self.steps, state, kept, self.drained)
             del self._saved[done]

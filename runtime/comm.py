@@ -11,7 +11,7 @@ process's GPU and the pipeline's GPU count); with data parallelism (`replicas`, 
 `ftpipe_runtime.replicas.Replicas`) each replica's GPU g is a different process, and Comm
 turns pipeline GPUs into the job's ranks. Every ordered pair of a replica's GPUs gets its
 own process group, used in one direction only, and the receiver posts its receives in the
-order the sender sends (`Dataflow.order`). NCCL matches point-to-point messages by order
+order the sender sends (`Dataflow.keys`). NCCL matches point-to-point messages by order
 within a communicator and serialises a pair's sends and receives on one stream, so mixing
 directions or orders could deadlock; gloo would also match by tag, which we set to the
 message's position all the same.
@@ -78,8 +78,10 @@ class Comm:
         self.world_size = sum(len(p) for p in self.pipelines)
         self.pair_groups: dict[tuple[int, int], object] = {}
         self.groups: dict[tuple[int, ...], object] = {}
-        self._next_post = {src: 0 for src, dst in flow.order if dst == rank}
-        self._next_send = {dst: 0 for src, dst in flow.order if src == rank}
+        peers = [pair for pair in flow.peers() if rank in pair]
+        self._keys = {pair: flow.keys(*pair) for pair in peers}  # made as they are needed
+        self._next_post = {src: 0 for src, dst in peers if dst == rank}
+        self._next_send = {dst: 0 for src, dst in peers if src == rank}
         self._posted: dict[tuple[int, Key], tuple] = {}
         self._sends: list[tuple] = []
         self.loss_groups: dict[int, object] = {}  # job rank of a loss stage -> its group with 0
@@ -150,10 +152,9 @@ class Comm:
 
     # --- point to point ---
     def send(self, dst: int, key: Key, tensor: torch.Tensor) -> None:
-        order = self.flow.order[(self.rank, dst)]
         i = self._next_send[dst]
-        if i >= len(order) or order[i] != key:
-            due = order[i] if i < len(order) else "nothing"
+        due = self._keys[(self.rank, dst)].get(i)
+        if due != key:
             raise RuntimeError(f"rank {self.rank} sends {key} to rank {dst}, but {due} is due")
         self._next_send[dst] = i + 1
         t = tensor.detach().contiguous()  # gloo refuses strided views
@@ -172,10 +173,9 @@ class Comm:
     def _post_until(self, src: int, key: Key) -> tuple:
         if (src, key) in self._posted:
             return self._posted[(src, key)]
-        order = self.flow.order.get((src, self.rank), [])
+        keys = self._keys.get((src, self.rank))
         i = self._next_post.get(src, 0)
-        while i < len(order):
-            k = order[i]
+        while keys is not None and (k := keys.get(i)) is not None:
             shape, dtype = self.spec_of(k)
             buf = torch.empty(shape, dtype=dtype, device=self.device)
             group = self.pair_groups[(src, self.rank)]

@@ -1,15 +1,24 @@
-"""What every rank's action list implies: its messages, its optimizer steps, its weight versions.
+"""What every rank's actions imply, worked out as they stream by: messages, optimizer steps, and
+where each step window ends.
 
-    lists = action_lists(topo, get_schedule("ftpipe"), micro_batches, steps)
-    validate(lists, topo.stage_graph(), schedule, micro_batches, steps)   # refuses bad lists
-    flow = build_dataflow(topo, lists, micro_batches, schedule)
-    flow.order[(0, 1)]      # keys rank 0 sends rank 1, in the order it sends them
-    flow.events[1][7]       # StepEvent of the 8th action of rank 1, if it steps stages there
-    flow.weights[0]         # WeightPlan: the weight version of every action of rank 0
+    flow = Dataflow(topo, Timeline(schedule, topo.stage_infos(), micro_batches, steps))
+    flow = Dataflow(topo, timeline, evaluation=lambda rank, acts: ...)  # rounds spliced in
+    for item in flow.actions(rank):  # Planned: item.action, item.sends, item.event, item.ends_step
+        ...
+    flow.listed(rank)                # the rank's bare actions (rank 0's loss listener reads them)
+    flow.keys(0, 1).get(i)           # the i-th key rank 0 sends rank 1 (None: no more)
+    flow.peers()                     # (sender, receiver) pairs that ever exchange a message
 
 Receivers post their receives in the sender's order (NCCL matches point-to-point messages
-by order, not tag), so both ends must derive that order from the same lists. Keys:
-("act", tensor, mb), ("grad", tensor, mb) and ("eval", tensor, evaluation batch).
+by order, not tag), so both ends derive that order from the same lists: every rank makes
+the sender's actions itself (`Timeline` is a pure function of the plan and the options).
+Keys: ("act", tensor, mb), ("grad", tensor, mb) and ("eval", tensor, evaluation batch).
+Nothing is derived ahead of need, so a run of any length costs the same to start.
+
+Gradients: a backward sends the gradient of an input upstream when it is the last of this
+rank's readers of that tensor to run for that micro-batch (each reader runs exactly one
+backward per micro-batch, so they are counted, not looked ahead for); the readers before
+it add theirs to the sum it sends.
 
 Optimizer steps: synchronous schedules step every stage of a rank at its last S of a step
 (all backwards of the step are done then), so one gradient norm across all ranks can clip.
@@ -19,9 +28,11 @@ in one of them, so no step waits for another stage's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
 
-from .schedules import Schedule, WeightPlan, weight_plan
+from .schedules import Action, Timeline
 from .topology import Topology
 
 Key = tuple  # ("act" | "grad" | "eval", tensor name, micro-batch)
@@ -35,71 +46,104 @@ class StepEvent:
     barrier: tuple  # the same value on every rank of `ranks`
 
 
-@dataclass
+@dataclass(frozen=True)
+class Planned:
+    """One action of a rank, with what it implies."""
+
+    action: Action
+    sends: tuple[tuple[int, Key], ...] = ()  # (destination rank, key), in sending order
+    event: StepEvent | None = None  # the optimizer step applied here
+    ends_step: int | None = None  # the rank's last action of this step: a step window ends
+
+    def sends_grad(self, tensor: str) -> bool:
+        return any(key[0] == "grad" and key[1] == tensor for _, key in self.sends)
+
+
+class KeyStream:
+    """The keys one rank sends another, in order, made as they are asked for; each is asked
+    for in increasing position (a sender's sends, a receiver's posts), so older ones go."""
+
+    def __init__(self, keys: Iterator[Key]):
+        self._keys, self._buf, self._base = keys, deque(), 0
+
+    def get(self, i: int) -> Key | None:
+        while self._base < i and self._buf:
+            self._buf.popleft()
+            self._base += 1
+        while self._base + len(self._buf) <= i:
+            key = next(self._keys, None)
+            if key is None:
+                return None
+            self._buf.append(key)
+        return self._buf[i - self._base]
+
+
 class Dataflow:
-    order: dict[tuple[int, int], list[Key]] = field(default_factory=dict)
-    grad_sender: dict[tuple[int, str, int], int] = field(default_factory=dict)
-    events: dict[int, dict[int, StepEvent]] = field(default_factory=dict)
-    weights: dict[int, WeightPlan] = field(default_factory=dict)
-    micro_batches: int = 1
+    def __init__(self, topo: Topology, timeline: Timeline, evaluation=None):
+        self.topo, self.timeline, self.evaluation = topo, timeline, evaluation
+        self.micro_batches = timeline.m
+        self.policies = timeline.schedule.policies(topo.stage_infos(), timeline.m)
 
-    def peers(self) -> list[tuple[int, int]]:
-        return sorted(self.order)
-
-
-def action_lists(topo: Topology, schedule: Schedule, micro_batches: int, steps: int) -> dict:
-    """Every rank's action list."""
-    return schedule.actions(topo.stage_infos(), micro_batches, steps)
-
-
-def build_dataflow(topo: Topology, lists: dict, micro_batches: int, schedule: Schedule) -> Dataflow:
-    """Messages, step points and weight versions of lists that `validate` accepted."""
-    flow = Dataflow(micro_batches=micro_batches)
-    policies = schedule.policies(topo.stage_infos(), micro_batches)
-    for rank in range(topo.world):
-        acts = lists.get(rank, [])
-        # The last local consumer to run its backward sends the summed gradient upstream.
-        for a in acts:
-            if a.kind == "B":
+    def actions(self, rank: int) -> Iterator[Planned]:
+        """Every action of `rank` in order, with its messages and its optimizer step."""
+        topo, sync = self.topo, self.timeline.schedule.synchronous
+        local = tuple(topo.stages_on(rank))
+        readers: dict[tuple[str, int], int] = {}  # (tensor, mb) -> local readers' backwards left
+        steps: dict[int, int] = {}  # step -> this rank's S actions of it so far
+        for a in self.listed(rank):
+            if a.kind in ("F", "E"):
+                key = "act" if a.kind == "F" else "eval"
+                out = [
+                    (dst, (key, t, a.mb))
+                    for t in topo.outputs[a.stage]
+                    for dst in topo.remote_ranks(t)
+                ]
+                yield Planned(a, tuple(out))
+            elif a.kind == "B":
+                out = []
                 for t in topo.inputs[a.stage]:
                     tr = topo.transfers[t]
-                    if tr.grad and topo.rank_of[tr.producer] != rank:
-                        flow.grad_sender[(rank, t, a.mb)] = a.stage
-        for a in acts:
-            for dst, key in sends(topo, flow, rank, a):
-                flow.order.setdefault((rank, dst), []).append(key)
-        flow.events[rank] = _step_events(topo, rank, acts, schedule.synchronous)
-        flow.weights[rank] = weight_plan(acts, policies, micro_batches)
-    return flow
+                    src = topo.rank_of[tr.producer]
+                    if not tr.grad or src == rank:
+                        continue
+                    left = readers.pop((t, a.mb), len(topo.local_consumers(t, rank))) - 1
+                    if left:
+                        readers[(t, a.mb)] = left
+                    else:
+                        out.append((src, ("grad", t, a.mb)))
+                yield Planned(a, tuple(out))
+            else:
+                steps[a.mb] = done = steps.get(a.mb, 0) + 1
+                last = done == len(local)
+                if last:
+                    del steps[a.mb]
+                if not sync:
+                    event = StepEvent(a.mb, (a.stage,), (rank,), ("stage", (a.stage,), a.mb))
+                elif last:
+                    event = StepEvent(a.mb, local, tuple(range(topo.world)), ("step", a.mb))
+                else:
+                    event = None
+                yield Planned(a, (), event, a.mb if last else None)
 
+    def listed(self, rank: int) -> Iterator[Action]:
+        """The rank's actions alone: the schedule's, with the evaluation rounds spliced in."""
+        acts = self.timeline.actions(rank)
+        if self.evaluation is not None:  # (rank, actions) -> actions with evaluation rounds
+            acts = self.evaluation(rank, acts)
+        return acts
 
-def sends(topo: Topology, flow: Dataflow, rank: int, a) -> list[tuple]:
-    """(destination rank, key) of every message action `a` sends, in sending order."""
-    out = []
-    if a.kind in ("F", "E"):
-        key = "act" if a.kind == "F" else "eval"
-        for t in topo.outputs[a.stage]:
-            out += [(dst, (key, t, a.mb)) for dst in topo.remote_ranks(t)]
-    elif a.kind == "B":
-        for t in topo.inputs[a.stage]:
-            tr = topo.transfers[t]
-            if flow.grad_sender.get((rank, t, a.mb)) == a.stage:
-                out.append((topo.rank_of[tr.producer], ("grad", t, a.mb)))
-    return out
+    def keys(self, src: int, dst: int) -> KeyStream:
+        """What `src` sends `dst`, in its sending order."""
+        made = (key for item in self.actions(src) for to, key in item.sends if to == dst)
+        return KeyStream(made)
 
-
-def _step_events(topo: Topology, rank: int, acts: list, synchronous: bool) -> dict:
-    """Where this rank applies optimizer steps: its last S of a step when synchronous (every
-    local stage at once), else every S (that stage alone)."""
-    local = tuple(topo.stages_on(rank))
-    last: dict[tuple, int] = {}
-    for i, a in enumerate(acts):
-        if a.kind == "S":
-            last[(local if synchronous else (a.stage,), a.mb)] = i
-    events = {}
-    for (group, k), i in last.items():
-        if synchronous:
-            events[i] = StepEvent(k, group, tuple(range(topo.world)), ("step", k))
-        else:
-            events[i] = StepEvent(k, group, (rank,), ("stage", group, k))
-    return events
+    def peers(self) -> list[tuple[int, int]]:
+        """(sender, receiver) pairs with messages: activations down, gradients back up."""
+        pairs = set()
+        for t in self.topo.transfers.values():
+            src = self.topo.rank_of[t.producer]
+            for dst in self.topo.remote_ranks(t.name):
+                pairs.add((src, dst))
+                if t.grad:
+                    pairs.add((dst, src))
+        return sorted(pairs)

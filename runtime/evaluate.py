@@ -1,11 +1,15 @@
 """Evaluation through the pipeline: forward-only actions spliced into the training lists.
 
     points = eval_points(steps=40, first=0, every=5)          # after steps 5, 10, ..., 40
-    lists = with_evaluation(lists, topo, micro_batches, points, batches=eval_data.micro_batches)
-    lists = splice(lists, topo, m, eval_data, steps=40, first=0, every=5)   # the same, or as is
+    acts = with_evaluation(acts, stages, micro_batches, points, batches, first=0)  # one GPU's
+    add = splicer(topo, m, eval_data, steps=40, first=0, every=5)   # add(gpu, acts), or None
     evaluator = Evaluator(topo, rank, modules, comm, eval_data, device, tag_base=steps)
     executor.handlers["E"] = evaluator.forward                 # the handler of kind E
-    loss_messages(lists[loss_rank], topo.loss_stage, m, n)     # what rank 0 receives, in order
+    loss_messages(loss_rank_actions, topo.loss_stage, m, n)    # what rank 0 receives, in order
+
+Actions stream by (`schedules.Timeline`), so rounds are spliced into one GPU's actions as
+they pass, and the messages rank 0 receives are made as they are needed; micro-batches are
+the run's own numbers (a run resumed at step k starts at micro-batch k * m).
 
 An evaluation round is one `E` action (`schedules.KINDS`) per stage and evaluation batch:
 a forward in eval mode (dropout off), under no_grad, that keeps nothing and sends its
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -35,7 +40,7 @@ __all__ = [
     "loss_messages",
     "perplexity",
     "reporter",
-    "splice",
+    "splicer",
     "with_evaluation",
 ]
 
@@ -50,30 +55,39 @@ def eval_points(steps: int, first: int, every: int) -> list[int]:
     return [*points, local - 1]
 
 
-def with_evaluation(lists: dict, topo, micro_batches: int, points: list[int], batches: int):
-    """The lists with an evaluation round (batches 0..batches-1 of every stage) after each of
-    `points`; round r's actions number its batches r * batches + j."""
+def with_evaluation(
+    acts: Iterable[Action],
+    stages: list[int],
+    micro_batches: int,
+    points: list[int],
+    batches: int,
+    first: int = 0,
+) -> Iterator[Action]:
+    """One GPU's actions (of `stages`, a run from step `first`) with an evaluation round
+    (batches 0..batches-1 of every stage) after each of `points`; round r's actions number
+    its batches r * batches + j."""
     *middle, _ = points
-    before = {(k + 1) * micro_batches: r for r, k in enumerate(middle)}  # first F of step k + 1
-    out = {}
-    for g, acts in lists.items():
-        merged = []
-        for a in acts:
-            if a.kind == "F" and a.mb in before:
-                merged += _round(a.stage, before[a.mb], batches)
-            merged.append(a)
-        for s in topo.stages_on(g):  # the last round, after everything
-            merged += _round(s, len(middle), batches)
-        out[g] = merged
-    return out
+    before = {(first + k + 1) * micro_batches: r for r, k in enumerate(middle)}  # step k + 1
+    for a in acts:
+        if a.kind == "F" and a.mb in before:
+            yield from _round(a.stage, before[a.mb], batches)
+        yield a
+    for s in stages:  # the last round, after everything
+        yield from _round(s, len(middle), batches)
 
 
-def splice(lists: dict, topo, micro_batches: int, data, steps: int, first: int, every: int):
-    """The run's lists with its evaluation rounds (as they are without an evaluation set)."""
+def splicer(topo, micro_batches: int, data, steps: int, first: int, every: int):
+    """(gpu, actions) -> those actions with the run's evaluation rounds; None without an
+    evaluation set."""
     if data is None:
-        return lists
+        return None
     points = eval_points(steps, first, every)
-    return with_evaluation(lists, topo, micro_batches, points, data.micro_batches)
+
+    def add(gpu: int, acts: Iterable[Action]) -> Iterator[Action]:
+        stages = topo.stages_on(gpu)
+        return with_evaluation(acts, stages, micro_batches, points, data.micro_batches, first)
+
+    return add
 
 
 def reporter(plan: dict, steps: int, first: int, every: int, progress):
@@ -93,18 +107,19 @@ def _round(stage: int, r: int, batches: int) -> list[Action]:
     return [Action("E", stage, r * batches + j) for j in range(batches)]
 
 
-def loss_messages(acts: list, loss_stage: int, micro_batches: int, batches: int) -> list[tuple]:
+def loss_messages(
+    acts: Iterable[Action], loss_stage: int, micro_batches: int, batches: int
+) -> Iterator[tuple]:
     """("loss", step) and ("eval", round) in the order the loss stage's rank sends them."""
     counts: dict[tuple[str, int], int] = {}
-    out = []
     for a in acts:
         if a.stage != loss_stage or a.kind not in ("F", "E"):
             continue
         key = ("loss", a.mb // micro_batches) if a.kind == "F" else ("eval", a.mb // batches)
         counts[key] = counts.get(key, 0) + 1
         if counts[key] == (micro_batches if a.kind == "F" else batches):
-            out.append(key)
-    return out
+            del counts[key]
+            yield key
 
 
 def perplexity(head: str, loss: float) -> float | None:

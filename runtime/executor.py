@@ -1,7 +1,7 @@
-"""Executes one rank's action list: forwards, backwards (with recompute) and steps.
+"""Executes one rank's actions: forwards, backwards (with recompute) and steps.
 
-    ex = Executor(topo, rank, modules, flow, comm, data, stepper, micro_batches, device)
-    ex.run(actions, after=callback)       # callback(index, action) after each action
+    ex = Executor(topo, rank, modules, flow, comm, data, stepper, micro_batches, device, seed=0)
+    ex.run(flow.actions(rank), after=callback)   # callback(index, planned) after each action
 
 Stage inputs are detached leaves whatever their source (the same rank or a message), so
 every stage backpropagates on its own and hands the input gradients upstream the same way:
@@ -11,11 +11,15 @@ owner stage like any other: readers get a copy of its value at the owner's forwa
 version that micro-batch sees, however many steps the owner takes before the readers run),
 and the gradient they send back reaches the parameter's `.grad` through the owner's backward.
 
-Weight versions (`flow.weights`, from the schedule's policy): an action whose version of
-its stage's weights is needed after the stage steps past it runs on a copy set aside at
-its first use (`torch.func.functional_call`), so kept graphs never see the step's in-place
-update; the copy's gradients are added to the parameters' `.grad`, and the copy is dropped
-after its last use. Every other action runs on the parameters themselves.
+Weight versions (`schedules.Versions`, from the schedule's policy): an action whose version
+of its stage's weights is needed after the stage steps past it runs on a copy set aside
+(`torch.func.functional_call`), so kept graphs never see the step's in-place update; the
+copy's gradients are added to the parameters' `.grad`. A resumed run gets the copies its
+first steps need from the checkpoint (`restore_versions`).
+
+Random numbers (dropout): a forward of micro-batch mb on stage s draws from a generator
+seeded by (seed, s, mb), and its recompute from the same seed, so the masks do not depend on
+what ran before: a resumed run that fills its pipeline again draws the very same ones.
 """
 
 from __future__ import annotations
@@ -26,60 +30,71 @@ import time
 import torch
 
 from .errors import PipelineConfigError
+from .schedules import Versions
 
 
 class Executor:
     def __init__(
-        self, topo, rank, modules, flow, comm, data, stepper, micro_batches, device, on_loss=None
+        self,
+        topo,
+        rank,
+        modules,
+        flow,
+        comm,
+        data,
+        stepper,
+        micro_batches,
+        device,
+        on_loss=None,
+        seed: int = 0,
     ):
         self.topo, self.rank, self.modules, self.flow = topo, rank, modules, flow
         self.comm, self.data, self.stepper = comm, data, stepper
         self.m, self.device, self.on_loss = micro_batches, torch.device(device), on_loss
-        self.mb_offset = 0  # micro-batches done before this run (resume)
+        self.seed = seed
         self.loss_scale = lambda: 1.0  # fp16: the loss multiplier (precision.MixedPrecision)
         self.grad_sync = None  # with replicas: a GradSync summing each step's gradients
         self.start = time.perf_counter()
-        self.recompute: dict[tuple[int, int], bool] = {}
         self.acts = Outputs(topo, rank, comm, "act")
         self.grads: dict[tuple[str, int], torch.Tensor] = {}  # (tensor, mb) -> summed gradient
-        self.saved: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs, rng, outputs
+        self.saved: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs, outputs, weights
         self.losses: dict[int, dict[int, torch.Tensor]] = {}  # step -> {mb: loss}
-        self.weights = flow.weights.get(rank)
-        self.stepped = dict.fromkeys(modules, 0)  # optimizer steps taken, per stage
+        self.policies = {s: flow.policies[s] for s in modules}
+        timeline = flow.timeline
+        self.versions = Versions(self.policies, micro_batches, timeline.steps, timeline.first)
         self.stash: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (stage, version)
-        self._drop: dict[int, list[tuple[int, int]]] = {}  # action index -> stashes to free
-        if self.weights is not None:
-            for key in self.weights.stashed:
-                self._drop.setdefault(self.weights.last_use[key], []).append(key)
+        self.now = None  # the Planned being run
         # One handler per action kind; evaluation's ("E") is added by the run when it has one.
         self.handlers = {"F": self.forward, "B": self.backward, "S": self.step}
 
-    def run(self, actions, after=None) -> None:
+    def run(self, items, after=None) -> None:
+        """Run `items` (Dataflow.actions(rank)) in order."""
         self.start = time.perf_counter()
-        self.recompute = {(a.stage, a.mb): a.recompute for a in actions if a.kind == "B"}
-        for i, a in enumerate(actions):
-            self.handlers[a.kind](i, a)
-            for key in self._drop.get(i, ()):
-                del self.stash[key]
+        missing = sorted(self.versions.aside - set(self.stash))
+        if missing:
+            s, v = missing[0]
+            raise PipelineConfigError(
+                f"stage {s} needs its weights after {v} steps, which the checkpoint does not "
+                "hold; it was saved by an older ftpipe: start afresh without --resume"
+            )
+        for i, item in enumerate(items):
+            self.now = item
+            self.handlers[item.action.kind](i, item.action)
             if after is not None:
-                after(i, a)
+                after(i, item)
 
     # --- forward ---
     def forward(self, i: int, a) -> None:
         s, m = a.stage, a.mb
-        inputs = {
-            n: self.data.get(n, m + self.mb_offset).to(self.device)
-            for n in self.topo.model_inputs[s]
-        }
+        inputs = {n: self.data.get(n, m).to(self.device) for n in self.topo.model_inputs[s]}
         for t in self.topo.inputs[s]:
             leaf = self.acts.take(t, m).detach()
             inputs[t] = leaf.requires_grad_(True) if self.topo.transfers[t].grad else leaf
-        keep_graph = not self.recompute.get((s, m), False)
-        rng = None if keep_graph else _rng_state(self.device)
-        params = self._version(s, m)
-        with torch.set_grad_enabled(keep_graph):
+        keep_graph = not self.policies[s].recompute
+        params = self._version(a)
+        with self._seeded(s, m), torch.set_grad_enabled(keep_graph):
             out = self._call(s, params, inputs)
-        self.saved[(s, m)] = (inputs, rng, out if keep_graph else None, params)
+        self.saved[(s, m)] = (inputs, out if keep_graph else None, params)
         for t in self.topo.outputs[s]:
             self.acts.put(t, m, self._checked(t, out))
         if s == self.topo.loss_stage:
@@ -113,9 +128,9 @@ class Executor:
     # --- backward ---
     def backward(self, i: int, a) -> None:
         s, m = a.stage, a.mb
-        inputs, rng, out, params = self.saved.pop((s, m))
+        inputs, out, params = self.saved.pop((s, m))
         if out is None:
-            with _replay(rng, self.device), torch.enable_grad():
+            with self._seeded(s, m), torch.enable_grad():
                 out = self._call(s, params, inputs)
         roots, grads = [], []
         if s == self.topo.loss_stage:
@@ -150,7 +165,7 @@ class Executor:
             g = x.grad if x.grad is not None else torch.zeros_like(x)
             have = self.grads.get((t, m))
             self.grads[(t, m)] = g if have is None else have + g
-            if self.flow.grad_sender.get((self.rank, t, m)) == s:
+            if self.now.sends_grad(t):
                 dst = self.topo.rank_of[info.producer]
                 self.comm.send(dst, ("grad", t, m), self.grads.pop((t, m)))
 
@@ -167,23 +182,31 @@ class Executor:
 
     # --- step ---
     def step(self, i: int, a) -> None:
-        key = (a.stage, self.stepped[a.stage])
-        if self.weights is not None and key in self.weights.stashed and key not in self.stash:
-            self.stash[key] = self._copy(a.stage)
-        self.stepper.on_step(i, a)
-        self.stepped[a.stage] += 1
+        keep, drop = self.versions.step(a)
+        if keep is not None and keep not in self.stash:
+            self.stash[keep] = self._copy(a.stage)
+        self.stepper.on_step(a, self.now.event)
+        for key in drop:
+            self.stash.pop(key, None)
 
     # --- weight versions ---
-    def _version(self, s: int, m: int) -> dict[str, torch.Tensor] | None:
-        """The set-aside weights micro-batch m of stage s runs on, or None: the parameters."""
-        if self.weights is None:
-            return None
-        key = (s, self.weights.version.get((s, m)))
-        if key not in self.weights.stashed:
-            return None
-        if key not in self.stash:  # its first use: the version is the current one
-            self.stash[key] = self._copy(s)
-        return self.stash[key]
+    def _version(self, a) -> dict[str, torch.Tensor] | None:
+        """The set-aside weights action `a` runs on, or None: the parameters."""
+        key = self.versions.use(a)
+        if key is not None and key not in self.stash:  # its first use: the current version
+            self.stash[key] = self._copy(a.stage)
+        return None if key is None else self.stash[key]
+
+    def kept_versions(self, stage: int, step: int) -> dict[int, dict[str, torch.Tensor]]:
+        """The set-aside versions a run resumed at `step` needs (a checkpoint saves them)."""
+        return {v: self.stash[(stage, v)] for v in self.versions.needed_at(stage, step)}
+
+    def restore_versions(self, kept: dict[tuple[int, int], dict[str, torch.Tensor]]) -> None:
+        """Set-aside versions from a checkpoint, before `run`."""
+        for key, params in kept.items():
+            self.stash[key] = {
+                n: t.detach().to(self.device).requires_grad_(True) for n, t in params.items()
+            }
 
     def _copy(self, s: int) -> dict[str, torch.Tensor]:
         return {
@@ -196,6 +219,15 @@ class Executor:
         if params is None:
             return self.modules[s](**inputs)
         return torch.func.functional_call(self.modules[s], params, args=(), kwargs=inputs)
+
+    @contextlib.contextmanager
+    def _seeded(self, stage: int, mb: int):
+        """Random numbers of this stage's micro-batch mb, the same at the forward and the
+        recompute and whatever ran before; the rank's own generator is left as it was."""
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(((self.seed * 1_000_003 + stage) * 1_000_033 + mb) % 2**63)
+            yield
 
 
 class Outputs:
@@ -227,19 +259,3 @@ class Outputs:
         if entry[1] == 0:
             del self.held[(t, m)]
         return entry[0]
-
-
-def _rng_state(device: torch.device) -> tuple:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-@contextlib.contextmanager
-def _replay(state, device: torch.device):
-    """Run with the RNG as it was at the forward (dropout masks repeat), then restore it."""
-    cpu, cuda = state
-    with torch.random.fork_rng(devices=[device] if cuda is not None else []):
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda, device)
-        yield

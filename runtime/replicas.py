@@ -6,7 +6,7 @@ replicas' before it steps.
     reps.pipeline(replica)              # the ranks of one replica, by pipeline GPU
     reps.stage_group(gpu)               # the ranks holding GPU `gpu`'s stages, one per replica
     data = Shard(data, replica, reps.count, micro_batches)   # this replica's part of each batch
-    sync = GradSync(modules, comm, reps.stage_group(gpu), last_backwards)
+    sync = GradSync(modules, comm, reps.stage_group(gpu), micro_batches)
 
 A step's batch is `replicas x micro_batches` micro-batches; replica r reads micro-batches
 r*m .. r*m+m-1 of it, so d replicas together see what one pipeline would over d*m
@@ -38,8 +38,8 @@ __all__ = [
     "LossGather",
     "Replicas",
     "Shard",
+    "StepBackwards",
     "bucket_indices",
-    "last_backwards",
     "launch_hint",
 ]
 
@@ -126,10 +126,9 @@ class Shard:
 class GradSync:
     """Sums each stage's gradients with its replicas', bucket by bucket (see the module doc)."""
 
-    def __init__(self, modules: dict, comm, group: tuple[int, ...], last: dict):
+    def __init__(self, modules: dict, comm, group: tuple[int, ...], micro_batches: int):
         self.comm, self.group, self.replicas = comm, tuple(sorted(group)), len(group)
-        self.last = last  # {(stage, step): mb of its last backward}, from `last_backwards`
-        self._lasts = {(s, mb) for (s, _), mb in last.items()}
+        self.last = StepBackwards(micro_batches)  # which backward is its step's last
         self.params = {
             s: [p for p in mod.parameters() if p.requires_grad] for s, mod in modules.items()
         }
@@ -138,15 +137,15 @@ class GradSync:
             for s, ps in self.params.items()
         }
         self._armed: dict[int, dict] = {}  # stage -> the backward in progress
-        self._works: dict[tuple[int, int], list] = {}  # (stage, mb) -> [(work, flat, bucket)]
+        self._works: dict[int, list] = {}  # stage -> [(work, flat, bucket)] of its next step
 
     # --- the last backward of a step ---
     def before_backward(self, stage: int, mb: int) -> None:
-        if (stage, mb) not in self._lasts or not self.params[stage]:
+        if not self.last.ends_step(stage) or not self.params[stage]:
             return
         state = {"mb": mb, "done": set(), "next": 0, "hooks": []}
         self._armed[stage] = state
-        self._works[(stage, mb)] = []
+        self._works[stage] = []
         for i, p in enumerate(self.params[stage]):
             hook = p.register_post_accumulate_grad_hook(
                 lambda _p, i=i, stage=stage: self._ready(stage, i)
@@ -183,14 +182,14 @@ class GradSync:
                 ]
             )
             work = self.comm.all_reduce_async(flat, self.group)
-            self._works[(stage, state["mb"])].append((work, flat, bucket))
+            self._works[stage].append((work, flat, bucket))
             state["next"] += 1
 
     # --- the optimizer step ---
     def wait(self, stage: int, step: int) -> None:
         """Put the replicas' mean gradient of `stage`'s step into its parameters' `.grad`."""
         params = self.params[stage]
-        for work, flat, bucket in self._works.pop((stage, self.last.get((stage, step))), ()):
+        for work, flat, bucket in self._works.pop(stage, ()):
             self.comm.wait(work, f"summing stage {stage}'s gradients with its replicas")
             flat.div_(self.replicas)
             at = 0
@@ -237,15 +236,16 @@ def launch_hint(plan: dict) -> str:
     )
 
 
-def last_backwards(actions) -> dict[tuple[int, int], int]:
-    """{(stage, step): mb} of each stage's last backward of each step, in the order of this
-    rank's action list (GPipe runs a step's backwards in reverse): the backwards between a
-    stage's S of step k - 1 and its S of step k are step k's."""
-    taken: dict[int, int] = {}
-    last: dict[tuple[int, int], int] = {}
-    for a in actions:
-        if a.kind == "S":
-            taken[a.stage] = taken.get(a.stage, 0) + 1
-        elif a.kind == "B":
-            last[(a.stage, taken.get(a.stage, 0))] = a.mb
-    return last
+class StepBackwards:
+    """Which backward of a stage is the last of its step, as the actions stream by: the
+    backwards between a stage's S of step k - 1 and its S of step k are step k's, m of them
+    (GPipe runs them in reverse: the last is the m-th run, not micro-batch m - 1's)."""
+
+    def __init__(self, micro_batches: int):
+        self.m, self.seen = micro_batches, {}
+
+    def ends_step(self, stage: int) -> bool:
+        """Called at each backward of `stage`: is it the last of its step?"""
+        n = self.seen.get(stage, 0) + 1
+        self.seen[stage] = n % self.m
+        return n == self.m

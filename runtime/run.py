@@ -8,10 +8,13 @@ Rank r builds only the stages on GPU r, executes its action list of the schedule
 rank 0 logs the loss of every step (options: `options.py`). With data parallelism the plan
 places `replicas` copies of the pipeline on the ranks (`ftpipe_runtime.replicas`): a rank
 runs one GPU of one replica, reads that replica's share of every batch, and sums its
-stages' gradients with the same GPU of the other replicas before each step. A peer that dies or stops answering makes this rank
-print which rank it waited for and exit with status 1 (`os._exit`: a process group with a
-dead member cannot be shut down cleanly). FTPIPE_FAULT=rank:step:exit|hang makes a rank
-fail after that step, for tests of exactly that.
+stages' gradients with the same GPU of the other replicas before each step. The actions are
+made a step window at a time (`schedules.Timeline`), so starting takes as long for 100,000 steps as for
+10. A peer that dies or stops answering makes this rank print which rank it waited for and
+exit with status 1 (`os._exit`: a process group with a dead member cannot be shut down
+cleanly); a rank that cannot start (a wrong `--init`, say) tells the others when they meet,
+and they all stop naming it. Every wait, the meeting included, lasts at most --timeout.
+FTPIPE_FAULT=rank:step:exit|hang makes a rank fail after that step, for tests of exactly that.
 """
 
 from __future__ import annotations
@@ -33,18 +36,18 @@ from .atomic import (
     write_atomic,
 )
 from .comm import Comm, init_distributed
-from .dataflow import action_lists, build_dataflow
+from .dataflow import Dataflow
 from .errors import PeerFailure, PipelineConfigError, WriteFailed
-from .evaluate import Evaluator, loss_messages, reporter, splice
+from .evaluate import Evaluator, loss_messages, reporter, splicer
 from .executor import Executor
 from .finetune import HFExporter, open_sources
 from .optim import lr_at, make_optimizer
 from .options import parse_args
 from .precision import MixedPrecision, for_run, plan_in
-from .replicas import GradSync, LossGather, Replicas, Shard, last_backwards, launch_hint
+from .replicas import GradSync, LossGather, Replicas, Shard, launch_hint
 from .report import Progress, checksums, human_bytes, peak_memory
 from .runlog import RunLog
-from .schedules import resolve_schedule, validate
+from .schedules import Timeline, resolve_schedule
 from .stages import build_stages, load_init
 from .stepping import Stepper
 from .topology import Topology, read_plan
@@ -104,11 +107,10 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     m = args.micro_batches or sched.micro_batches or int(plan["micro_batches"])
     precision = for_run(plan, args.dtype, sched)
     topo = Topology(plan_in(plan, precision))  # messages in the run's compute dtype
-    # Everything that can be refused is refused here, before any rank waits for another:
-    # the data (which settles --steps under --epochs), then the schedule's lists on this
-    # plan (a CSV file that skips or deadlocks).
-    if args.log_json and rank == 0:
-        check_writable_file(args.log_json, "--log-json")
+    # Everything that can be refused is refused before any rank waits for another: first
+    # what every rank finds alike (the data, which settles --steps under --epochs; the
+    # schedule's lists on this plan: a CSV file that skips or deadlocks), then what is this
+    # rank's own, which the others hear of when they meet.
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if rank == 0 else _quiet
     sources = open_sources(plan, args, m, say)
     if reps.count > 1 and (sources.eval is not None or args.save_hf):
@@ -117,31 +119,24 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
             "out, or compile the package with --replicas 1"
         )
     data = Shard(sources.train, replica, reps.count, m)
-    rounds = dict(data=sources.eval, steps=args.steps, every=args.eval_every)
-    lists = splice(action_lists(topo, sched, m, args.steps), topo, m, first=0, **rounds)
-    validate(lists, topo.stage_graph(), sched, m, args.steps)
+    timeline = Timeline(sched, topo.stage_infos(), m, args.steps, drain_every=args.save_every)
+    # With evaluation rounds after every step: the most there can be (`Timeline.check`).
+    every_step = lambda n: splicer(topo, m, sources.eval, steps=n, first=0, every=1)  # noqa: E731
+    timeline.check(topo.stage_graph(), every_step)
     root = Path(args.checkpoint_dir or checkpoint.default_dir(plan))
     ckpt = checkpoint.Checkpoints(
         root, rank, world, checkpoint.run_identity(plan, args, name, m), args.keep_checkpoints, say
     )
-    if args.save_every:
-        _check_folder(root)
-        if not args.resume:
-            ckpt.refuse_foreign()
-    exporter = HFExporter(plan, args, ckpt, say) if args.save_hf else None
-    runlog = RunLog(args.log_dir, rank, say=say) if args.log_dir else None
-    modules = build_stages(topo, stage_classes, gpu, device, precision.dtype)
-    if args.init:
-        load_init(modules, args.init, plan)
-    mixed = MixedPrecision(precision, modules)  # after --init: the masters copy the weights
-    mixed.say = say
-    optimizers = {
-        s: make_optimizer(args.optimizer, [t for _, t in mixed.trainable(s)], args.lr)
-        for s in modules
-    }
+    failure = None
+    try:
+        modules, optimizers, mixed, exporter, runlog = _prepare(
+            plan, stage_classes, args, (rank, gpu), topo, ckpt, device, precision, say
+        )
+    except Exception as e:  # noqa: BLE001 - told to the other ranks first, then raised
+        failure = e
+    init_distributed(rank, world, device.type, args.init_method, args.timeout)
+    _agree_to_start(failure, rank, world)
 
-    torch.manual_seed(args.seed * 7919 + rank)  # dropout differs per rank, repeats per run
-    init_distributed(rank, world, device.type, args.init_method, max(args.timeout, 300.0))
     first, manifest = ckpt.choose(lambda v: _all_gather(v, world)) if args.resume else (0, None)
     if first >= args.steps:
         raise PipelineConfigError(f"the checkpoint is at step {first}; ask for more --steps")
@@ -153,11 +148,11 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     if rank == 0 and (args.save_every or args.resume):
         remove_temporaries(root)  # of a killed save; nobody saves before the barrier below
 
-    if first:
-        lists = action_lists(topo, sched, m, args.steps - first)
-        lists = splice(lists, topo, m, first=first, **rounds)
-        validate(lists, topo.stage_graph(), sched, m, args.steps - first)
-    flow = build_dataflow(topo, lists, m, sched)
+    if first:  # the pipeline fills again from the checkpoint's step
+        timeline = timeline.resumed(first)
+        timeline.check(topo.stage_graph(), every_step)
+    rounds = dict(data=sources.eval, steps=args.steps, every=args.eval_every)
+    flow = Dataflow(topo, timeline, splicer(topo, m, first=first, **rounds))
     comm = Comm(gpu, topo.world, device, args.timeout, flow, _message_specs(topo), reps, replica)
     # The collectives: the gradient norm across a pipeline's ranks when a synchronous step
     # clips (fp16's overflow check rides on it: the norm is computed then even without
@@ -167,13 +162,6 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     dp_sets = [reps.stage_group(g) for g in range(topo.world)] if reps.count > 1 else []
     loss_rank = topo.rank_of[topo.loss_stage]
     comm.make_groups(collective_sets, loss_rank, dp_sets)
-
-    if first:
-        for s, mod in modules.items():
-            load = lambda t, s=s, mod=mod: mixed.load(s, mod, t)  # noqa: E731
-            ckpt.load_stage(first, s, mod, optimizers[s], device, load)
-        ckpt.load_rank(first)
-        mixed.restore((manifest or {}).get("state", {}))
 
     micro_batch = next(iter(plan["model"]["inputs"].values()))[0][0]
     lr_of = lambda k: lr_at(k, args.lr, args.steps, args.warmup, args.decay)  # noqa: E731
@@ -192,7 +180,6 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
         modules,
         optimizers,
         comm,
-        flow.events[gpu],
         lr_of,
         args.clip,
         _after_steps(
@@ -202,7 +189,6 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
         ),
         precision=mixed,
     )
-    stepper.step_offset = first
     executor = Executor(
         topo,
         gpu,
@@ -213,23 +199,29 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
         stepper,
         m,
         device,
-        on_loss=lambda k, v: progress.loss(k + first, v),
+        on_loss=progress.loss,
+        seed=args.seed,
     )
-    executor.mb_offset = first * m
     executor.loss_scale = mixed.multiplier
     on_eval = reporter(plan, args.steps, first, args.eval_every, progress)
-    if sources.eval is not None:
-        evaluator = Evaluator(
-            topo, gpu, modules, comm, sources.eval, device, args.steps - first, on_eval
-        )
+    if sources.eval is not None:  # its results tagged after every step's loss
+        evaluator = Evaluator(topo, gpu, modules, comm, sources.eval, device, args.steps, on_eval)
         executor.handlers["E"] = evaluator.forward
     if reps.count > 1:
-        sync = GradSync(modules, comm, reps.stage_group(gpu), last_backwards(lists[gpu]))
+        sync = GradSync(modules, comm, reps.stage_group(gpu), m)
         executor.grad_sync = stepper.grad_sync = sync
-    fault = _fault(rank, lists[gpu], first)
+    saver.versions, saver.drained = executor.kept_versions, timeline.drains
+    if first:
+        for s, mod in modules.items():
+            load = lambda t, s=s, mod=mod: mixed.load(s, mod, t)  # noqa: E731
+            ckpt.load_stage(first, s, mod, optimizers[s], device, load)
+        ckpt.load_rank(first)
+        mixed.restore((manifest or {}).get("state", {}))
+        executor.restore_versions(ckpt.load_versions(first))
+    fault = _fault(rank)
 
-    def after(i, a):
-        if fault and i == fault[0]:
+    def after(i, item):
+        if fault and item.ends_step == fault[0]:
             comm.finish()
             if fault[1] == "hang":
                 time.sleep(3600)
@@ -239,26 +231,26 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     listener = None
     if rank == 0 and reps.count > 1:  # every replica's losses, one step's together
         heads = [reps.rank(r, loss_rank) for r in range(reps.count)]
-        gather = LossGather(heads, lambda k, msg: progress.loss(k + first, msg))
+        gather = LossGather(heads, progress.loss)
         executor.on_loss = lambda k, msg: gather.add(k, 0, msg)
-        messages = [
+        messages = (  # made as the listener needs them, from the loss rank's actions
             (src, k, m + 1, lambda msg, k=k, src=src: gather.add(k, src, msg))
-            for _, k in loss_messages(lists[loss_rank], topo.loss_stage, m, 1)
+            for _, k in loss_messages(flow.listed(loss_rank), topo.loss_stage, m, 1)
             for src in heads
             if src != 0
-        ]
+        )
         listener = comm.listen_losses(messages)
     elif rank == 0 and loss_rank != 0:
         n = sources.eval.micro_batches if sources.eval is not None else 1
-        messages = [
-            (loss_rank, k, m + 1, lambda msg, k=k: progress.loss(k + first, msg))
+        messages = (  # made as the listener needs them, from the loss rank's actions
+            (loss_rank, k, m + 1, lambda msg, k=k: progress.loss(k, msg))
             if kind == "loss"
-            else (loss_rank, args.steps - first + k, 3, lambda msg, k=k: on_eval(k, msg))
-            for kind, k in loss_messages(lists[loss_rank], topo.loss_stage, m, n)
-        ]
+            else (loss_rank, args.steps + k, 3, lambda msg, k=k: on_eval(k, msg))
+            for kind, k in loss_messages(flow.listed(loss_rank), topo.loss_stage, m, n)
+        )
         listener = comm.listen_losses(messages)
     start = time.perf_counter()
-    executor.run(lists[gpu], after)
+    executor.run(flow.actions(gpu), after)
     if listener is not None:
         listener.join(args.timeout)
         if listener.is_alive() or comm.listener_error:
@@ -292,6 +284,45 @@ def _after_steps(*hooks):
     return call
 
 
+def _prepare(plan, stage_classes, args, where, topo, ckpt, device, precision, say):
+    """This rank's own checks and set-up: its --log-json, its checkpoint folder, its export
+    and log, its stages and --init weights, their precision and optimizers. `where`: the
+    rank and the pipeline GPU it runs."""
+    rank, gpu = where
+    if args.log_json and rank == 0:
+        check_writable_file(args.log_json, "--log-json")
+    if args.save_every:
+        _check_folder(ckpt.root)
+        if not args.resume:
+            ckpt.refuse_foreign()
+    exporter = HFExporter(plan, args, ckpt, say) if args.save_hf else None
+    runlog = RunLog(args.log_dir, rank, say=say) if args.log_dir else None
+    modules = build_stages(topo, stage_classes, gpu, device, precision.dtype)
+    if args.init:
+        load_init(modules, args.init, plan)
+    mixed = MixedPrecision(precision, modules)  # after --init: the masters copy the weights
+    mixed.say = say
+    optimizers = {
+        s: make_optimizer(args.optimizer, [t for _, t in mixed.trainable(s)], args.lr)
+        for s in modules
+    }
+    torch.manual_seed(args.seed * 7919 + rank)  # the rank's own generator, repeats per run
+    return modules, optimizers, mixed, exporter, runlog
+
+
+def _agree_to_start(failure: Exception | None, rank: int, world: int) -> None:
+    """Every rank learns whether every other could start; the first that could not is named."""
+    said = None if failure is None else str(failure) or type(failure).__name__
+    if world > 1:
+        said = next(((r, w) for r, w in enumerate(_all_gather(said, world)) if w), None)
+    elif said is not None:
+        said = (rank, said)
+    if failure is not None:
+        raise failure
+    if said is not None:
+        raise PipelineConfigError(f"rank {said[0]} could not start: {said[1]}")
+
+
 def _message_specs(topo: Topology):
     def spec_of(key):
         t = topo.transfers[key[1]]
@@ -300,16 +331,13 @@ def _message_specs(topo: Topology):
     return spec_of
 
 
-def _fault(rank: int, acts: list, first: int):
-    """(action index, mode) from FTPIPE_FAULT=rank:step:mode: after this rank's last S of step."""
+def _fault(rank: int):
+    """(step, mode) from FTPIPE_FAULT=rank:step:mode: stop after this rank's last S of step."""
     text = os.environ.get("FTPIPE_FAULT", "")
     if not text:
         return None
     r, step, mode = text.split(":")
-    if int(r) != rank:
-        return None
-    idx = [i for i, a in enumerate(acts) if a.kind == "S" and a.mb + first == int(step)]
-    return (idx[-1], mode) if idx else None
+    return (int(step), mode) if int(r) == rank else None
 
 
 def _lr_changes(args, saved_steps, first: int) -> bool:

@@ -1,7 +1,7 @@
 """Optimizer steps of this rank's stages, at the points the dataflow chose.
 
-    stepper = Stepper(topo, rank, modules, optimizers, comm, flow.events[rank], ...)
-    stepper.on_step(index, action)    # at every S action; returns the StepEvent it applied
+    stepper = Stepper(topo, rank, modules, optimizers, comm, lr_of, clip, on_stepped)
+    stepper.on_step(action, event)    # at every S action; the event (if any) is applied now
 
 At a step: with replicas, wait for the stage's gradients summed with its replicas' (each
 replica then holds the same mean gradient of the whole batch); clip by the norm over
@@ -30,21 +30,20 @@ class Stepper:
         modules,
         optimizers,
         comm,
-        events,
         lr_of,
         clip,
         on_stepped=None,
         precision=None,
     ):
         self.topo, self.rank, self.modules, self.optimizers = topo, rank, modules, optimizers
-        self.comm, self.events, self.lr_of, self.clip = comm, events, lr_of, clip
+        self.comm, self.lr_of, self.clip = comm, lr_of, clip
         self.on_stepped = on_stepped
         self.precision = precision  # a MixedPrecision: masters, loss scale; None: fp32
-        self.step_offset = 0  # steps done before this run (resume)
         self.grad_sync = None  # with replicas: the stage's gradients summed before its step
         self._aside: dict[tuple[int, int], dict[str, torch.Tensor | None]] = {}
 
-    def on_step(self, index: int, action):
+    def on_step(self, action, event=None) -> None:
+        """A stage's S: put its gradients aside; apply `event` (a Dataflow StepEvent) if any."""
         if self.grad_sync is not None:  # before the masters take the gradients
             self.grad_sync.wait(action.stage, action.mb)
         if self.precision is not None:
@@ -54,17 +53,15 @@ class Stepper:
         }
         for _, p in self._trainable(action.stage):
             p.grad = None
-        ev = self.events.get(index)
-        if ev is not None:
-            self.apply(ev)
-        return ev
+        if event is not None:
+            self.apply(event)
 
     def apply(self, ev) -> None:
         for s in ev.stages:
             aside = self._aside.pop((s, ev.step), {})
             for n, p in self._trainable(s):
                 p.grad = aside.get(n)
-        step = ev.step + self.step_offset
+        step = ev.step
         if self._checked_and_clipped(ev, step):
             lr = self.lr_of(step)
             for s in ev.stages:
@@ -80,7 +77,7 @@ class Stepper:
             for _, p in self._trainable(s):
                 p.grad = None
         if self.on_stepped is not None:
-            self.on_stepped(ev, step)
+            self.on_stepped(ev, ev.step)
 
     def _trainable(self, stage: int):
         if self.precision is not None:

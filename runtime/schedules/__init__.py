@@ -23,8 +23,10 @@ from .actions import KINDS, Action, Kind
 from .base import FREE, Placement, Schedule, StageInfo, StagePolicy, looped, with_chunks
 from .from_csv import csv_schedule, listed_schedule, read_lists, write_lists
 from .merge import interleave
+from .periodic import Pattern
+from .timeline import Timeline, drains_at_checkpoints
 from .validate import StageGraph, validate
-from .versions import WeightPlan, weight_plan
+from .versions import Versions, WeightPlan, weight_plan
 
 SCHEDULES: dict[str, Schedule] = {
     "gpipe": gpipe.SCHEDULE,
@@ -40,15 +42,19 @@ __all__ = [
     "SCHEDULES",
     "Action",
     "Kind",
+    "Pattern",
     "Placement",
     "Schedule",
     "ScheduleError",
     "StageGraph",
     "StageInfo",
     "StagePolicy",
+    "Timeline",
+    "Versions",
     "WeightPlan",
     "actions",
     "csv_schedule",
+    "drains_at_checkpoints",
     "get_schedule",
     "interleave",
     "listed_schedule",

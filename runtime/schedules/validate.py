@@ -61,7 +61,7 @@ def validate(
     _check_members(lists, stages, m, steps)
     for g, acts in lists.items():
         _check_stage_order(g, acts, policies, m)
-        plan = weight_plan(acts, policies, m)
+        plan = weight_plan(acts, policies, m, steps)
         for s, most in plan.most.items():
             if most > policies[s].weight_versions:
                 raise ScheduleError(

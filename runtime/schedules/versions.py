@@ -1,16 +1,20 @@
-"""Which version of its weights every action of a GPU list runs on, and which to keep aside.
+"""Which version of its weights every action of a GPU runs on, and which to keep aside, followed
+action by action (the executor runs it; `validate` replays it to count the versions alive).
 
-    plan = weight_plan(actions_of_one_gpu, policies, micro_batches)
-    plan.version[(stage, mb)]   # steps of the stage behind the weights it uses (pinned stages)
-    plan.stashed                # {(stage, version)} still needed after the stage steps past it
-    plan.last_use[(stage, v)]   # index of the last action using that version
-    plan.most[stage]            # most versions of the stage alive at once
+    v = Versions(policies, micro_batches, steps=10)
+    v.use(action)         # (stage, version) of a set-aside copy it runs on, or None: the weights
+    v.step(action)        # at S: ((stage, version) to set aside before stepping, or None, [drops])
+    plan = weight_plan(actions_of_one_gpu, policies, micro_batches)   # the whole list's account
 
-A stage whose policy pins versions (`weight_delay` not None) runs micro-batch mb of step k
-on the weights after max(k - delay, 0) of its own steps, forward and backward alike. When
-such a version is needed after the step that replaces it, the executor keeps a copy aside
-(from its first use, so no kept graph sees the step's in-place update) and drops it after
-its last use. The validator checks that this never exceeds the policy's `weight_versions`.
+A stage whose policy pins versions (`weight_delay` d not None) runs micro-batch mb of step
+k on its weights after max(k - d, 0) of its own steps, forward and backward alike. With
+d >= 1 a version is still needed after the step that replaces it (the backwards of step
+w + d come after the stage's step w + d - 1, which `validate` checks), so every version some
+step uses is run on a copy set aside at its first use or at the step replacing it,
+whichever comes first (kept graphs never see the step's in-place update), and dropped at
+the stage's step w + d, after the last micro-batch that uses it. Nothing here looks ahead:
+a run of any length, or one resumed at step k with the versions k - d .. k - 1 restored
+from its checkpoint (`first=k`), is followed the same way.
 """
 
 from __future__ import annotations
@@ -20,47 +24,97 @@ from dataclasses import dataclass, field
 from ..errors import ScheduleError
 from .base import StagePolicy
 
+Key = tuple[int, int]  # (stage, version: the stage's steps behind those weights)
+
+
+class Versions:
+    def __init__(
+        self, policies: dict[int, StagePolicy], micro_batches: int, steps: int, first: int = 0
+    ):
+        self.policies, self.m, self.end = policies, micro_batches, steps
+        self.taken = dict.fromkeys(policies, first)  # steps each stage has taken
+        self.aside: set[Key] = {(s, w) for s in policies for w in self.needed_at(s, first)}
+
+    def delay(self, s: int) -> int:
+        d = self.policies[s].weight_delay
+        return d or 0  # None (the weights as they are) and 0 keep nothing aside
+
+    def needed_at(self, s: int, step: int) -> list[int]:
+        """Older versions of stage s that steps from `step` on still use (those a checkpoint
+        at `step` keeps, and a run resumed there restores)."""
+        d = self.delay(s)
+        return [w for w in range(max(step - d, 0), step) if self._needed_after(s, w)]
+
+    def _needed_after(self, s: int, w: int) -> bool:
+        """Does a step after w (w + d, or 1..d for version 0) of this run use version w?"""
+        d = self.delay(s)
+        return d > 0 and (w + d if w else 1) < self.end
+
+    def use(self, a) -> Key | None:
+        """The set-aside version `a` runs on (made now if this is its first use), or None."""
+        if not a.spec.trains:  # evaluation runs on the weights current at its turn
+            return None
+        s = a.stage
+        v = self.policies[s].version(a.mb, self.m)
+        if v is None:
+            return None
+        if v > self.taken[s]:
+            raise ScheduleError(
+                f"{a} needs the weights of stage {s} after {v} of its steps, but it has taken "
+                f"{self.taken[s]} there; move it after {s}S{v - 1}"
+            )
+        if not self._needed_after(s, v):
+            return None  # used only before the step that replaces it: the weights themselves
+        self.aside.add((s, v))
+        return (s, v)
+
+    def step(self, a) -> tuple[Key | None, list[Key]]:
+        """At stage a.stage's step: the version to set aside first (None: none, or already
+        aside), and the versions no micro-batch needs any more afterwards."""
+        s = a.stage
+        w = self.taken[s]
+        keep = None
+        if self._needed_after(s, w) and (s, w) not in self.aside:
+            keep = (s, w)
+            self.aside.add(keep)
+        self.taken[s] = w + 1
+        drop = sorted(k for k in self.aside if k[0] == s and k[1] + self.delay(s) <= w)
+        self.aside.difference_update(drop)
+        return keep, drop
+
+    def alive(self, s: int) -> int:
+        """Versions of stage s held now: the weights and the older ones set aside."""
+        return len({self.taken[s]} | {w for t, w in self.aside if t == s})
+
 
 @dataclass
 class WeightPlan:
-    version: dict[tuple[int, int], int] = field(default_factory=dict)
-    stashed: set[tuple[int, int]] = field(default_factory=set)
-    last_use: dict[tuple[int, int], int] = field(default_factory=dict)
-    most: dict[int, int] = field(default_factory=dict)
+    version: dict[tuple[int, int], int] = field(default_factory=dict)  # (stage, mb) -> version
+    stashed: set[Key] = field(default_factory=set)  # versions run on a set-aside copy
+    most: dict[int, int] = field(default_factory=dict)  # stage -> most versions alive at once
 
 
-def weight_plan(acts, policies: dict[int, StagePolicy], micro_batches: int) -> WeightPlan:
-    plan = WeightPlan()
-    steps: dict[int, int] = {}  # stage -> steps taken before the current action
-    step_at: dict[tuple[int, int], int] = {}  # (stage, step number) -> index of its S
-    for i, a in enumerate(acts):
-        s = a.stage
-        if a.kind == "S":
-            step_at[(s, steps.get(s, 0))] = i
-            steps[s] = steps.get(s, 0) + 1
-            continue
+def weight_plan(
+    acts, policies: dict[int, StagePolicy], micro_batches: int, steps: int | None = None
+) -> WeightPlan:
+    """The account of one GPU's whole list; raises ScheduleError for a version used too early."""
+    if steps is None:
+        steps = 1 + max((a.mb for a in acts if a.kind == "S"), default=0)
+    follow = Versions(policies, micro_batches, steps)
+    plan = WeightPlan(most=dict.fromkeys({a.stage for a in acts}, 1))
+    for a in acts:
         if not a.spec.trains:  # evaluation runs on the weights current at its turn
             continue
-        v = policies[s].version(a.mb, micro_batches)
-        if v is None:
-            continue
-        if v > steps.get(s, 0):
-            raise ScheduleError(
-                f"{a} needs the weights of stage {s} after {v} of its steps, but it has taken "
-                f"{steps.get(s, 0)} there; move it after {s}S{v - 1}"
-            )
-        plan.version[(s, a.mb)] = v
-        plan.last_use[(s, v)] = i
-    for (s, v), last in plan.last_use.items():
-        if step_at.get((s, v), last) < last:
-            plan.stashed.add((s, v))
-    # Versions alive at each action: the newest, and every older one still to be used.
-    alive: dict[int, set[int]] = {s: {0} for s in policies}
-    steps.clear()
-    for i, a in enumerate(acts):
-        s = a.stage
         if a.kind == "S":
-            steps[s] = steps.get(s, 0) + 1
-            alive[s] = {v for v in alive[s] if plan.last_use.get((s, v), -1) > i} | {steps[s]}
-        plan.most[s] = max(plan.most.get(s, 1), len(alive.get(s, ())))
+            keep, _ = follow.step(a)
+            if keep:
+                plan.stashed.add(keep)
+        else:
+            key = follow.use(a)
+            v = policies[a.stage].version(a.mb, micro_batches)
+            if v is not None:
+                plan.version[(a.stage, a.mb)] = v
+            if key:
+                plan.stashed.add(key)
+        plan.most[a.stage] = max(plan.most[a.stage], follow.alive(a.stage))
     return plan

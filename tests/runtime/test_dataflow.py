@@ -4,15 +4,32 @@ stage graph cannot run are refused by `validate`."""
 from __future__ import annotations
 
 import pytest
-from ftpipe_runtime.dataflow import action_lists, build_dataflow
+from ftpipe_runtime.dataflow import Dataflow
 from ftpipe_runtime.errors import PipelineConfigError
-from ftpipe_runtime.schedules import Action, get_schedule, validate
+from ftpipe_runtime.schedules import Action, Timeline, Versions, get_schedule, validate
 from ftpipe_runtime.topology import Topology
 from runtime_toy import toy_plan
 
 
 def _acts(text: str) -> list[Action]:
     return [Action.parse(a) for a in text.split()]
+
+
+def _flow(topo, sched, m, steps) -> Dataflow:
+    timeline = Timeline(sched, topo.stage_infos(), m, steps)
+    timeline.check(topo.stage_graph())
+    return Dataflow(topo, timeline)
+
+
+def _keys(flow, src, dst) -> list:
+    stream, out = flow.keys(src, dst), []
+    while (key := stream.get(len(out))) is not None:
+        out.append(key)
+    return out
+
+
+def _events(flow, rank) -> list:
+    return [item.event for item in flow.actions(rank) if item.event is not None]
 
 
 def test_topology_of_the_toy():
@@ -38,11 +55,9 @@ def test_a_plan_with_copied_weights_is_refused():
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "ftpipe", "2bw", "wpipe"])
 def test_each_tensor_crosses_once_per_destination_rank(schedule):
     topo, m, steps = Topology(toy_plan("two-ranks")), 4, 2
-    sched = get_schedule(schedule)
-    lists = action_lists(topo, sched, m, steps)
-    validate(lists, topo.stage_graph(), sched, m, steps)
-    flow = build_dataflow(topo, lists, m, sched)
-    to_1, to_0 = flow.order[(0, 1)], flow.order[(1, 0)]
+    flow = _flow(topo, get_schedule(schedule), m, steps)
+    to_1, to_0 = _keys(flow, 0, 1), _keys(flow, 1, 0)
+    assert flow.peers() == [(0, 1), (1, 0)]
     mbs = range(m * steps)
     assert sorted(k for k in to_1 if k[1] == "x0") == [("act", "x0", i) for i in mbs]
     assert sorted(k for k in to_0 if k[1] == "x0") == [("grad", "x0", i) for i in mbs]
@@ -55,31 +70,29 @@ def test_each_tensor_crosses_once_per_destination_rank(schedule):
         ("grad", "emb.weight", i) for i in mbs
     ]
     # The gradient of x0 leaves rank 1 after both of its readers there ran their backward.
+    backwards = [item for item in flow.actions(1) if item.action.kind == "B"]
     for i in mbs:
-        sender = flow.grad_sender[(1, "x0", i)]
-        pos = {a: j for j, a in enumerate(lists[1])}
-        other = 3 if sender == 1 else 1
-        b = [a for a in lists[1] if a.kind == "B" and a.mb == i]
-        assert (
-            pos[next(a for a in b if a.stage == sender)]
-            > pos[next(a for a in b if a.stage == other)]
-        )
+        mine = [item for item in backwards if item.action.mb == i]
+        assert [item.sends_grad("x0") for item in mine] == [False, True]
+        assert {item.action.stage for item in mine} == {1, 3}
 
 
 def test_steps_are_placed_per_rank_when_synchronous_per_stage_when_not():
     topo, m = Topology(toy_plan("three-ranks")), 2
     gpipe, ftpipe = get_schedule("gpipe"), get_schedule("ftpipe")
-    sync = build_dataflow(topo, action_lists(topo, gpipe, m, 2), m, gpipe)
-    assert [(e.step, e.stages, e.ranks) for e in sync.events[0].values()] == [
+    sync = _flow(topo, gpipe, m, 2)
+    assert [(e.step, e.stages, e.ranks) for e in _events(sync, 0)] == [
         (0, (0, 2), (0, 1, 2)),
         (1, (0, 2), (0, 1, 2)),
     ]
-    lists = action_lists(topo, ftpipe, m, 2)
-    flow = build_dataflow(topo, lists, m, ftpipe)
+    # A step window ends at the rank's last S of each step, synchronous or not.
+    assert [item.ends_step for item in sync.actions(0) if item.ends_step is not None] == [0, 1]
+    flow = _flow(topo, ftpipe, m, 2)
+    assert [item.ends_step for item in flow.actions(0) if item.ends_step is not None] == [0, 1]
     # Stage 3 reads stage 0's weight, yet steps alone: no collective, no waiting for rank 0.
-    loss = [e for e in flow.events[2].values()]
+    loss = _events(flow, 2)
     assert [(e.stages, e.ranks) for e in loss] == [((3,), (2,))] * 2
-    assert sorted((e.stages, e.step) for e in flow.events[0].values()) == [
+    assert sorted((e.stages, e.step) for e in _events(flow, 0)) == [
         ((0,), 0),
         ((0,), 1),
         ((2,), 0),
@@ -119,19 +132,24 @@ def test_malformed_lists_are_refused(rank0, message):
 
 def test_an_asynchronous_order_is_not_run_as_synchronous():
     topo, m = Topology(toy_plan("two-ranks")), 4
-    lists = action_lists(topo, get_schedule("ftpipe"), m, 3)
+    lists = Timeline(get_schedule("ftpipe"), topo.stage_infos(), m, 3).lists()
     with pytest.raises(PipelineConfigError, match="0F4 needs the weights of stage 0 after 1"):
         validate(lists, topo.stage_graph(), get_schedule("1f1b"), m, 3)
 
 
 def test_two_bw_and_wpipe_set_aside_the_versions_they_still_need():
-    topo, m = Topology(toy_plan("two-ranks")), 4
+    topo, m, steps = Topology(toy_plan("two-ranks")), 4, 3
     for name, stashing in [("2bw", {0, 1, 2, 3}), ("wpipe", {0, 1}), ("1f1b", set())]:
         sched = get_schedule(name)
-        lists = action_lists(topo, sched, m, 3)
-        flow = build_dataflow(topo, lists, m, sched)
-        kept = {s for plan in flow.weights.values() for s, _ in plan.stashed}
+        pols = sched.policies(topo.stage_infos(), m)
+        kept = set()
+        for acts in Timeline(sched, topo.stage_infos(), m, steps).lists().values():
+            follow, dropped = Versions(pols, m, steps), set()
+            for a in acts:  # a version is dropped only once no action uses it any more
+                if a.kind == "S":
+                    dropped.update(follow.step(a)[1])
+                elif (key := follow.use(a)) is not None:
+                    assert key not in dropped, (name, a)
+                    kept.add(key[0])
+            assert all(pols[s].weight_delay for s, _ in dropped), name
         assert kept == stashing, name
-        for rank, plan in flow.weights.items():  # a stash is dropped after its last use
-            for key in plan.stashed:
-                assert lists[rank][plan.last_use[key]].stage == key[0]

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from ftpipe_runtime import run
 from ftpipe_runtime.comm import Comm
 from ftpipe_runtime.data import make_data
-from ftpipe_runtime.dataflow import build_dataflow
+from ftpipe_runtime.dataflow import Dataflow
 from ftpipe_runtime.executor import Executor
 from ftpipe_runtime.optim import make_optimizer
-from ftpipe_runtime.schedules import Action, listed_schedule, validate
+from ftpipe_runtime.schedules import Action, Timeline, listed_schedule
 from ftpipe_runtime.stepping import Stepper
 from ftpipe_runtime.topology import Topology
 from runtime_reference import train_plain
@@ -30,21 +30,22 @@ def _train_once(plan, classes, recompute: bool, seed: int) -> dict:
     acts = [Action("F", s, mb) for mb in range(m) for s in range(4)]
     acts += [Action("B", s, mb, recompute and s != 3) for mb in range(m) for s in (3, 2, 1, 0)]
     acts += [Action("S", s, 0) for s in range(4)]
-    lists = {0: acts}
-    sched = listed_schedule(lists)
-    validate(lists, topo.stage_graph(), sched, m, 1)
-    flow = build_dataflow(topo, lists, m, sched)
+    timeline = Timeline(listed_schedule({0: acts}), topo.stage_infos(), m, 1)
+    timeline.check(topo.stage_graph())
+    flow = Dataflow(topo, timeline)
     modules = {s: classes[s]() for s in range(4)}
     opts = {s: make_optimizer("sgd", mod.parameters(), 0.1) for s, mod in modules.items()}
     comm = Comm(0, 1, "cpu", 5, flow, None)
-    stepper = Stepper(topo, 0, modules, opts, comm, flow.events[0], lambda k: 0.1, 0.0)
+    stepper = Stepper(topo, 0, modules, opts, comm, lambda k: 0.1, 0.0)
     data = make_data(plan["model"], None, 0)
-    torch.manual_seed(seed)
-    Executor(topo, 0, modules, flow, comm, data, stepper, m, "cpu").run(acts)
+    ex = Executor(topo, 0, modules, flow, comm, data, stepper, m, "cpu", seed=seed)
+    ex.run(flow.actions(0))
     return {n: p.detach().clone() for s in modules.values() for n, p in s.named_parameters()}
 
 
 def test_recompute_replays_the_forwards_dropout():
+    """The masks come from (seed, stage, micro-batch): the same at the forward and at the
+    recompute, different for another seed."""
     plan, classes = one_rank_plan(), {**STAGES, 1: DropStage1}
     kept = _train_once(plan, classes, recompute=False, seed=1)
     again = _train_once(plan, classes, recompute=True, seed=1)

@@ -14,9 +14,8 @@ import json
 import pytest
 import torch
 from ftpipe_runtime.data import make_data
-from ftpipe_runtime.dataflow import action_lists
 from ftpipe_runtime.optim import lr_at, make_optimizer
-from ftpipe_runtime.schedules import get_schedule
+from ftpipe_runtime.schedules import Timeline, get_schedule
 from ftpipe_runtime.topology import Topology
 from runtime_reference import checkpoint_params, train_delayed, train_stale
 
@@ -132,7 +131,8 @@ def test_ftpipe_package_follows_the_stale_rule(run_pipeline, packages, tmp_path,
     steps, lr = 3, 0.01
     log, params = _launch(run_pipeline, packages, model, "ftpipe", steps, tmp_path, ADAM)
     pkg, plan, init = packages[model]
-    lists = action_lists(Topology(plan), get_schedule("ftpipe"), plan["micro_batches"], steps)
+    infos, m = Topology(plan).stage_infos(), plan["micro_batches"]
+    lists = Timeline(get_schedule("ftpipe"), infos, m, steps).lists()
     stages = import_package(pkg).STAGES
     init_state = torch.load(init, weights_only=True)
     losses, weights = train_stale(plan, lists, steps, "adam", lr, stages=stages, init=init_state)

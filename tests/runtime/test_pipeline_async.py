@@ -6,8 +6,7 @@ import json
 
 import pytest
 import torch
-from ftpipe_runtime.dataflow import action_lists
-from ftpipe_runtime.schedules import get_schedule
+from ftpipe_runtime.schedules import Timeline, get_schedule
 from ftpipe_runtime.topology import Topology
 from runtime_reference import checkpoint_params, train_stale
 from runtime_toy import toy_plan
@@ -16,7 +15,8 @@ pytestmark = pytest.mark.multiproc
 
 
 def _lists(plan, steps):
-    return action_lists(Topology(plan), get_schedule("ftpipe"), plan["micro_batches"], steps)
+    infos = Topology(plan).stage_infos()
+    return Timeline(get_schedule("ftpipe"), infos, plan["micro_batches"], steps).lists()
 
 
 @pytest.mark.parametrize("layout", ["two-ranks", "folded"])

@@ -11,8 +11,8 @@ from ftpipe_runtime.replicas import (
     LossGather,
     Replicas,
     Shard,
+    StepBackwards,
     bucket_indices,
-    last_backwards,
     launch_hint,
 )
 from ftpipe_runtime.schedules import StageInfo, actions
@@ -47,12 +47,21 @@ def test_shards_split_each_step_between_the_replicas():
     assert seen == [[0, 1, 2, 6, 7, 8], [3, 4, 5, 9, 10, 11]]  # step 0: 0..5, step 1: 6..11
 
 
+def _last_backwards(acts, m):
+    """{(stage, step): mb} of the backwards StepBackwards calls last, as they stream by."""
+    last, found = StepBackwards(m), {}
+    for a in acts:
+        if a.kind == "B" and last.ends_step(a.stage):
+            found[(a.stage, a.mb // m)] = a.mb
+    return found
+
+
 def test_last_backward_of_each_step():
     stages = [StageInfo(0, 0, 1, False), StageInfo(1, 1, 0, True)]
     gpipe = actions("gpipe", stages, 3, 2)[0]  # backwards of a step in reverse
-    assert last_backwards(gpipe) == {(0, 0): 0, (0, 1): 3}
+    assert _last_backwards(gpipe, 3) == {(0, 0): 0, (0, 1): 3}
     ftpipe = actions("ftpipe", stages, 3, 2)[0]
-    assert last_backwards(ftpipe) == {(0, 0): 2, (0, 1): 5}
+    assert _last_backwards(ftpipe, 3) == {(0, 0): 2, (0, 1): 5}
 
 
 def test_losses_of_all_replicas_in_replica_order():
@@ -91,7 +100,7 @@ def test_buckets_start_during_the_last_backward_and_average():
     net = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 4))
     comm = _Twice()
     limit = 64 * 64 * 4  # one weight per bucket
-    sync = GradSync({0: net}, comm, (0, 1), {(0, 0): 1})
+    sync = GradSync({0: net}, comm, (0, 1), 2)  # 2 micro-batches: the second ends the step
     sync.order = {0: bucket_indices([p.numel() * 4 for p in sync.params[0]], limit)}
     for mb in range(2):
         x = torch.randn(8, 64)
