@@ -1,6 +1,6 @@
 """Messages between ranks: point-to-point transfers in a fixed order, and the few collectives.
 
-    init_distributed(rank, world, "cpu", "file:///tmp/x/store", setup_s=300)
+    init_distributed(rank, world, "cpu", "file:///tmp/x/store", setup_s=60)
     comm = Comm(gpu, gpus, device, timeout_s, flow, spec_of, replicas, replica)
     comm.send(1, ("act", "add_7", 3), tensor)      # non-blocking
     x = comm.recv(0, ("act", "add_7", 3))           # waits at most timeout_s, then PeerFailure
@@ -42,7 +42,10 @@ def init_distributed(rank: int, world: int, device: str, init_method: str, setup
             timeout=timedelta(seconds=setup_s),
         )
     except Exception as e:  # noqa: BLE001 - any rendezvous failure means a peer never came
-        raise PeerFailure(f"rank {rank} could not reach the other ranks ({_short(e)})") from e
+        raise PeerFailure(
+            f"rank {rank} waited {setup_s:g} s (--timeout) for the other {world - 1} rank(s) to "
+            f"meet; is one stopped, or not started? ({_short(e)})"
+        ) from e
 
 
 def describe(key: Key) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import ftpipe_runtime
 import pytest
+import torch
 
 HERE = Path(__file__).parent
 TOY = HERE / "runtime_toy.py"
@@ -98,3 +99,34 @@ def run_pipeline(tmp_path):
     yield go
     for ranks in started:
         ranks.kill()
+
+
+def crash_and_resume(run_pipeline, tmp_path, plan, argv, stages, fault="1:4:exit", **launch):
+    """Run `argv` (it must save checkpoints) whole; run it again stopped by FTPIPE_FAULT after a
+    checkpoint, and resume it; assert both end with bit-identical weights. Returns the two
+    --log-json summaries (whole, resumed). `launch`: env, module, cwd of run_pipeline."""
+    from runtime_reference import checkpoint_params  # (a torch-heavy module: import late)
+
+    env = launch.pop("env", None) or {}
+    steps = int(argv[argv.index("--steps") + 1])
+    runs = {}
+    for name, extra, more_env in [
+        ("whole", [], {}),
+        ("crash", [], {"FTPIPE_FAULT": fault}),
+        ("resume", ["--resume"], {}),
+    ]:
+        folder = tmp_path / ("whole" if name == "whole" else "broken")
+        log = tmp_path / f"{name}.json"
+        own = [*argv, *extra, "--checkpoint-dir", str(folder), "--log-json", str(log)]
+        codes, ranks = run_pipeline(plan, own, name=name, env={**env, **more_env}, **launch)
+        if name == "crash":
+            assert all(c != 0 for c in codes), ranks.stderr()
+            assert not (folder / f"step-{steps:06d}").exists()
+        else:
+            assert codes == [0] * len(codes), ranks.stderr()
+            runs[name] = json.loads(log.read_text())
+    a = checkpoint_params(tmp_path / "whole", steps, stages)
+    b = checkpoint_params(tmp_path / "broken", steps, stages)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    return runs["whole"], runs["resume"]

@@ -122,6 +122,16 @@ class Stage3(_Holder):
 STAGES = {0: Stage0, 1: Stage1, 2: Stage2, 3: Stage3}
 
 
+class DropStage1(Stage1):
+    """Stage 1 with dropout: its masks must repeat at the recompute and after a resume."""
+
+    def forward(self, h0, x0):
+        return {"h1": F.dropout(torch.tanh(_linear(self.l1, h0 + x0)), 0.5, self.training)}
+
+
+DROPOUT_STAGES = {**STAGES, 1: DropStage1}
+
+
 class ToyModel(_Holder):
     """The unpartitioned network: forward(**inputs) -> loss."""
 
@@ -221,9 +231,11 @@ def one_rank_plan(schedule: str = "gpipe", micro_batches: int = 4) -> dict:
 
 if __name__ == "__main__":  # one rank of a toy pipeline: runtime_toy.py PLAN.json [runtime args]
     import json
+    import os
     import sys
 
     import ftpipe_runtime
 
+    stages = DROPOUT_STAGES if os.environ.get("FTPIPE_TOY_DROPOUT") else STAGES
     with open(sys.argv[1]) as f:
-        ftpipe_runtime.run(json.load(f), STAGES, sys.argv[2:])
+        ftpipe_runtime.run(json.load(f), stages, sys.argv[2:])

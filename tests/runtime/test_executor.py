@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from ftpipe_runtime import run
 from ftpipe_runtime.comm import Comm
 from ftpipe_runtime.data import make_data
@@ -15,12 +14,7 @@ from ftpipe_runtime.schedules import Action, Timeline, listed_schedule
 from ftpipe_runtime.stepping import Stepper
 from ftpipe_runtime.topology import Topology
 from runtime_reference import train_plain
-from runtime_toy import STAGES, Stage1, one_rank_plan, toy_plan
-
-
-class DropStage1(Stage1):
-    def forward(self, h0, x0):
-        return {"h1": F.dropout(torch.tanh(F.linear(h0 + x0, self.l1.weight, self.l1.bias)), 0.5)}
+from runtime_toy import STAGES, DropStage1, one_rank_plan, toy_plan
 
 
 def _train_once(plan, classes, recompute: bool, seed: int) -> dict:

@@ -17,6 +17,7 @@ from ftpipe_runtime.data import make_data
 from ftpipe_runtime.optim import lr_at, make_optimizer
 from ftpipe_runtime.schedules import Timeline, get_schedule
 from ftpipe_runtime.topology import Topology
+from runtime_helpers import crash_and_resume
 from runtime_reference import checkpoint_params, train_delayed, train_stale
 
 pytest.importorskip("transformers")
@@ -167,3 +168,17 @@ def test_package_follows_its_delayed_update_rule(run_pipeline, packages, tmp_pat
     for per_stage in weights.values():
         for name, value in per_stage.items():
             _assert_params_close(params[name], value, noisy, lr, name)
+
+
+@pytest.mark.parametrize("model", ["gpt2-tiny", "t5-tiny"])
+def test_ftpipe_package_resumes_exactly(run_pipeline, packages, tmp_path, model):
+    """Issue 14's case: stopped after step 4 of 8 (saving every 2) and resumed, the losses
+    and weights are the uninterrupted run's (before, the first resumed loss was off by 0.012)."""
+    pkg, plan, init = packages[model]
+    argv = ["--steps", "8", "--save-every", "2", "--data", "copy", "--schedule", "ftpipe"]
+    argv += ["--lr", "0.01", "--init", str(init)]
+    launch = {"module": pkg.name, "cwd": pkg.parent}
+    stages = range(STAGES_OF[model])
+    whole, resumed = crash_and_resume(run_pipeline, tmp_path, plan, argv, stages, **launch)
+    assert resumed["first_step"] == 4
+    assert resumed["losses"] == whole["losses"][4:]

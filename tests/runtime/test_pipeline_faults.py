@@ -11,7 +11,7 @@ import torch
 from ftpipe_runtime import run
 from runtime_helpers import launch
 from runtime_reference import checkpoint_params
-from runtime_toy import STAGES, one_rank_plan, toy_plan
+from runtime_toy import PARAMS, STAGES, init_value, one_rank_plan, toy_plan
 
 pytestmark = pytest.mark.multiproc
 NAMED = r"(rank \d|ranks \[\d)"  # the peer waited for, or the group of a collective
@@ -97,4 +97,39 @@ def test_killed_rank_stops_the_others(tmp_path):
             assert re.search(rf"ftpipe rank {r}: .*{NAMED}", ranks.stderr(r)), ranks.stderr()
         assert "rank 1" in ranks.stderr(0) + ranks.stderr(2)
     finally:
+        ranks.kill()
+
+
+def test_a_rank_that_cannot_start_stops_the_others_naming_it(run_pipeline, tmp_path):
+    """Rank 1's stage 1 gets a wrong-shape --init weight: rank 1 says so, and rank 0 stops
+    when they meet, naming rank 1 and why, long before --timeout."""
+    weights = {name: init_value(name) for name in PARAMS}
+    weights["l1.weight"] = torch.zeros(3, 3)
+    torch.save(weights, tmp_path / "w.pt")
+    plan, argv = toy_plan("two-ranks", "1f1b"), ["--steps", "2", "--timeout", "300"]
+    begun = time.monotonic()
+    codes, ranks = run_pipeline(plan, [*argv, "--init", str(tmp_path / "w.pt")], name="init")
+    assert time.monotonic() - begun < 120
+    assert codes == [1, 1], ranks.stderr()
+    why = "l1.weight has shape (3, 3), stage 1 expects (8, 8)"
+    assert f"ftpipe rank 1: --init {tmp_path / 'w.pt'}: {why}" in ranks.stderr(1)
+    assert re.search(
+        r"ftpipe rank 0: rank 1 could not start: --init .*" + re.escape(why), ranks.stderr(0)
+    )
+    assert "Traceback" not in ranks.stderr()
+
+
+def test_setup_waits_for_a_stopped_peer_only_as_long_as_timeout(tmp_path):
+    """Rank 1 is stopped before the ranks meet: rank 0 gives up after --timeout, not 300 s."""
+    ranks = launch(tmp_path, toy_plan("two-ranks", "1f1b"), ["--steps", "2", "--timeout", "5"])
+    try:
+        ranks.procs[1].send_signal(signal.SIGSTOP)
+        begun = time.monotonic()
+        code = ranks.procs[0].wait(timeout=120)
+        assert code == 1 and time.monotonic() - begun < 60, ranks.stderr(0)
+        said = r"ftpipe rank 0: rank 0 waited 5 s \(--timeout\) for the other 1 rank\(s\)"
+        assert re.search(said, ranks.stderr(0)), ranks.stderr(0)
+        assert "Traceback" not in ranks.stderr(0)
+    finally:
+        ranks.procs[1].send_signal(signal.SIGCONT)
         ranks.kill()

@@ -1,0 +1,32 @@
+"""A run stopped after a checkpoint and resumed is the uninterrupted run, under every schedule:
+the same losses and the same final weights, bit for bit. (The uninterrupted run saves at the
+same steps; the asynchronous schedule drains its pipeline there, `schedules.timeline`.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from runtime_helpers import crash_and_resume
+from runtime_toy import toy_plan
+
+pytestmark = pytest.mark.multiproc
+
+ARGV = ["--steps", "8", "--save-every", "2", "--data", "copy", "--optimizer", "adam"]
+ARGV += ["--lr", "0.05"]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "ftpipe", "2bw", "wpipe"])
+def test_resume_is_the_uninterrupted_run(run_pipeline, tmp_path, schedule):
+    """Two stages per rank, a weight read on the other rank, dropout in stage 1."""
+    plan, env = toy_plan("two-ranks", schedule), {"FTPIPE_TOY_DROPOUT": "1"}
+    whole, resumed = crash_and_resume(run_pipeline, tmp_path, plan, ARGV, range(4), env=env)
+    first = resumed["first_step"]
+    assert first in (2, 4)  # after a save: the newest checkpoint every rank finished
+    assert resumed["losses"] == whole["losses"][first:]
+    manifest = json.loads((tmp_path / "broken" / f"step-{first:06d}" / "rank-0.json").read_text())
+    kept = {"2bw": {"0": [first - 1], "2": [first - 1]}, "wpipe": {"0": [first - 1]}}
+    assert manifest["in_flight"] == {
+        "drained": schedule == "ftpipe",
+        "weight_versions": kept.get(schedule, {}),
+    }
