@@ -9,6 +9,7 @@ Sections:
   compile   trace / profile / partition / simulate / codegen seconds for T5-3B
   runtime   the generated package vs torch.distributed.pipelining, an even split, one process
   fidelity  simulated vs measured step time of generated packages on CPU (measured profile)
+  startup   seconds to the first step for --steps 100000 against --steps 10
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import bench_fidelity  # noqa: E402 - sections 3 and 4 live beside this file
 import bench_planner  # noqa: E402
 import bench_runtime  # noqa: E402
 import bench_schedules  # noqa: E402
+import bench_startup  # noqa: E402
 from ftpipe_runtime.atomic import write_atomic  # noqa: E402
 
 from ftpipe_compiler.partition import problem_from_graph, run_partitioners  # noqa: E402
@@ -217,6 +219,7 @@ SECTIONS = {
     "fidelity": (bench_fidelity.measure, bench_fidelity.markdown),
     "planner": (bench_planner.measure, bench_planner.markdown),
     "allreduce": (bench_allreduce.measure, bench_allreduce.markdown),
+    "startup": (bench_startup.measure, bench_startup.markdown),
 }
 
 
