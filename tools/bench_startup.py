@@ -103,6 +103,7 @@ def first_step(folder: Path, package: str, argv: list[str], tag: str, timeout=30
             p.wait()
             if p.stderr is not None:
                 p.stderr.close()
+        store.unlink(missing_ok=True)
 
 
 def measure(work: Path | None = None, rounds: int = ROUNDS) -> dict:
