@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from runtime_helpers import crash_and_resume
-from runtime_toy import toy_plan
+from runtime_toy import L, V, toy_plan
 
 pytestmark = pytest.mark.multiproc
 
@@ -30,3 +31,18 @@ def test_resume_is_the_uninterrupted_run(run_pipeline, tmp_path, schedule):
         "drained": schedule == "ftpipe",
         "weight_versions": kept.get(schedule, {}),
     }
+
+
+@pytest.mark.parametrize("schedule", ["ftpipe", "2bw"])
+def test_resume_with_evaluation_rounds(run_pipeline, tmp_path, schedule):
+    """Evaluation rounds spliced into the streamed actions: the resumed run evaluates the
+    same weights at the same steps as the uninterrupted one."""
+    ids = torch.randint(0, V, (6, L), generator=torch.Generator().manual_seed(1))
+    torch.save({"input_ids": ids, "labels": ids}, tmp_path / "val.pt")
+    argv = [*ARGV, "--eval-data", str(tmp_path / "val.pt"), "--eval-every", "2"]
+    plan = toy_plan("two-ranks", schedule)
+    whole, resumed = crash_and_resume(run_pipeline, tmp_path, plan, argv, range(4))
+    first = resumed["first_step"]
+    assert resumed["losses"] == whole["losses"][first:]
+    assert [e["step"] for e in whole["evals"]] == [2, 4, 6, 8]
+    assert resumed["evals"] == [e for e in whole["evals"] if e["step"] > first]
