@@ -234,14 +234,21 @@ def main(argv=None) -> None:
     for s in names:
         if s not in SECTIONS:
             sys.exit(f"unknown section {s!r}; choose from {', '.join(SECTIONS)}")
-    raw, parts = {}, []
+    out_json = Path(args.out).with_suffix(".json")
+    # Sections not measured this time keep their figures from the last run, so one section can
+    # be measured again alone (`--sections startup`) without losing the others.
+    try:
+        raw = {k: v for k, v in json.loads(out_json.read_text()).items() if k in SECTIONS}
+    except (OSError, ValueError):
+        raw = {}
     for s in names:
         t0 = time.perf_counter()
         print(f"bench: {s}", file=sys.stderr, flush=True)
-        measure, render = SECTIONS[s]
+        measure, _ = SECTIONS[s]
         raw[s] = measure()
         raw[s]["bench_seconds"] = time.perf_counter() - t0
-        parts.append(render(raw[s]))
+        raw[s]["measured_on"] = str(datetime.date.today())
+    parts = [render(raw[s]) for s, (_, render) in SECTIONS.items() if s in raw]
     head = [
         "# ftpipe benchmarks",
         "",
@@ -251,7 +258,7 @@ def main(argv=None) -> None:
         "",
     ]
     # Both files, each whole: an interrupted or failed bench leaves the previous ones as they were.
-    write_atomic(Path(args.out).with_suffix(".json"), json.dumps(raw, indent=1))
+    write_atomic(out_json, json.dumps(raw, indent=1))
     write_atomic(args.out, "\n".join(head + parts))
     print(f"wrote {args.out}", file=sys.stderr)
 
