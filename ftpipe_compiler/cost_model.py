@@ -14,7 +14,9 @@ runtime's statement): trainable weights times the versions kept, gradients and o
 state once (frozen parameters have neither), and activations: a stage that recomputes keeps
 only its inputs for each in-flight micro-batch and needs its full activations for one
 micro-batch while it recomputes; one that does not recompute keeps full activations for
-every in-flight micro-batch. Bytes per element come from a `Precision`.
+every in-flight micro-batch. A split backward (zero-bubble) keeps a micro-batch in flight
+until its W, and a recomputing stage keeps the rebuilt activations of the `deferred`
+micro-batches whose B ran and W has not. Bytes per element come from a `Precision`.
 """
 
 from __future__ import annotations
@@ -108,7 +110,8 @@ def stage_memory(
     """(bytes a stage holds throughout, bytes it needs on top while one backward runs)."""
     static = trainable_bytes * policy.weight_versions + frozen_bytes + state_bytes
     if policy.recompute:
-        return static + policy.in_flight * input_bytes, act_bytes
+        kept = policy.deferred * act_bytes if policy.split else 0 * act_bytes
+        return static + policy.in_flight * input_bytes + kept, act_bytes
     return static + policy.in_flight * act_bytes, 0 * act_bytes
 
 

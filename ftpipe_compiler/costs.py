@@ -7,6 +7,12 @@ runs on `meta` tensors (no memory, about a second for T5-3B). An op runs at the 
 peak for its output dtype (bf16 / fp16 tensor cores for a model traced in 16 bits). Bytes moved are the bytes
 an op reads and writes; view ops move nothing. Backward costs twice the forward unless
 the op needs no gradient; recompute costs one forward.
+
+The backward is split by FLOPs between input gradients (B) and weight gradients (W, what a
+zero-bubble schedule defers): an op reading trainable weights and an activation that carries
+gradient computes dX and dW, one forward's FLOPs each (a matmul: G Wᵀ and Xᵀ G), so half its
+backward is W; an op reading weights but no such activation (an embedding lookup) is all W;
+an op without weights all B.
 """
 
 from __future__ import annotations
@@ -66,6 +72,14 @@ def count_flops(traced: Traced) -> dict[str, float]:
     return flops
 
 
+def weight_share(graph: OpGraph, n) -> float:
+    """The fraction of a node's backward that computes weight gradients (see the top)."""
+    if not any(graph.param[p].trainable for p in n.params):
+        return 0.0
+    carries = any(graph.node[p].requires_grad for p in graph.preds[n.id])
+    return 0.5 if carries else 1.0
+
+
 def analytic_costs(traced: Traced, hw: Hardware, granularity: str = "op") -> OpGraph:
     graph = traced.graph
     flops = count_flops(traced)
@@ -90,7 +104,14 @@ def analytic_costs(traced: Traced, hw: Hardware, granularity: str = "op") -> OpG
         act = 0 if (view or not n.requires_grad) else n.out_bytes
         nodes.append(
             replace(
-                n, flops=f, bytes_moved=moved, fwd_s=fwd, bwd_s=bwd, recompute_s=fwd, act_bytes=act
+                n,
+                flops=f,
+                bytes_moved=moved,
+                fwd_s=fwd,
+                bwd_s=bwd,
+                wgrad_s=bwd * weight_share(graph, n),
+                recompute_s=fwd,
+                act_bytes=act,
             )
         )
     costed = graph.with_nodes(nodes, profile="analytic", hardware=hw.name)

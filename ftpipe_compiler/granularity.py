@@ -50,6 +50,7 @@ def collapse(graph: OpGraph, key=None) -> OpGraph:
                 bytes_moved=sum(n.bytes_moved for n in grp),
                 fwd_s=sum(n.fwd_s for n in grp),
                 bwd_s=sum(n.bwd_s for n in grp),
+                wgrad_s=sum(n.wgrad_s for n in grp),
                 recompute_s=sum(n.recompute_s for n in grp),
                 act_bytes=sum(n.act_bytes for n in grp),
             )

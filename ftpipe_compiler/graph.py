@@ -46,6 +46,7 @@ class Node:
     bytes_moved: float = 0.0  # forward memory traffic
     fwd_s: float = 0.0
     bwd_s: float = 0.0
+    wgrad_s: float = 0.0  # the part of bwd_s computing weight gradients (a split backward's W)
     recompute_s: float = 0.0
     act_bytes: int = 0  # kept for backward when not recomputing
 

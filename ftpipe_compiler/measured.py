@@ -17,6 +17,11 @@ median of `repeats` runs of:
   also the forward of a stage that keeps its activations),
 - bwd_s: `autograd.grad` of the block's outputs, with a random upstream gradient, w.r.t. its
   trainable parameters and the float inputs that carry gradient.
+- wgrad_s (the weight-gradient pass W of a split backward): bwd_s minus the same backward
+  w.r.t. the inputs alone (B, timed on the same graph). Not timed on its own: autograd asked
+  for the weights alone would walk back through the whole block again, which the runtime's
+  W does not do. A block without weights has none; one whose inputs carry no gradient (an
+  embedding lookup) is all W.
 
 act_bytes is what autograd saved for backward, parameters excluded. Timer: perf_counter on
 CPU (threads as torch has them), CUDA events on a GPU. flops and bytes_moved are the
@@ -132,7 +137,7 @@ def measured_costs(
     bar = tqdm(total=len(blocks), desc=f"timing blocks on {device}", unit="block", disable=None)
     run = run_blocks(traced, blocks, weights, clock, repeats, seed, bar.update)
     bar.close()
-    timed = {b: dict(fwd_s=t.fwd_s, bwd_s=t.bwd_s, recompute_s=t.recompute_s,
+    timed = {b: dict(fwd_s=t.fwd_s, bwd_s=t.bwd_s, wgrad_s=t.wgrad_s, recompute_s=t.recompute_s,
                      act_bytes=t.act_bytes) for b, t in run["timings"].items()}  # fmt: skip
     nodes = [replace(n, **timed[n.id]) for n in reference.nodes]
     big = max(blocks, key=lambda b: b.nbytes)

@@ -34,6 +34,7 @@ class Timing:
     bwd_s: float
     act_bytes: int
     peak_bytes: int  # device peak while the block ran (process peak RSS on CPU)
+    wgrad_s: float = 0.0  # bwd_s minus the input-gradient pass timed alone (a split's W)
 
 
 @dataclass
@@ -115,14 +116,16 @@ def time_block(b: Block, params: dict, host: dict, clock, repeats: int, seed: in
     clock.reset_peak()
     leaves = {a: _map(host[a], _leaf(clock.device, a in b.grad_inputs)) for a in b.inputs}
     grad_wrt = [t for t in params.values() if t.requires_grad]
-    grad_wrt += [t for a in b.grad_inputs for t in _tensors(leaves[a]) if t.requires_grad]
+    wrt_inputs = [t for a in b.grad_inputs for t in _tensors(leaves[a]) if t.requires_grad]
+    split = bool(grad_wrt and wrt_inputs)  # both kinds of gradient: time B alone as well
+    grad_wrt += wrt_inputs
     param_ptrs = {t.untyped_storage().data_ptr() for t in params.values()}
 
     def env():
         values = {a: _map(v, torch.clone) for a, v in leaves.items()} if b.mutates else leaves
         return {**params, **values}
 
-    fwd, rec, bwd, saved, upstream, first = [], [], [], {}, None, None
+    fwd, rec, bwd, inp, saved, upstream, first = [], [], [], [], {}, None, None
     for r in range(repeats + 1):
         with torch.no_grad():
             t_f, outs = clock.time(_forward, b, env())
@@ -135,21 +138,26 @@ def time_block(b: Block, params: dict, host: dict, clock, repeats: int, seed: in
         if upstream is None:
             g = torch.Generator(device=clock.device).manual_seed(seed)
             upstream = [_upstream(t, g) for t in targets]
-        t_b = 0.0
+        t_b = t_i = 0.0
         if targets and grad_wrt:
-            t_b, _ = clock.time(_backward, targets, grad_wrt, upstream)
+            t_b, _ = clock.time(_backward, targets, grad_wrt, upstream, split)
+            if split:  # the graph was kept: B alone, the input gradients
+                t_i, _ = clock.time(_backward, targets, wrt_inputs, upstream)
         del outs, targets
         if r:  # run 0 is the warm-up
             fwd.append(t_f)
             rec.append(t_r)
             bwd.append(t_b)
+            inp.append(t_i if split else (t_b if wrt_inputs else 0.0))
     act = sum(saved.values())
-    return Timing(_median(fwd), _median(rec), _median(bwd), act, clock.peak_bytes()), first
+    wgrad = max(_median(bwd) - _median(inp), 0.0) if grad_wrt else 0.0
+    timing = Timing(_median(fwd), _median(rec), _median(bwd), act, clock.peak_bytes(), wgrad)
+    return timing, first
 
 
-def _backward(targets, wrt, upstream) -> None:
+def _backward(targets, wrt, upstream, keep: bool = False) -> None:
     # The gradients are dropped at once: two sets alive together would double their memory.
-    torch.autograd.grad(targets, wrt, upstream, allow_unused=True)
+    torch.autograd.grad(targets, wrt, upstream, allow_unused=True, retain_graph=keep)
 
 
 def _leaf(device, requires_grad: bool):

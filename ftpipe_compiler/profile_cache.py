@@ -36,7 +36,7 @@ from torch import nn
 from .errors import PlanFormatError
 from .graph import OpGraph
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: weight-gradient times (wgrad_s) measured
 
 
 def profile_dir(cache_dir=None) -> Path:

@@ -112,6 +112,8 @@ class Dataflow:
                     else:
                         out.append((src, ("grad", t, a.mb)))
                 yield Planned(a, tuple(out))
+            elif a.kind == "W":  # weight gradients: nothing sent (GradSync all-reduces them)
+                yield Planned(a)
             else:
                 steps[a.mb] = done = steps.get(a.mb, 0) + 1
                 last = done == len(local)

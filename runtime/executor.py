@@ -11,6 +11,11 @@ owner stage like any other: readers get a copy of its value at the owner's forwa
 version that micro-batch sees, however many steps the owner takes before the readers run),
 and the gradient they send back reaches the parameter's `.grad` through the owner's backward.
 
+Split backwards (zero-bubble schedules: the stage's policy says `split`, and a W follows each
+B): B computes the input gradients and
+sends them upstream as a full backward would, keeping the graph; W computes the weight
+gradients later (`split_backward`), and the micro-batch's graph is released then.
+
 Weight versions (`schedules.Versions`, from the schedule's policy): an action whose version
 of its stage's weights is needed after the stage steps past it runs on a copy set aside
 (`torch.func.functional_call`), so kept graphs never see the step's in-place update; the
@@ -31,6 +36,7 @@ import torch
 
 from .errors import PipelineConfigError
 from .schedules import Versions
+from .split_backward import backward_input, backward_weight
 
 
 class Executor:
@@ -64,8 +70,9 @@ class Executor:
         self.versions = Versions(self.policies, micro_batches, timeline.steps, timeline.first)
         self.stash: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (stage, version)
         self.now = None  # the Planned being run
+        self.deferred: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> what its W needs
         # One handler per action kind; evaluation's ("E") is added by the run when it has one.
-        self.handlers = {"F": self.forward, "B": self.backward, "S": self.step}
+        self.handlers = {"F": self.forward, "B": self.backward, "W": self.weight, "S": self.step}
 
     def run(self, items, after=None) -> None:
         """Run `items` (Dataflow.actions(rank)) in order."""
@@ -144,19 +151,19 @@ class Executor:
                     roots.append(out[t])
                     grads.append(g)
         sync = self.grad_sync
-        if sync is not None:
-            sync.before_backward(s, m)
-        if roots:
-            torch.autograd.backward(roots, grads)
-        if params is not None:  # a set-aside version: its gradients are the stage's
-            own = dict(self.modules[s].named_parameters())
-            for n, t in params.items():
-                if t.grad is not None:
-                    p = own[n]
-                    p.grad = t.grad if p.grad is None else p.grad + t.grad
-                    t.grad = None
-        if sync is not None:
-            sync.after_backward(s, m)
+        if self.policies[s].split:  # the weights' gradients (and their all-reduce) come at W
+            weights = params.values() if params is not None else self.modules[s].parameters()
+            grad_inputs = [inputs[t] for t in self.topo.inputs[s] if self.topo.transfers[t].grad]
+            later = backward_input(roots, grads, grad_inputs, list(weights))
+            self.deferred[(s, m)] = (later, params)
+        else:
+            if sync is not None:
+                sync.before_backward(s, m)
+            if roots:
+                torch.autograd.backward(roots, grads)
+            self._collect(s, params)
+            if sync is not None:
+                sync.after_backward(s, m)
         for t in self.topo.inputs[s]:
             info = self.topo.transfers[t]
             if not info.grad:
@@ -168,6 +175,27 @@ class Executor:
             if self.now.sends_grad(t):
                 dst = self.topo.rank_of[info.producer]
                 self.comm.send(dst, ("grad", t, m), self.grads.pop((t, m)))
+
+    def weight(self, i: int, a) -> None:
+        later, params = self.deferred.pop((a.stage, a.mb))
+        sync = self.grad_sync
+        if sync is not None:
+            sync.before_backward(a.stage, a.mb)
+        backward_weight(later)
+        self._collect(a.stage, params)
+        if sync is not None:
+            sync.after_backward(a.stage, a.mb)
+
+    def _collect(self, s: int, params) -> None:
+        """A set-aside version's gradients are the stage's: add them to its parameters'."""
+        if params is None:
+            return
+        own = dict(self.modules[s].named_parameters())
+        for n, t in params.items():
+            if t.grad is not None:
+                p = own[n]
+                p.grad = t.grad if p.grad is None else p.grad + t.grad
+                t.grad = None
 
     def _gather_grad(self, t: str, m: int) -> torch.Tensor:
         """This rank's consumers' gradients (already summed) plus one per consumer rank."""

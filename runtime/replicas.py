@@ -239,13 +239,15 @@ def launch_hint(plan: dict) -> str:
 class StepBackwards:
     """Which backward of a stage is the last of its step, as the actions stream by: the
     backwards between a stage's S of step k - 1 and its S of step k are step k's, m of them
-    (GPipe runs them in reverse: the last is the m-th run, not micro-batch m - 1's)."""
+    (GPipe runs them in reverse: the last is the m-th run, not micro-batch m - 1's). A stage
+    whose backward is split (zero-bubble: B, then W) gets its weight gradients, hence the
+    all-reduce, at its W's: the executor calls the hooks at W, so the m-th W ends the step."""
 
     def __init__(self, micro_batches: int):
         self.m, self.seen = micro_batches, {}
 
     def ends_step(self, stage: int) -> bool:
-        """Called at each backward of `stage`: is it the last of its step?"""
+        """Called at each backward (each W when split) of `stage`: is it its step's last?"""
         n = self.seen.get(stage, 0) + 1
         self.seen[stage] = n % self.m
         return n == self.m

@@ -81,6 +81,7 @@ def build_plan(
                 nodes=tuple(ids),
                 fwd_s=sum(n.fwd_s for n in nodes),
                 bwd_s=sum(n.bwd_s for n in nodes),
+                wgrad_s=sum(n.wgrad_s for n in nodes),
                 recompute_s=sum(n.recompute_s for n in nodes),
                 recompute=problem.policy(infos[s]).recompute,
                 depth=depth[s],

@@ -45,7 +45,7 @@ class Stage:
     gpu: int
     nodes: tuple[str, ...]  # graph node ids, in execution order
     fwd_s: float
-    bwd_s: float
+    bwd_s: float  # the whole backward: input and weight gradients
     recompute_s: float
     recompute: bool  # does this stage recompute under the plan's schedule?
     depth: int  # stages on the longest path from here to the loss stage
@@ -55,6 +55,7 @@ class Stage:
     model_inputs: tuple[str, ...]  # model inputs read straight from the data
     input_bytes: int  # per micro-batch: transfers received + model inputs
     act_bytes: int  # per micro-batch: activations kept for backward without recompute
+    wgrad_s: float = 0.0  # the part of bwd_s a split backward's W runs (weight gradients)
 
     @property
     def compute_s(self) -> float:
@@ -180,14 +181,19 @@ class Plan:
             raise FtpipeError(str(e)) from None
         return sched.policies(self.stage_infos(), self.micro_batches)
 
-    def gpu_memory(self, gpu: int, in_flight: dict[int, int] | None = None) -> int:
-        """Peak bytes on a GPU; in-flight micro-batches per stage from the schedule unless given."""
+    def gpu_memory(
+        self, gpu: int, in_flight: dict[int, int] | None = None, deferred: dict | None = None
+    ) -> int:
+        """Peak bytes on a GPU; micro-batches in flight (and, split, between B and W) per stage
+        from the schedule unless given."""
         by_name = {p.name: p for p in self.params}
         parts = []
         for s in self.stages_on(gpu):
             policy = self.policies[s.id]
             if in_flight:
                 policy = replace(policy, in_flight=in_flight[s.id])
+            if deferred:
+                policy = replace(policy, deferred=deferred[s.id])
             owned = [by_name[n] for n in s.params]
             parts.append(
                 stage_memory(
@@ -252,6 +258,11 @@ class Plan:
                 raise FtpipeError(f"stage {s.id} is on GPU {s.gpu}, outside 0..{self.gpus - 1}")
             if not all(math.isfinite(x) and x >= 0 for x in (s.fwd_s, s.bwd_s, s.recompute_s)):
                 raise FtpipeError(f"stage {s.id} has a negative or non-finite time")
+            if not 0 <= s.wgrad_s <= s.bwd_s * (1 + 1e-9):
+                raise FtpipeError(
+                    f"stage {s.id}: its weight-gradient time {s.wgrad_s} is not part of its "
+                    f"backward time {s.bwd_s}"
+                )
         g = nx.DiGraph()
         g.add_nodes_from(s.id for s in self.stages)
         for t in self.transfers:

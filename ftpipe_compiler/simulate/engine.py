@@ -10,7 +10,9 @@ that tensor on its GPU are done. Links, and with replicas the gradient all-reduc
 starts during its last backward of a step, are `Network`'s; a stage's S waits for its
 all-reduce. The first S of a synchronised group on each GPU waits for all the group's GPUs
 (the synchronous schedules' flush) and for every all-reduce of its own stages. Each action
-kind (`KINDS`) has one handler to start it and one to finish it.
+kind (`KINDS`) has one handler to start it and one to finish it. A stage whose backward is
+split (a W in its list) runs B for bwd_s - wgrad_s (plus recompute) and W for wgrad_s, frees
+the micro-batch at W, and its weight gradients (so its all-reduce) come with its last W.
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ class EventLoop:
         self.m = micro_batches
         self.net = Network(plan)
         st = {s.id: s for s in plan.stages}
+        self.split = split = {a.stage for acts in lists.values() for a in acts if a.kind == "W"}
         self.gpu = {s: x.gpu for s, x in st.items()}
         self.fwd = {s: x.fwd_s for s, x in st.items()}
-        self.bwd = {s: x.bwd_s for s, x in st.items()}
+        self.bwd = {s: x.bwd_s - (x.wgrad_s if s in split else 0.0) for s, x in st.items()}
+        self.wgrad = {s: x.wgrad_s for s, x in st.items()}
         self.rec = {s: x.recompute_s for s, x in st.items()}
         # Seconds a stage's optimizer step takes on its GPU (0 today); the data-parallel
         # all-reduce before it is `ar_done`: when (stage, step)'s gradients are summed.
@@ -83,12 +87,15 @@ class EventLoop:
         self.step_end: dict[int, dict[int, float]] = {g: {} for g in lists}
         self.held = dict.fromkeys(st, 0)
         self.peak = dict.fromkeys(st, 0)
+        self.deferred = dict.fromkeys(st, 0)  # split stages: micro-batches between B and W
+        self.peak_deferred = dict.fromkeys(st, 0)
         self.timeline: list[Event] = []
         self.heap: list[tuple[float, int, int]] = []
         self.seq = 0
         # One handler per action kind: when it may start (None: not yet) and what it sets off.
-        self.start_of = {"F": self._start_f, "B": self._start_b, "S": self._start_s}
-        self.finish_of = {"F": self._finish_f, "B": self._finish_b, "S": self._finish_s}
+        kinds = {"F": "f", "B": "b", "W": "w", "S": "s"}
+        self.start_of = {k: getattr(self, f"_start_{x}") for k, x in kinds.items()}
+        self.finish_of = {k: getattr(self, f"_finish_{x}") for k, x in kinds.items()}
 
     def go(self) -> None:
         for g in self.lists:
@@ -130,6 +137,9 @@ class EventLoop:
             self.waiting[g] = ("B", s, m)
             return None
         return self.btime[s][m], self.bwd[s] + (self.rec[s] if a.recompute else 0.0)
+
+    def _start_w(self, g: int, a):
+        return 0.0, self.wgrad[a.stage]  # its B ran earlier on this GPU
 
     def _start_s(self, g: int, a):
         grp = self.group_of.get(a.stage)
@@ -178,12 +188,12 @@ class EventLoop:
     def _finish_b(self, g: int, a, start: float, t: float) -> None:
         s, m = a.stage, a.mb
         self.busy[g].append((start, t))
-        self.held[s] -= 1
-        key = (s, m // self.m)
-        self.b_done[key] = self.b_done.get(key, 0) + 1
-        if self.b_done[key] == self.m:  # the step's last backward: its gradients are complete
-            grads_from = start + (self.rec[s] if a.recompute else 0.0)
-            self.ar_done[key] = self.net.all_reduce(s, g, grads_from, t)
+        if s in self.split:
+            self.deferred[s] += 1
+            self.peak_deferred[s] = max(self.peak_deferred[s], self.deferred[s])
+        else:
+            self.held[s] -= 1
+            self._gradients_done(g, s, m, start + (self.rec[s] if a.recompute else 0.0), t)
         for idx, n, producer, nbytes, _ in self.grads[s]:
             counts = self.slot_count[idx]
             counts[m] += 1
@@ -197,6 +207,20 @@ class EventLoop:
                     self.need_b[producer],
                     ("B", producer, m),
                 )
+
+    def _finish_w(self, g: int, a, start: float, t: float) -> None:
+        self.busy[g].append((start, t))
+        self.held[a.stage] -= 1
+        self.deferred[a.stage] -= 1
+        self._gradients_done(g, a.stage, a.mb, start, t)
+
+    def _gradients_done(self, g: int, s: int, m: int, grads_from: float, t: float) -> None:
+        """A micro-batch's weight gradients are in (from `grads_from` to `t`); after the step's
+        last, the stage's all-reduce starts (overlapping that last pass)."""
+        key = (s, m // self.m)
+        self.b_done[key] = self.b_done.get(key, 0) + 1
+        if self.b_done[key] == self.m:
+            self.ar_done[key] = self.net.all_reduce(s, g, grads_from, t)
 
     def _finish_s(self, g: int, a, start: float, t: float) -> None:
         self.step_end[g][a.mb] = max(self.step_end[g].get(a.mb, 0.0), t)

@@ -6,7 +6,8 @@
 Each GPU runs the schedule's action list (the runtime's very lists, checked by the same
 `validate`; a CSV file of per-GPU actions works as well) strictly in order; an action
 starts when its GPU is free and its inputs have arrived. F takes the stage's fwd_s,
-B its bwd_s plus recompute_s when it recomputes (per the schedule, not the plan's flags).
+B its bwd_s plus recompute_s when it recomputes (per the schedule, not the plan's flags);
+a schedule that splits the backward runs B for bwd_s - wgrad_s and W for wgrad_s.
 A tensor crossing to another GPU goes once per destination GPU over that directed link,
 one tensor at a time, while compute goes on; a gradient goes back once per consumer GPU.
 A weight read by several stages is one such tensor, sent by its owner with every
@@ -98,7 +99,7 @@ def simulate(
         GpuResult(
             gpu=g,
             busy_fraction=busy[g],
-            peak_memory_bytes=plan.gpu_memory(g, in_flight),
+            peak_memory_bytes=plan.gpu_memory(g, in_flight, run.peak_deferred),
             memory_bytes=plan.memory_bytes,
             stages=tuple(s.id for s in plan.stages_on(g)),
             bytes_sent=round(run.sent.get(g, 0) / run_steps),

@@ -18,9 +18,9 @@ A new schedule is one file in this folder defining `SCHEDULE = Schedule(...)` (s
 from __future__ import annotations
 
 from ..errors import ScheduleError
-from . import ftpipe, gpipe, one_f_one_b, pipedream_2bw, wpipe
+from . import ftpipe, gpipe, interleaved, one_f_one_b, pipedream_2bw, wpipe, zb1p, zb2p, zbv
 from .actions import KINDS, Action, Kind
-from .base import FREE, Placement, Schedule, StageInfo, StagePolicy, looped, with_chunks
+from .base import FREE, V_SHAPE, Placement, Schedule, StageInfo, StagePolicy, looped, with_chunks
 from .from_csv import csv_schedule, listed_schedule, read_lists, write_lists
 from .merge import interleave
 from .periodic import Pattern
@@ -34,6 +34,10 @@ SCHEDULES: dict[str, Schedule] = {
     "ftpipe": ftpipe.SCHEDULE,
     "2bw": pipedream_2bw.SCHEDULE,
     "wpipe": wpipe.SCHEDULE,
+    "zb1p": zb1p.SCHEDULE,
+    "zb2p": zb2p.SCHEDULE,
+    "zbv": zbv.SCHEDULE,
+    "interleaved": interleaved.SCHEDULE,
 }
 
 __all__ = [
@@ -51,6 +55,7 @@ __all__ = [
     "StagePolicy",
     "Timeline",
     "Versions",
+    "V_SHAPE",
     "WeightPlan",
     "actions",
     "csv_schedule",

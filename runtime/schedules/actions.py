@@ -2,6 +2,7 @@
 
     Action.parse("3F2")     # stage 3 forwards micro-batch 2
     Action.parse("3R2")     # its backward, recomputing the forward first ("B" with recompute)
+    Action.parse("3W2")     # its weight gradients (when the schedule splits the backward)
     Action.parse("3S1")     # its optimizer step number 1
     Action.parse("3E4")     # its forward of evaluation batch 4 (no gradient, nothing kept)
     str(Action("B", 3, 2))  # "3B2"
@@ -10,8 +11,12 @@ A kind says which earlier actions an action of that kind waits for, as data: `ne
 (kind, relation) pairs, where the relation names the stages of the same micro-batch that
 must have run that kind first ("self", "producers": stages it receives from, "consumers":
 stages it sends to). The validator executes lists with these rules; the executor and the
-simulator each keep one handler per kind letter. A new kind (a weight-gradient action, say)
-is one more `Kind` here and one handler in each of them.
+simulator each keep one handler per kind letter. A new kind is one more `Kind` here and one
+handler in each of them.
+
+Zero-bubble schedules split a backward in two (`StagePolicy.split`): B computes the input
+gradients only (what upstream stages wait for) and W, later, the weight gradients. W is
+`optional`: a stage has one per micro-batch exactly when its schedule splits its backward.
 """
 
 from __future__ import annotations
@@ -30,11 +35,14 @@ class Kind:
     # False: not part of a training schedule (evaluation): `mb` numbers its own inputs, and
     # only the deadlock check applies to it; a schedule never makes one, the run adds them.
     trains: bool = True
+    optional: bool = False  # required only when the stage's schedule splits its backward
 
 
 KINDS: dict[str, Kind] = {
     "F": Kind("F", "forward", (("F", "producers"),), +1, True),
+    # A split B frees nothing: the graph its W needs stays until that W.
     "B": Kind("B", "backward", (("F", "self"), ("B", "consumers")), -1, True),
+    "W": Kind("W", "weight-gradient pass", (("B", "self"),), -1, True, optional=True),
     "S": Kind("S", "optimizer step", (), 0, False),
     # A forward of evaluation batch mb, nothing kept (`ftpipe_runtime.evaluate`); not timed
     # by the simulator, which plans training only.

@@ -55,6 +55,12 @@ class StagePolicy:
     in_flight: int  # most micro-batches whose inputs (or activations) the stage holds at once
     weight_versions: int = 1  # copies of its trainable weights held at once
     weight_delay: int | None = 0
+    # Zero-bubble: B computes the input gradients only, W (deferred) the weight gradients. The
+    # autograd graph lives from the forward (the recompute, when recomputing) until W, so a
+    # micro-batch is in flight until its W, and a recomputing stage holds the full activations
+    # of up to `deferred` micro-batches whose B ran and whose W has not.
+    split: bool = False
+    deferred: int = 0
 
     def version(self, mb: int, micro_batches: int) -> int | None:
         """Optimizer steps of this stage behind the weights micro-batch `mb` must use."""
@@ -111,10 +117,22 @@ def _mod(position: int, gpus: int) -> int:
     return position % gpus
 
 
+def _vee(position: int, gpus: int) -> int:
+    return position if position < gpus else 2 * gpus - 1 - position
+
+
+# Zero-bubble ZB-V (Qi et al. §6): 2P positions down and back up, so GPU i holds positions i
+# and 2P - 1 - i, and the loss stage shares GPU 0 with the first.
+V_SHAPE = Placement("in a V (position p on GPU p, then 2P - 1 - p on the way back)", 2, _vee)
+
+
+_RANK = {"B": 0, "F": 1, "W": 2}  # W last: it is what fills a GPU's idle time
+
+
 def backward_first(a: Action, st: StageInfo) -> tuple:
-    """Merge priority: backwards (they free memory and unblock upstream), then the oldest
-    micro-batch, then the lower stage."""
-    return (0 if a.kind == "B" else 1, a.mb, st.id)
+    """Merge priority: backwards (they free memory and unblock upstream), then forwards, then
+    weight-gradient passes; then the oldest micro-batch, then the lower stage."""
+    return (_RANK.get(a.kind, 1), a.mb, st.id)
 
 
 Stream = Callable[[StageInfo, StagePolicy, int, int], list[Action]]
@@ -139,6 +157,8 @@ class Schedule:
         default=None, repr=False, compare=False
     )
     micro_batches: int = 0  # the only micro-batch count it is written for (0: any)
+    # (micro-batches, gpus) -> why it cannot run them ("" when it can)
+    refuse: Callable[[int, int], str] | None = field(default=None, repr=False, compare=False)
     doc: str = ""
 
     def policy(self, stage: StageInfo, micro_batches: int, gpus: int) -> StagePolicy:
@@ -186,6 +206,9 @@ class Schedule:
                 f"{self.name} needs at least {need} micro-batches per step on {gpus} GPUs, "
                 f"not {micro_batches}; pass --micro-batches {need} or more"
             )
+        why = self.refuse(micro_batches, gpus) if self.refuse else ""
+        if why:
+            raise ScheduleError(why)
 
     def stage_actions(self, st: StageInfo, micro_batches: int, steps: int, gpus: int):
         """One stage's own actions (a schedule that orders whole GPU lists has none)."""
@@ -222,17 +245,33 @@ class Schedule:
 
 
 def one_f_one_b(
-    st: StageInfo, first: int, count: int, warmup: int, rec: bool, m: int
+    st: StageInfo, first: int, count: int, warmup: int, rec: bool, m: int, lag: int | None = None
 ) -> list[Action]:
     """`warmup` forwards, then one backward / one forward, then the remaining backwards;
-    an optimizer step after every m-th backward (micro-batches `first` .. `first + count`)."""
+    an optimizer step after every m-th backward (micro-batches `first` .. `first + count`,
+    `first` a multiple of m).
+
+    With `lag` (a split backward), W of micro-batch i comes right after B of i + lag (ZB-H1's
+    deferred weight passes), the W's still due at the end, and a step after its m-th W."""
     out = [Action("F", st.id, first + j) for j in range(min(warmup, count))]
+    closed = 0  # micro-batches whose gradients are in (B, or W when split)
+
+    def close(mb: int) -> None:
+        nonlocal closed
+        if lag is not None:
+            out.append(Action("W", st.id, mb))
+        closed += 1
+        if closed % m == 0:
+            out.append(Action("S", st.id, (first + closed - 1) // m))
+
     for i in range(count):
         out.append(Action("B", st.id, first + i, rec))
-        if (first + i + 1) % m == 0:
-            out.append(Action("S", st.id, (first + i) // m))
+        if i >= (lag or 0):
+            close(first + i - (lag or 0))
         if i + warmup < count:
             out.append(Action("F", st.id, first + i + warmup))
+    for i in range(max(count - (lag or 0), 0), count):
+        close(first + i)
     return out
 
 

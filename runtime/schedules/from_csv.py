@@ -6,7 +6,9 @@
 The file holds one optimizer step (micro-batches 0..M-1, steps numbered 0); it is repeated
 for every step, micro-batches and step numbers shifted. Cells may be empty; lines starting
 with # are comments. What the memory model needs is read from the lists: a stage recomputes
-if its backwards are written R, and holds as many micro-batches as its forwards run ahead.
+if its backwards are written R, splits its backward if it has W's (3B2 input gradients, 3W2
+weight gradients, later), and holds as many micro-batches as its forwards run ahead of its
+last backward action.
 The update is plain mini-batch SGD: one weight version, every stage steps together after
 the step's backwards (a flush), like gpipe and 1f1b. `validate` checks the lists against
 the plan before anything runs.
@@ -57,14 +59,24 @@ def listed_schedule(lists: dict[int, list[Action]], name: str = "listed") -> Sch
     """A schedule from one step's per-GPU lists (what a CSV file holds)."""
     acts = [a for row in lists.values() for a in row]
     m = 1 + max((a.mb for a in acts if a.spec.per_micro_batch), default=0)
+    split = {a.stage for a in acts if a.kind == "W"}
     recompute: dict[int, set[bool]] = {}
     held: dict[int, int] = {}
     peak: dict[int, int] = {}
+    waiting: dict[int, int] = {}
+    deferred: dict[int, int] = {}
     for a in acts:
+        s = a.stage
         if a.kind == "B":
-            recompute.setdefault(a.stage, set()).add(a.recompute)
-        held[a.stage] = held.get(a.stage, 0) + a.spec.holds
-        peak[a.stage] = max(peak.get(a.stage, 0), held[a.stage])
+            recompute.setdefault(s, set()).add(a.recompute)
+        if a.kind == "B" and s in split:  # its W frees the micro-batch
+            waiting[s] = waiting.get(s, 0) + 1
+            deferred[s] = max(deferred.get(s, 0), waiting[s])
+            continue
+        if a.kind == "W":
+            waiting[s] = waiting.get(s, 0) - 1
+        held[s] = held.get(s, 0) + a.spec.holds
+        peak[s] = max(peak.get(s, 0), held[s])
     mixed = [s for s, flags in recompute.items() if len(flags) > 1]
     if mixed:
         raise ScheduleError(
@@ -73,7 +85,12 @@ def listed_schedule(lists: dict[int, list[Action]], name: str = "listed") -> Sch
         )
 
     def policy(st: StageInfo, micro_batches: int, gpus: int) -> StagePolicy:
-        return StagePolicy(recompute=True in recompute.get(st.id, ()), in_flight=peak.get(st.id, 0))
+        return StagePolicy(
+            recompute=True in recompute.get(st.id, ()),
+            in_flight=peak.get(st.id, 0),
+            split=st.id in split,
+            deferred=deferred.get(st.id, 0),
+        )
 
     def given(stages, micro_batches: int, steps: int) -> dict[int, list[Action]]:
         return {

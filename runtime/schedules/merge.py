@@ -18,8 +18,9 @@ from ..errors import ScheduleError
 from .actions import Action
 from .base import StageInfo, backward_first
 
-# Idealised durations for ordering only: a backward costs about two forwards, recompute one more.
-_UNIT = {"F": 1, "B": 2, "S": 0}
+# Idealised durations for ordering only: a backward costs about two forwards, recompute one
+# more; split in two (zero-bubble), B and W one each.
+_UNIT = {"F": 1, "B": 2, "W": 1, "S": 0}
 
 
 def _reduced(deps: dict[int, set[int]]) -> dict[int, list[int]]:
@@ -40,9 +41,9 @@ def assumed_edges(stages: list[StageInfo]) -> tuple[dict[int, list[int]], dict[i
     return producers, consumers
 
 
-def duration(a: Action) -> int:
-    """Idealised duration of an action, for ordering only."""
-    return _UNIT[a.kind] + a.recompute
+def duration(a: Action, split: bool = False) -> int:
+    """Idealised duration of an action, for ordering only (`split`: its B is input-only)."""
+    return _UNIT[a.kind] - (split and a.kind == "B") + a.recompute
 
 
 def interleave(
@@ -68,12 +69,13 @@ def _merge(stages, per_stage, sync, priority) -> tuple[dict[int, list[Action]], 
     order with any durations always finds the globally first pending action runnable.
     """
     info = {s.id: s for s in stages}
+    split = {s for s, acts in per_stage.items() if any(a.kind == "W" for a in acts)}
     producers, consumers = assumed_edges(stages)
     on_gpu: dict[int, list[int]] = {}
     for s in stages:
         on_gpu.setdefault(s.gpu, []).append(s.id)
     group_of = {s: tuple(g) for g in sync for s in g}
-    end = {"F": {s: {} for s in info}, "B": {s: {} for s in info}}  # stage -> mb -> end time
+    end = {k: {s: {} for s in info} for k in "FBW"}  # kind -> stage -> mb -> end time
     pos = dict.fromkeys(info, 0)
     gpu_free = dict.fromkeys(on_gpu, 0)
     arrived: dict[tuple, set[int]] = {}  # (group, step) -> stages waiting at that step
@@ -85,6 +87,8 @@ def _merge(stages, per_stage, sync, priority) -> tuple[dict[int, list[Action]], 
         return per_stage[s][pos[s]] if pos[s] < len(per_stage[s]) else None
 
     def ready(s: int, a: Action) -> bool:
+        if a.kind == "W":
+            return end["B"][s].get(a.mb, t + 1) <= t
         if a.kind == "B" and end["F"][s].get(a.mb, t + 1) > t:
             return False
         done = end[a.kind]
@@ -113,7 +117,7 @@ def _merge(stages, per_stage, sync, priority) -> tuple[dict[int, list[Action]], 
             ]
             if todo:
                 _, s, a = min(todo)
-                gpu_free[g] = end[a.kind][s][a.mb] = t + duration(a)
+                gpu_free[g] = end[a.kind][s][a.mb] = t + duration(a, s in split)
                 keyed[g].append((t, 1, s, a.mb, s, a))
                 pos[s] += 1
                 left -= 1

@@ -3,9 +3,10 @@
     validate(lists, StageGraph.of(stages, consumers), schedule, micro_batches, steps)
 
 Refuses, naming the offending action: an action on a GPU that does not host its stage, a
-repeated or skipped micro-batch, a backward before its forward, a step that does not close
-exactly its own backwards, more micro-batches or weight versions held than the schedule's
-memory statement says, a later step started before a synchronous step, and lists that
+repeated or skipped micro-batch, a backward before its forward, a weight-gradient pass (W)
+where the schedule does not split the stage's backward or missing where it does, a W before
+its B, a step that does not close exactly its own backwards (its W's when split), more
+micro-batches or weight versions held than the schedule's memory statement says, a later step started before a synchronous step, and lists that
 cannot finish: executed in order, each action waiting for what its kind needs (`KINDS`)
 and a synchronous step for every GPU, some GPU would wait forever.
 """
@@ -58,7 +59,7 @@ def validate(
 ) -> None:
     m, stages = micro_batches, {s.id: s for s in graph.stages}
     policies = schedule.policies(list(graph.stages), m)
-    _check_members(lists, stages, m, steps)
+    _check_members(lists, stages, policies, m, steps)
     for g, acts in lists.items():
         _check_stage_order(g, acts, policies, m)
         plan = weight_plan(acts, policies, m, steps)
@@ -74,8 +75,9 @@ def validate(
     _check_progress(lists, graph, groups, m)
 
 
-def _check_members(lists, stages: dict[int, StageInfo], m: int, steps: int) -> None:
-    """Every action on its stage's GPU, each once; nothing missing, nothing out of range."""
+def _check_members(lists, stages: dict[int, StageInfo], policies, m: int, steps: int) -> None:
+    """Every action on its stage's GPU, each once; nothing missing, nothing out of range; a
+    W exactly for the stages whose backward the schedule splits."""
     seen: set[tuple[str, int, int]] = set()
     for g, acts in lists.items():
         for a in acts:
@@ -87,6 +89,11 @@ def _check_members(lists, stages: dict[int, StageInfo], m: int, steps: int) -> N
                 )
             if not a.spec.trains:  # evaluation: numbered apart, checked for progress only
                 continue
+            if a.spec.optional and not policies[a.stage].split:
+                raise ScheduleError(
+                    f"{a} on GPU {g}: the schedule does not split stage {a.stage}'s backward "
+                    f"into B and W, so it has no {a.spec.meaning}"
+                )
             top = m * steps if a.spec.per_micro_batch else steps
             if not 0 <= a.mb < top:
                 what = "micro-batches" if a.spec.per_micro_batch else "steps"
@@ -97,6 +104,8 @@ def _check_members(lists, stages: dict[int, StageInfo], m: int, steps: int) -> N
             seen.add(key)
     for s in sorted(stages):
         for kind in (k for k in KINDS.values() if k.trains):
+            if kind.optional and not policies[s].split:
+                continue
             top = m * steps if kind.per_micro_batch else steps
             for mb in range(top):
                 if (kind.letter, s, mb) not in seen:
@@ -108,12 +117,15 @@ def _check_members(lists, stages: dict[int, StageInfo], m: int, steps: int) -> N
 
 
 def _check_stage_order(g: int, acts: list[Action], policies: dict[int, StagePolicy], m: int):
-    """Per stage: forward before backward, a step after exactly its own backwards, the
-    recompute flag and the micro-batches held as the schedule's policy states."""
+    """Per stage: forward before backward before W, a step after exactly its own backwards
+    (W's when split), the recompute flag and the micro-batches held (until W when split, and
+    between B and W) as the schedule's policy states."""
     forward_at: dict[tuple[int, int], int] = {}
+    backward_done: set[tuple[int, int]] = set()
     steps: dict[int, int] = {}
     backwards: dict[int, list[int]] = {}  # stage -> micro-batches since its last step
     held: dict[int, int] = {}
+    waiting: dict[int, int] = {}  # stage -> micro-batches whose B ran and W has not
     for i, a in enumerate(acts):
         s, pol = a.stage, policies[a.stage]
         if a.kind == "F":
@@ -142,6 +154,23 @@ def _check_stage_order(g: int, acts: list[Action], policies: dict[int, StagePoli
                         f"stage {s} steps between {s}F{a.mb} and {a} without recomputing on "
                         f"GPU {g}; the activations it kept would be stale"
                     )
+            if pol.split:
+                backward_done.add((s, a.mb))
+                waiting[s] = waiting.get(s, 0) + 1
+                if pol.recompute and waiting[s] > pol.deferred:
+                    raise ScheduleError(
+                        f"{a} on GPU {g}: stage {s} would keep the activations of "
+                        f"{waiting[s]} micro-batches until their W, the schedule's memory "
+                        f"model allows {pol.deferred}"
+                    )
+                continue
+            held[s] -= 1
+            backwards.setdefault(s, []).append(a.mb)
+        elif a.kind == "W":
+            if (s, a.mb) not in backward_done:
+                raise ScheduleError(f"{a} comes before {s}B{a.mb} on GPU {g}")
+            backward_done.discard((s, a.mb))
+            waiting[s] -= 1
             held[s] -= 1
             backwards.setdefault(s, []).append(a.mb)
         elif a.kind == "S":

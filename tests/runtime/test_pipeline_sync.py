@@ -1,4 +1,10 @@
-"""The synchronous schedules train exactly like the unpartitioned model, step after step."""
+"""The synchronous schedules train exactly like the unpartitioned model, step after step.
+
+Zero-bubble ones split each backward into B and W (zb1p on any placement, zbv in its V:
+the toy's "folded" layout; zb2p steps each stage on its own, no flush, so its gradients are
+clipped per stage: compared without clipping); interleaved runs the toy's loop of two
+chunks per rank.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +28,10 @@ STEPS = 3
         ("gpipe", "two-ranks", "adamw", 1.0),
         ("1f1b", "three-ranks", "sgd", 0.5),
         ("csv", "two-ranks", "adamw", 1.0),
+        ("zb1p", "three-ranks", "adamw", 1.0),
+        ("zbv", "folded", "adamw", 1.0),
+        ("interleaved", "two-ranks", "sgd", 0.5),
+        ("zb2p", "two-ranks", "adamw", 0.0),
     ],
 )
 def test_sync_schedule_matches_plain_training(

@@ -83,6 +83,8 @@ def execute(lists, stages, edges, groups):
                 ok = ("F", a.stage, a.mb) in done and all(
                     ("B", c, a.mb) in done for c in edges[a.stage]
                 )
+            elif a.kind == "W":
+                ok = ("B", a.stage, a.mb) in done
             else:
                 group = group_of.get(a.stage, (a.stage,))
                 hosts = {gpu_of[s] for s in group}
@@ -118,6 +120,7 @@ def test_action_strings_round_trip():
         Action("B", 3, 2),
         Action("B", 3, 2, True),
         Action("S", 3, 1),
+        Action("W", 3, 2),
         Action("F", 12, 105),
     ]:
         assert Action.parse(str(a)) == a
@@ -127,7 +130,7 @@ def test_action_strings_round_trip():
     ] == ["3F2", "3B2", "3R2", "3S1"]
     assert {Action.parse(f"1{k}0").kind for k in KINDS} == set(KINDS)
     with pytest.raises(
-        ValueError, match="not an action: '3X2'; write e.g. 3F2, 3B2, 3S2, 3E2, 3R2"
+        ValueError, match="not an action: '3X2'; write e.g. 3F2, 3B2, 3W2, 3S2, 3E2, 3R2"
     ):
         Action.parse("3X2")
     with pytest.raises(ValueError):
@@ -148,29 +151,37 @@ def test_every_stage_runs_each_micro_batch_once(name, m, steps):
     policies = sched.policies(stages, m)
     for st in stages:
         seq = [a for a in lists[st.gpu] if a.stage == st.id]
+        split = policies[st.id].split
         assert sorted(a.mb for a in seq if a.kind == "F") == list(range(m * steps))
         assert sorted(a.mb for a in seq if a.kind == "B") == list(range(m * steps))
+        # A weight pass per micro-batch exactly when the schedule splits the backward.
+        assert sorted(a.mb for a in seq if a.kind == "W") == list(range(m * steps) if split else [])
         assert all(a.recompute == policies[st.id].recompute for a in seq if a.kind == "B")
-        # S after every M backwards of the stage, and nowhere else.
+        # S after every M backwards (W's when split) of the stage, and nowhere else.
+        closing = "W" if split else "B"
         backwards = 0
         for i, a in enumerate(seq):
-            if a.kind == "B":
+            if a.kind == closing:
                 backwards += 1
             elif a.kind == "S":
-                assert backwards == m * (a.mb + 1) and seq[i - 1].kind == "B"
+                assert backwards == m * (a.mb + 1) and seq[i - 1].kind == closing
         assert [a.mb for a in seq if a.kind == "S"] == list(range(steps))
         where = {(a.kind, a.mb): i for i, a in enumerate(seq)}
         assert all(where["F", mb] < where["B", mb] for mb in range(m * steps))
+        assert all(where["B", mb] < where["W", mb] for mb in range(m * steps) if split)
     validate(lists, StageGraph.assumed(stages), sched, m, steps)
 
 
 def held(seq):
-    """Most micro-batches a stage holds between its F and its B."""
-    n = peak = 0
+    """Most micro-batches a stage holds between its F and its B (its W when split), and most
+    between its B and its W."""
+    split = any(a.kind == "W" for a in seq)
+    n = peak = wait = most = 0
     for a in seq:
-        n += (a.kind == "F") - (a.kind == "B")
-        peak = max(peak, n)
-    return peak
+        n += (a.kind == "F") - (a.kind == ("W" if split else "B"))
+        wait += (a.kind == "B" and split) - (a.kind == "W")
+        peak, most = max(peak, n), max(most, wait)
+    return peak, most
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))
@@ -181,7 +192,8 @@ def test_held_micro_batches_match_the_stated_policy(name):
     policies = get_schedule(name).policies(stages, m)
     for st in stages:
         seq = [a for a in lists[st.gpu] if a.stage == st.id]
-        assert held(seq) == policies[st.id].in_flight
+        pol = policies[st.id]
+        assert held(seq) == (pol.in_flight, pol.deferred if pol.split else 0), st
 
 
 def test_in_flight_and_versions_by_schedule():
@@ -381,7 +393,7 @@ def test_random_multi_stage_layouts_never_deadlock(seed, layout):
         validate(lists, graph, sched, m, steps)
         # Interleaving keeps each stage's own order: the per-stage lists are unchanged.
         gpus = max(s.gpu for s in stages) + 1
-        for st in stages:
+        for st in stages if sched.stream else ():
             assert ran[st.id] == sched.stage_actions(st, m, steps, gpus)
 
 
