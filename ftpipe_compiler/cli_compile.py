@@ -1,12 +1,14 @@
-"""`ftpipe compile`: trace, profile, partition (all methods), simulate each, generate the winner.
+"""`ftpipe compile`: trace, profile, plan under every partitioner x schedule, simulate each,
+generate the winner (the search: `plan_search.best_plan`).
 
-ftpipe compile --model t5-3b --gpus 8 -o out/t5-3b
+ftpipe compile --model t5-3b --gpus 8 -o out/t5-3b                 # --schedule auto
+ftpipe compile --model t5-3b --gpus 8 --schedule sync              # plain mini-batch SGD only
+ftpipe compile --model t5-3b --gpus 8 --schedule 1f1b,zb1p,zbv
 # out/t5-3b/{plan.json, report.html, t5_3b_pipeline/}
 """
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from pathlib import Path
@@ -21,10 +23,19 @@ from .cli_commands import model_options
 from .cli_plan import cluster_of, describe_shapes, plan_on_cluster
 from .codegen import generate_package
 from .cost_model import describe
+from .errors import FtpipeError
 from .output import check_writable, output_folder
-from .partition import PARTITIONERS, pick_best, problem_from_graph, run_partitioners
+from .partition import PARTITIONERS, problem_from_graph
+from .plan_search import GROUPS, best_plan, schedule_names
 from .profiling import costed_graph
-from .simulate import simulate, write_report
+from .simulate import write_report
+
+
+def _schedules(ctx, param, value: str) -> list[str]:
+    try:
+        return schedule_names(value)
+    except FtpipeError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 @cli.command("compile")
@@ -34,10 +45,19 @@ from .simulate import simulate, write_report
 )
 @click.option(
     "--schedule",
-    type=click.Choice(sorted(SCHEDULES)),
-    default="ftpipe",
+    default="auto",
     show_default=True,
-    help=f"Pipeline schedule to plan for: {', '.join(SCHEDULES)}.",
+    callback=_schedules,
+    help=f"Schedules to plan for, the fastest simulated wins: {GROUPS['auto']} (auto), "
+    f"{GROUPS['sync']} (sync), or a comma-separated list of {', '.join(SCHEDULES)}.",
+)
+@click.option(
+    "--search-width",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Schedules (fastest by the quick partitioners' plans) under which the slower "
+    "partitioners (mixed, acyclic, metis) also run.",
 )
 @click.option(
     "--partitioners",
@@ -101,6 +121,7 @@ def compile_command(
     profiler,
     gpus,
     schedule,
+    search_width,
     partitioners,
     optimizer,
     micro_batches,
@@ -187,40 +208,25 @@ def compile_command(
         hint = launch_hint(plan.to_json())
         click.echo(f"run it on every node: cd {out} && torchrun {hint} -m {pkg.name}")
         return
-    phases.set_postfix_str("partition")
+    phases.set_postfix_str("partition x schedule, simulated")
     problem = problem_from_graph(
         graph,
         gpus,
         hardware,
-        schedule,
+        "1f1b",  # any free-placement schedule: best_plan sets each cell's own
         optimizer or t.optimizer,
         micro_batches or t.micro_batches,
         seed,
     )
     t0 = time.perf_counter()
-    results = run_partitioners(problem, _names(partitioners))
-    timings["partition_s"] = time.perf_counter() - t0
-    phases.update()
-    phases.set_postfix_str("simulate")
-    t0 = time.perf_counter()
-    sims = {r.partitioner: simulate(r.plan, steps=steps) for r in results if r.feasible}
-    timings["simulate_s"] = time.perf_counter() - t0
-
-    def sim_score(plan):
-        sim = sims[plan.partitioner]
-        return sim.step_time_s if sim.fits else math.inf
-
-    best = pick_best(results, score=sim_score)
-    rows = []
-    for r in results:
-        row = r.to_json()
-        sim = sims.get(r.partitioner)
-        row["simulated_step_time_s"] = sim.step_time_s if sim else None
-        row["simulated_samples_per_s"] = sim.samples_per_s if sim else None
-        rows.append(row)
-    winner_sim = sims[best.partitioner]
+    best, matrix = best_plan(
+        problem, schedule, _names(partitioners), steps=steps, width=search_width
+    )
+    timings["search_s"] = time.perf_counter() - t0
+    phases.update(2)
+    rows = [c.to_json() for c in matrix]
+    winner_sim = best.sim
     plan = best.plan.with_(competitors=tuple(rows), simulated=winner_sim.summary(), command=command)
-    phases.update()
     pkg = _generate(out, force, phases, timings, traced, graph, plan, winner_sim, spec, command)
     phases.close()
     package = out / pkg.name
@@ -228,9 +234,10 @@ def compile_command(
     if as_json:
         echo_json(
             {
-                "lower_bound_s": problem.lower_bound(),
+                "lower_bound_s": best.bound_s / problem.micro_batches,
                 "winner": best.partitioner,
                 "precision": problem.precision.name,
+                "schedule": best.schedule,
                 "gpus": plan.gpus,
                 "results": rows,
                 "package": str(package),
@@ -242,23 +249,15 @@ def compile_command(
         return
     click.echo(
         f"{spec.name}: {len(graph.nodes):,} nodes, {graph.num_parameters:,} parameters, "
-        f"{gpus} x {problem.hardware.name}, schedule {schedule}, {problem.optimizer}, "
+        f"{gpus} x {problem.hardware.name}, {problem.optimizer}, "
         f"{problem.micro_batches} micro-batches of {graph.meta.get('micro_batch')}"
     )
     click.echo(describe(problem.precision, problem.hardware))
-    from .cli_partition import table  # a sibling command module: imported late, no cycle
-
-    click.echo(table(results, problem.lower_bound()))
-    click.echo("simulated (steady state):")
-    for r in rows:
-        if r["simulated_step_time_s"] is not None:
-            click.echo(
-                f"  {r['partitioner']:<11} {r['simulated_step_time_s']:8.3f} s/step  "
-                f"{r['simulated_samples_per_s']:8.2f} samples/s"
-            )
+    click.echo(matrix_table(rows))
     click.echo(
-        f"winner: {best.partitioner} ({len(plan.stages)} stages, {winner_sim.samples_per_s:.2f} "
-        f"samples/s simulated, bubble {winner_sim.bubble_fraction:.1%})"
+        f"winner: {best.partitioner} under {best.schedule} ({len(plan.stages)} stages, "
+        f"{winner_sim.samples_per_s:.2f} samples/s simulated, bubble "
+        f"{winner_sim.bubble_fraction:.1%})"
     )
     click.echo(
         f"wrote {out}/plan.json, {out}/report.html and the package {package} "
@@ -287,3 +286,31 @@ def _generate(out, force, phases, timings, traced, graph, plan, sim, spec, comma
     timings["generate_s"] = time.perf_counter() - t0
     phases.update()
     return pkg
+
+
+def matrix_table(rows: list[dict]) -> str:
+    """The partitioner x schedule cells that gave a plan, with simulated figures; the others
+    (and why) are in the report and --json."""
+    head = (
+        f"{'schedule':<12} {'update':<6} {'partitioner':<11} {'s/step':>9} {'samples/s':>10} "
+        f"{'bubble':>6} {'max GiB':>7} {'search s':>8}  fits"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if r["simulated_step_time_s"] is None:
+            continue
+        lines.append(
+            f"{r['schedule']:<12} {r['update']:<6} {r['partitioner']:<11} "
+            f"{r['simulated_step_time_s']:>9.4g} {r['simulated_samples_per_s']:>10.2f} "
+            f"{r['bubble_fraction']:>6.1%} {r['max_memory_bytes'] / 2**30:>7.2f} "
+            f"{r['search_seconds']:>8.2f}  "
+            + ("yes" if r["status"] == "ok" else f"no: {r['note']}")
+        )
+    others = [r for r in rows if r["simulated_step_time_s"] is None]
+    if others:
+        counts = {}
+        for r in others:
+            counts[r["status"]] = counts.get(r["status"], 0) + 1
+        what = ", ".join(f"{n} {k}" for k, n in counts.items())
+        lines.append(f"{len(others)} more cells without a plan ({what}): see report.html")
+    return "\n".join(lines)

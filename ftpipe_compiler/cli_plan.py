@@ -51,7 +51,7 @@ def plan_on_cluster(first, cluster: Cluster, cost_args: dict, options: dict) -> 
     space = Space(
         batch=t.batch,
         micro_batch_sizes=(t.micro_batch,),
-        schedules=(options["schedule"],),
+        schedules=tuple(options["schedule"]),
         recompute=(True, False),
         replicas=options["replicas"],
         micro_batches=options["micro_batches"],

@@ -81,7 +81,8 @@ PART = ["partition", "graph.json", "--gpus", "2"]
 PROF = ["profile", "--model", "gpt2-tiny"]
 # (case, files to write first, argv, exit code, what the one sentence says)
 CASES = [
-    ("compile: unknown schedule", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "2", "--schedule", "zigzag"], 2, "Invalid value for '--schedule': 'zigzag' is not one of"),
+    ("compile: unknown schedule", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "2", "--schedule", "zigzag"], 2, "Invalid value for '--schedule': unknown schedule 'zigzag'; choose from 1f1b, 2bw, auto, ftpipe, gpipe, interleaved, sync, wpipe, zb1p, zb2p, zbv"),
+    ("compile: no schedule", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "2", "--schedule", ","], 2, "Invalid value for '--schedule': no schedule named; give auto, sync or a list such as 1f1b,zb1p"),
     ("partition: unknown schedule", _nothing, [*PART, "--schedule", "zigzag"], 2, "Invalid value for '--schedule': 'zigzag' is not one of"),
     ("partition: unknown partitioner", _nothing, [*PART, "-p", "mixed,nope"], 1, "unknown partitioner 'nope'; choose from"),
     ("partition: --gpus 0", _nothing, ["partition", "graph.json", "--gpus", "0"], 2, "'--gpus' / '-g': 0 is not in the range x>=1"),

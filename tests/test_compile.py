@@ -5,13 +5,30 @@ from click.testing import CliRunner
 
 from ftpipe_compiler.cli import cli
 from ftpipe_compiler.codegen import check_package
+from ftpipe_compiler.partition import PARTITIONERS
 from ftpipe_compiler.partition.plan import Plan
+from ftpipe_compiler.plan_search import schedule_names
+
+SCHEDULES = tuple(schedule_names("auto"))
+SYNC = tuple(schedule_names("sync"))
 
 
 def test_compile_writes_plan_report_and_package(tmp_path):
     out = tmp_path / "out"
     r = CliRunner().invoke(
-        cli, ["compile", "--model", "t5-tiny", "--gpus", "2", "-o", str(out), "--json"]
+        cli,
+        [
+            "compile",
+            "--model",
+            "t5-tiny",
+            "--gpus",
+            "2",
+            "--schedule",
+            "ftpipe",
+            "-o",
+            str(out),
+            "--json",
+        ],
     )
     assert r.exit_code == 0, r.output
     data = json.loads(r.output[r.output.index("{") :])
@@ -24,19 +41,46 @@ def test_compile_writes_plan_report_and_package(tmp_path):
         "gpipe",
         "params",
     }
-    # The winner is the fastest plan by simulation among the feasible ones.
-    feasible = [row for row in data["results"] if row["feasible"]]
+    # The winner is the fastest plan by simulation among those that fit.
+    feasible = [row for row in data["results"] if row["status"] == "ok"]
     fastest = min(row["simulated_step_time_s"] for row in feasible)
     winner = next(row for row in data["results"] if row["partitioner"] == data["winner"])
     assert winner["simulated_step_time_s"] == fastest
     plan = Plan.load(out / "plan.json")
     assert plan.partitioner == data["winner"] and len(plan.competitors) == 6
+    assert plan.schedule == data["schedule"] == "ftpipe"
     assert plan.simulated["step_time_s"] == data["simulated"]["step_time_s"]
     assert "ftpipe compile --model t5-tiny" in plan.command
     assert (out / "report.html").read_text().count("<svg") >= 1
     pkg = out / "t5_tiny_pipeline"
     assert (pkg / "stages.py").exists() and (pkg / "__main__.py").exists()
     assert "ftpipe compile --model t5-tiny" in (pkg / "stages.py").read_text()[:500]
+
+
+@pytest.mark.parametrize(
+    ("spec", "expect"), [("auto", SCHEDULES), ("sync", SYNC), ("1f1b,zb1p", ("1f1b", "zb1p"))]
+)
+def test_compile_picks_partition_and_schedule_together(tmp_path, spec, expect):
+    out = tmp_path / "out"
+    argv = ["compile", "-m", "gpt2-tiny", "--gpus", "2", "-o", str(out), "--json"]
+    r = CliRunner().invoke(cli, argv if spec == "auto" else [*argv, "--schedule", spec])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output[r.output.index("{") :])
+    rows = data["results"]
+    # Every (schedule, partitioner) cell is in the matrix, with figures or a reason.
+    assert [(row["schedule"], row["partitioner"]) for row in rows] == [
+        (s, p) for s in expect for p in PARTITIONERS
+    ]
+    assert all(row["note"] for row in rows if row["status"] != "ok")
+    ok = [row for row in rows if row["status"] == "ok"]
+    assert {row["schedule"] for row in ok} == set(expect)  # every schedule has a plan here
+    fastest = min(ok, key=lambda row: row["simulated_step_time_s"])
+    assert (data["schedule"], data["winner"]) == (fastest["schedule"], fastest["partitioner"])
+    plan = Plan.load(out / "plan.json")
+    assert (plan.schedule, plan.partitioner) == (data["schedule"], data["winner"])
+    assert len(plan.competitors) == len(rows)
+    report = (out / "report.html").read_text()
+    assert "partitioner × schedule" in report and report.count("<tr>") > len(rows)
 
 
 def test_compile_refuses_to_overwrite_without_force(tmp_path):

@@ -166,6 +166,7 @@ def bench_compile(model="t5-3b", gpus=8) -> dict:
         "gpus": gpus,
         "timings": data["timings"],
         "winner": data["winner"],
+        "schedule": data["schedule"],
         "figures": figures,
     }
 
@@ -195,16 +196,17 @@ def compile_markdown(data: dict) -> str:
         [
             f"## 2. Compile time: `ftpipe compile --model {data['model']} --gpus {data['gpus']}`",
             "",
-            "| trace + profile | partition (6 methods) | simulate (6 plans) | generate | total |",
-            "|---:|---:|---:|---:|---:|",
-            f"| {t['trace_profile_s']:.1f} s | {t['partition_s']:.1f} s | {t['simulate_s']:.1f} s | "
+            "| trace + profile | partitioner x schedule, simulated (`--schedule auto`) | generate "
+            "| total |",
+            "|---:|---:|---:|---:|",
+            f"| {t['trace_profile_s']:.1f} s | {t['search_s']:.1f} s | "
             f"{t['generate_s']:.1f} s | {t['total_s']:.1f} s |",
             "",
             "Figures of the winning plan (from its report.html): "
             + ", ".join(f"[{Path(f).name}]({f})" for f in data.get("figures", []))
             + ".",
             "",
-            f"Winner: {data['winner']}. Measured on this machine ({platform.processor() or platform.machine()}, "
+            f"Winner: {data['winner']} under {data['schedule']}. Measured on this machine ({platform.processor() or platform.machine()}, "
             f"{torch.get_num_threads()} threads).",
             "",
         ]

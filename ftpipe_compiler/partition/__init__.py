@@ -39,6 +39,7 @@ __all__ = [
     "get_partitioner",
     "pick_best",
     "problem_from_graph",
+    "run_partitioner",
     "run_partitioners",
 ]
 
@@ -114,7 +115,7 @@ class Result:
         return d
 
 
-def run(problem: Problem, name: str) -> Result:
+def run_partitioner(problem: Problem, name: str) -> Result:
     """One partitioner; an infeasible problem or a plan that fails its checks is a Result.
 
     A plan that leaves GPUs without a stage (more GPUs than the model has useful cuts) is
@@ -150,7 +151,7 @@ def run_partitioners(problem: Problem, names=None, progress: bool = True) -> lis
     bar = tqdm(names, desc="partitioning", file=sys.stderr, disable=not progress, leave=False)
     for n in bar:
         bar.set_postfix_str(n)
-        out.append(run(problem, n))
+        out.append(run_partitioner(problem, n))
     return out
 
 

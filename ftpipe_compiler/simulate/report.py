@@ -40,7 +40,8 @@ def _ticks(span: float, target: int = 10) -> list[float]:
 
 def timeline(plan: Plan, result: SimResult) -> dict:
     """Rows are GPUs; a box per action, coloured by stage: F solid, B hatched, R (recompute
-    then backward) dark and hatched; a black tick where a stage takes an optimizer step."""
+    then backward) dark and hatched, W (a split backward's weight gradients) pale; a black
+    tick where a stage takes an optimizer step."""
     span = max((e.end for e in result.timeline), default=0.0) or 1.0
     scale = PLOT_W / span
     boxes, marks = [], []
@@ -61,8 +62,14 @@ def timeline(plan: Plan, result: SimResult) -> dict:
             "F": stage_colour(e.stage),
             "B": f"url(#hatch{e.stage})",
             "R": f"url(#dark{e.stage})",
+            "W": stage_colour(e.stage, "light"),
         }[e.kind]
-        what = {"F": "forward", "B": "backward", "R": "recompute + backward"}[e.kind]
+        what = {
+            "F": "forward",
+            "B": "backward",
+            "R": "recompute + backward",
+            "W": "weight gradients",
+        }[e.kind]
         boxes.append(
             {
                 "x": round(x, 2),

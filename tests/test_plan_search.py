@@ -1,0 +1,82 @@
+"""The partition and the schedule chosen together: the search against an exhaustive one."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from ftpipe_compiler.errors import FtpipeError
+from ftpipe_compiler.partition import PARTITIONERS, problem_from_graph
+from ftpipe_compiler.plan_search import CHEAP, _evaluate, best_plan, schedule_names, update_rule
+
+
+@pytest.fixture(scope="module")
+def problem(tiny_t5_costed):
+    return problem_from_graph(tiny_t5_costed, 3, "rtx2080ti", "1f1b", "adamw", 6)
+
+
+def test_schedule_groups():
+    assert schedule_names("sync") == ["gpipe", "1f1b", "zb1p", "zb2p", "zbv", "interleaved"]
+    assert set(schedule_names("auto")) - set(schedule_names("sync")) == {"ftpipe", "2bw", "wpipe"}
+    assert {update_rule(n) for n in ("ftpipe", "2bw", "wpipe")} == {"stale"}
+    assert schedule_names(" zb1p, 1f1b") == ["zb1p", "1f1b"]
+    with pytest.raises(FtpipeError, match="unknown schedule 'zigzag'; choose from 1f1b, 2bw, auto"):
+        schedule_names("1f1b,zigzag")
+
+
+def test_the_winner_is_the_exhaustive_optimum(problem):
+    """Every partitioner under every schedule, nothing skipped: the search's winner (pruned
+    by the lower bound only) simulates as fast as the best of all cells."""
+    schedules = schedule_names("auto")
+    winner, matrix = best_plan(problem, schedules, width=len(schedules), progress=False)
+    every = {}
+    for s in schedules:
+        cell = next(c for c in matrix if c.schedule == s)
+        sub = replace(problem, schedule=s)
+        for p in PARTITIONERS:
+            every[(s, p)] = _evaluate(sub, p, cell.bound_s, 20).step_s
+    assert winner.step_s == min(every.values())
+    for c in matrix:
+        if c.status == "ok":
+            assert c.step_s == every[(c.schedule, c.partitioner)]
+        elif c.status == "pruned":
+            # Skipped only because even its bound could not beat the winner.
+            assert (
+                c.bound_s >= winner.step_s
+                and every[(c.schedule, c.partitioner)] >= winner.step_s * 0.99
+            )
+        else:
+            assert c.status != "not searched" and every[(c.schedule, c.partitioner)] == math.inf
+    assert winner.plan.schedule == winner.schedule and winner.sim.fits
+
+
+def test_the_slow_partitioners_run_under_the_fastest_schedules_only(problem):
+    schedules = ["gpipe", "1f1b", "zb1p", "interleaved"]
+    winner, matrix = best_plan(problem, schedules, width=1, progress=False)
+    cells = {(c.schedule, c.partitioner): c for c in matrix}
+    quick = {
+        s: min(cells[(s, p)].step_s for p in CHEAP)
+        for s in schedules
+        if s != "interleaved"  # a loop: only the chain partitioners can cut it
+    }
+    top = min(quick, key=quick.get)
+    for (s, p), c in cells.items():
+        if p in CHEAP or s == "interleaved":
+            assert c.status != "not searched"
+        elif s == top:
+            assert c.status in {"ok", "pruned", "infeasible", "does not fit"}
+        else:
+            assert c.status == "not searched" and f"({quick[s]:.4g} s)" in c.note
+    assert winner.step_s == min(c.step_s for c in matrix)
+    # Deterministic: the same problem gives the same matrix.
+    again = best_plan(problem, schedules, width=1, progress=False)[1]
+    strip = lambda c: {k: v for k, v in c.to_json().items() if k != "search_seconds"}  # noqa: E731
+    assert [strip(c) for c in again] == [strip(c) for c in matrix]
+
+
+def test_nothing_fits(problem):
+    tiny = replace(problem, memory_bytes=1000)
+    with pytest.raises(FtpipeError, match="no schedule and partitioner give a plan that fits"):
+        best_plan(tiny, ["1f1b", "zb1p"], progress=False)
