@@ -3,7 +3,8 @@
 Plans are Mixed-style: GPT-2 in 3 stages on 2 ranks (stages 0 and 2 on rank 0, a mask sent
 from stage 0 to stage 2, the tied embedding handed from stage 0 to the LM head of stage 2 on
 the same rank); T5 in 4 stages (the encoder output goes from stage 1 to stages 2 and 3 on
-both ranks, the shared embedding goes from stage 0 to readers on both ranks).
+both ranks, the shared embedding goes from stage 0 to readers on both ranks); Llama in 4
+stages in a V (ranks 0, 1, 1, 0), ZB-V's placement.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from ftpipe_compiler.partition.problem import Problem  # noqa: E402
 from ftpipe_compiler.profiling import costed_graph  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
-STAGES_OF = {"gpt2-tiny": 3, "t5-tiny": 4}
+STAGES_OF = {"gpt2-tiny": 3, "t5-tiny": 4, "llama-tiny": 4}
+GPU_OF = {"gpt2-tiny": (0, 1, 0), "t5-tiny": (0, 1, 0, 1), "llama-tiny": (0, 1, 1, 0)}
 
 
 @functools.cache
@@ -45,7 +47,7 @@ def packages(tmp_path_factory):
         n = len(graph.nodes)
         stage_of = {node.id: i * k // n for i, node in enumerate(graph.nodes)}
         problem = Problem(graph, gpus=2, hardware=get_hardware("rtx2080ti"), memory_bytes=2**50)
-        plan = build_plan(problem, stage_of, {s: s % 2 for s in range(k)}, "test")
+        plan = build_plan(problem, stage_of, dict(enumerate(GPU_OF[model])), "test")
         folder = tmp_path_factory.mktemp(model)
         pkg = generate_package(traced, graph, plan, spec, folder, command="pytest")
         init = folder / "init.pt"
@@ -81,7 +83,7 @@ def _train_hf(model, plan, steps, optimizer, lr, clip):
             group["lr"] = lr_at(k, lr, steps)
         opt.step()
         opt.zero_grad()
-    return losses, hf.state_dict()
+    return losses, {**dict(hf.named_buffers()), **hf.state_dict()}  # Llama's rotary buffer too
 
 
 def _adam_noisy(model, plan) -> dict[str, torch.Tensor]:
@@ -105,7 +107,16 @@ def _assert_params_close(got, want, noisy, lr, name):
     )
 
 
-@pytest.mark.parametrize(("model", "schedule"), [("gpt2-tiny", "gpipe"), ("t5-tiny", "1f1b")])
+@pytest.mark.parametrize(
+    ("model", "schedule"),
+    [
+        ("gpt2-tiny", "gpipe"),
+        ("t5-tiny", "1f1b"),
+        ("gpt2-tiny", "zb1p"),
+        ("t5-tiny", "interleaved"),
+        ("llama-tiny", "zbv"),
+    ],
+)
 def test_sync_package_matches_the_model(run_pipeline, packages, tmp_path, model, schedule):
     steps, lr = 3, 0.01
     log, params = _launch(
