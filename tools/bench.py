@@ -6,6 +6,8 @@
 Sections:
   plans     every partitioner on the paper's models and hardware, simulated (analytic costs)
   schedules gpipe, 1f1b, 2bw, wpipe and ftpipe side by side on T5-3B and BERT-large
+  zero_bubble  zb1p, zbv, interleaved (and gpipe, 1f1b) vs torch.distributed.pipelining's
+            same-named schedules on 2 CPU ranks; partition x schedule vs 1F1B, simulated
   compile   trace / profile / partition / simulate / codegen seconds for T5-3B
   runtime   the generated package vs torch.distributed.pipelining, an even split, one process
   fidelity  simulated vs measured step time of generated packages on CPU (measured profile)
@@ -32,6 +34,7 @@ import bench_planner  # noqa: E402
 import bench_runtime  # noqa: E402
 import bench_schedules  # noqa: E402
 import bench_startup  # noqa: E402
+import bench_zero_bubble  # noqa: E402
 from ftpipe_runtime.atomic import write_atomic  # noqa: E402
 
 from ftpipe_compiler.partition import problem_from_graph, run_partitioners  # noqa: E402
@@ -216,6 +219,7 @@ def compile_markdown(data: dict) -> str:
 SECTIONS = {
     "plans": (bench_plans, plans_markdown),
     "schedules": (bench_schedules.measure, bench_schedules.markdown),
+    "zero_bubble": (bench_zero_bubble.measure, bench_zero_bubble.markdown),
     "compile": (bench_compile, compile_markdown),
     "runtime": (bench_runtime.measure, bench_runtime.markdown),
     "fidelity": (bench_fidelity.measure, bench_fidelity.markdown),

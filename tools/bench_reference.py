@@ -79,6 +79,19 @@ class BlocksAndHead(nn.Module):
         return self.lm_head(self.ln_f(hidden))
 
 
+class Blocks(nn.Module):
+    """A stage between the two: blocks [start, end)."""
+
+    def __init__(self, model: nn.Module, start: int, end: int):
+        super().__init__()
+        self.h = nn.ModuleList(model.transformer.h[start:end])
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        for block in self.h:
+            hidden = block(hidden)
+        return hidden
+
+
 class Recomputed(nn.Module):
     """A stage that keeps only its input and recomputes its forward at backward (activation
     checkpointing): the work ftpipe's schedules do on every stage that recomputes."""
@@ -94,6 +107,14 @@ class Recomputed(nn.Module):
 def split_stages(model: nn.Module, blocks: int) -> tuple[nn.Module, nn.Module]:
     """Both stages of a 2-way split after block `blocks`; they share the model's tensors."""
     return EmbedAndBlocks(model, blocks), BlocksAndHead(model, blocks)
+
+
+def split_chunks(model: nn.Module, counts: list[int]) -> list[nn.Module]:
+    """Stages of counts[i] blocks each, in chain order (the first embeds, the last has the
+    final norm and the head); two counts are `split_stages`."""
+    ends = [sum(counts[: i + 1]) for i in range(len(counts))]
+    middle = [Blocks(model, ends[i - 1], ends[i]) for i in range(1, len(counts) - 1)]
+    return [EmbedAndBlocks(model, ends[0]), *middle, BlocksAndHead(model, ends[-2])]
 
 
 def step_batch(data, step: int, micro_batches: int) -> tuple[torch.Tensor, torch.Tensor]:
