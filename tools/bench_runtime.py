@@ -30,9 +30,8 @@ from bench_actions import load_actions, summarise
 from bench_launch import ROOT, TOOLS, compile_plan, flags, run_child, run_package, torchrun
 from bench_reference import build_model
 from bench_runtime_report import markdown  # noqa: F401 - the section's renderer
-from bench_stats import OtherLoad, step_times, summarise_steps
+from bench_stats import run_rounds, step_times, summarise_steps
 from ftpipe_runtime.atomic import atomic_open
-from tqdm import tqdm
 
 MODEL = "gpt2-bench"
 WARMUP, TIMED, COOLDOWN, ROUNDS = 1, 3, 1, 2
@@ -155,15 +154,7 @@ def measure(
         "ftpipe-plan-ftpipe": lambda n: bench.ftpipe(best, "ftpipe", n),
         "single": lambda n: bench.single(even_path, n),
     }
-    raw = {name: [] for name in todo}
-    bar = tqdm(total=rounds * len(todo), desc="runtime", file=sys.stderr, disable=None)
-    for r in range(rounds):
-        for name, run in todo.items():
-            with OtherLoad() as load:
-                result = run(f"{name}.round{r}")
-            raw[name].append({**result, "other_cores": load.cores})
-            bar.update()
-    bar.close()
+    raw = run_rounds(todo, rounds, "runtime")
     runs = {name: bench.merge(results) for name, results in raw.items()}
     for name, stats in runs.items():
         print(f"  {name}: {stats['samples_per_s']:.2f} samples/s", file=sys.stderr)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import resource
 import statistics
+import sys
 import time
 
 
@@ -89,3 +90,21 @@ class OtherLoad:
             return
         other = (busy - busy0) - (_ours_s() - ours0)
         self.cores = max(other, 0.0) / max(time.perf_counter() - wall0, 1e-9)
+
+
+def run_rounds(todo: dict, rounds: int, desc: str) -> dict[str, list[dict]]:
+    """name -> its result in each round: every configuration runs once per round, the rounds
+    one after the other, so a disturbance from outside (this machine is shared) spreads over
+    all of them instead of spoiling one; each result carries the CPU others used meanwhile."""
+    from tqdm import tqdm
+
+    raw = {name: [] for name in todo}
+    bar = tqdm(total=rounds * len(todo), desc=desc, file=sys.stderr, disable=None)
+    for r in range(rounds):
+        for name, run in todo.items():
+            with OtherLoad() as load:
+                result = run(f"{name}.round{r}")
+            raw[name].append({**result, "other_cores": load.cores})
+            bar.update()
+    bar.close()
+    return raw

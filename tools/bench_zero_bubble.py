@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 
 import torch
-from bench_launch import ROOT, TOOLS, compile_plan, flags, run_package, torchrun
+from bench_launch import ROOT, compile_plan
 from bench_reference import build_model
-from bench_stats import OtherLoad, step_times, summarise_steps
+from bench_runtime import Bench
+from bench_stats import run_rounds
 from ftpipe_runtime.atomic import atomic_open
-from tqdm import tqdm
 
 from ftpipe_compiler.partition import problem_from_graph
 from ftpipe_compiler.plan_search import best_plan, schedule_names
@@ -37,9 +37,7 @@ from ftpipe_compiler.profiling import costed_graph
 
 MODEL = "gpt2-bench"
 RUNTIME = ("gpipe", "1f1b", "zb1p", "interleaved", "zbv")  # pipelining has each of these
-WARMUP, TIMED, COOLDOWN, ROUNDS = 1, 3, 1, 2
-LR, SEED = 1e-4, 0
-TRAINING = ["--lr", str(LR), "--decay", "constant", "--clip", "0", "--seed", str(SEED)]
+WARMUP, TIMED, ROUNDS, SEED = 1, 3, 2, 0  # bench_runtime's steps, learning rate and data
 # (model, hardware): the paper's GPU for T5-3B and GPT2-XL; Llama-3.1-8B's fp32 weights,
 # gradients and Adam state (128 GB) need larger ones.
 SIM_CASES = [("t5-3b", "rtx2080ti"), ("gpt2-xl", "rtx2080ti"), ("llama-3.1-8b", "a100-40gb")]
@@ -65,60 +63,43 @@ def stage_blocks(plan: dict) -> list[int]:
 def runtime(work: Path | None = None, rounds: int = ROUNDS) -> dict:
     work = Path(work or ROOT / "out" / "bench" / "zero_bubble")
     work.mkdir(parents=True, exist_ok=True)
-    weights = work / "weights.pt"
-    with atomic_open(weights, "wb") as f:
+    compiled = {
+        s: compile_plan(
+            work / f"plan-{s}",
+            MODEL,
+            2,
+            hardware="cpu",
+            profile="measured",
+            schedule=s,
+            partitioners="gpipe",
+        )  # fmt: skip
+        for s in RUNTIME
+    }
+    plans = {
+        s: json.loads((Path(c["output"]) / "plan.json").read_text()) for s, c in compiled.items()
+    }
+    first = plans[RUNTIME[0]]
+    bench = Bench(
+        work, int(first["micro_batches"]), int(first["model"]["micro_batch"]), WARMUP, TIMED
+    )
+    with atomic_open(bench.weights, "wb") as f:
         torch.save(build_model(MODEL, SEED).state_dict(), f)
-    steps = WARMUP + TIMED + COOLDOWN
-    plans, todo = {}, {}
-    for s in RUNTIME:
-        out = work / f"plan-{s}"
-        compiled = compile_plan(
-            out, MODEL, 2, hardware="cpu", profile="measured", schedule=s, partitioners="gpipe"
-        )
-        path = out / "plan.json"
-        plan = json.loads(path.read_text())
+    todo, splits = {}, {}
+    for s, plan in plans.items():
         blocks = ",".join(map(str, stage_blocks(plan)))
-        plans[s] = {"blocks": blocks, "gpus": [st["gpu"] for st in plan["stages"]]}
-        argv = ["--steps", str(steps), "--schedule", s, "--init", str(weights), *TRAINING]
-        todo[f"ftpipe-{s}"] = lambda n, out=out, c=compiled, a=argv: run_package(
-            out, Path(c["package"]).name, a, work / f"{n}.json"
-        )
+        splits[s] = {"blocks": blocks, "gpus": [st["gpu"] for st in plan["stages"]]}
+        path = Path(compiled[s]["output"]) / "plan.json"
+        todo[f"ftpipe-{s}"] = lambda n, s=s: bench.ftpipe(compiled[s], s, n)
         for rec in (False, True):
             todo[f"pipelining-{s}" + ("-recompute" if rec else "")] = (
-                lambda n, s=s, p=path, b=blocks, r=rec: _pipelining(work, p, weights, b, s, r, n)
+                lambda n, p=path, b=blocks, s=s, r=rec: bench.pipelining(p, b, s, r, n)
             )
-    m = int(plan["micro_batches"])
-    batch = m * int(plan["model"]["micro_batch"])
-    raw = {name: [] for name in todo}
-    bar = tqdm(total=rounds * len(todo), desc="zero_bubble", file=sys.stderr, disable=None)
-    for r in range(rounds):
-        for name, run in todo.items():
-            with OtherLoad() as load:
-                result = run(f"{name}.round{r}")
-            raw[name].append({**result, "other_cores": load.cores})
-            bar.update()
-    bar.close()
-    runs = {}
-    for name, results in raw.items():
-        times = [t for x in results for t in step_times(x["step_ends_s"], WARMUP, COOLDOWN)]
-        runs[name] = {
-            **summarise_steps(times, batch),
-            "losses": results[0]["losses"],
-            "other_cores": [x["other_cores"] for x in results],
-        }
-        print(f"  {name}: {runs[name]['samples_per_s']:.2f} samples/s", file=sys.stderr)
-    return {"model": MODEL, "batch": batch, "micro_batches": m, "rounds": rounds,
-            "timed_steps": TIMED, "plans": plans, "runs": runs}  # fmt: skip
-
-
-def _pipelining(work, plan, weights, blocks, schedule, recompute, name) -> dict:
-    result = work / f"{name}.json"
-    args = [TOOLS / "bench_pipelining.py"] + flags(
-        plan=plan, weights=weights, blocks=blocks, schedule=schedule, steps=WARMUP + TIMED + COOLDOWN,
-        lr=LR, seed=SEED, result=result, recompute=recompute or None,
-    )  # fmt: skip
-    torchrun(args, result.with_suffix(".log"))
-    return json.loads(result.read_text())
+    raw = run_rounds(todo, rounds, "zero_bubble")
+    runs = {name: bench.merge(results) for name, results in raw.items()}
+    for name, stats in runs.items():
+        print(f"  {name}: {stats['samples_per_s']:.2f} samples/s", file=sys.stderr)
+    return {"model": MODEL, "batch": bench.batch, "micro_batches": bench.micro_batches,
+            "rounds": rounds, "timed_steps": TIMED, "plans": splits, "runs": runs}  # fmt: skip
 
 
 def _fastest(rows: list[dict]) -> dict | None:

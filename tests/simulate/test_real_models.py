@@ -62,7 +62,7 @@ def test_t5_3b_compiled_winner_runs_at_its_period_under_ftpipe(tmp_path):
     from ftpipe_compiler.partition.plan import Plan
 
     out = tmp_path / "t5"
-    args = ["compile", "--model", "t5-3b", "--gpus", "8", "-o", str(out)]
+    args = ["compile", "--model", "t5-3b", "--gpus", "8", "--schedule", "ftpipe", "-o", str(out)]
     r = CliRunner().invoke(cli, args)
     assert r.exit_code == 0, r.output
     plan = Plan.load(out / "plan.json")
