@@ -42,7 +42,7 @@ from .errors import FtpipeError, InfeasibleError, unknown
 from .partition import PARTITIONERS, PATTERNED, Plan, Problem, run_partitioner
 from .simulate import SimResult, simulate
 
-__all__ = ["CHEAP", "GROUPS", "Cell", "best_plan", "schedule_names", "update_rule"]
+__all__ = ["CHEAP", "GROUPS", "Cell", "best_plan", "evaluate", "schedule_names", "update_rule"]
 
 CHEAP = ("gpipe", "params", "pipedream")  # a second or less each, even on T5-3B
 GROUPS = {
@@ -156,7 +156,7 @@ def best_plan(
             note = f"step >= {bound[s]:.4g} s, not below the best {best[0]:.4g} s"
             cells[(s, p)] = Cell(s, p, "pruned", bound[s], note=note)
             return
-        cells[(s, p)] = cell = _evaluate(problems[s], p, bound[s], steps)
+        cells[(s, p)] = cell = evaluate(problems[s], p, bound[s], steps)
         if cell.status == "ok":
             best[0] = min(best[0], cell.step_s)
 
@@ -194,7 +194,8 @@ def best_plan(
     return matrix[best_at], matrix
 
 
-def _evaluate(problem: Problem, partitioner: str, bound: float, steps: int) -> Cell:
+def evaluate(problem: Problem, partitioner: str, bound: float, steps: int) -> Cell:
+    """One cell: the partitioner's plan under the problem's schedule, simulated."""
     s = problem.schedule
     t0 = time.perf_counter()
     result = run_partitioner(problem, partitioner)

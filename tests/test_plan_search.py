@@ -9,7 +9,7 @@ import pytest
 
 from ftpipe_compiler.errors import FtpipeError
 from ftpipe_compiler.partition import PARTITIONERS, problem_from_graph
-from ftpipe_compiler.plan_search import CHEAP, _evaluate, best_plan, schedule_names, update_rule
+from ftpipe_compiler.plan_search import CHEAP, best_plan, evaluate, schedule_names, update_rule
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_the_winner_is_the_exhaustive_optimum(problem):
         cell = next(c for c in matrix if c.schedule == s)
         sub = replace(problem, schedule=s)
         for p in PARTITIONERS:
-            every[(s, p)] = _evaluate(sub, p, cell.bound_s, 20).step_s
+            every[(s, p)] = evaluate(sub, p, cell.bound_s, 20).step_s
     assert winner.step_s == min(every.values())
     for c in matrix:
         if c.status == "ok":
