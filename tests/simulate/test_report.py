@@ -83,3 +83,7 @@ def test_header_competitors_and_escaping(plan_factory):
     assert "Partitioners that competed" not in render_report(
         no_competitors, simulate(no_competitors)
     )
+    # `compile`'s matrix: a row per (schedule, partitioner).
+    cells = ({"schedule": "zb1p", "partitioner": "gpipe", "status": "ok"},)
+    html = render_report(plan.with_(competitors=cells), simulate(plan, steps=2))
+    assert "Plans that competed (partitioner × schedule" in html and "<td>zb1p</td>" in html
