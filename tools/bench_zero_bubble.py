@@ -154,23 +154,27 @@ def markdown(data: dict) -> str:
             f"{rt['timed_steps']} timed steps)",
             "",
             "Same split (ftpipe's even plan for the schedule, blocks per stage and their ranks "
-            "below), same weights, data and AdamW. *ours / theirs* is samples/s, measured in one "
-            "run of this section; *same work*: pipelining also recomputing where ftpipe does.",
+            "below), same weights, data and AdamW. *ours / theirs*: samples/s over every timed "
+            "step of every round, and (in brackets) the fastest step of each, which outside load "
+            "(*other cores*: CPU others used during the runs, of 2) disturbs least; *same work*: "
+            "pipelining also recomputing where ftpipe does. One run of this section.",
             "",
             "| schedule | blocks per stage (ranks) | ftpipe samples/s | pipelining samples/s "
-            "| ours / theirs | pipelining + recompute | ours / theirs, same work | losses equal |",
-            "|---|---|---:|---:|---:|---:|---:|---|",
+            "| ours / theirs | pipelining + recompute | ours / theirs, same work | other cores "
+            "| losses equal |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---|",
         ]
         for s, split in rt["plans"].items():
             ours, theirs = runs[f"ftpipe-{s}"], runs[f"pipelining-{s}"]
             same = runs[f"pipelining-{s}-recompute"]
             equal = _close(ours["losses"], theirs["losses"])
+            load = [c for r in (ours, theirs, same) for c in r["other_cores"] if c is not None]
             lines.append(
                 f"| {s} | {split['blocks']} ({','.join(map(str, split['gpus']))}) | "
                 f"{ours['samples_per_s']:.2f} | {theirs['samples_per_s']:.2f} | "
-                f"{ours['samples_per_s'] / theirs['samples_per_s']:.2f} | "
-                f"{same['samples_per_s']:.2f} | {ours['samples_per_s'] / same['samples_per_s']:.2f} "
-                f"| {'yes' if equal else 'no'} (rel 1e-4) |"
+                f"{_ratio(ours, theirs)} | {same['samples_per_s']:.2f} | {_ratio(ours, same)} | "
+                + (f"{min(load):.1f}-{max(load):.1f}" if load else "-")
+                + f" | {'yes' if equal else 'no'} (rel 1e-4) |"
             )
         lines.append("")
     sim = data.get("simulated")
@@ -220,6 +224,11 @@ def markdown(data: dict) -> str:
 def _close(a: list[float], b: list[float]) -> bool:
     """Losses within rel 1e-4 (the runtimes sum micro-batch losses in another order)."""
     return len(a) == len(b) and all(abs(x - y) <= 1e-4 * abs(y) for x, y in zip(a, b))
+
+
+def _ratio(ours: dict, theirs: dict) -> str:
+    mean = ours["samples_per_s"] / theirs["samples_per_s"]
+    return f"{mean:.2f} ({theirs['step_min_s'] / ours['step_min_s']:.2f})"
 
 
 def _vs(r: dict | None, base: dict | None) -> str:
