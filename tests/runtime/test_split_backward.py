@@ -9,11 +9,11 @@ not run B's work again, and the graph is released after W.
 from __future__ import annotations
 
 import gc
-import importlib
 import weakref
 
 import pytest
 import torch
+from ftpipe_runtime.check import synthetic_inputs
 from ftpipe_runtime.split_backward import backward_input, backward_weight
 
 pytest.importorskip("transformers")
@@ -181,7 +181,7 @@ def packages(tmp_path_factory):
 def test_generated_stages_b_then_w_equals_one_backward(packages, model, recompute):
     mod = packages[model]
     plan = mod.load_plan()
-    inputs = importlib.import_module(f"{mod.__name__}.check").synthetic_inputs(plan)
+    inputs = synthetic_inputs(plan)
     stages = {k: cls() for k, cls in mod.STAGES.items()}
     for s in stages.values():
         s.eval()  # dropout off: the recompute replays nothing random

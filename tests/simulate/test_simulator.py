@@ -162,7 +162,8 @@ def test_result_json_round_trip(plan_factory):
 def test_bad_requests(plan_factory):
     plan = plan_factory([(1.0, 2.0, 1.0)] * 2)
     with pytest.raises(
-        FtpipeError, match="unknown schedule 'zigzag'; choose from 1f1b, 2bw, ftpipe, gpipe, wpipe"
+        FtpipeError,
+        match="unknown schedule 'zigzag'; choose from 1f1b, 2bw, ftpipe, gpipe, interleaved, wpipe, zb1p, zb2p, zbv",
     ):
         simulate(plan, "zigzag")
     with pytest.raises(FtpipeError, match="at least 1"):
