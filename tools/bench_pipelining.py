@@ -80,7 +80,7 @@ def main(argv=None) -> None:
         counts.append(model.config.n_layer - counts[0])
     chunks = split_chunks(model, counts)
     last = len(chunks) - 1
-    gpu_of = {s["id"]: s["gpu"] for s in plan["stages"]}
+    gpu_of = {s["id"]: s["gpu"] for s in plan.get("stages", ())} or {0: 0, 1: 1}
     if len(gpu_of) != len(chunks):
         raise SystemExit(
             f"--blocks {args.blocks} makes {len(chunks)} stages, the plan {len(gpu_of)}"
