@@ -47,11 +47,12 @@ def test_shards_split_each_step_between_the_replicas():
     assert seen == [[0, 1, 2, 6, 7, 8], [3, 4, 5, 9, 10, 11]]  # step 0: 0..5, step 1: 6..11
 
 
-def _last_backwards(acts, m):
-    """{(stage, step): mb} of the backwards StepBackwards calls last, as they stream by."""
+def _last_backwards(acts, m, kind="B"):
+    """{(stage, step): mb} of the backwards StepBackwards calls last, as they stream by
+    (`kind` "W": a split backward, whose gradient hooks the executor calls at W)."""
     last, found = StepBackwards(m), {}
     for a in acts:
-        if a.kind == "B" and last.ends_step(a.stage):
+        if a.kind == kind and last.ends_step(a.stage):
             found[(a.stage, a.mb // m)] = a.mb
     return found
 
@@ -62,6 +63,17 @@ def test_last_backward_of_each_step():
     assert _last_backwards(gpipe, 3) == {(0, 0): 0, (0, 1): 3}
     ftpipe = actions("ftpipe", stages, 3, 2)[0]
     assert _last_backwards(ftpipe, 3) == {(0, 0): 2, (0, 1): 5}
+
+
+def test_a_split_backward_ends_its_step_at_its_last_w():
+    stages = [StageInfo(0, 0, 1, False), StageInfo(1, 1, 0, True)]
+    acts = actions("zb1p", stages, 3, 2)[0]
+    found = _last_backwards(acts, 3, "W")
+    assert found == {(0, 0): 2, (0, 1): 5}
+    for (s, _), mb in found.items():  # every W of its step, hence every gradient, is in by then
+        at = acts.index(next(a for a in acts if (a.kind, a.stage, a.mb) == ("W", s, mb)))
+        done = {a.mb for a in acts[: at + 1] if a.kind == "W" and a.stage == s}
+        assert set(range(mb - 2, mb + 1)) <= done
 
 
 def test_losses_of_all_replicas_in_replica_order():
