@@ -15,6 +15,12 @@ order the sender sends (`Dataflow.keys`). NCCL matches point-to-point messages b
 within a communicator and serialises a pair's sends and receives on one stream, so mixing
 directions or orders could deadlock; gloo would also match by tag, which we set to the
 message's position all the same.
+
+Receives are posted ahead of need: from the start, and after each receive, every source's
+next messages are posted until `ahead_bytes` of buffers per source wait (one more if that
+falls short of the next message). Gloo and NCCL move a message once its receive is posted,
+so a message posted ahead arrives while this rank computes instead of when it asks for it;
+the window bounds the memory that costs (`--post-ahead` MB).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import torch.distributed as dist
 
 from .dataflow import Dataflow, Key
 from .errors import PeerFailure
+
+POST_AHEAD_BYTES = 256 * 2**20  # per source: buffers of messages posted before they are needed
 
 
 def init_distributed(rank: int, world: int, device: str, init_method: str, setup_s: float) -> None:
@@ -52,6 +60,10 @@ def describe(key: Key) -> str:
     kind, name, index = key
     if kind == "eval":
         return f"activation {name!r} of evaluation batch {index}"
+    if kind == "weight":
+        return f"weight {name!r} of step {index}"
+    if kind == "wgrad":
+        return f"gradient of weight {name!r} summed over step {index}"
     what = "activation" if kind == "act" else "gradient"
     return f"{what} {name!r} of micro-batch {index}"
 
@@ -67,8 +79,10 @@ class Comm:
         spec_of,
         replicas=None,
         replica: int = 0,
+        ahead_bytes: int = POST_AHEAD_BYTES,
     ):
         self.rank, self.world, self.device = rank, world, torch.device(device)
+        self.ahead_bytes = ahead_bytes
         self.timeout = timedelta(seconds=timeout_s)
         self.flow, self.spec_of = flow, spec_of
         self.replicas, self.replica = replicas, replica
@@ -86,6 +100,7 @@ class Comm:
         self._next_post = {src: 0 for src, dst in peers if dst == rank}
         self._next_send = {dst: 0 for src, dst in peers if src == rank}
         self._posted: dict[tuple[int, Key], tuple] = {}
+        self._waiting = dict.fromkeys(self._next_post, 0)  # source -> bytes posted, not taken
         self._sends: list[tuple] = []
         self.loss_groups: dict[int, object] = {}  # job rank of a loss stage -> its group with 0
         self.listener_error: Exception | None = None
@@ -111,6 +126,7 @@ class Comm:
                 group = dist.new_group([0, ranks[loss_rank]], timeout=timedelta(days=1))
                 self.loss_groups[ranks[loss_rank]] = group
         self._connect()  # needed by NCCL, harmless (and so tested) on gloo
+        self.post_ahead()
 
     def _connect(self) -> None:
         """Open every NCCL point-to-point channel now, pair by pair in one global order (of
@@ -168,27 +184,41 @@ class Comm:
             self._reap()
 
     def recv(self, src: int, key: Key) -> torch.Tensor:
-        work, buf = self._post_until(src, key)
-        del self._posted[(src, key)]
+        if (src, key) not in self._posted:
+            self._post_until(src, key)
+        work, buf = self._posted.pop((src, key))
+        self._waiting[src] -= buf.nbytes
+        self.post_ahead(src)
         self.wait(work, f"waiting for {describe(key)} from rank {src}")
         return buf
 
-    def _post_until(self, src: int, key: Key) -> tuple:
-        if (src, key) in self._posted:
-            return self._posted[(src, key)]
+    def post_ahead(self, src: int | None = None) -> None:
+        """Post the next receives from `src` (every source: None) up to the window."""
+        for s in self._next_post if src is None else (src,):
+            while self._waiting[s] < self.ahead_bytes and self._post_next(s) is not None:
+                pass
+
+    def _post_until(self, src: int, key: Key) -> None:
+        while (k := self._post_next(src)) is not None:
+            if k == key:
+                return
+        raise RuntimeError(f"rank {src} never sends {key} to rank {self.rank}")
+
+    def _post_next(self, src: int) -> Key | None:
+        """Post the receive of `src`'s next message; its key, or None when no more come."""
         keys = self._keys.get((src, self.rank))
         i = self._next_post.get(src, 0)
-        while keys is not None and (k := keys.get(i)) is not None:
-            shape, dtype = self.spec_of(k)
-            buf = torch.empty(shape, dtype=dtype, device=self.device)
-            group = self.pair_groups[(src, self.rank)]
-            work = dist.irecv(buf, src=self.ranks[src], group=group, tag=i)
-            self._posted[(src, k)] = (work, buf)
-            i += 1
-            self._next_post[src] = i
-            if k == key:
-                return self._posted[(src, key)]
-        raise RuntimeError(f"rank {src} never sends {key} to rank {self.rank}")
+        k = keys.get(i) if keys is not None else None
+        if k is None:
+            return None
+        shape, dtype = self.spec_of(k)
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        group = self.pair_groups[(src, self.rank)]
+        work = dist.irecv(buf, src=self.ranks[src], group=group, tag=i)
+        self._posted[(src, k)] = (work, buf)
+        self._waiting[src] += buf.nbytes
+        self._next_post[src] = i + 1
+        return k
 
     def _reap(self) -> None:
         pending = []

@@ -12,8 +12,17 @@ where each step window ends.
 Receivers post their receives in the sender's order (NCCL matches point-to-point messages
 by order, not tag), so both ends derive that order from the same lists: every rank makes
 the sender's actions itself (`Timeline` is a pure function of the plan and the options).
-Keys: ("act", tensor, mb), ("grad", tensor, mb) and ("eval", tensor, evaluation batch).
+Keys: ("act", tensor, mb), ("grad", tensor, mb), ("eval", tensor, evaluation batch), and
+("weight", parameter, step), ("wgrad", parameter, step) (below).
 Nothing is derived ahead of need, so a run of any length costs the same to start.
+
+Weights read by other stages (tied embeddings): under a synchronous schedule a weight
+changes only at the step, so its owner sends it once per step, at the owner's first forward
+of the step, and the readers send its gradient back once, summed over the step's
+micro-batches, after the last of this rank's readers' backwards of the step; the owner adds
+it in at its own last backward of the step, which comes after (the readers' backward of a
+micro-batch precedes the owner's, as with any activation). Under other schedules every
+micro-batch may see another version of the weight, so it goes with each like an activation.
 
 Gradients: a backward sends the gradient of an input upstream when it is the last of this
 rank's readers of that tensor to run for that micro-batch (each reader runs exactly one
@@ -35,7 +44,8 @@ from dataclasses import dataclass
 from .schedules import Action, Timeline
 from .topology import Topology
 
-Key = tuple  # ("act" | "grad" | "eval", tensor name, micro-batch)
+Key = tuple  # ("act" | "grad" | "eval" | "weight" | "wgrad", tensor name, micro-batch | step)
+GRADIENTS = ("grad", "wgrad")
 
 
 @dataclass(frozen=True)
@@ -56,7 +66,7 @@ class Planned:
     ends_step: int | None = None  # the rank's last action of this step: a step window ends
 
     def sends_grad(self, tensor: str) -> bool:
-        return any(key[0] == "grad" and key[1] == tensor for _, key in self.sends)
+        return any(key[0] in GRADIENTS and key[1] == tensor for _, key in self.sends)
 
 
 class KeyStream:
@@ -84,20 +94,48 @@ class Dataflow:
         self.micro_batches = timeline.m
         self.policies = timeline.schedule.policies(topo.stage_infos(), timeline.m)
 
+    def once_per_step(self, tensor: str) -> bool:
+        """Is `tensor` a weight sent once per step (and its gradient summed over the step)?"""
+        return self.timeline.schedule.synchronous and self.topo.transfers[tensor].weight
+
+    def slot(self, tensor: str, mb: int) -> tuple[str, int]:
+        """What a value of `tensor` for micro-batch `mb` is kept under: (tensor, mb), or for a
+        weight sent once per step (tensor, -1 - step) (never a micro-batch's number)."""
+        return (
+            (tensor, -1 - mb // self.micro_batches) if self.once_per_step(tensor) else (tensor, mb)
+        )
+
+    def uses(self, tensor: str, rank: int) -> int:
+        """How many forwards on `rank` read one value of `tensor` (one per micro-batch, or every
+        micro-batch of the step for a weight sent once per step)."""
+        n = len(self.topo.local_consumers(tensor, rank))
+        return n * self.micro_batches if self.once_per_step(tensor) else n
+
     def actions(self, rank: int) -> Iterator[Planned]:
         """Every action of `rank` in order, with its messages and its optimizer step."""
         topo, sync = self.topo, self.timeline.schedule.synchronous
         local = tuple(topo.stages_on(rank))
-        readers: dict[tuple[str, int], int] = {}  # (tensor, mb) -> local readers' backwards left
+        readers: dict[tuple[str, int], int] = {}  # slot -> local readers' backwards left
         steps: dict[int, int] = {}  # step -> this rank's S actions of it so far
+        sent: dict[str, int] = {}  # weight sent once per step -> the last step it was sent for
         for a in self.listed(rank):
-            if a.kind in ("F", "E"):
-                key = "act" if a.kind == "F" else "eval"
+            if a.kind == "E":
                 out = [
-                    (dst, (key, t, a.mb))
+                    (dst, ("eval", t, a.mb))
                     for t in topo.outputs[a.stage]
                     for dst in topo.remote_ranks(t)
                 ]
+                yield Planned(a, tuple(out))
+            elif a.kind == "F":
+                out = []
+                for t in topo.outputs[a.stage]:
+                    key = ("act", t, a.mb)
+                    if self.once_per_step(t):
+                        k = a.mb // self.micro_batches
+                        if sent.get(t) == k:
+                            continue
+                        sent[t], key = k, ("weight", t, k)
+                    out += [(dst, key) for dst in topo.remote_ranks(t)]
                 yield Planned(a, tuple(out))
             elif a.kind == "B":
                 out = []
@@ -106,9 +144,12 @@ class Dataflow:
                     src = topo.rank_of[tr.producer]
                     if not tr.grad or src == rank:
                         continue
-                    left = readers.pop((t, a.mb), len(topo.local_consumers(t, rank))) - 1
+                    slot = self.slot(t, a.mb)
+                    left = readers.pop(slot, self.uses(t, rank)) - 1
                     if left:
-                        readers[(t, a.mb)] = left
+                        readers[slot] = left
+                    elif self.once_per_step(t):
+                        out.append((src, ("wgrad", t, a.mb // self.micro_batches)))
                     else:
                         out.append((src, ("grad", t, a.mb)))
                 yield Planned(a, tuple(out))

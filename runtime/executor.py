@@ -61,8 +61,9 @@ class Executor:
         self.loss_scale = lambda: 1.0  # fp16: the loss multiplier (precision.MixedPrecision)
         self.grad_sync = None  # with replicas: a GradSync summing each step's gradients
         self.start = time.perf_counter()
-        self.acts = Outputs(topo, rank, comm, "act")
-        self.grads: dict[tuple[str, int], torch.Tensor] = {}  # (tensor, mb) -> summed gradient
+        self.acts = Outputs(topo, rank, comm, "act", flow)
+        self.grads: dict[tuple[str, int], torch.Tensor] = {}  # flow.slot -> summed gradient
+        self.backwards: dict[int, int] = {}  # stage -> its backwards of the step so far
         self.saved: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs, outputs, weights
         self.losses: dict[int, dict[int, torch.Tensor]] = {}  # step -> {mb: loss}
         self.policies = {s: flow.policies[s] for s in modules}
@@ -144,8 +145,11 @@ class Executor:
             # Gradients accumulate over the step (and carry fp16's loss scale).
             roots.append(out["loss"] * (self.loss_scale() / self.m))
             grads.append(None)
+        last = self._counted_backward(s)
         for t in self.topo.outputs[s]:
             if self.topo.transfers[t].grad:
+                if self.flow.once_per_step(t) and not last:
+                    continue  # its gradient, summed over the step, comes at the last backward
                 g = self._gather_grad(t, m)
                 if out[t].requires_grad:
                     roots.append(out[t])
@@ -170,11 +174,12 @@ class Executor:
                 continue
             x = inputs[t]
             g = x.grad if x.grad is not None else torch.zeros_like(x)
-            have = self.grads.get((t, m))
-            self.grads[(t, m)] = g if have is None else have + g
+            slot = self.flow.slot(t, m)
+            have = self.grads.get(slot)
+            self.grads[slot] = g if have is None else have + g
             if self.now.sends_grad(t):
                 dst = self.topo.rank_of[info.producer]
-                self.comm.send(dst, ("grad", t, m), self.grads.pop((t, m)))
+                self.comm.send(dst, self._grad_key(t, m), self.grads.pop(slot))
 
     def weight(self, i: int, a) -> None:
         later, params = self.deferred.pop((a.stage, a.mb))
@@ -197,11 +202,22 @@ class Executor:
                 p.grad = t.grad if p.grad is None else p.grad + t.grad
                 t.grad = None
 
+    def _counted_backward(self, s: int) -> bool:
+        """Counts stage s's backwards: is this one the last of its step (the m-th)?"""
+        n = self.backwards.get(s, 0) + 1
+        self.backwards[s] = n % self.m
+        return n == self.m
+
+    def _grad_key(self, t: str, m: int) -> tuple:
+        if self.flow.once_per_step(t):
+            return ("wgrad", t, m // self.m)
+        return ("grad", t, m)
+
     def _gather_grad(self, t: str, m: int) -> torch.Tensor:
         """This rank's consumers' gradients (already summed) plus one per consumer rank."""
-        total = self.grads.pop((t, m), None)
+        total = self.grads.pop(self.flow.slot(t, m), None)
         for src in self.topo.remote_ranks(t):
-            g = self.comm.recv(src, ("grad", t, m))
+            g = self.comm.recv(src, self._grad_key(t, m))
             total = g if total is None else total + g
         if total is None:
             info = self.topo.transfers[t]
@@ -261,29 +277,42 @@ class Executor:
 class Outputs:
     """Stage outputs of one kind of forward ("act": training, "eval": evaluation), by (tensor,
     micro-batch): kept for this rank's consumers until their last use, and sent once to
-    every other rank that consumes them."""
+    every other rank that consumes them. With `flow` (training), a weight that `flow` sends
+    once per step is kept and sent once per step, under `flow.slot`."""
 
-    def __init__(self, topo, rank: int, comm, kind: str):
-        self.topo, self.rank, self.comm, self.kind = topo, rank, comm, kind
-        self.held: dict[tuple[str, int], list] = {}  # (tensor, mb) -> [value, uses left]
+    def __init__(self, topo, rank: int, comm, kind: str, flow=None):
+        self.topo, self.rank, self.comm, self.kind, self.flow = topo, rank, comm, kind, flow
+        self.held: dict[tuple[str, int], list] = {}  # slot -> [value, uses left]
+        self.put_last: dict[str, tuple] = {}  # tensor -> the slot it was last put under
+
+    def _slot(self, t: str, m: int) -> tuple[tuple, tuple, int]:
+        """(slot, message key, uses on this rank) of tensor t's value for micro-batch m."""
+        flow = self.flow
+        if flow is not None and flow.once_per_step(t):
+            return flow.slot(t, m), ("weight", t, m // flow.micro_batches), flow.uses(t, self.rank)
+        return (t, m), (self.kind, t, m), len(self.topo.local_consumers(t, self.rank))
 
     def put(self, t: str, m: int, value: torch.Tensor) -> None:
+        slot, key, uses = self._slot(t, m)
+        if self.put_last.get(t) == slot:  # a weight already sent for this step
+            return
+        self.put_last[t] = slot
         value = value.detach()
         if self.topo.transfers[t].weight:  # the parameter itself: steps would change it
             value = value.clone()
-        uses = len(self.topo.local_consumers(t, self.rank))
         if uses:
-            self.held[(t, m)] = [value, uses]
+            self.held[slot] = [value, uses]
         for dst in self.topo.remote_ranks(t):
-            self.comm.send(dst, (self.kind, t, m), value)
+            self.comm.send(dst, key, value)
 
     def take(self, t: str, m: int) -> torch.Tensor:
-        entry = self.held.get((t, m))
+        slot, key, uses = self._slot(t, m)
+        entry = self.held.get(slot)
         if entry is None:
             src = self.topo.rank_of[self.topo.transfers[t].producer]
-            value = self.comm.recv(src, (self.kind, t, m))
-            entry = self.held[(t, m)] = [value, len(self.topo.local_consumers(t, self.rank))]
+            value = self.comm.recv(src, key)
+            entry = self.held[slot] = [value, uses]
         entry[1] -= 1
         if entry[1] == 0:
-            del self.held[(t, m)]
+            del self.held[slot]
         return entry[0]

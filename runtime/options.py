@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from .comm import POST_AHEAD_BYTES
 from .data import SOURCES
 from .optim import DECAYS, OPTIMIZERS
 from .precision import PRECISIONS
@@ -151,6 +152,13 @@ def parse_args(argv, plan: dict) -> argparse.Namespace:
         type=number(float, 0, above=True),
         default=60.0,
         help="seconds to wait for a peer before giving up (default 60)",
+    )
+    p.add_argument(
+        "--post-ahead",
+        type=number(float, 0),
+        default=POST_AHEAD_BYTES / 2**20,
+        help="MB of receive buffers posted ahead of need per peer (default %(default)g; 0: on "
+        "demand)",
     )
     p.add_argument(
         "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"

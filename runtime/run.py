@@ -153,7 +153,17 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
         timeline.check(topo.stage_graph(), every_step)
     rounds = dict(data=sources.eval, steps=args.steps, every=args.eval_every)
     flow = Dataflow(topo, timeline, splicer(topo, m, first=first, **rounds))
-    comm = Comm(gpu, topo.world, device, args.timeout, flow, _message_specs(topo), reps, replica)
+    comm = Comm(
+        gpu,
+        topo.world,
+        device,
+        args.timeout,
+        flow,
+        _message_specs(topo),
+        reps,
+        replica,
+        ahead_bytes=int(args.post_ahead * 2**20),
+    )
     # The collectives: the gradient norm across a pipeline's ranks when a synchronous step
     # clips (fp16's overflow check rides on it: the norm is computed then even without
     # clipping), and each GPU's gradients with its replicas.

@@ -87,8 +87,7 @@ def main(argv=None) -> None:
         )
     mine = [i for i in range(len(chunks)) if gpu_of[i] == rank]
     modules = {
-        i: Recomputed(chunks[i]) if args.recompute and (args.schedule == "gpipe" or i != last)
-        else chunks[i]
+        i: Recomputed(chunks[i]) if args.recompute and i != last else chunks[i]
         for i in mine
     }  # fmt: skip
     del model

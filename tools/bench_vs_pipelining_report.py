@@ -44,9 +44,9 @@ def section_a(d: dict) -> list[str]:
     lines += [
         "",
         "Samples/s ± one standard deviation of the step time; ratios ± their standard error "
-        "(the two runs' step-time spreads over their timed steps). ftpipe's GPipe schedule "
-        "recomputes every stage's forward during backward (GPipe's re-materialisation) and its "
-        "1F1B every stage but the last; pipelining keeps every activation. The last two columns "
+        "(the two runs' step-time spreads over their timed steps). ftpipe's GPipe and 1F1B "
+        "schedules recompute every stage's forward during backward but the loss stage's "
+        "(GPipe's re-materialisation); pipelining keeps every activation. The last two columns "
         "give pipelining the same recomputation (`torch.utils.checkpoint` around the same "
         "stage modules; its loss, which its schedule computes outside the stage, is kept).",
         "",
@@ -75,26 +75,30 @@ def _why_a(d: dict) -> str:
         for s, label in SCHEDULES.items()
     ]
     transfers = sorted(d["plans"]["even"]["transfers"], key=lambda t: -t["bytes"])
-    sent = ", ".join(f"{t['tensor']} ({t['bytes'] / 1e6:.2f} MB)" for t in transfers)
+    sent = ", ".join(
+        f"{t['tensor']} ({t['bytes'] / 1e6:.2f} MB, "
+        f"{'once per step' if t['weight'] else 'every micro-batch'})"
+        for t in transfers
+    )
     text = (
         f"The package is slower than pipelining here (down to {worst:.2f}x of it). Per "
         f"micro-batch on the last stage (rank {rank}), from the runs' action timings: "
         + "; ".join(parts)
-        + f". Stage 0 sends it, with every micro-batch: {sent}."
+        + f". Stage 0 sends it: {sent}."
     )
     if any(t["weight"] for t in transfers):
         text += (
-            " A tied weight travels from its owner stage with each micro-batch and its "
-            "gradient comes back; pipelining sends the activation only, and never reconciles "
-            "its two copies (the losses below)."
+            " A tied weight travels from its owner stage once per step (these schedules "
+            "change it only at the step) and its gradient, summed over the step, comes back "
+            "once; pipelining sends the activation only, and never reconciles its two copies "
+            "(the losses below)."
         )
     gpipe_b, one_b = per["gpipe"]["B"]["compute_s"], per["1f1b"]["B"]["compute_s"]
     if gpipe_b > 1.1 * one_b:
         more = (_step(runs, "pipelining-gpipe-recompute") - _step(runs, "pipelining-gpipe")) * 1e3
         text += (
-            " Under GPipe the last stage also recomputes its whole forward, LM head and loss "
-            f"included, before its backward ({ms(gpipe_b)} against {ms(one_b)} ms under 1F1B, "
-            f"where it keeps its activations); checkpointing pipelining's stages cost it "
+            f" Under GPipe the last stage's backward takes {ms(gpipe_b)} against {ms(one_b)} "
+            "ms under 1F1B (neither recomputes it); checkpointing pipelining's stages cost it "
             f"{more:.0f} ms per step."
         )
     return text

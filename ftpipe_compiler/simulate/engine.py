@@ -13,6 +13,12 @@ all-reduce. The first S of a synchronised group on each GPU waits for all the gr
 kind (`KINDS`) has one handler to start it and one to finish it. A stage whose backward is
 split (a W in its list) runs B for bwd_s - wgrad_s (plus recompute) and W for wgrad_s, frees
 the micro-batch at W, and its weight gradients (so its all-reduce) come with its last W.
+
+A weight in `once` (read by other stages, under a synchronous schedule) goes as the runtime
+sends it: once per step, at its owner's first forward of the step, arriving for all of the
+step's micro-batches; its gradient goes back once per step, summed, after the last
+backward of the step of its readers on a GPU, and only the owner's last backward of the
+step waits for it (`ftpipe_runtime.dataflow`).
 """
 
 from __future__ import annotations
@@ -28,7 +34,14 @@ class EventLoop:
     """The event loop. Arrivals are counted per (stage, micro-batch) in flat lists for speed."""
 
     def __init__(
-        self, plan: Plan, lists, groups, total_mbs: int, timeline_steps: int, micro_batches: int
+        self,
+        plan: Plan,
+        lists,
+        groups,
+        total_mbs: int,
+        timeline_steps: int,
+        micro_batches: int,
+        once: frozenset[str] = frozenset(),
     ):
         self.lists, self.cap_steps = lists, timeline_steps
         self.cap_mbs = timeline_steps * micro_batches
@@ -47,30 +60,46 @@ class EventLoop:
         self.b_done: dict[tuple[int, int], int] = {}
         self.ar_done: dict[tuple[int, int], float] = {}
         self.stages_of = {g: [s for s in st if self.gpu[s] == g] for g in lists}
-        # Forward: per producer, [(bytes, dest GPU, consumers there)]; backward: one gradient
-        # "slot" per (tensor, consumer GPU) that the producer waits for.
+        # Forward: per producer, [(bytes, dest GPU, consumers there, once per step)];
+        # backward: one gradient "slot" per (tensor, consumer GPU) that the producer waits for.
         self.out = {s: [] for s in st}
         self.grads = {s: [] for s in st}  # consumer -> [slot]
         self.need_f = dict.fromkeys(st, 0)
         self.need_b = dict.fromkeys(st, 0)
         self.slot_count: list[list[int]] = []
-        for t in plan.transfers:
-            by_gpu: dict[int, list[int]] = {}
-            for c in t.consumers:
-                by_gpu.setdefault(self.gpu[c], []).append(c)
-                self.need_f[c] += 1
-            self.out[t.producer] += [(t.bytes, g, cs) for g, cs in sorted(by_gpu.items())]
-            if t.requires_grad:
-                for g, cs in sorted(by_gpu.items()):
-                    slot = (len(self.slot_count), len(cs), t.producer, t.bytes, g)
-                    self.slot_count.append([0] * total_mbs)
-                    self.need_b[t.producer] += 1
-                    for c in cs:
-                        self.grads[c].append(slot)
         self.fcount = {s: [0] * total_mbs for s in st}
         self.ftime = {s: [0.0] * total_mbs for s in st}
         self.bcount = {s: [0] * total_mbs for s in st}
         self.btime = {s: [0.0] * total_mbs for s in st}
+        self.total_mbs = total_mbs
+        self.sent_once: set[tuple[int, int]] = set()  # (stage, step): its `once` weights went
+        last_b = {
+            (a.stage, a.mb // self.m): a.mb
+            for acts in lists.values()
+            for a in acts
+            if a.kind == "B"
+        }
+        for t in plan.transfers:
+            per_step = t.tensor in once
+            by_gpu: dict[int, list[int]] = {}
+            for c in t.consumers:
+                by_gpu.setdefault(self.gpu[c], []).append(c)
+                self.need_f[c] += 1
+            self.out[t.producer] += [(t.bytes, g, cs, per_step) for g, cs in sorted(by_gpu.items())]
+            if t.requires_grad:
+                for g, cs in sorted(by_gpu.items()):
+                    n = len(cs) * self.m if per_step else len(cs)  # backwards summed into one
+                    slot = (len(self.slot_count), n, t.producer, t.bytes, g, per_step)
+                    self.slot_count.append([0] * total_mbs)
+                    self.need_b[t.producer] += 1
+                    for c in cs:
+                        self.grads[c].append(slot)
+                    if per_step:  # only the owner's last backward of a step waits for it
+                        waits = self.bcount[t.producer]
+                        for mb in range(total_mbs):
+                            if last_b.get((t.producer, mb // self.m)) != mb:
+                                waits[mb] += 1
+        self.last_b = last_b
         # Step groups: which GPUs meet before stepping.
         self.group_of = {s: grp for grp in groups for s in grp}
         self.group_gpus = {grp: {self.gpu[s] for s in grp} for grp in groups}
@@ -180,10 +209,19 @@ class EventLoop:
         self.busy[g].append((start, t))
         self.held[s] += 1
         self.peak[s] = max(self.peak[s], self.held[s])
-        for nbytes, dst, consumers in self.out[s]:
+        k = m // self.m
+        first = (s, k) not in self.sent_once
+        self.sent_once.add((s, k))
+        for nbytes, dst, consumers, per_step in self.out[s]:
+            if per_step and not first:
+                continue  # went with the step's first forward
             arrive = self._send(g, dst, nbytes, t)
+            mbs = range(k * self.m, min((k + 1) * self.m, self.total_mbs)) if per_step else (m,)
             for c in consumers:
-                self._arrive(self.fcount[c], self.ftime[c], m, arrive, self.need_f[c], ("F", c, m))
+                for i in mbs:
+                    self._arrive(
+                        self.fcount[c], self.ftime[c], i, arrive, self.need_f[c], ("F", c, i)
+                    )
 
     def _finish_b(self, g: int, a, start: float, t: float) -> None:
         s, m = a.stage, a.mb
@@ -194,18 +232,20 @@ class EventLoop:
         else:
             self.held[s] -= 1
             self._gradients_done(g, s, m, start + (self.rec[s] if a.recompute else 0.0), t)
-        for idx, n, producer, nbytes, _ in self.grads[s]:
+        for idx, n, producer, nbytes, _, per_step in self.grads[s]:
             counts = self.slot_count[idx]
-            counts[m] += 1
-            if counts[m] == n:  # the last consumer on this GPU: send the summed gradient
+            at = m // self.m if per_step else m  # a step's gradients are counted together
+            counts[at] += 1
+            if counts[at] == n:  # the last consumer on this GPU: send the summed gradient
                 arrive = self._send(g, self.gpu[producer], nbytes, t)
+                to = self.last_b[(producer, at)] if per_step else m
                 self._arrive(
                     self.bcount[producer],
                     self.btime[producer],
-                    m,
+                    to,
                     arrive,
                     self.need_b[producer],
-                    ("B", producer, m),
+                    ("B", producer, to),
                 )
 
     def _finish_w(self, g: int, a, start: float, t: float) -> None:

@@ -11,7 +11,9 @@ a schedule that splits the backward runs B for bwd_s - wgrad_s and W for wgrad_s
 A tensor crossing to another GPU goes once per destination GPU over that directed link,
 one tensor at a time, while compute goes on; a gradient goes back once per consumer GPU.
 A weight read by several stages is one such tensor, sent by its owner with every
-micro-batch. Stages on one GPU hand over for free. Under a synchronous schedule every
+micro-batch, or under a synchronous schedule (where it changes only at the step) once per
+step, its gradient summed over the step coming back once, as the runtime does. Stages on one
+GPU hand over for free. Under a synchronous schedule every
 GPU's optimizer steps wait for the slowest GPU (the flush, and one gradient norm); under
 the asynchronous one every stage steps at its own pace. With replicas (data parallelism) one
 replica is timed, its links and the all-reduce of each stage's gradients modelled by
@@ -83,7 +85,8 @@ def simulate(
         validate(lists, StageGraph.of(infos, consumers), sched, m, run_steps)
     except ScheduleError as e:
         raise FtpipeError(f"schedule {name}: {e}") from None
-    run = EventLoop(plan, lists, groups, m * run_steps, min(steps, TIMELINE_STEPS), m)
+    once = frozenset(p.name for p in plan.params) if sched.synchronous else frozenset()
+    run = EventLoop(plan, lists, groups, m * run_steps, min(steps, TIMELINE_STEPS), m, once)
     run.go()
 
     ends = [max(run.step_end[g].get(k, 0.0) for g in lists) for k in range(steps)]

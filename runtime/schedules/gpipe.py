@@ -1,6 +1,11 @@
 """GPipe (Huang et al., NeurIPS'19): all forwards of a step, then all backwards, then a flush.
 
-Every stage recomputes (re-materialisation) and holds the inputs of all m micro-batches.
+Every stage but the loss stage recomputes (re-materialisation) and holds the inputs of all
+m micro-batches. The loss stage keeps its activations: its forwards' graphs are the ones the
+backwards need first, and recomputing it (an LM head over the vocabulary is often the
+largest stage) would lengthen the critical path by its whole forward per micro-batch. The
+memory model counts its m micro-batches' activations, so a plan that cannot hold them does
+not fit and another is chosen.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ def stream(st: StageInfo, policy: StagePolicy, m: int, steps: int) -> list[Actio
 
 
 def policy(st: StageInfo, m: int, gpus: int) -> StagePolicy:
-    return StagePolicy(recompute=True, in_flight=m)
+    return StagePolicy(recompute=not st.is_last, in_flight=m)
 
 
 SCHEDULE = Schedule("gpipe", stream, policy, synchronous=True, doc="GPipe: F all, B all, flush")

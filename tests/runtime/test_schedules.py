@@ -214,7 +214,7 @@ def test_in_flight_and_versions_by_schedule():
                 versions,
                 delay,
             ), name
-            assert pol.recompute == (name == "gpipe" or not st.is_last)
+            assert pol.recompute == (not st.is_last)
     looped = get_schedule("wpipe").placement.chain(k)
     assert [(s.id, s.gpu, s.chunk) for s in looped] == [(p, p % k, p // k) for p in range(2 * k)]
     pols = get_schedule("wpipe").policies(looped, m)
@@ -256,7 +256,7 @@ def test_known_orders():
     assert text["gpipe"][0] == "0F0 0F1 0F2 0R2 0R1 0R0 0S0"
     assert text["1f1b"][0] == "0F0 0F1 0R0 0F2 0R1 0R2 0S0"
     assert text["1f1b"][1] == "1F0 1B0 1F1 1B1 1F2 1B2 1S0"
-    assert text["gpipe"][1] == "1F0 1F1 1F2 1R2 1R1 1R0 1S0"
+    assert text["gpipe"][1] == "1F0 1F1 1F2 1B2 1B1 1B0 1S0"  # the loss stage keeps its graphs
     # Async and 2BW: one stream across steps, a step after each 2 backwards.
     for name in ("ftpipe", "2bw"):
         assert (

@@ -43,7 +43,7 @@ def make_plan(
             fwd_s=f,
             bwd_s=b,
             recompute_s=r,
-            recompute=schedule == "gpipe" or i != k - 1,
+            recompute=i != k - 1,
             depth=depth[i],
             params=(f"w{i}", *(t for t, ss in tied_names.items() if i == ss[0])),
             inputs=(

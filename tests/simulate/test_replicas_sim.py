@@ -45,20 +45,21 @@ def replicated(plan, replicas: int, per_node: int, orientation="pipeline", grads
 
 
 def test_one_bucket_is_summed_after_the_last_backward():
-    """One stage, GPipe: the step is m forwards, m recomputing backwards, then the ring."""
+    """One stage, GPipe: the step is m forwards, m backwards (the loss stage keeps its
+    activations: no recompute), then the ring."""
     f, b, r, m = 0.1, 0.2, 0.1, 4
     plan = make_plan([(f, b, r)], schedule="gpipe", micro_batches=m)
     for per_node, link in ((2, INTRA), (1, INTER)):  # replicas in one node, or two nodes
         sim = simulate(replicated(plan, 2, per_node), steps=6)
         ring = ring_allreduce_s(10 * MB, 2, link.bandwidth, link.latency_s)
-        assert sim.step_time_s == pytest.approx(m * (f + b + r) + ring, rel=1e-9)
+        assert sim.step_time_s == pytest.approx(m * (f + b) + ring, rel=1e-9)
         assert sim.samples_per_s == pytest.approx(2 * m * 2 / sim.step_time_s)  # 2 replicas
         assert sim.replicas == 2
 
 
 @pytest.mark.parametrize("b", [0.01, 0.4])
 def test_buckets_overlap_the_last_backward(b):
-    """Four buckets appear a quarter of the last backward apart (after its recompute); each
+    """Four buckets appear a quarter of the last backward apart; each
     starts when ready and after the one before: a slow network queues them all behind the
     first, a fast one leaves only the last exposed."""
     f, r, m = 0.1, 0.1, 2
@@ -66,7 +67,9 @@ def test_buckets_overlap_the_last_backward(b):
     plan = replicated(make_plan([(f, b, r)], schedule="gpipe", micro_batches=m), 2, 2,
                       grads=(size,) * 4)  # fmt: skip
     ring = ring_allreduce_s(size, 2, INTRA.bandwidth, INTRA.latency_s)
-    grads_from = m * f + (m - 1) * (b + r) + r  # the last backward starts its gradients
+    # The last backward starts its gradients (the one stage computes the loss: it keeps its
+    # activations under GPipe, no recompute).
+    grads_from = m * f + (m - 1) * b
     if ring > b / 4:
         end = grads_from + b / 4 + 4 * ring
     else:

@@ -16,7 +16,9 @@ from ftpipe_compiler.simulate import SimResult, simulate
 @pytest.mark.parametrize("k", [2, 4, 8])
 @pytest.mark.parametrize("m", [1, 4, 8, 16])
 def test_gpipe_bubble_is_k_minus_1_over_m_plus_k_minus_1(plan_factory, k, m):
-    plan = plan_factory([(1.0, 2.0, 1.0)] * k, schedule="gpipe", micro_batches=m)
+    # Recompute costs nothing here, so every stage's backward takes 3 s whether it recomputes
+    # or not (the loss stage does not): the stages are equal, as the formula assumes.
+    plan = plan_factory([(1.0, 3.0, 0.0)] * k, schedule="gpipe", micro_batches=m)
     one_step = simulate(plan, steps=1)  # the whole step, flush included
     assert one_step.bubble_fraction == pytest.approx((k - 1) / (m + k - 1), rel=0.01)
     # Every step after it flushes the same way.
@@ -138,12 +140,18 @@ def test_memory_is_the_plan_memory_model_with_the_schedule_in_flight(plan_factor
 
 
 def test_other_schedule_recomputes_per_that_schedule(plan_factory):
-    # Planned for ftpipe (loss stage does not recompute); under gpipe every stage recomputes.
+    # The plan's flags say nobody recomputes; under gpipe all but the loss stage do.
     plan = plan_factory([(1.0, 2.0, 1.0)] * 3, schedule="ftpipe", micro_batches=2)
+    plan = plan.with_(stages=tuple(replace(s, recompute=False) for s in plan.stages))
     result = simulate(plan, "gpipe", steps=1)
-    assert result.step_time_s == pytest.approx((2 + 3 - 1) * 4.0)
-    backward = [e for e in result.timeline if e.stage == 2 and e.kind in "BR"]
-    assert {e.kind for e in backward} == {"R"}
+    # Forwards end at 4; the loss stage's backwards (2 s each, no recompute) at 8; stage 1
+    # recomputes and backpropagates (3 s each) micro-batch 1 from 6 to 9 and 0 until 12;
+    # stage 0 the same 3 s later: 15.
+    assert result.step_time_s == pytest.approx(15.0)
+    kinds = {
+        s: {e.kind for e in result.timeline if e.stage == s and e.kind in "BR"} for s in (0, 2)
+    }
+    assert kinds == {0: {"R"}, 2: {"B"}}
 
 
 def test_step_and_throughput_figures(plan_factory):
@@ -181,3 +189,20 @@ def test_2bw_and_wpipe_run_at_the_busiest_gpus_work_on_uniform_stages(plan_facto
     for plan in (two_bw, wpipe):
         result = simulate(plan, steps=10)
         assert result.step_time_s == pytest.approx(plan.period_s * m, rel=1e-9), plan.schedule
+
+
+def test_a_tied_weight_goes_once_per_step_under_a_synchronous_schedule(plan_factory):
+    """As the runtime sends it: the weight with the owner's first forward of the step, its
+    gradient summed after the reader's last backward, waited for by the owner's last only."""
+    costs, m = [(1.0, 2.0, 0.0)] * 2, 2
+    # Activations free, the 10,000-byte weight 10 s on the link.
+    plan = plan_factory(costs, micro_batches=m, tied=[(0, 1)], tied_bytes=10_000, bandwidth=1e3)
+    sync = simulate(plan, "gpipe", steps=1)
+    # GPU 0: F0 [0, 1], F1 [1, 2], the weight arrives at 11; GPU 1: F0, F1 [11, 13], B1, B0
+    # [13, 17], the summed gradient arrives at 27; GPU 0: B1 [15, 17], B0 [27, 29].
+    assert sync.step_time_s == pytest.approx(29.0)
+    assert [g.bytes_sent for g in sync.gpus] == [10_000, 10_000]
+    owner = sorted((e.mb, e.start) for e in sync.timeline if e.stage == 0 and e.kind in "BR")
+    assert owner == [(0, pytest.approx(27.0)), (1, pytest.approx(15.0))]
+    each = simulate(plan, "ftpipe", steps=4)  # asynchronous: with every micro-batch
+    assert [g.bytes_sent for g in each.gpus] == [m * 10_000, m * 10_000]
