@@ -13,6 +13,7 @@ from ftpipe_runtime.atomic import check_writable_file
 from ftpipe_runtime.schedules import SCHEDULES
 
 from .cli import cli, echo_json
+from .partition import remat
 from .partition.plan import Plan
 from .simulate import compare, simulate, table
 from .simulate.report import write_report
@@ -85,7 +86,7 @@ def simulate_command(plan_files, schedule, micro_batches, steps, report, as_json
         )
         write_report(report, plan, result, command)
     if as_json:
-        echo_json(result.summary())
+        echo_json({**result.summary(), "remat_saved_bytes": plan.remat_saved_bytes})
         return
     model = plan.model.get("spec") or plan.model.get("name") or "plan"
     hardware = plan.model.get("hardware") or "GPUs"
@@ -101,6 +102,10 @@ def simulate_command(plan_files, schedule, micro_batches, steps, report, as_json
     )
     click.echo(f"  samples/s   {result.samples_per_s:10.2f}")
     click.echo(f"  bubble      {100 * result.bubble_fraction:10.1f} %")
+    sent = sum(g.bytes_sent for g in result.gpus)
+    click.echo(f"  sent        {sent / 1e6:10.2f} MB per step (all GPUs)")
+    if remat.describe(plan):
+        click.echo(f"  {remat.describe(plan)}")
     click.echo("\n  GPU   busy   memory GiB / capacity   stages")
     for g in result.gpus:
         flag = "  over capacity" if not g.fits else ""

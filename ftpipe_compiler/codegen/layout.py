@@ -10,7 +10,9 @@ in two ways the runtime must see:
 - a tuple never crosses: the `getitem` that picks an element runs in the producing stage and
   the element is sent (tensors go over the wire, tuples do not);
 - a parameter read by several stages is a wire too, named by the parameter: its owner (the
-  plan's, the lowest stage reading it) holds it and sends it, the others receive it.
+  plan's, the lowest stage reading it) holds it and sends it, the others receive it;
+- a node a stage recomputes (the plan's `copies`: partition/remat) is computed in that stage
+  as well as in its own, so its values do not cross to that stage.
 """
 
 from __future__ import annotations
@@ -76,11 +78,15 @@ def layout(traced: Traced, graph: OpGraph, plan: Plan) -> Layout:
     by_name = {n.name: n for n in fx_graph.nodes}
     stage_of: dict[str, int] = {}
     node_of: dict[str, str] = {}  # traced value -> graph node id
+    copies_of: dict[str, set[int]] = {}  # traced value -> stages recomputing it
     for st in plan.stages:
         for nid in st.nodes:
             for member in graph.node[nid].members:
                 stage_of[member] = st.id
                 node_of[member] = nid
+        for nid in st.copies:
+            for member in graph.node[nid].members:
+                copies_of.setdefault(member, set()).add(st.id)
     out = next(n for n in fx_graph.nodes if n.op == "output")
     loss = out.args[0][0]
     if stage_of.get(loss.name) != plan.loss_stage:
@@ -92,6 +98,10 @@ def layout(traced: Traced, graph: OpGraph, plan: Plan) -> Layout:
             src = n.args[0]
             if src.name in stage_of and stage_of[src.name] != stage_of[n.name]:
                 stage_of[n.name] = stage_of[src.name]
+            if src.name in copies_of:  # an element of a recomputed tuple: recomputed too
+                copies_of.setdefault(n.name, set()).update(copies_of[src.name])
+    for name, where in copies_of.items():
+        where.discard(stage_of.get(name))
     missing = [m for m in stage_of if m not in by_name]
     if missing:
         raise FtpipeError(f"the plan names traced values {missing[:3]} the program does not have")
@@ -104,10 +114,13 @@ def layout(traced: Traced, graph: OpGraph, plan: Plan) -> Layout:
     owner = {p.name: p.stages[0] for p in plan.params if p.stages}
     producers: dict[str, set[int]] = {}
     readers: dict[str, set[int]] = {}  # parameter -> stages receiving it from its owner
-    for n in fx_graph.nodes:
-        if n.name not in stage_of:
-            continue
-        s = stage_of[n.name]
+    runs = (
+        (n, s)
+        for n in fx_graph.nodes
+        if n.name in stage_of
+        for s in (stage_of[n.name], *sorted(copies_of.get(n.name, ())))
+    )
+    for n, s in runs:
         st = stages[s]
         st.nodes.append(n)
         for a in _args(n):
@@ -124,7 +137,7 @@ def layout(traced: Traced, graph: OpGraph, plan: Plan) -> Layout:
                 if name not in bucket:
                     bucket.append(name)
             elif a.op == "call_function":
-                t = stage_of[a.name]
+                t = s if s in copies_of.get(a.name, ()) else stage_of[a.name]
                 if t > s:
                     raise FtpipeError(f"stage {s} reads {a.name} from the later stage {t}")
                 if t != s:

@@ -80,6 +80,7 @@ def problem_from_graph(
         micro_batches=micro_batches,
         seed=seed,
         precision=PRECISIONS[meta.get("precision", "fp32")],  # what the graph was traced for
+        rematerialise=True,
     )
 
 

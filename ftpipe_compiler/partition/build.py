@@ -13,6 +13,7 @@ from ftpipe_runtime.schedules import StageInfo, with_chunks
 from ..errors import FtpipeError
 from .plan import Plan, PlanParam, Stage, Transfer
 from .problem import Problem
+from .remat import rematerialised
 
 
 def build_plan(
@@ -27,26 +28,31 @@ def build_plan(
     missing = [n.id for n in graph.nodes if n.id not in stage_of]
     if missing:
         raise FtpipeError(f"{partitioner}: {len(missing)} nodes have no stage (e.g. {missing[0]})")
+    # Cheap tensors computed from inputs and weights alone: recomputed where read, not sent.
+    copied = rematerialised(graph, stage_of, problem.bandwidth) if problem.rematerialise else {}
     # Stage graph and a deterministic topological numbering. Ties keep the caller's order, so
     # stages a Layout numbered topologically keep their numbers (and parameters their owners).
     sg = nx.DiGraph()
     sg.add_nodes_from(stage_of[n.id] for n in graph.nodes)
     for e in graph.edges:
         a, b = stage_of[e.src], stage_of[e.dst]
-        if a != b:
+        if a != b and e.src not in copied.get(b, ()):
             sg.add_edge(a, b)
     if not nx.is_directed_acyclic_graph(sg):
         raise FtpipeError(f"{partitioner} produced a cyclic stage graph")
     order = list(nx.lexicographical_topological_sort(sg, key=lambda s: s))
     renum = {old: new for new, old in enumerate(order)}
     sid = {n: renum[s] for n, s in stage_of.items()}
+    copies = {renum[s]: sorted(ids, key=graph.index.get) for s, ids in copied.items()}
     loss_stage = sid[graph.output]
     readers: dict[str, list[int]] = {}  # parameter -> stages reading it, the owner first
-    for n in graph.nodes:
+    runs = [(sid[n.id], n) for n in graph.nodes]
+    runs += [(s, graph.node[i]) for s, ids in copies.items() for i in ids]
+    for s, n in runs:
         for p in n.params:
             readers.setdefault(p, [])
-            if sid[n.id] not in readers[p]:
-                readers[p].append(sid[n.id])
+            if s not in readers[p]:
+                readers[p].append(s)
     for r in readers.values():
         r.sort()
     rg = nx.relabel_nodes(sg, renum)
@@ -62,16 +68,23 @@ def build_plan(
     for n in graph.nodes:
         members[sid[n.id]].append(n.id)
     consumers: dict[str, set[int]] = {}
+    readers_of: dict[str, set[int]] = {}  # the same, counting the stages that recompute it
     for e in graph.edges:
         if sid[e.src] != sid[e.dst]:
-            consumers.setdefault(e.src, set()).add(sid[e.dst])
+            readers_of.setdefault(e.src, set()).add(sid[e.dst])
+            if e.src not in copied.get(stage_of[e.dst], ()):
+                consumers.setdefault(e.src, set()).add(sid[e.dst])
     input_bytes = {i.name: i.bytes for i in graph.inputs}
     shared = [p for p in graph.params if len(readers.get(p.name, ())) > 1]  # sent by the owner
 
     stages = []
     for s, ids in members.items():
-        nodes = [graph.node[i] for i in ids]
-        ins = sorted({p for i in ids for p in graph.preds[i] if sid[p] != s}, key=graph.index.get)
+        mine = copies.get(s, [])
+        local = set(ids) | set(mine)
+        nodes = [graph.node[i] for i in (*ids, *mine)]
+        ins = sorted(
+            {p for i in ids for p in graph.preds[i] if p not in local}, key=graph.index.get
+        )
         got = [p for p in shared if s in readers[p.name][1:]]
         model_inputs = tuple(dict.fromkeys(x for n in nodes for x in n.inputs))
         stages.append(
@@ -100,6 +113,7 @@ def build_plan(
                 + sum(p.bytes for p in got)
                 + sum(input_bytes[x] for x in model_inputs),
                 act_bytes=sum(n.act_bytes for n in nodes),
+                copies=tuple(mine),
             )
         )
     transfers = tuple(
@@ -138,8 +152,15 @@ def build_plan(
         )
         for p in graph.params
     )
+    gpu = {s: gpu_of[order[s]] for s in range(len(order))}
+    saved = 0  # per micro-batch: what no longer crosses to a GPU (and its gradient back)
+    for t, cs in readers_of.items():
+        n = graph.node[t]
+        gone = {gpu[c] for c in cs} - {gpu[c] for c in consumers.get(t, ())} - {gpu[sid[t]]}
+        saved += n.out_bytes * (2 if n.requires_grad else 1) * len(gone)
     return Plan(
         partitioner=partitioner,
+        remat_saved_bytes=saved,
         gpus=problem.gpus,
         schedule=problem.schedule,
         micro_batches=problem.micro_batches,

@@ -56,6 +56,9 @@ class Stage:
     input_bytes: int  # per micro-batch: transfers received + model inputs
     act_bytes: int  # per micro-batch: activations kept for backward without recompute
     wgrad_s: float = 0.0  # the part of bwd_s a split backward's W runs (weight gradients)
+    # Nodes of other stages it recomputes instead of receiving their outputs (partition/remat;
+    # their costs are in the figures above), in graph order.
+    copies: tuple[str, ...] = ()
 
     @property
     def compute_s(self) -> float:
@@ -111,6 +114,9 @@ class Plan:
     replicas: int = 1
     placement: tuple[tuple[int, int], ...] = ()
     cluster: Cluster | None = None  # the nodes and links the plan was made for
+    # Per micro-batch: bytes (activations and their gradients) that stages' `copies` keep
+    # from crossing between GPUs (partition/remat); the weights the copies read travel instead.
+    remat_saved_bytes: int = 0
     version: str = __version__
 
     # --- where the ranks are ---

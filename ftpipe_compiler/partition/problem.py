@@ -35,6 +35,9 @@ class Problem:
     precision: Precision = FP32
     recompute: bool = True  # False: every stage keeps its activations (where the schedule may)
     link_bandwidth: float = 0.0  # between the pipeline's GPUs; 0: the hardware's
+    # Stages recompute cheap tensors made from inputs and weights alone instead of receiving
+    # them (partition/remat): on for real models (`problem_from_graph`, the planner).
+    rematerialise: bool = False
 
     def __post_init__(self):
         if self.gpus < 1:

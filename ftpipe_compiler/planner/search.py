@@ -210,7 +210,7 @@ def plan_shape(graph_for: Callable[[int], object], cluster: Cluster, space: Spac
             problem = Problem(
                 g, c.gpus, hw, c.schedule, space.optimizer,
                 micro_batches=c.micro_batches, seed=space.seed, recompute=c.recompute,
-                link_bandwidth=cluster.intra_node.bandwidth,
+                link_bandwidth=cluster.intra_node.bandwidth, rematerialise=True,
                 precision=PRECISIONS[(g.meta or {}).get("precision", "fp32")],  # as traced
             )  # fmt: skip
         except FtpipeError as e:  # too few micro-batches for the schedule, and the like

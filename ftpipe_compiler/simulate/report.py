@@ -16,6 +16,7 @@ from ftpipe_runtime.atomic import write_atomic
 
 from .. import resources
 from ..partition.plan import Plan
+from ..partition.remat import describe as describe_remat
 from ..version import __version__
 from .result import SimResult
 
@@ -168,6 +169,8 @@ def render_report(plan: Plan, result: SimResult, command: str = "") -> str:
         competitor_keys=keys,
         competitors=[[_cell(c.get(k, "")) for k in keys] for c in plan.competitors],
         gib=lambda b: f"{b / 2**30:.2f}",
+        sent_mb=sum(g.bytes_sent for g in result.gpus) / 1e6,
+        remat=describe_remat(plan),
     )
 
 

@@ -4,7 +4,9 @@ Plans are Mixed-style: GPT-2 in 3 stages on 2 ranks (stages 0 and 2 on rank 0, a
 from stage 0 to stage 2, the tied embedding handed from stage 0 to the LM head of stage 2 on
 the same rank); T5 in 4 stages (the encoder output goes from stage 1 to stages 2 and 3 on
 both ranks, the shared embedding goes from stage 0 to readers on both ranks); Llama in 4
-stages in a V (ranks 0, 1, 1, 0), ZB-V's placement.
+stages in a V (ranks 0, 1, 1, 0), ZB-V's placement. "t5-remat" is T5 cut the same way over a
+slow link, so its later stages recompute the position biases and masks (partition/remat)
+and receive the relative-attention-bias weights instead.
 """
 
 from __future__ import annotations
@@ -29,8 +31,15 @@ from ftpipe_compiler.partition.problem import Problem  # noqa: E402
 from ftpipe_compiler.profiling import costed_graph  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
-STAGES_OF = {"gpt2-tiny": 3, "t5-tiny": 4, "llama-tiny": 4}
-GPU_OF = {"gpt2-tiny": (0, 1, 0), "t5-tiny": (0, 1, 0, 1), "llama-tiny": (0, 1, 1, 0)}
+STAGES_OF = {"gpt2-tiny": 3, "t5-tiny": 4, "llama-tiny": 4, "t5-remat": 4}
+GPU_OF = {
+    "gpt2-tiny": (0, 1, 0),
+    "t5-tiny": (0, 1, 0, 1),
+    "llama-tiny": (0, 1, 1, 0),
+    "t5-remat": (0, 1, 0, 1),
+}
+BASE = {"t5-remat": "t5-tiny"}  # package name -> the model it is
+SLOW_LINK = {"t5-remat": 1e3}  # bytes/s: everything made from inputs and weights is recomputed
 
 
 @functools.cache
@@ -43,11 +52,19 @@ def packages(tmp_path_factory):
     """model -> (package folder, its plan, the model's initial state dict file)."""
     out = {}
     for model, k in STAGES_OF.items():
-        spec, _, traced, graph = _costed(model)
+        spec, _, traced, graph = _costed(BASE.get(model, model))
         n = len(graph.nodes)
         stage_of = {node.id: i * k // n for i, node in enumerate(graph.nodes)}
-        problem = Problem(graph, gpus=2, hardware=get_hardware("rtx2080ti"), memory_bytes=2**50)
+        problem = Problem(
+            graph,
+            gpus=2,
+            hardware=get_hardware("rtx2080ti"),
+            memory_bytes=2**50,
+            link_bandwidth=SLOW_LINK.get(model, 0.0),
+            rematerialise=model in SLOW_LINK,
+        )
         plan = build_plan(problem, stage_of, dict(enumerate(GPU_OF[model])), "test")
+        assert any(s.copies for s in plan.stages) == (model in SLOW_LINK)
         folder = tmp_path_factory.mktemp(model)
         pkg = generate_package(traced, graph, plan, spec, folder, command="pytest")
         init = folder / "init.pt"
@@ -67,7 +84,7 @@ def _launch(run_pipeline, packages, model, schedule, steps, tmp_path, extra=()):
 
 
 def _train_hf(model, plan, steps, optimizer, lr, clip):
-    hf = _costed(model)[0].build("cpu", dropout=0.0, seed=0).m
+    hf = _costed(BASE.get(model, model))[0].build("cpu", dropout=0.0, seed=0).m
     opt = make_optimizer(optimizer, hf.parameters(), lr)
     data, m = make_data(plan["model"], None, 0), plan["micro_batches"]
     losses = []
@@ -90,7 +107,7 @@ def _adam_noisy(model, plan) -> dict[str, torch.Tensor]:
     """name -> elements whose first gradient (the same under every schedule) is not zero but
     far below Adam's eps (1e-8): Adam moves them by lr * g / (|g| + eps), so the rounding of g
     (the pipeline sums in another order) shows in them, up to lr. Elsewhere it does not."""
-    hf = _costed(model)[0].build("cpu", dropout=0.0, seed=0).m
+    hf = _costed(BASE.get(model, model))[0].build("cpu", dropout=0.0, seed=0).m
     data, m = make_data(plan["model"], None, 0), plan["micro_batches"]
     for mb in range(m):
         loss = hf(**{n: data.get(n, mb) for n in plan["model"]["inputs"]}, use_cache=False).loss
@@ -115,6 +132,7 @@ def _assert_params_close(got, want, noisy, lr, name):
         ("gpt2-tiny", "zb1p"),
         ("t5-tiny", "interleaved"),
         ("llama-tiny", "zbv"),
+        ("t5-remat", "gpipe"),
     ],
 )
 def test_sync_package_matches_the_model(run_pipeline, packages, tmp_path, model, schedule):
@@ -138,7 +156,7 @@ def test_sync_package_matches_the_model(run_pipeline, packages, tmp_path, model,
 ADAM = ["--optimizer", "adam", "--lr", "0.01", "--clip", "0"]  # the references' settings
 
 
-@pytest.mark.parametrize("model", ["gpt2-tiny", "t5-tiny"])
+@pytest.mark.parametrize("model", ["gpt2-tiny", "t5-tiny", "t5-remat"])
 def test_ftpipe_package_follows_the_stale_rule(run_pipeline, packages, tmp_path, model):
     steps, lr = 3, 0.01
     log, params = _launch(run_pipeline, packages, model, "ftpipe", steps, tmp_path, ADAM)
