@@ -16,7 +16,8 @@ from .cli import cli, echo_json
 from .partition import remat
 from .partition.plan import Plan
 from .simulate import compare, simulate, table
-from .simulate.report import write_report
+from .simulate.measured import load_measured
+from .simulate.report import compare_line, write_report
 
 
 @cli.command("simulate")
@@ -47,8 +48,16 @@ from .simulate.report import write_report
     default=None,
     help="Write an HTML report (timeline, memory and utilisation per GPU) here.",
 )
+@click.option(
+    "--compare",
+    "trace",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="A run's trace (the package's --trace FILE): its measured step time and timeline "
+    "beside the simulated ones (its schedule and micro-batches unless given).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def simulate_command(plan_files, schedule, micro_batches, steps, report, as_json):
+def simulate_command(plan_files, schedule, micro_batches, steps, report, trace, as_json):
     """Simulate a plan: step time, samples/s, bubble, and per GPU busy time and memory.
 
     With several plans or schedules, print them side by side instead."""
@@ -65,7 +74,13 @@ def simulate_command(plan_files, schedule, micro_batches, steps, report, as_json
         if len(plan_files) > 1 or len(names) > 1:
             raise click.UsageError("--report draws one plan under one schedule; give one of each")
         check_writable_file(report, "the report")  # before the simulation, not after
+    if trace and (len(plan_files) > 1 or len(names) > 1):
+        raise click.UsageError("--compare sets one run beside one plan under one schedule")
     plans = [(f, Plan.load(f)) for f in plan_files]
+    run = load_measured(trace, plans[0][1].gpus) if trace else None
+    if run is not None:  # simulate what ran
+        names = [names[0] or run.schedule or None]
+        micro_batches = micro_batches or run.micro_batches
     if len(plans) > 1 or len(names) > 1:
         runs = [(f, plan, name or plan.schedule) for f, plan in plans for name in names]
         rows = compare(runs, steps, micro_batches)
@@ -84,9 +99,10 @@ def simulate_command(plan_files, schedule, micro_batches, steps, report, as_json
             + ([f"--micro-batches {micro_batches}"] if micro_batches else [])
             + [f"--steps {steps}", f"--report {report}"]
         )
-        write_report(report, plan, result, command)
+        write_report(report, plan, result, command, run)
     if as_json:
-        echo_json({**result.summary(), "remat_saved_bytes": plan.remat_saved_bytes})
+        extra = {"measured": run.summary(), "error": run.error(result)} if run else {}
+        echo_json({**result.summary(), "remat_saved_bytes": plan.remat_saved_bytes, **extra})
         return
     model = plan.model.get("spec") or plan.model.get("name") or "plan"
     hardware = plan.model.get("hardware") or "GPUs"
@@ -106,6 +122,8 @@ def simulate_command(plan_files, schedule, micro_batches, steps, report, as_json
     click.echo(f"  sent        {sent / 1e6:10.2f} MB per step (all GPUs)")
     if remat.describe(plan):
         click.echo(f"  {remat.describe(plan)}")
+    if run is not None:
+        click.echo(f"  {compare_line(run, result)}")
     click.echo("\n  GPU   busy   memory GiB / capacity   stages")
     for g in result.gpus:
         flag = "  over capacity" if not g.fits else ""

@@ -26,6 +26,7 @@ the window bounds the memory that costs (`--post-ahead` MB).
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -83,6 +84,7 @@ class Comm:
     ):
         self.rank, self.world, self.device = rank, world, torch.device(device)
         self.ahead_bytes = ahead_bytes
+        self.waited = 0.0  # seconds spent in `wait`
         self.timeout = timedelta(seconds=timeout_s)
         self.flow, self.spec_of = flow, spec_of
         self.replicas, self.replica = replicas, replica
@@ -254,11 +256,15 @@ class Comm:
         return self.groups[ranks]
 
     def wait(self, work, what: str) -> None:
-        """Wait for `work` at most the timeout; a peer that stopped is a PeerFailure."""
+        """Wait for `work` at most the timeout; a peer that stopped is a PeerFailure. The
+        seconds add up in `waited` (a trace tells an action's waits from its compute)."""
+        t = time.perf_counter()
         try:
             work.wait(timeout=self.timeout)
         except Exception as e:  # noqa: BLE001 - gloo and NCCL raise several types
             raise PeerFailure(f"gave up {what}: {_short(e)}") from e
+        finally:
+            self.waited += time.perf_counter() - t
 
 
 def _short(e: Exception) -> str:

@@ -37,6 +37,7 @@ import torch
 from .errors import PipelineConfigError
 from .schedules import Versions
 from .split_backward import backward_input, backward_weight
+from .trace import Tracer
 
 
 class Executor:
@@ -60,6 +61,7 @@ class Executor:
         self.seed = seed
         self.loss_scale = lambda: 1.0  # fp16: the loss multiplier (precision.MixedPrecision)
         self.grad_sync = None  # with replicas: a GradSync summing each step's gradients
+        self.tracer = Tracer()  # the hook around every action (a profiler range; --trace rows)
         self.start = time.perf_counter()
         self.acts = Outputs(topo, rank, comm, "act", flow)
         self.grads: dict[tuple[str, int], torch.Tensor] = {}  # flow.slot -> summed gradient
@@ -87,7 +89,8 @@ class Executor:
             )
         for i, item in enumerate(items):
             self.now = item
-            self.handlers[item.action.kind](i, item.action)
+            with self.tracer.action(item.action):
+                self.handlers[item.action.kind](i, item.action)
             if after is not None:
                 after(i, item)
 

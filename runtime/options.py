@@ -166,6 +166,12 @@ def parse_args(argv, plan: dict) -> argparse.Namespace:
     p.add_argument("--init-method", default="env://", help="torch.distributed rendezvous")
     p.add_argument("--log-json", default=None, help="write losses and checksums here (rank 0)")
     p.add_argument(
+        "--trace",
+        default=None,
+        help="write every rank's action start and end times here (rank 0; JSON for "
+        "`ftpipe simulate plan.json --compare`)",
+    )
+    p.add_argument(
         "--log-dir", default=None, help="log.jsonl and TensorBoard scalars (where installed)"
     )
     p.add_argument(

@@ -51,6 +51,7 @@ from .schedules import Timeline, resolve_schedule
 from .stages import build_stages, load_init
 from .stepping import Stepper
 from .topology import Topology, read_plan
+from .trace import Tracer, write_trace
 
 
 def run(plan: dict | str | os.PathLike, stages: dict, argv: list[str] | None = None) -> dict:
@@ -238,6 +239,8 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
             _die(f"ftpipe rank {rank}: FTPIPE_FAULT stops this rank", 3)
 
     _barrier(world, "starting")
+    executor.tracer = tracer = Tracer(comm, keep=bool(args.trace))
+    tracer.start()
     listener = None
     if rank == 0 and reps.count > 1:  # every replica's losses, one step's together
         heads = [reps.rank(r, loss_rank) for r in range(reps.count)]
@@ -268,6 +271,12 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
             raise PeerFailure(f"rank 0 gave up waiting for the losses of the loss stage: {why}")
     comm.finish()
     wall = time.perf_counter() - start
+    if args.trace:  # every rank's actions, written by rank 0
+        mine = {"rank": rank, "gpu": gpu, "replica": replica, "actions": tracer.rows}
+        ranks = _all_gather(mine, world)
+        if rank == 0:
+            meta = {"schedule": name, "micro_batches": m, "steps": args.steps, "first": first}
+            write_trace(args.trace, ranks, meta)
     progress.close()
     if exporter is not None:  # every rank sends its tensors, rank 0 writes the folder
         _barrier(world, "saving the HuggingFace folder")
@@ -301,6 +310,8 @@ def _prepare(plan, stage_classes, args, where, topo, ckpt, device, precision, sa
     rank, gpu = where
     if args.log_json and rank == 0:
         check_writable_file(args.log_json, "--log-json")
+    if args.trace and rank == 0:
+        check_writable_file(args.trace, "--trace")
     if args.save_every:
         _check_folder(ckpt.root)
         if not args.resume:

@@ -1,71 +1,28 @@
 """How long each action of a run really took, to set beside the profile the simulator used.
 
-    rows = record_actions()          # in a rank, before ftpipe_runtime.run(...)
-    save_actions(rows, "run.rank0.actions.json")
-    per_stage = summarise(load_actions(paths), micro_batches=4, timed=range(1, 5))
+    rows = load_actions(["run.json.trace.json"])       # the runs' `--trace` files
+    per_stage = summarise(rows, micro_batches=4, timed=range(1, 5))
 
-Wraps the executor's forward / backward / step and the waits inside them (receives, the
-all-reduces of a step): an action's *compute* is its duration less those waits, the figure
-the profile predicts (fwd_s; bwd_s + recompute_s; nothing for a step). These are runtime
-internals: if they change shape, `record_actions` returns None and the run goes on untimed.
+A trace row is (kind, stage, mb, start, end, waited): `waited` is the time the action spent
+in receives and collectives, so an action's *compute* is its duration less it, the figure
+the profile predicts (fwd_s; bwd_s + recompute_s; nothing for a step). A backward that
+recomputes (kind R in the trace) counts as a backward here.
 """
 
 from __future__ import annotations
 
-import json
-import time
 from collections import defaultdict
 
-from ftpipe_runtime.atomic import write_atomic
-
-
-def record_actions() -> list | None:
-    """Start recording (kind, stage, mb, start, end, waited) rows; None if not possible."""
-    from ftpipe_runtime import comm, executor
-
-    cls, link = executor.Executor, comm.Comm
-    methods = {"F": "forward", "B": "backward", "S": "step"}
-    if not all(hasattr(cls, m) for m in methods.values()) or not hasattr(link, "recv"):
-        return None
-    rows: list = []
-    waited = [0.0]
-
-    def waiting(fn):
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                waited[0] += time.perf_counter() - t0
-
-        return wrapper
-
-    def timed(kind, fn):
-        def wrapper(self, i, a):
-            waited[0] = 0.0
-            t0 = time.perf_counter()
-            fn(self, i, a)
-            rows.append((kind, a.stage, a.mb, t0, time.perf_counter(), waited[0]))
-
-        return wrapper
-
-    for name in ("recv", "all_reduce"):
-        if hasattr(link, name):
-            setattr(link, name, waiting(getattr(link, name)))
-    for kind, name in methods.items():
-        setattr(cls, name, timed(kind, getattr(cls, name)))
-    return rows
-
-
-def save_actions(rows: list, path) -> None:
-    write_atomic(path, json.dumps(rows))
+from ftpipe_runtime.trace import read_trace
 
 
 def load_actions(paths) -> list:
+    """Every rank's rows of the first replica, from the runs' trace files."""
     rows = []
     for p in paths:
-        with open(p) as f:
-            rows += json.load(f)
+        for rank in read_trace(p)["ranks"]:
+            if rank.get("replica", 0) == 0:
+                rows += [["B" if r[0] == "R" else r[0], *r[1:]] for r in rank["actions"]]
     return rows
 
 

@@ -6,9 +6,8 @@
 Rank 0 writes the runtime's summary to --result with `step_ends_s`: the seconds from the
 start of training to the end of each step's forwards on the loss stage. The runtime logs
 those per step but its summary keeps only their average, and a benchmark wants the spread,
-so this wraps `Progress.loss` (the one hook that sees them) before calling `run`. With
---actions, every rank also writes how long each of its actions took (`bench_actions`) to
-RESULT.rank<r>.actions.json.
+so this wraps `Progress.loss` (the one hook that sees them) before calling `run`. How long
+each action took comes from the runtime's own hook (`--trace FILE` among its options).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import json
 import os
 import sys
 
-from bench_actions import record_actions, save_actions
 from ftpipe_runtime.atomic import write_atomic
 
 
@@ -29,7 +27,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--package", required=True, help="the generated package (importable here)")
     ap.add_argument("--result", required=True, help="JSON summary written by rank 0")
-    ap.add_argument("--actions", action="store_true", help="time every action on every rank")
     args = ap.parse_args(argv[:cut])
     runtime_argv = argv[cut + 1 :]
 
@@ -45,12 +42,8 @@ def main() -> None:
         ends[step] = progress.times[step]
 
     report.Progress.loss = loss
-    rows = record_actions() if args.actions else None
     summary = run(package.load_plan(), package.STAGES, runtime_argv)
-    rank = int(os.environ.get("RANK", 0))
-    if rows is not None:
-        save_actions(rows, f"{args.result}.rank{rank}.actions.json")
-    if rank == 0:
+    if int(os.environ.get("RANK", 0)) == 0:
         summary["step_ends_s"] = [ends[k] for k in sorted(ends)]
         write_atomic(args.result, json.dumps(summary, indent=1))
 

@@ -90,9 +90,11 @@ def run_package(
     out: Path, package: str, argv: list[str], result: Path, gpus: int = 2, actions: bool = False
 ) -> dict:
     """Train the generated package in `out` on `gpus` ranks (through the timing worker);
-    returns the runtime's summary plus `step_ends_s` (and with `actions`, `action_files`)."""
+    returns the runtime's summary plus `step_ends_s` (and with `actions`, `action_files`: the
+    run's `--trace`)."""
     args = [WORKER, "--package", package, "--result", result]
-    args += ["--actions"] if actions else []
+    trace = Path(f"{result}.trace.json")
+    argv = [*argv, "--trace", str(trace)] if actions else argv
     torchrun(
         args + ["--", "--device", "cpu", *argv],
         result.with_suffix(".log"),
@@ -101,7 +103,6 @@ def run_package(
         pythonpath=[out],
     )
     summary = json.loads(result.read_text())
-    files = [Path(f"{result}.rank{r}.actions.json") for r in range(gpus)]
-    if actions and all(f.exists() for f in files):
-        summary["action_files"] = [str(f) for f in files]
+    if actions and trace.exists():
+        summary["action_files"] = [str(trace)]
     return summary

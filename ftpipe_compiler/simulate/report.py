@@ -39,14 +39,15 @@ def _ticks(span: float, target: int = 10) -> list[float]:
     return [i * step for i in range(int(span / step) + 1)]
 
 
-def timeline(plan: Plan, result: SimResult) -> dict:
-    """Rows are GPUs; a box per action, coloured by stage: F solid, B hatched, R (recompute
-    then backward) dark and hatched, W (a split backward's weight gradients) pale; a black
-    tick where a stage takes an optimizer step."""
-    span = max((e.end for e in result.timeline), default=0.0) or 1.0
+def timeline(plan: Plan, events, prefix: str = "") -> dict:
+    """Rows are GPUs; a box per action (`events`: a SimResult's timeline, or a measured
+    run's), coloured by stage: F solid, B hatched, R (recompute then backward) dark and
+    hatched, W (a split backward's weight gradients) pale; a black tick where a stage takes
+    an optimizer step. `prefix` keeps the patterns of two drawings on one page apart."""
+    span = max((e.end for e in events), default=0.0) or 1.0
     scale = PLOT_W / span
     boxes, marks = [], []
-    for e in result.timeline:
+    for e in events:
         x = LABEL_W + e.start * scale
         y = AXIS_H + e.gpu * ROW_H
         if e.kind == "S":
@@ -61,8 +62,8 @@ def timeline(plan: Plan, result: SimResult) -> dict:
             continue
         fill = {
             "F": stage_colour(e.stage),
-            "B": f"url(#hatch{e.stage})",
-            "R": f"url(#dark{e.stage})",
+            "B": f"url(#hatch{prefix}{e.stage})",
+            "R": f"url(#dark{prefix}{e.stage})",
             "W": stage_colour(e.stage, "light"),
         }[e.kind]
         what = {
@@ -148,7 +149,8 @@ def memory_chart(plan: Plan, result: SimResult) -> dict:
     }
 
 
-def render_report(plan: Plan, result: SimResult, command: str = "") -> str:
+def render_report(plan: Plan, result: SimResult, command: str = "", measured=None) -> str:
+    """The page; with `measured` (a MeasuredRun of the same plan) its timeline beside."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(resources.templates_dir()),
         undefined=jinja2.StrictUndefined,
@@ -163,7 +165,13 @@ def render_report(plan: Plan, result: SimResult, command: str = "") -> str:
         model=plan.model.get("spec") or plan.model.get("name") or "model",
         hardware=plan.model.get("hardware", ""),
         estimate_s=plan.period_s * result.micro_batches,
-        timeline=timeline(plan, result),
+        timeline=timeline(plan, result.timeline),
+        measured=None
+        if measured is None
+        else {
+            "text": compare_line(measured, result),
+            "timeline": timeline(plan, measured.timeline, "m"),
+        },
         memory=memory_chart(plan, result),
         timeline_steps=min(result.steps, 3),
         competitor_keys=keys,
@@ -174,8 +182,17 @@ def render_report(plan: Plan, result: SimResult, command: str = "") -> str:
     )
 
 
-def write_report(path, plan: Plan, result: SimResult, command: str = "") -> None:
-    write_atomic(path, render_report(plan, result, command))
+def write_report(path, plan: Plan, result: SimResult, command: str = "", measured=None) -> None:
+    write_atomic(path, render_report(plan, result, command, measured))
+
+
+def compare_line(measured, result: SimResult) -> str:
+    """The measured step against the simulated one, for people."""
+    return (
+        f"measured {measured.step_time_s:.4f} s per step ({measured.steps} steps, "
+        f"{measured.waited_s:.4f} s of it waiting for messages over all GPUs), simulated "
+        f"{result.step_time_s:.4f} s: the simulation is {100 * measured.error(result):+.1f}% off"
+    )
 
 
 def _cell(v) -> str:

@@ -63,6 +63,7 @@ CASES = [
     ("--init of a list", {"w.pt": _pt([torch.zeros(2)])}, ["--init", "w.pt"], 1, "holds a list, not a state dict"),
     ("unwritable --log-json", {}, ["--log-json", "no/such/dir/log.json"], 1, "cannot write --log-json no/such/dir/log.json: the folder no/such/dir does not exist"),
     ("--log-json a folder", {"logs/keep": _bytes(b"x")}, ["--log-json", "logs"], 1, "cannot write --log-json logs: it is a folder"),
+    ("unwritable --trace", {}, ["--trace", "no/such/dir/trace.json"], 1, "cannot write --trace no/such/dir/trace.json: the folder no/such/dir does not exist"),
     ("checkpoint folder is a file", {"ck": _bytes(b"mine")}, ["--save-every", "1", "--checkpoint-dir", "ck"], 1, "cannot make the checkpoint folder ck"),
     ("--timeout 0", {}, ["--timeout", "0"], 2, "argument --timeout: 0 must be above 0"),
     ("--timeout -1", {}, ["--timeout", "-1"], 2, "argument --timeout: -1 must be above 0"),

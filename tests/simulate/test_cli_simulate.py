@@ -127,3 +127,53 @@ def test_a_csv_schedule_simulates_and_a_bad_one_is_refused(plan_factory, tmp_pat
     r = run(path, "--schedule", stuck)
     assert r.exit_code == 1, r.output
     assert "these action lists deadlock: GPU 0 at 0R0 waits for 1B0; GPU 1 at 1F1" in r.output
+
+
+def _trace_of(result, plan) -> dict:
+    """A trace as the package writes it, of a run that went exactly as simulated."""
+    rows = {g: [] for g in range(plan.gpus)}
+    for e in result.timeline:
+        rows[e.gpu].append([e.kind, e.stage, e.mb, e.start, e.end, 0.0])
+    return {
+        "kind": "ftpipe-trace",
+        "format": 1,
+        "schedule": result.schedule,
+        "micro_batches": result.micro_batches,
+        "steps": 3,
+        "first": 0,
+        "ranks": [{"rank": g, "gpu": g, "replica": 0, "actions": r} for g, r in rows.items()],
+    }
+
+
+def test_compare_sets_a_run_beside_the_simulation(plan_factory, tmp_path):
+    from ftpipe_compiler.simulate import simulate
+
+    path, trace, report = tmp_path / "plan.json", tmp_path / "trace.json", tmp_path / "r.html"
+    plan = plan_factory([(1.0, 3.0, 0.0)] * 3, schedule="1f1b", micro_batches=4)
+    plan.save(path)
+    # A run that went as simulated (the simulation's first 3 steps): 0% off.
+    trace.write_text(json.dumps(_trace_of(simulate(plan, "gpipe", steps=3), plan)))
+    r = run(path, "--compare", trace, "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["schedule"] == "gpipe" and data["measured"]["steps"] == 3  # the trace's
+    assert data["error"] == 0.0 or abs(data["error"]) < 1e-12
+    assert data["measured"]["step_time_s"] == data["step_time_s"]
+    # A run twice as slow: the simulation is 50% under it, in words and in the report.
+    slow = _trace_of(simulate(plan, "gpipe", steps=3), plan)
+    for rank in slow["ranks"]:
+        rank["actions"] = [[k, s, mb, 2 * a, 2 * b, w] for k, s, mb, a, b, w in rank["actions"]]
+    trace.write_text(json.dumps(slow))
+    r = run(path, "--compare", trace, "--report", report)
+    assert r.exit_code == 0, r.output
+    assert "the simulation is -50.0% off" in r.output
+    html = report.read_text()
+    assert 'id="measured"' in html and 'id="timeline"' in html and "-50.0% off" in html
+    # A trace of another plan, or not a trace: one sentence, exit 1.
+    other = _trace_of(simulate(plan, "gpipe", steps=3), plan)
+    other["ranks"] = other["ranks"][:2]
+    trace.write_text(json.dumps(other))
+    r = run(path, "--compare", trace)
+    assert r.exit_code == 1 and "the trace is of 2 GPUs, the plan has 3" in r.output
+    r = run(path, "--compare", path)
+    assert r.exit_code == 1 and "is not an ftpipe trace" in r.output and "Traceback" not in r.output
