@@ -31,17 +31,22 @@ READABLE_FORMATS = (1, 2)
 
 def read_plan(path) -> dict:
     """The plan file a package runs, or a PipelineConfigError saying why it cannot be used."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            plan = json.load(f)
-    except OSError as e:
-        raise PipelineConfigError(f"cannot read the plan {path}: {e.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise PipelineConfigError(
-            f"the plan {path} is not valid JSON (damaged or edited?); compile the package again"
-        ) from None
+    plan = read_json(path, "the plan", "compile the package again")
     Topology(plan)  # the checks, now, before anything starts
     return plan
+
+
+def read_json(path, what: str, remedy: str):
+    """A JSON file's value, or a PipelineConfigError naming `what` it is and the `remedy`."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as e:
+        raise PipelineConfigError(f"cannot read {what} {path}: {e.strerror}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise PipelineConfigError(
+            f"{what} {path} is not valid JSON (damaged or edited?); {remedy}"
+        ) from None
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import torch
 
 from .atomic import write_atomic
 from .errors import PipelineConfigError
+from .topology import read_json
 
 __all__ = ["TRACE_KIND", "Tracer", "read_trace", "write_trace"]
 
@@ -60,13 +61,7 @@ def write_trace(path, ranks: list[dict], meta: dict) -> None:
 
 
 def read_trace(path) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
-    except OSError as e:
-        raise PipelineConfigError(f"cannot read the trace {path}: {e.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise PipelineConfigError(f"the trace {path} is not valid JSON") from None
+    d = read_json(path, "the trace", "run the package again with --trace")
     if not isinstance(d, dict) or d.get("kind") != TRACE_KIND or "ranks" not in d:
         raise PipelineConfigError(
             f"{path} is not an ftpipe trace; write one with the package's --trace FILE"
