@@ -18,10 +18,11 @@ Nothing is derived ahead of need, so a run of any length costs the same to start
 
 Weights read by other stages (tied embeddings): under a synchronous schedule a weight
 changes only at the step, so its owner sends it once per step, at the owner's first forward
-of the step, and the readers send its gradient back once, summed over the step's
+of the step (before it computes), and the readers send its gradient back once, summed over the step's
 micro-batches, after the last of this rank's readers' backwards of the step; the owner adds
 it in at its own last backward of the step, which comes after (the readers' backward of a
-micro-batch precedes the owner's, as with any activation). Under other schedules every
+micro-batch precedes the owner's, as with any activation), after the rest of that backward
+has run. Under other schedules every
 micro-batch may see another version of the weight, so it goes with each like an activation.
 
 Gradients: a backward sends the gradient of an input upstream when it is the last of this
@@ -111,6 +112,12 @@ class Dataflow:
         n = len(self.topo.local_consumers(tensor, rank))
         return n * self.micro_batches if self.once_per_step(tensor) else n
 
+    def sending_order(self, stage: int) -> list[str]:
+        """A forward's outputs in the order it sends them: weights sent once per step first
+        (they are known before the forward runs, so they go before it computes)."""
+        outputs = self.topo.outputs[stage]
+        return sorted(outputs, key=lambda t: not self.once_per_step(t))
+
     def actions(self, rank: int) -> Iterator[Planned]:
         """Every action of `rank` in order, with its messages and its optimizer step."""
         topo, sync = self.topo, self.timeline.schedule.synchronous
@@ -128,7 +135,7 @@ class Dataflow:
                 yield Planned(a, tuple(out))
             elif a.kind == "F":
                 out = []
-                for t in topo.outputs[a.stage]:
+                for t in self.sending_order(a.stage):
                     key = ("act", t, a.mb)
                     if self.once_per_step(t):
                         k = a.mb // self.micro_batches

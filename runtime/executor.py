@@ -66,6 +66,7 @@ class Executor:
         self.acts = Outputs(topo, rank, comm, "act", flow)
         self.grads: dict[tuple[str, int], torch.Tensor] = {}  # flow.slot -> summed gradient
         self.backwards: dict[int, int] = {}  # stage -> its backwards of the step so far
+        self.owned: dict[tuple[int, str], torch.Tensor] = {}  # weights sent once per step
         self.saved: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs, outputs, weights
         self.losses: dict[int, dict[int, torch.Tensor]] = {}  # step -> {mb: loss}
         self.policies = {s: flow.policies[s] for s in modules}
@@ -103,11 +104,17 @@ class Executor:
             inputs[t] = leaf.requires_grad_(True) if self.topo.transfers[t].grad else leaf
         keep_graph = not self.policies[s].recompute
         params = self._version(a)
+        order = self.flow.sending_order(s)
+        for t in order:  # a weight sent once per step goes before the forward computes
+            if (s, t) in self.owned:
+                self.acts.put(t, m, self.owned[(s, t)])
         with self._seeded(s, m), torch.set_grad_enabled(keep_graph):
             out = self._call(s, params, inputs)
         self.saved[(s, m)] = (inputs, out if keep_graph else None, params)
-        for t in self.topo.outputs[s]:
+        for t in order:
             self.acts.put(t, m, self._checked(t, out))
+            if self.flow.once_per_step(t):  # the parameter itself, changed in place by steps
+                self.owned[(s, t)] = out[t]
         if s == self.topo.loss_stage:
             self._record_loss(m, out["loss"].detach().float())
 
@@ -149,16 +156,25 @@ class Executor:
             roots.append(out["loss"] * (self.loss_scale() / self.m))
             grads.append(None)
         last = self._counted_backward(s)
+        split = self.policies[s].split
+        # Weights whose gradient, summed over the step, is taken after the rest of the
+        # backward ran; not when split (W runs it) nor with replicas (GradSync sends a
+        # parameter's gradient once it is in, so it must all be in at once).
+        late, alone = [], not split and self.grad_sync is None
         for t in self.topo.outputs[s]:
             if self.topo.transfers[t].grad:
-                if self.flow.once_per_step(t) and not last:
-                    continue  # its gradient, summed over the step, comes at the last backward
+                if self.flow.once_per_step(t):
+                    if not last:
+                        continue  # its gradient, summed over the step, comes at the last one
+                    if alone and out[t].requires_grad and out[t].grad_fn is None:
+                        late.append(t)  # the parameter itself: it waits while the rest runs
+                        continue
                 g = self._gather_grad(t, m)
                 if out[t].requires_grad:
                     roots.append(out[t])
                     grads.append(g)
         sync = self.grad_sync
-        if self.policies[s].split:  # the weights' gradients (and their all-reduce) come at W
+        if split:  # the weights' gradients (and their all-reduce) come at W
             weights = params.values() if params is not None else self.modules[s].parameters()
             grad_inputs = [inputs[t] for t in self.topo.inputs[s] if self.topo.transfers[t].grad]
             later = backward_input(roots, grads, grad_inputs, list(weights))
@@ -168,6 +184,8 @@ class Executor:
                 sync.before_backward(s, m)
             if roots:
                 torch.autograd.backward(roots, grads)
+            for t in late:  # a leaf: its gradient adds into .grad (and GradSync sees it)
+                torch.autograd.backward(out[t], self._gather_grad(t, m))
             self._collect(s, params)
             if sync is not None:
                 sync.after_backward(s, m)
