@@ -18,7 +18,9 @@ message's position all the same.
 
 Receives are posted ahead of need: from the start, and after each receive, every source's
 next messages are posted until `ahead_bytes` of buffers per source wait (one more if that
-falls short of the next message). Gloo and NCCL move a message once its receive is posted,
+falls short of the next message), and at most `POST_AHEAD_MESSAGES` of them: small messages
+would otherwise fill a byte window with thousands of receives, whose buffers and key
+derivation would make start-up grow with the run's length. Gloo and NCCL move a message once its receive is posted,
 so a message posted ahead arrives while this rank computes instead of when it asks for it;
 the window bounds the memory that costs (`--post-ahead` MB).
 """
@@ -36,6 +38,7 @@ from .dataflow import Dataflow, Key
 from .errors import PeerFailure
 
 POST_AHEAD_BYTES = 256 * 2**20  # per source: buffers of messages posted before they are needed
+POST_AHEAD_MESSAGES = 64  # per source: a few steps of any plan's messages
 
 
 def init_distributed(rank: int, world: int, device: str, init_method: str, setup_s: float) -> None:
@@ -103,6 +106,7 @@ class Comm:
         self._next_send = {dst: 0 for src, dst in peers if src == rank}
         self._posted: dict[tuple[int, Key], tuple] = {}
         self._waiting = dict.fromkeys(self._next_post, 0)  # source -> bytes posted, not taken
+        self._pending = dict.fromkeys(self._next_post, 0)  # source -> receives posted, not taken
         self._sends: list[tuple] = []
         self.loss_groups: dict[int, object] = {}  # job rank of a loss stage -> its group with 0
         self.listener_error: Exception | None = None
@@ -190,6 +194,7 @@ class Comm:
             self._post_until(src, key)
         work, buf = self._posted.pop((src, key))
         self._waiting[src] -= buf.nbytes
+        self._pending[src] -= 1
         self.post_ahead(src)
         self.wait(work, f"waiting for {describe(key)} from rank {src}")
         return buf
@@ -197,7 +202,11 @@ class Comm:
     def post_ahead(self, src: int | None = None) -> None:
         """Post the next receives from `src` (every source: None) up to the window."""
         for s in self._next_post if src is None else (src,):
-            while self._waiting[s] < self.ahead_bytes and self._post_next(s) is not None:
+            while (
+                self._waiting[s] < self.ahead_bytes
+                and self._pending[s] < POST_AHEAD_MESSAGES
+                and self._post_next(s) is not None
+            ):
                 pass
 
     def _post_until(self, src: int, key: Key) -> None:
@@ -219,6 +228,7 @@ class Comm:
         work = dist.irecv(buf, src=self.ranks[src], group=group, tag=i)
         self._posted[(src, k)] = (work, buf)
         self._waiting[src] += buf.nbytes
+        self._pending[src] += 1
         self._next_post[src] = i + 1
         return k
 

@@ -156,3 +156,29 @@ def test_two_bw_and_wpipe_set_aside_the_versions_they_still_need():
                     kept.add(key[0])
             assert all(pols[s].weight_delay for s, _ in dropped), name
         assert kept == stashing, name
+
+
+def test_receives_posted_ahead_are_bounded_in_count_as_well_as_bytes(monkeypatch):
+    """Small messages must not fill the byte window with receives for the whole run (start-up
+    would then grow with --steps): at most POST_AHEAD_MESSAGES wait per source, and taking
+    one posts the next."""
+    import torch
+    from ftpipe_runtime import comm as comm_mod
+
+    topo = Topology(toy_plan("two-ranks"))
+    flow = _flow(topo, get_schedule("1f1b"), 4, 100_000)
+    monkeypatch.setattr(comm_mod.dist, "irecv", lambda buf, **kw: object())
+    c = comm_mod.Comm(1, 2, "cpu", 5.0, flow, lambda key: ((2,), torch.float32))
+    c.pair_groups[(0, 1)] = None
+    c.post_ahead()
+    assert len(c._posted) == comm_mod.POST_AHEAD_MESSAGES
+    first = _keys_prefix(flow, 0, 1, comm_mod.POST_AHEAD_MESSAGES + 1)
+    monkeypatch.setattr(c, "wait", lambda work, what: None)
+    c.recv(0, first[0])
+    assert len(c._posted) == comm_mod.POST_AHEAD_MESSAGES
+    assert (0, first[-1]) in c._posted  # the next message's receive went up
+
+
+def _keys_prefix(flow, src, dst, n) -> list:
+    stream = flow.keys(src, dst)
+    return [stream.get(i) for i in range(n)]
