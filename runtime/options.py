@@ -157,8 +157,8 @@ def parse_args(argv, plan: dict) -> argparse.Namespace:
         "--post-ahead",
         type=number(float, 0),
         default=POST_AHEAD_BYTES / 2**20,
-        help="MB of receive buffers posted ahead of need per peer (default %(default)g; 0: on "
-        "demand)",
+        help="MB of receive buffers posted ahead of need per peer, at most 64 messages "
+        "(default %(default)g; 0: on demand)",
     )
     p.add_argument(
         "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"
