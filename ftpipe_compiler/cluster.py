@@ -22,9 +22,11 @@ Ranks fill nodes in order (rank r on node r // gpus_per_node), as `torchrun --nn
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import dataclass
 from pathlib import Path
 
+from .cost_model import ring_allreduce_s
 from .errors import FtpipeError
 from .hardware import Hardware, get_hardware
 from .resources import load_config
@@ -34,23 +36,67 @@ __all__ = ["Cluster", "Link", "get_cluster", "load_cluster"]
 
 @dataclass(frozen=True)
 class Link:
-    """A link: bytes/s in each direction, and the fixed cost of one message on it."""
+    """A link: bytes/s in each direction, and the fixed cost of one message on it.
+
+    `allreduce_bandwidth`, where measured, is the bandwidth a ring all-reduce reaches by
+    buffer size, as (bytes, bytes/s) points: on a host where the ranks reduce in memory, a
+    buffer that fits in the caches moves faster than one that streams from DRAM (gloo on
+    `cpu.json`'s machine: ~2.4 GB/s up to a few MB, ~1.9 GB/s from 16 MB), which one
+    bandwidth cannot give at both ends. Between points the bandwidth is interpolated in
+    log(size); outside them it is the nearest point's.
+    """
 
     name: str
     bandwidth: float
     latency_s: float = 0.0
+    allreduce_bandwidth: tuple[tuple[float, float], ...] = ()
+
+    def allreduce_s(self, nbytes: float, replicas: int) -> float:
+        """Seconds of a ring all-reduce of `nbytes` among `replicas` ranks over this link."""
+        return ring_allreduce_s(
+            nbytes, replicas, self.allreduce_bandwidth_at(nbytes), self.latency_s
+        )
+
+    def allreduce_bandwidth_at(self, nbytes: float) -> float:
+        points = self.allreduce_bandwidth
+        if not points or nbytes <= 0:
+            return self.bandwidth
+        if nbytes <= points[0][0]:
+            return points[0][1]
+        for (b0, w0), (b1, w1) in zip(points, points[1:]):
+            if nbytes <= b1:
+                f = math.log(nbytes / b0) / math.log(b1 / b0)
+                return w0 + f * (w1 - w0)
+        return points[-1][1]
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = {"name": self.name, "bandwidth": self.bandwidth, "latency_s": self.latency_s}
+        if self.allreduce_bandwidth:
+            d["allreduce_bandwidth"] = [list(p) for p in self.allreduce_bandwidth]
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> Link:
         if not isinstance(d, dict) or "bandwidth" not in d:
             raise FtpipeError(f"a link needs a bandwidth in bytes/s, not {d!r:.80}")
-        link = cls(str(d.get("name", "")), float(d["bandwidth"]), float(d.get("latency_s", 0.0)))
+        try:
+            curve = tuple(sorted((float(b), float(w)) for b, w in d.get("allreduce_bandwidth", ())))
+        except (TypeError, ValueError):
+            curve = ((0.0, 0.0),)
+        link = cls(
+            str(d.get("name", "")),
+            float(d["bandwidth"]),
+            float(d.get("latency_s", 0.0)),
+            curve,
+        )
         if not link.bandwidth > 0 or link.latency_s < 0:
             raise FtpipeError(
                 f"link {link.name!r}: bandwidth must be positive and latency not negative"
+            )
+        if any(not (b > 0 and w > 0) for b, w in curve):
+            raise FtpipeError(
+                f"link {link.name!r}: allreduce_bandwidth must be a list of [bytes, bytes/s] "
+                "pairs, both positive"
             )
         return link
 
@@ -152,11 +198,7 @@ def get_cluster(hardware: str | Hardware, gpus: int, gpus_per_node: int | None =
         hw,
         gpus,
         per_node,
-        Link(
-            intra.get("name", "link"),
-            float(intra.get("bandwidth", hw.link_bandwidth)),
-            float(intra.get("latency_s", 0.0)),
-        ),
+        Link.from_json({"name": "link", "bandwidth": hw.link_bandwidth, **intra}),
         Link.from_json(inter)
         if inter
         else Link("none (one node)", hw.link_bandwidth, float(intra.get("latency_s", 0.0))),

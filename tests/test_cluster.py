@@ -18,6 +18,21 @@ def test_round_trip():
     assert Link.from_json(c.inter_node.to_json()) == c.inter_node
 
 
+def test_allreduce_bandwidth_by_size():
+    """A measured curve: the nearest point outside it, log-interpolated inside, the ring
+    formula on top; a link without one uses its bandwidth for every size."""
+    MB = 1e6
+    link = Link("gloo", 1e9, 1e-5, ((1 * MB, 2.4e9), (16 * MB, 1.8e9)))
+    assert link.allreduce_bandwidth_at(0.5 * MB) == 2.4e9
+    assert link.allreduce_bandwidth_at(100 * MB) == 1.8e9
+    assert link.allreduce_bandwidth_at(4 * MB) == pytest.approx(2.1e9)  # halfway in log size
+    assert link.allreduce_s(4 * MB, 4) == pytest.approx(1.5 * 4 * MB / 2.1e9 + 6e-5)
+    assert Link("plain", 1e9).allreduce_s(8 * MB, 2) == pytest.approx(8e-3)
+    assert Link.from_json(json.loads(json.dumps(link.to_json()))) == link
+    cpu = get_cluster("cpu", gpus=2).intra_node  # cpu.json stores this machine's gloo curve
+    assert len(cpu.allreduce_bandwidth) >= 2
+
+
 def test_hardware_files_describe_their_node():
     c = get_cluster("v100-32gb", gpus=64)
     assert (c.gpus_per_node, c.nodes) == (8, 8)
@@ -66,6 +81,11 @@ def test_cluster_file(tmp_path):
             '{"gpu": "cpu", "gpus_per_node": 0, "intra_node": {"bandwidth": 1e9}, '
             '"inter_node": {"bandwidth": 1e9}}',
             "and 1 GPU per node, not 8 and 0",
+        ),
+        (
+            '{"gpu": "cpu", "gpus_per_node": 2, "intra_node": {"bandwidth": 1e9, '
+            '"allreduce_bandwidth": [[1e6, 0]]}, "inter_node": {"bandwidth": 1e9}}',
+            "allreduce_bandwidth must be a list of",
         ),
     ],
 )

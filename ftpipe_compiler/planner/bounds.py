@@ -12,7 +12,7 @@ the best plan found so far cannot beat it:
 - network: every step each stage sums its gradients with its replicas. Over one node the
   GPUs reduce in parallel, the busiest at least the average's share; across nodes the
   pipeline's node interfaces carry its whole model's ring traffic, the busiest at least
-  its share (`cost_model.ring_allreduce_s`);
+  its share (`Link.allreduce_s`);
 - memory: every GPU holds its weights (times the versions the schedule keeps), gradients
   and optimizer state, and without recompute the activations of at least one micro-batch
   per stage in flight; the fullest GPU at least the average.
@@ -24,7 +24,6 @@ least the larger of the two.
 from __future__ import annotations
 
 from ..cluster import Cluster
-from ..cost_model import ring_allreduce_s
 from ..partition.problem import Problem
 from .shapes import node_span, placement
 
@@ -64,10 +63,10 @@ def allreduce_floor(problem: Problem, replicas: int, cluster: Cluster, orientati
     )
     if not spans:  # each GPU reduces with its replicas inside the node, all in parallel
         link = cluster.intra_node
-        return ring_allreduce_s(grads / problem.gpus, replicas, link.bandwidth, link.latency_s)
+        return link.allreduce_s(grads / problem.gpus, replicas)
     link = cluster.inter_node
     nodes = len(node_span(cluster, placed))
-    return ring_allreduce_s(grads / nodes, replicas, link.bandwidth, link.latency_s)
+    return link.allreduce_s(grads / nodes, replicas)
 
 
 def throughput_bound(

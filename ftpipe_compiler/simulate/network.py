@@ -27,7 +27,6 @@ from __future__ import annotations
 from ftpipe_runtime.replicas import BUCKET_BYTES, bucket_indices
 
 from ..cluster import Link
-from ..cost_model import ring_allreduce_s
 from ..partition.plan import Plan
 
 
@@ -90,7 +89,7 @@ class Network:
             done += nbytes
             ready = grads_from + (grads_to - grads_from) * done / total
             start = max(ready, free.get(key, 0.0))
-            end = start + ring_allreduce_s(nbytes, self.replicas, link.bandwidth, link.latency_s)
+            end = start + link.allreduce_s(nbytes, self.replicas)
             free[key] = end
         return max(end, grads_to)
 
