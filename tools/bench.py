@@ -12,6 +12,7 @@ Sections:
   runtime   the generated package vs torch.distributed.pipelining, an even split, one process
   fidelity  simulated vs measured step time of generated packages on CPU (measured profile)
   startup   seconds to the first step for --steps 100000 against --steps 10
+  freeze    PipeTransformer's freeze training on elastic pipelines, BERT-large, simulated
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_allreduce  # noqa: E402
 import bench_fidelity  # noqa: E402 - sections 3 and 4 live beside this file
+import bench_freeze  # noqa: E402
 import bench_planner  # noqa: E402
 import bench_runtime  # noqa: E402
 import bench_schedules  # noqa: E402
@@ -226,6 +228,7 @@ SECTIONS = {
     "planner": (bench_planner.measure, bench_planner.markdown),
     "allreduce": (bench_allreduce.measure, bench_allreduce.markdown),
     "startup": (bench_startup.measure, bench_startup.markdown),
+    "freeze": (bench_freeze.measure, bench_freeze.markdown),
 }
 
 
