@@ -4,6 +4,8 @@
     next_frozen(frozen=8, norms=[...24 norms...], alpha=1/3)  # eq. 1
     bound_schedule(layers=24, alpha=1/3, decisions=3)       # (8, 13, 16): the fastest it may go
     units = layer_units(param_names)                        # the parameters of each layer
+    freezer = FreezeTraining(plan, modules, optimizers, mixed, comm, alpha=1/3, every=100)
+    stepper.on_grads = freezer.measure; freezer.after_step(event, step)   # in the run
 
 He et al., "PipeTransformer", ICML'21, §3.1, eq. 1: at the T-th decision (T >= 1,
 L_frozen^(0) = 0, alpha in (0, 1)), with g_l the gradient of layer l at that iteration,
@@ -22,15 +24,33 @@ is frozen at once. A norm that is not finite (a skipped fp16 step) counts as inf
 A "layer" is one of the model's repeated blocks (`bert.encoder.layer.7`, `model.layers.7`,
 `encoder.block.7`); what precedes the first block (the embeddings) freezes with it, and
 what follows the last (the head) never freezes.
+
+In a run (`FreezeTraining`, a synchronous schedule): after every `every` optimizer steps
+each rank sums the squared gradients of its layers (before clipping) at that step, the
+pipeline's ranks add theirs up (replicas hold the same averaged gradients, so each pipeline
+decides alike), and every rank applies the rule: a newly frozen layer's weights stop
+training (`requires_grad` off, dropped with their state from the optimizer and from the
+replicas' all-reduce). `forced` ({step: layers}) replaces the rule at those steps, for
+tests and for replaying a run's decisions. Each decision is recorded (`record`: the run log).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-__all__ = ["bound_schedule", "frozen_bound", "layer_of", "layer_units", "next_frozen"]
+import torch
+
+__all__ = [
+    "FreezeTraining",
+    "bound_schedule",
+    "frozen_bound",
+    "layer_of",
+    "layer_units",
+    "next_frozen",
+    "parse_freeze_at",
+]
 
 _NUMBERED = re.compile(r"^(.*?\.)?(\d+)\.")
 
@@ -91,3 +111,96 @@ def layer_units(names: Sequence[str]) -> list[list[str]]:
     if out:
         out[0] = before + out[0]
     return out
+
+
+def parse_freeze_at(text: str) -> tuple[int, int]:
+    """`--freeze-at 6:2`: after 6 optimizer steps, 2 layers are frozen."""
+    try:
+        step, layers = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--freeze-at takes STEP:LAYERS (e.g. 6:2), not {text!r}") from None
+    if step < 1 or layers < 1:
+        raise ValueError(f"--freeze-at {text}: the step and the layers must be at least 1")
+    return step, layers
+
+
+class FreezeTraining:
+    """This rank's part of freeze training (see the module docstring)."""
+
+    def __init__(
+        self,
+        plan: dict,
+        modules: dict,
+        optimizers: dict,
+        mixed,
+        comm,
+        *,
+        alpha: float | None,
+        every: int,
+        forced: dict[int, int] | None = None,
+        record: Callable[..., None] | None = None,
+    ):
+        self.units = layer_units([p["name"] for p in plan["params"]])
+        if not self.units:
+            raise ValueError("freeze training needs a model of numbered layers; this has none")
+        self.unit_of = {name: i for i, u in enumerate(self.units) for name in u}
+        self.modules, self.optimizers, self.mixed, self.comm = modules, optimizers, mixed, comm
+        self.alpha, self.every, self.forced = alpha, every, dict(forced or {})
+        self.record = record
+        self.frozen = 0
+        self.grad_sync = None  # with replicas: their all-reduce leaves frozen weights out
+        self.decisions: list[dict] = []
+        self._norms: dict[int, torch.Tensor] = {}
+
+    def due(self, step: int) -> bool:
+        """Is a decision taken after step `step` (0-based)?"""
+        done = step + 1
+        return done in self.forced or (self.alpha is not None and done % self.every == 0)
+
+    def measure(self, ev) -> None:
+        """At a step's gradients: the squared norm of each layer's gradient on this rank."""
+        if not self.due(ev.step):
+            return
+        sq = torch.zeros(len(self.units), dtype=torch.float64)
+        for s in ev.stages:
+            for name, t in self.mixed.trainable(s):
+                unit = self.unit_of.get(name)
+                if unit is not None and t.grad is not None:
+                    sq[unit] += t.grad.detach().double().pow(2).sum().cpu()
+        self._norms[ev.step] = (sq, ev.ranks)
+
+    def after_step(self, ev, step: int) -> None:
+        """After the step's update: decide, and freeze what the decision adds."""
+        if not self.due(step):
+            return
+        sq, ranks = self._norms.pop(step)
+        total = self.comm.all_reduce(sq.to(self.comm.device), ranks, "the layers' gradient norms")
+        norms = total.cpu().sqrt().tolist()
+        done = step + 1
+        before = self.frozen
+        if done in self.forced:
+            new, how = max(before, min(self.forced[done], len(self.units) - 1)), "forced"
+        else:
+            new, how = next_frozen(before, norms, self.alpha), "rule"
+        bound = frozen_bound(before, len(self.units), self.alpha) if self.alpha else None
+        if new > before:
+            self._freeze(before, new)
+        row = {"step": done, "frozen": new, "before": before, "layers": len(self.units),
+               "by": how, "bound": bound, "norms": norms}  # fmt: skip
+        self.decisions.append(row)
+        if self.record is not None:
+            self.record(row)
+
+    def _freeze(self, before: int, upto: int) -> None:
+        names = {n for u in self.units[before:upto] for n in u}
+        for s, opt in self.optimizers.items():
+            gone = {id(t) for t in self.mixed.freeze(s, names)}
+            if opt is None or not gone:
+                continue
+            for group in opt.param_groups:
+                group["params"] = [t for t in group["params"] if id(t) not in gone]
+            for t in [t for t in opt.state if id(t) in gone]:
+                del opt.state[t]
+        if self.grad_sync is not None:
+            self.grad_sync.refresh()
+        self.frozen = upto

@@ -16,6 +16,7 @@ import torch
 
 from .comm import POST_AHEAD_BYTES
 from .data import SOURCES
+from .freezing import parse_freeze_at
 from .optim import DECAYS, OPTIMIZERS
 from .precision import PRECISIONS
 from .schedules import SCHEDULES
@@ -183,4 +184,35 @@ def parse_args(argv, plan: dict) -> argparse.Namespace:
         help="also write each complete checkpoint as <save-hf>/step-N",
     )
     p.add_argument("--log-every", type=number(int, 1), default=1)
-    return p.parse_args(argv)
+    freeze = p.add_argument_group("freeze training (PipeTransformer §3.1; ftpipe_runtime.freezing)")
+    freeze.add_argument(
+        "--freeze-alpha",
+        type=number(float, 0, above=True),
+        default=None,
+        help="freeze bottom layers by the gradient-norm rule with this alpha (0 < alpha < 1)",
+    )
+    freeze.add_argument(
+        "--freeze-every",
+        type=number(int, 1),
+        default=100,
+        help="optimizer steps between freeze decisions (default %(default)s)",
+    )
+    freeze.add_argument(
+        "--freeze-at",
+        type=_freeze_at,
+        action="append",
+        default=[],
+        metavar="STEP:LAYERS",
+        help="after STEP optimizer steps, LAYERS bottom layers are frozen (repeatable)",
+    )
+    args = p.parse_args(argv)
+    if args.freeze_alpha is not None and args.freeze_alpha >= 1:
+        p.error(f"argument --freeze-alpha: {args.freeze_alpha} must be below 1")
+    return args
+
+
+def _freeze_at(text: str) -> tuple[int, int]:
+    try:
+        return parse_freeze_at(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

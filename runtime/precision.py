@@ -180,6 +180,20 @@ class MixedPrecision:
         """(name, tensor whose .grad the optimizer reads): the masters, or the weights."""
         return [(n, master) for n, _, master in self._pairs.get(stage, ())]
 
+    def freeze(self, stage: int, names) -> list[torch.Tensor]:
+        """Stop training the weights `names` of a stage (freeze training): they keep no
+        gradient; returns the tensors the optimizer held for them (masters or weights)."""
+        kept, gone = [], []
+        for n, p, master in self._pairs.get(stage, ()):
+            if n in names:
+                p.requires_grad_(False)
+                p.grad = master.grad = None
+                gone.append(master)
+            else:
+                kept.append((n, p, master))
+        self._pairs[stage] = kept
+        return gone
+
     def multiplier(self) -> float:
         return self.loss_scale.scale if self.loss_scale else 1.0
 

@@ -139,6 +139,12 @@ class GradSync:
         self._armed: dict[int, dict] = {}  # stage -> the backward in progress
         self._works: dict[int, list] = {}  # stage -> [(work, flat, bucket)] of its next step
 
+    def refresh(self) -> None:
+        """Sum only the parameters that still train (after freeze training froze some)."""
+        for s, ps in self.params.items():
+            self.params[s] = [p for p in ps if p.requires_grad]
+            self.order[s] = bucket_indices([p.numel() * p.element_size() for p in self.params[s]])
+
     # --- the last backward of a step ---
     def before_backward(self, stage: int, mb: int) -> None:
         if not self.last.ends_step(stage) or not self.params[stage]:

@@ -41,6 +41,7 @@ from .errors import PeerFailure, PipelineConfigError, WriteFailed
 from .evaluate import Evaluator, loss_messages, reporter, splicer
 from .executor import Executor
 from .finetune import HFExporter, open_sources
+from .freezing import FreezeTraining
 from .optim import lr_at, make_optimizer
 from .options import parse_args
 from .precision import MixedPrecision, for_run, plan_in
@@ -168,7 +169,12 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     # The collectives: the gradient norm across a pipeline's ranks when a synchronous step
     # clips (fp16's overflow check rides on it: the norm is computed then even without
     # clipping), and each GPU's gradients with its replicas.
-    collective = sched.synchronous and (args.clip or precision.loss_scaling)
+    freezing = args.freeze_alpha is not None or bool(args.freeze_at)
+    if freezing and not sched.synchronous:
+        raise PipelineConfigError(
+            f"freeze training needs a synchronous schedule, not {name}; pick gpipe or 1f1b"
+        )
+    collective = sched.synchronous and (args.clip or precision.loss_scaling or freezing)
     collective_sets = [tuple(range(topo.world))] if collective else []
     dp_sets = [reps.stage_group(g) for g in range(topo.world)] if reps.count > 1 else []
     loss_rank = topo.rank_of[topo.loss_stage]
@@ -183,6 +189,7 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
         where = f"step {first} of {root}" if first else f"step 0: no checkpoint in {root}"
         if rank == 0:
             progress.write(f"resuming from {where}")
+    freezer = _freezer(plan, args, modules, optimizers, mixed, comm, progress, runlog, freezing)
     saver = checkpoint.Saver(ckpt, args.save_every, args.steps, m, stages=replica == 0)
     saver.modules, saver.optimizers, saver.precision = modules, optimizers, mixed
     stepper = Stepper(
@@ -197,9 +204,11 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
             saver if args.save_every else None,
             (lambda ev, k: exporter.after_checkpoint()) if exporter and rank == 0 else None,
             (lambda ev, k: runlog.memory(k + 1, peak_memory(device))) if runlog else None,
+            freezer.after_step if freezer else None,
         ),
         precision=mixed,
     )
+    stepper.on_grads = freezer.measure if freezer else None
     executor = Executor(
         topo,
         gpu,
@@ -221,6 +230,8 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     if reps.count > 1:
         sync = GradSync(modules, comm, reps.stage_group(gpu), m)
         executor.grad_sync = stepper.grad_sync = sync
+        if freezer:
+            freezer.grad_sync = sync
     saver.versions, saver.drained = executor.kept_versions, timeline.drains
     if first:
         for s, mod in modules.items():
@@ -288,6 +299,35 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     return _finish(
         args, plan, modules, progress, device, (world, rank, replica), first, m, wall, mixed
     )
+
+
+def _freezer(plan, args, modules, optimizers, mixed, comm, progress, runlog, on):
+    """Freeze training's part on this rank (None: off); its decisions are said by rank 0,
+    recorded in the run log and kept for the summary (`args.freeze_decisions`)."""
+    if not on:
+        return None
+    if args.resume:
+        raise PipelineConfigError(
+            "freeze training does not resume from a checkpoint yet; start the run again"
+        )
+    args.freeze_decisions = []
+
+    def record(row):
+        args.freeze_decisions.append({k: v for k, v in row.items() if k != "norms"})
+        if row["frozen"] > row["before"]:
+            progress.write(
+                f"step {row['step']}: {row['frozen']} of {row['layers']} layers frozen "
+                f"({row['by']}; bound {row['bound']})"
+            )
+        if runlog is not None:
+            runlog.record("freeze", **row)
+
+    try:
+        return FreezeTraining(plan, modules, optimizers, mixed, comm, alpha=args.freeze_alpha,
+                              every=args.freeze_every, forced=dict(args.freeze_at),
+                              record=record)  # fmt: skip
+    except ValueError as e:
+        raise PipelineConfigError(str(e)) from None
 
 
 def _after_steps(*hooks):
@@ -452,6 +492,7 @@ def _finish(args, plan, modules, progress, device, where, first, m, wall, mixed)
         # Every replica holds the same weights after every step: the first replica's,
         # compared with each other's (0.0: identical).
         "replica_difference": _replica_difference(everyone),
+        "freezes": getattr(args, "freeze_decisions", []),
     }
     if rank == 0:
         mem = ", ".join(f"rank {r} {human_bytes(b)}" for r, b in enumerate(summary["memory_bytes"]))

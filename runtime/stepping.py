@@ -40,6 +40,7 @@ class Stepper:
         self.on_stepped = on_stepped
         self.precision = precision  # a MixedPrecision: masters, loss scale; None: fp32
         self.grad_sync = None  # with replicas: the stage's gradients summed before its step
+        self.on_grads = None  # called with the event once its gradients are in, before clipping
         self._aside: dict[tuple[int, int], dict[str, torch.Tensor | None]] = {}
 
     def on_step(self, action, event=None) -> None:
@@ -61,6 +62,8 @@ class Stepper:
             aside = self._aside.pop((s, ev.step), {})
             for n, p in self._trainable(s):
                 p.grad = aside.get(n)
+        if self.on_grads is not None:
+            self.on_grads(ev)
         step = ev.step
         if self._checked_and_clipped(ev, step):
             lr = self.lr_of(step)
