@@ -124,6 +124,22 @@ def model_options(f):
             "and optimizer state (fp16 with loss scaling); bf16-pure keeps everything in bf16.",
         ),
         click.option(
+            "--freeze",
+            default=None,
+            metavar="REGEX",
+            help="Freeze the parameters whose names match REGEX from their start (e.g. "
+            "'encoder.block.[0-9]\\.'): no gradient, no optimizer state; stages with nothing "
+            "trainable before them run forwards only. A module:function model's own "
+            "requires_grad counts too.",
+        ),
+        click.option(
+            "--lora",
+            default=None,
+            metavar="SPEC",
+            help="Train LoRA adapters (peft) on a frozen base: r=16,alpha=32,targets=q_proj,"
+            "v_proj[,dropout=0.05]; export writes peft's adapter folder.",
+        ),
+        click.option(
             "--granularity", type=click.Choice(GRANULARITIES), default="op", show_default=True
         ),
         click.option(

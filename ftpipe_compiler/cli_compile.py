@@ -24,6 +24,7 @@ from .cli_plan import cluster_of, describe_shapes, plan_on_cluster
 from .codegen import generate_package
 from .cost_model import describe
 from .errors import FtpipeError
+from .frozen import describe_frozen
 from .output import check_writable, output_folder
 from .partition import PARTITIONERS, problem_from_graph
 from .plan_search import GROUPS, best_plan, schedule_names
@@ -237,6 +238,7 @@ def compile_command(
                 "lower_bound_s": best.bound_s / problem.micro_batches,
                 "winner": best.partitioner,
                 "precision": problem.precision.name,
+                "frozen": [p.name for p in graph.params if p.frozen],
                 "schedule": best.schedule,
                 "gpus": plan.gpus,
                 "results": rows,
@@ -253,6 +255,8 @@ def compile_command(
         f"{problem.micro_batches} micro-batches of {graph.meta.get('micro_batch')}"
     )
     click.echo(describe(problem.precision, problem.hardware))
+    if describe_frozen(graph):
+        click.echo(describe_frozen(graph))
     click.echo(matrix_table(rows))
     click.echo(
         f"winner: {best.partitioner} under {best.schedule} ({len(plan.stages)} stages, "

@@ -12,7 +12,9 @@ The backward is split by FLOPs between input gradients (B) and weight gradients 
 zero-bubble schedule defers): an op reading trainable weights and an activation that carries
 gradient computes dX and dW, one forward's FLOPs each (a matmul: G Wᵀ and Xᵀ G), so half its
 backward is W; an op reading weights but no such activation (an embedding lookup) is all W;
-an op without weights all B.
+an op without weights all B. An op whose weights are all frozen computes only dX: its
+backward costs one forward, all B; an op no gradient reaches (everything before it frozen)
+has no backward and keeps no activation.
 """
 
 from __future__ import annotations
@@ -80,6 +82,14 @@ def weight_share(graph: OpGraph, n) -> float:
     return 0.5 if carries else 1.0
 
 
+def backward_factor(graph: OpGraph, n) -> float:
+    """Backward FLOPs (and bytes) per forward one: no weight gradients for frozen weights."""
+    weights = [graph.param[p] for p in n.params]
+    if any(p.frozen for p in weights) and not any(p.trainable for p in weights):
+        return BACKWARD_FACTOR - 1.0
+    return BACKWARD_FACTOR
+
+
 def analytic_costs(traced: Traced, hw: Hardware, granularity: str = "op") -> OpGraph:
     graph = traced.graph
     flops = count_flops(traced)
@@ -96,11 +106,8 @@ def analytic_costs(traced: Traced, hw: Hardware, granularity: str = "op") -> OpG
         moved = 0.0 if view else float(read + n.out_bytes)
         # A matmul computing in bf16 makes bf16: its output dtype says which peak it runs at.
         fwd = 0.0 if view else hw.op_time(f, moved, n.dtype)
-        bwd = (
-            0.0
-            if (view or not n.requires_grad)
-            else hw.op_time(BACKWARD_FACTOR * f, BACKWARD_FACTOR * moved, n.dtype)
-        )
+        k = backward_factor(graph, n)
+        bwd = 0.0 if (view or not n.requires_grad) else hw.op_time(k * f, k * moved, n.dtype)
         act = 0 if (view or not n.requires_grad) else n.out_bytes
         nodes.append(
             replace(
@@ -110,7 +117,8 @@ def analytic_costs(traced: Traced, hw: Hardware, granularity: str = "op") -> OpG
                 fwd_s=fwd,
                 bwd_s=bwd,
                 wgrad_s=bwd * weight_share(graph, n),
-                recompute_s=fwd,
+                # Nothing to recompute where no gradient flows (a frozen prefix, masks).
+                recompute_s=fwd if n.requires_grad else 0.0,
                 act_bytes=act,
             )
         )

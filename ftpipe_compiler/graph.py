@@ -66,6 +66,7 @@ class Param:
     bytes: int
     aliases: tuple[str, ...] = ()  # other names of the same tensor (tied weights)
     trainable: bool = True
+    frozen: bool = False  # a weight of the model that does not train (not a buffer)
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,8 @@ def profile_key(spec, graph: OpGraph, **settings) -> str:
         "kind": spec.kind,
         "hf_class": spec.hf_class,
         "config": spec.config,
+        "freeze": spec.freeze,  # frozen weights change the backward measured
+        "lora": spec.lora,
         "inputs": [[i.name, list(i.shape), i.dtype] for i in graph.inputs],
         "micro_batch": graph.meta.get("micro_batch"),
         "graph": shape.hexdigest(),

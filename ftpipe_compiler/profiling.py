@@ -5,10 +5,13 @@ traced, graph = costed_graph("t5-3b", task="rte", hardware="rtx2080ti")
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ftpipe_runtime.precision import PRECISIONS
 
 from .costs import analytic_costs
 from .errors import FtpipeError
+from .frozen import parse_lora
 from .graph import OpGraph
 from .hardware import get_hardware
 from .tasks import Task, resolve_task
@@ -32,6 +35,8 @@ def costed_graph(
     target_len: int | None = None,
     batch: int | None = None,
     precision: str = "fp32",
+    freeze: str | None = None,
+    lora: str | None = None,
     **measured_options,
 ) -> tuple[ModelSpec, Task, Traced, OpGraph]:
     if granularity not in GRANULARITIES:
@@ -42,6 +47,8 @@ def costed_graph(
         raise FtpipeError(f"unknown profiler {profile!r}; choose from {', '.join(PROFILERS)}")
     hw = get_hardware(hardware)
     spec = resolve_model(model, head)
+    if freeze or lora:  # applied when the model is built (frozen.adapted)
+        spec = replace(spec, freeze=freeze or "", lora=parse_lora(lora))
     t = resolve_task(spec, task, seq_len, target_len, micro_batch, batch)
     if precision not in PRECISIONS:
         raise FtpipeError(f"unknown precision {precision!r}; choose from {', '.join(PRECISIONS)}")

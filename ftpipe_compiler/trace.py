@@ -293,6 +293,7 @@ def _to_graph(spec, task, micro_batch, model, inputs, program):
                 bytes=t.numel() * t.element_size(),
                 aliases=tuple(a for a in by_canon[name] if a != name),
                 trainable=isinstance(t, torch.nn.Parameter) and t.requires_grad,
+                frozen=isinstance(t, torch.nn.Parameter) and not t.requires_grad,
             )
         )
     g = OpGraph(
@@ -328,6 +329,8 @@ def _meta(spec: ModelSpec, task: Task, micro_batch: int) -> dict:
         "config": spec.config,
         "model_kind": spec.kind,
         "model_name": spec.name,
+        **({"freeze": spec.freeze} if spec.freeze else {}),
+        **({"lora": spec.lora} if spec.lora else {}),
     }
 
 

@@ -23,7 +23,7 @@ import torch
 from ftpipe_runtime.models import HEADS, Vocab, get_head, input_shapes, synthetic_batch
 from torch import nn
 
-from . import hub
+from . import frozen, hub
 from .errors import FtpipeError, unknown
 from .resources import config_names, load_config
 from .tasks import Task
@@ -72,6 +72,8 @@ class ModelSpec:
     default_task: str = ""
     description: str = ""
     parameters: int = 0
+    freeze: str = ""  # --freeze: a regex of parameter names to freeze (frozen.py)
+    lora: dict | None = None  # --lora: LoraSpec.to_json(), the adapters peft wraps in
 
     @property
     def model_type(self) -> str:
@@ -89,7 +91,7 @@ class ModelSpec:
         if self.kind == "function":
             model, _ = self._call_function()
             model = model.to(dtype) if dtype is not None else model
-            return FunctionModel(model).to(device)
+            return frozen.adapted(FunctionModel(model).to(device), self.freeze, self.lora)
         from ftpipe_runtime.models import hf
 
         model = hf.build_model(self.config, self.hf_class, device, dropout, seed, dtype)
@@ -98,7 +100,7 @@ class ModelSpec:
                 f"{self.spec}: {self.hf_class} makes its decoder inputs from the labels in its own "
                 "way; give its model_type a 'shift' rule in ftpipe_runtime/models/heads.py"
             )
-        return LossModel(model, self.inputs)
+        return frozen.adapted(LossModel(model, self.inputs), self.freeze, self.lora)
 
     def checkpoint_aliases(self, model: nn.Module) -> dict[str, str]:
         """Parameter -> the other name the folder's checkpoint holds it under (if any)."""
@@ -106,7 +108,8 @@ class ModelSpec:
             return {}
         from ftpipe_runtime.models.hf import checkpoint_names
 
-        names = checkpoint_names(model.m)
+        net = model.m.get_base_model() if self.lora else model.m
+        names = checkpoint_names(net)
         fused = [n for n, key in names.items() if key is None]
         if fused:
             raise FtpipeError(
@@ -114,6 +117,9 @@ class ModelSpec:
                 "(transformers converts it when loading), which ftpipe cannot load yet; compile "
                 "a folder holding only its config.json (random weights) instead"
             )
+        if self.lora:  # the base model's weights, under its own names in the folder
+            wrapped = frozen.base_names(model.m).items()
+            return {n: names.get(b, b) for n, b in wrapped if names.get(b, b) != n}
         return names
 
     def input_shapes(self, task: Task) -> dict[str, tuple[list[int], str]]:

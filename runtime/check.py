@@ -60,8 +60,14 @@ def reference_model(plan: dict, seed: int = 0):
         net, _ = getattr(importlib.import_module(module), function)()
         return net, lambda inputs: net(*inputs.values())
     from .models.hf import build_model, loss_of
+    from .models.lora import wrap
 
     net = build_model(model["config"], model["hf_class"], "cpu", dropout=0.0, seed=seed)
+    net = wrap(net, model.get("lora"))  # the adapters the package was compiled with
+    frozen = {n for p in plan["params"] if p.get("frozen") for n in (p["name"], *p["aliases"])}
+    for name, p in net.named_parameters(remove_duplicate=False):
+        if name in frozen:  # --freeze: the same weights get no gradient
+            p.requires_grad_(False)
     return net, lambda inputs: loss_of(net, inputs)
 
 
@@ -80,7 +86,7 @@ def copy_weights(net, stages: dict) -> None:
     for stage in stages.values():
         own = dict(stage.named_parameters())
         for name, _, _, trainable, aliases in stage.PARAMS:
-            if trainable:
+            if trainable or name in stage.FROZEN:
                 source = _lookup(ref, name, aliases)
                 if source is None:
                     raise KeyError(f"the original model has no parameter {name}")
@@ -101,7 +107,7 @@ def check(stage_classes: dict, plan: dict, seed: int = 0) -> CheckResult:
     # so this checks the code, exactly, against the original model in fp32.
     stages = {k: cls(device="cpu", dtype=torch.float32) for k, cls in stage_classes.items()}
     folder = weights_folder(stages[0])
-    if weight_files(folder):
+    if weight_files(folder) and not plan["model"].get("lora"):  # LoRA: the stages' copied
         load_reference_weights(net, folder)  # the stages loaded theirs when they were built
     else:
         copy_weights(net, stages)

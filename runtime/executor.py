@@ -22,6 +22,10 @@ of its stage's weights is needed after the stage steps past it runs on a copy se
 copy's gradients are added to the parameters' `.grad`. A resumed run gets the copies its
 first steps need from the checkpoint (`restore_versions`).
 
+Frozen weights (`frozen`): a stage with nothing trainable and no gradient crossing its
+borders is forward-only: its forwards run without autograd and keep nothing, its B and W
+are no-ops (`forward_only`; `refresh_frozen` derives it again, e.g. after a new plan).
+
 Random numbers (dropout): a forward of micro-batch mb on stage s draws from a generator
 seeded by (seed, s, mb), and its recompute from the same seed, so the masks do not depend on
 what ran before: a resumed run that fills its pipeline again draws the very same ones.
@@ -35,6 +39,7 @@ import time
 import torch
 
 from .errors import PipelineConfigError
+from .frozen import forward_only_stages
 from .schedules import Versions
 from .split_backward import backward_input, backward_weight
 from .trace import Tracer
@@ -70,6 +75,7 @@ class Executor:
         self.saved: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs, outputs, weights
         self.losses: dict[int, dict[int, torch.Tensor]] = {}  # step -> {mb: loss}
         self.policies = {s: flow.policies[s] for s in modules}
+        self.forward_only = forward_only_stages(topo, modules)
         timeline = flow.timeline
         self.versions = Versions(self.policies, micro_batches, timeline.steps, timeline.first)
         self.stash: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (stage, version)
@@ -102,7 +108,7 @@ class Executor:
         for t in self.topo.inputs[s]:
             leaf = self.acts.take(t, m).detach()
             inputs[t] = leaf.requires_grad_(True) if self.topo.transfers[t].grad else leaf
-        keep_graph = not self.policies[s].recompute
+        keep_graph = not self.policies[s].recompute and s not in self.forward_only
         params = self._version(a)
         order = self.flow.sending_order(s)
         for t in order:  # a weight sent once per step goes before the forward computes
@@ -110,7 +116,8 @@ class Executor:
                 self.acts.put(t, m, self.owned[(s, t)])
         with self._seeded(s, m), torch.set_grad_enabled(keep_graph):
             out = self._call(s, params, inputs)
-        self.saved[(s, m)] = (inputs, out if keep_graph else None, params)
+        if s not in self.forward_only:
+            self.saved[(s, m)] = (inputs, out if keep_graph else None, params)
         for t in order:
             self.acts.put(t, m, self._checked(t, out))
             if self.flow.once_per_step(t):  # the parameter itself, changed in place by steps
@@ -146,6 +153,8 @@ class Executor:
     # --- backward ---
     def backward(self, i: int, a) -> None:
         s, m = a.stage, a.mb
+        if s in self.forward_only:
+            return
         inputs, out, params = self.saved.pop((s, m))
         if out is None:
             with self._seeded(s, m), torch.enable_grad():
@@ -203,6 +212,8 @@ class Executor:
                 self.comm.send(dst, self._grad_key(t, m), self.grads.pop(slot))
 
     def weight(self, i: int, a) -> None:
+        if a.stage in self.forward_only:
+            return
         later, params = self.deferred.pop((a.stage, a.mb))
         sync = self.grad_sync
         if sync is not None:
@@ -211,6 +222,11 @@ class Executor:
         self._collect(a.stage, params)
         if sync is not None:
             sync.after_backward(a.stage, a.mb)
+
+    def refresh_frozen(self) -> None:
+        """Which stages are forward-only, again (after weights were frozen and the topology's
+        transfers changed with a new plan); between steps, no backward of this rank pending."""
+        self.forward_only = forward_only_stages(self.topo, self.modules)
 
     def _collect(self, s: int, params) -> None:
         """A set-aside version's gradients are the stage's: add them to its parameters'."""

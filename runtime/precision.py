@@ -254,8 +254,11 @@ class MixedPrecision:
         return getattr(torch, dtype)
 
     def state_dict(self, stage: int, module) -> dict:
-        """The stage's tensors for a checkpoint: fp32 masters in place of 16-bit weights."""
-        state = dict(module.state_dict())
+        """The stage's tensors for a checkpoint: fp32 masters in place of 16-bit weights;
+        weights frozen at compile time left out (a run rebuilds them as it built them:
+        `frozen`)."""
+        frozen = set(getattr(module, "FROZEN", ()))
+        state = {k: v for k, v in module.state_dict().items() if k not in frozen}
         for name, _, master in self._pairs.get(stage, ()):
             state[name] = master.detach()
         return state
@@ -263,11 +266,12 @@ class MixedPrecision:
     @torch.no_grad()
     def load(self, stage: int, module, tensors: dict) -> None:
         """A checkpoint's tensors into the stage (cast to its dtypes) and its masters."""
-        own = module.state_dict()
+        frozen = set(getattr(module, "FROZEN", ()))
+        own = {k: v for k, v in module.state_dict().items() if k not in frozen}
         missing = sorted(set(own) - set(tensors))
         if missing:
             raise KeyError(f"{missing[0]} is not in the checkpoint")
-        module.load_state_dict({k: tensors[k].to(own[k].dtype) for k in own})
+        module.load_state_dict({k: tensors[k].to(own[k].dtype) for k in own}, strict=False)
         for name, p, master in self._pairs.get(stage, ()):
             if master is not p:
                 master.copy_(tensors[name])

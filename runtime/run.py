@@ -291,7 +291,11 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     progress.close()
     if exporter is not None:  # every rank sends its tensors, rank 0 writes the folder
         _barrier(world, "saving the HuggingFace folder")
-        mine = {k: v for s, mod in modules.items() for k, v in mixed.state_dict(s, mod).items()}
+        mine = {  # frozen weights too (a checkpoint leaves them out)
+            k: v
+            for s, mod in modules.items()
+            for k, v in {**mod.state_dict(), **mixed.state_dict(s, mod)}.items()
+        }
         traced = plan["model"].get("compute_dtype", "float32")
         exporter.at_end(mine, rank, world, device, lambda p: mixed.saved_dtype(p, traced))
     if runlog is not None:

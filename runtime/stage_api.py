@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .errors import PipelineConfigError
+from .models.lora import is_adapter
 
 WEIGHTS_ENV = "FTPIPE_WEIGHTS"  # a folder of *.safetensors that overrides the compiled-in one
 INIT_STD = 0.02
@@ -37,6 +38,10 @@ class StageModule(nn.Module):
     OUTPUTS: tuple[str, ...] = ()
     # (canonical name, shape, dtype, trainable, aliases): trainable ones become parameters.
     PARAMS: tuple = ()
+    # Frozen weights among the non-trainable PARAMS: parameters with requires_grad False
+    # (weights of the model, initialised and loaded like trainable ones; no gradient, no
+    # optimizer state). The other non-trainable ones are buffers (position ids...).
+    FROZEN: tuple[str, ...] = ()
     BUFFERS_FILE: Path | None = None  # values of the non-trainable tensors (position ids...)
     WEIGHTS_DIR: str = ""  # the model's folder, when it holds *.safetensors
     TRACED_DTYPE: str = "float32"  # the compute dtype the code was traced in
@@ -54,8 +59,8 @@ class StageModule(nn.Module):
                 dt = self.compute_dtype
             t = torch.empty(tuple(shape), dtype=dt, device=where)
             owner, leaf = self._owner(name)
-            if trainable:
-                owner.register_parameter(leaf, nn.Parameter(t))
+            if trainable or name in self.FROZEN:
+                owner.register_parameter(leaf, nn.Parameter(t, requires_grad=trainable))
             else:
                 owner.register_buffer(leaf, t)
         self._device = where
@@ -83,6 +88,10 @@ class StageModule(nn.Module):
             node = child
         return node, leaf
 
+    def weight_names(self) -> list[str]:
+        """The model's weights this stage holds: trainable and frozen (not buffers)."""
+        return [n for n, _, _, trainable, _ in self.PARAMS if trainable or n in self.FROZEN]
+
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.named_parameters()) | dict(self.named_buffers())
 
@@ -93,18 +102,18 @@ class StageModule(nn.Module):
         buffers = _read_buffers(self.BUFFERS_FILE)
         for name, shape, _, trainable, _ in self.PARAMS:
             t = tensors[name]
-            if not trainable:
-                t.copy_(buffers[name] if name in buffers else torch.zeros(tuple(shape)))
-            else:
+            if trainable or name in self.FROZEN:
                 t.copy_(initial_value(name, t.shape, t.dtype, seed))
+            else:
+                t.copy_(buffers[name] if name in buffers else torch.zeros(tuple(shape)))
 
     @torch.no_grad()
     def load_weights(self, folder) -> list[str]:
         """Copy this stage's tensors (by name or alias) from the *.safetensors files of `folder`.
 
-        Only the tensors this stage needs are read. Returns the names found; a trainable
-        tensor missing from the checkpoint is an error (training random weights by accident
-        is worse than stopping).
+        Only the tensors this stage needs are read. Returns the names found; a weight
+        (trainable or frozen) missing from the checkpoint is an error (training random
+        weights by accident is worse than stopping).
         """
         from safetensors import safe_open
 
@@ -126,7 +135,8 @@ class StageModule(nn.Module):
                         )
                     tensors[name].copy_(value)
                     found[name] = key
-        missing = [n for n, _, _, trainable, _ in self.PARAMS if trainable and n not in found]
+        # LoRA adapters are new: a base model's folder does not hold them.
+        missing = [n for n in self.weight_names() if n not in found and not is_adapter(n)]
         if missing:
             raise PipelineConfigError(
                 f"stage {self.STAGE}: {len(missing)} weights are not in {folder} "
@@ -136,8 +146,9 @@ class StageModule(nn.Module):
 
 
 def initial_value(name: str, shape, dtype, seed: int = 0) -> torch.Tensor:
-    """Biases 0, 1-d weights (norm scales) 1, other weights N(0, 0.02), seeded by the name."""
-    if name.endswith("bias"):
+    """Biases 0, 1-d weights (norm scales) 1, other weights N(0, 0.02), seeded by the name;
+    a LoRA adapter's B 0 (as peft starts it: the wrapped model starts as its base)."""
+    if name.endswith("bias") or ".lora_B." in name:
         return torch.zeros(shape, dtype=dtype)
     if len(shape) == 1 and name.endswith("weight"):
         return torch.ones(shape, dtype=dtype)

@@ -67,7 +67,12 @@ def generate_package(
     summaries = describe(lay.stages)
     for st in tqdm(lay.stages, desc="generating stages", unit="stage", disable=None):
         emitter = StageEmitter(
-            st, lay, names, traced.placeholders, lambda n: param_expr(n, info[n].trainable), compute
+            st,
+            lay,
+            names,
+            traced.placeholders,
+            lambda n: param_expr(n, info[n].trainable or info[n].frozen),
+            compute,
         )
         body = emitter.body()
         uses_operator |= emitter.uses_operator
@@ -80,6 +85,7 @@ def generate_package(
                 "inputs": py_tuple(st.model_inputs + st.inputs),
                 "outputs": py_tuple(["loss"] * st.is_loss + st.outputs),
                 "params": [_param_row(info[p]) for p in st.params],
+                "frozen": py_tuple([p for p in st.params if info[p].frozen]),
                 "n_params": sum(math.prod(info[p].shape) for p in st.params if info[p].trainable),
                 "body": [ln for line in body for ln in line.split("\n")],
                 "receives": [(w, lay.wires[w].producer) for w in st.inputs],
@@ -92,7 +98,7 @@ def generate_package(
         [
             p.name
             for p in plan.params
-            if not p.trainable and any(p.name in st.params for st in lay.stages)
+            if not (p.trainable or p.frozen) and any(p.name in st.params for st in lay.stages)
         ],
     )
     extra = {"path": spec.path} if spec.path else {}
@@ -127,7 +133,7 @@ def generate_package(
     return final
 
 
-def param_expr(name: str, trainable: bool) -> str:
+def param_expr(name: str, parameter: bool) -> str:
     """`self.encoder.block[3].layer[0].SelfAttention.q.weight`, or a lookup by name when a
     part cannot be an attribute (a keyword, or a name nn.Module already uses)."""
     from ftpipe_runtime.stage_api import Scope, StageModule
@@ -143,7 +149,7 @@ def param_expr(name: str, trainable: bool) -> str:
         )
     )
     if not ok:
-        return f'self.get_{"parameter" if trainable else "buffer"}("{name}")'
+        return f'self.get_{"parameter" if parameter else "buffer"}("{name}")'
     return "self" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in parts)
 
 

@@ -7,6 +7,8 @@ Every partitioner ends here, so the figures of competing plans are computed one 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import networkx as nx
 from ftpipe_runtime.schedules import StageInfo, with_chunks
 
@@ -149,9 +151,11 @@ def build_plan(
             trainable=p.trainable,
             aliases=p.aliases,
             stages=tuple(readers.get(p.name, ())[:1]),
+            frozen=p.frozen,
         )
         for p in graph.params
     )
+    stages = _forward_only(stages, transfers, graph, loss_stage)
     gpu = {s: gpu_of[order[s]] for s in range(len(order))}
     saved = 0  # per micro-batch: what no longer crosses to a GPU (and its gradient back)
     for t, cs in readers_of.items():
@@ -182,3 +186,18 @@ def build_plan(
             "inputs": {i.name: [list(i.shape), i.dtype] for i in graph.inputs},
         },
     )
+
+
+def _forward_only(stages: list, transfers, graph, loss_stage: int) -> list:
+    """Mark the stages that need no backward (the runtime's `frozen.forward_only_stages`):
+    nothing trainable in them, no gradient across their borders, not the loss stage."""
+    grad = {t.tensor for t in transfers if t.requires_grad}
+    trains = {p.name for p in graph.params if p.trainable}
+    return [
+        replace(st, forward_only=True)
+        if st.id != loss_stage
+        and not (set(st.inputs) | set(st.outputs)) & grad
+        and not set(st.params) & trains
+        else st
+        for st in stages
+    ]

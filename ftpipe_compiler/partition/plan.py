@@ -59,6 +59,8 @@ class Stage:
     # Nodes of other stages it recomputes instead of receiving their outputs (partition/remat;
     # their costs are in the figures above), in graph order.
     copies: tuple[str, ...] = ()
+    # Nothing trainable in it or before it: no backward, nothing kept (ftpipe_runtime.frozen).
+    forward_only: bool = False
 
     @property
     def compute_s(self) -> float:
@@ -86,6 +88,7 @@ class PlanParam:
     trainable: bool
     aliases: tuple[str, ...]
     stages: tuple[int, ...]  # (owner,): the one stage holding it; () when nothing reads it
+    frozen: bool = False  # a weight of the model that does not train (not a buffer)
 
 
 @dataclass(frozen=True)
@@ -206,7 +209,7 @@ class Plan:
                     trainable_bytes=sum(p.bytes for p in owned if p.trainable),
                     frozen_bytes=sum(p.bytes for p in owned if not p.trainable),
                     state_bytes=sum(p.static_bytes - p.bytes for p in owned),
-                    input_bytes=s.input_bytes,
+                    input_bytes=0 if s.forward_only else s.input_bytes,
                     act_bytes=s.act_bytes,
                     policy=policy,
                 )

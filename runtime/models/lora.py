@@ -1,0 +1,123 @@
+"""LoRA adapters through the `peft` library: the option's text, the wrap, peft's own folders.
+
+    spec = LoraSpec.parse("r=16,alpha=32,targets=q_proj,v_proj,dropout=0.05")
+    net = wrap(net, spec)                     # peft.get_peft_model: base frozen, adapters train
+    save_adapter(net, "out/adapter")          # adapter_config.json + adapter_model.safetensors
+
+Nothing of LoRA is written here: peft builds the adapters, freezes the base and writes and
+reads its folders. A plan records the spec (`plan["model"]["lora"]`), so the runtime builds
+the same wrapped model for a package's check and export as the compiler traced.
+peft is imported inside the functions (`ftpipe[hf]`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["LoraSpec", "is_adapter", "save_adapter", "wrap"]
+
+ADAPTER = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
+_KEYS = ("r", "alpha", "targets", "dropout")
+EXAMPLE = "r=16,alpha=32,targets=q_proj,v_proj[,dropout=0.05]"
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    r: int
+    alpha: float
+    targets: tuple[str, ...]
+    dropout: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> LoraSpec:
+        """`r=16,alpha=32,targets=q_proj,v_proj,dropout=0.05`: a value without `key=` belongs
+        to the targets before it. ValueError, one sentence, on anything else."""
+        fields: dict[str, list[str]] = {}
+        key = None
+        for part in (p.strip() for p in text.split(",")):
+            if "=" in part:
+                key, _, value = part.partition("=")
+                key = key.strip()
+                if key not in _KEYS:
+                    raise ValueError(f"--lora: unknown key {key!r}; give {EXAMPLE}")
+                if key in fields:
+                    raise ValueError(f"--lora: {key} is given twice; give {EXAMPLE}")
+                fields[key] = [value.strip()]
+            elif key == "targets" and part:
+                fields[key].append(part)
+            else:
+                raise ValueError(
+                    f"--lora: {part or 'an empty item'!r} is not key=value; give {EXAMPLE}"
+                )
+        missing = [k for k in ("r", "alpha", "targets") if k not in fields]
+        if missing:
+            raise ValueError(f"--lora needs {', '.join(missing)}; give {EXAMPLE}")
+        targets = tuple(t for t in fields["targets"] if t)
+        try:
+            r, alpha = int(fields["r"][0]), float(fields["alpha"][0])
+            dropout = float(fields.get("dropout", ["0"])[0])
+        except ValueError:
+            raise ValueError(
+                f"--lora: r must be an integer, alpha and dropout numbers; give {EXAMPLE}"
+            ) from None
+        if r < 1 or alpha <= 0 or not 0 <= dropout < 1 or not targets:
+            raise ValueError(
+                "--lora: r must be >= 1, alpha > 0, dropout in [0, 1) and targets not empty"
+            )
+        return cls(r, alpha, targets, dropout)
+
+    def to_json(self) -> dict:
+        return {"r": self.r, "alpha": self.alpha, "targets": list(self.targets),
+                "dropout": self.dropout}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: dict) -> LoraSpec:
+        return cls(int(d["r"]), float(d["alpha"]), tuple(d["targets"]), float(d["dropout"]))
+
+    def config(self):
+        """peft's LoraConfig of this spec."""
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.r,
+            lora_alpha=self.alpha,
+            target_modules=list(self.targets),
+            lora_dropout=self.dropout,
+        )
+
+
+def wrap(net, spec: LoraSpec | dict | None):
+    """`net` with LoRA adapters (peft's PeftModel; its base frozen), or `net` when no spec.
+    ValueError when no module of `net` is one of the targets."""
+    if spec is None:
+        return net
+    spec = LoraSpec.from_json(spec) if isinstance(spec, dict) else spec
+    try:
+        from peft import get_peft_model
+    except ImportError:
+        raise ImportError("LoRA needs peft: pip install 'ftpipe[hf]'") from None
+    try:
+        return get_peft_model(net, spec.config())
+    except ValueError as e:  # peft: "Target modules {...} not found in the base model"
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in net.named_modules() if _linear(m)})
+        raise ValueError(
+            f"--lora targets {', '.join(spec.targets)} match no module of the model ({e}); "
+            f"its linear layers are named {', '.join(names[:12])}"
+        ) from None
+
+
+def _linear(m) -> bool:
+    import torch
+
+    return isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) or type(m).__name__ == "Conv1D"
+
+
+def is_adapter(name: str) -> bool:
+    """Is `name` (a parameter of a wrapped model) a LoRA adapter weight?"""
+    return bool(ADAPTER.search(name))
+
+
+def save_adapter(net, out) -> None:
+    """peft's adapter folder of a wrapped model (its `save_pretrained`)."""
+    net.save_pretrained(str(out))
