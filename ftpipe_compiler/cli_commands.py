@@ -7,6 +7,7 @@ import time
 import click
 from ftpipe_runtime.atomic import check_writable_file
 from ftpipe_runtime.models import HEADS
+from ftpipe_runtime.models.lora import LoraSpec
 from ftpipe_runtime.precision import PRECISIONS
 
 from .cli import cli, echo_json
@@ -57,6 +58,16 @@ def models(as_json):
             f"  {t['name']:<12} {t['head']:<24} {shape:<20} micro-batch {t['micro_batch']:<3} "
             f"batch {t['batch']:<4} {t['optimizer']}"
         )
+
+
+def _lora_checked(ctx, param, value: str | None) -> str | None:
+    """--lora's text, refused as a usage error when it does not parse."""
+    if value:
+        try:
+            LoraSpec.parse(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+    return value
 
 
 def model_options(f):
@@ -136,6 +147,7 @@ def model_options(f):
             "--lora",
             default=None,
             metavar="SPEC",
+            callback=_lora_checked,
             help="Train LoRA adapters (peft) on a frozen base: r=16,alpha=32,targets=q_proj,"
             "v_proj[,dropout=0.05]; export writes peft's adapter folder.",
         ),

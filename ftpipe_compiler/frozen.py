@@ -32,7 +32,7 @@ def parse_lora(text: str | None) -> dict | None:
     try:
         return LoraSpec.parse(text).to_json()
     except ValueError as e:
-        raise FtpipeError(str(e)) from None
+        raise FtpipeError(f"--lora: {e}") from None
 
 
 def adapted(model, freeze: str = "", lora: dict | None = None):

@@ -33,6 +33,7 @@ from .topology import read_plan
 __all__ = ["export_checkpoint", "gather_tensors", "main", "write_hf_folder"]
 
 MAX_SHARD = "5GB"
+MERGE_HELP = "LoRA: also write the model with the adapters merged in, as <folder>/merged"
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
                    "merges.txt", "*.model", "*.tiktoken", "chat_template.*")  # fmt: skip
 
@@ -88,14 +89,22 @@ def gather_tensors(plan: dict, mine: dict, rank: int, world: int, device, dtype_
 
 
 def write_hf_folder(
-    out, plan: dict, tensors: dict, tokenizer=None, max_shard_size=MAX_SHARD, say=print
-) -> Path:
-    """`out` as `save_pretrained` writes it, from the stages' tensors by name."""
+    out, plan: dict, tensors: dict, tokenizer=None, max_shard_size=MAX_SHARD, say=print,
+    merge_lora=False,
+) -> Path:  # fmt: skip
+    """`out` as `save_pretrained` writes it, from the stages' tensors by name. A LoRA model
+    (`plan["model"]["lora"]`): peft's adapter folder (adapter_config.json,
+    adapter_model.safetensors, by peft's `save_pretrained`), and with `merge_lora` the model
+    with the adapters merged in (peft's `merge_and_unload`) as a HuggingFace folder in
+    `out/merged`."""
     check_exportable(plan)
     from .models.hf import build_model
+    from .models.lora import wrap
 
     model = plan["model"]
     net = build_model(model["config"], model["hf_class"], device="meta")
+    lora = model.get("lora")
+    net = wrap(net, lora)
     state = _hf_state(net, plan, tensors)
     net.load_state_dict(state, strict=True, assign=True)
     import transformers
@@ -104,7 +113,16 @@ def write_hf_folder(
     out = Path(out)
     with new_folder(out) as tmp:
         try:
-            net.save_pretrained(str(tmp), max_shard_size=max_shard_size)
+            if lora:
+                # Where PeftModel.from_pretrained / AutoPeftModel find the base model.
+                net.peft_config["default"].base_model_name_or_path = model.get("path") or None
+                net.save_pretrained(str(tmp))
+                if merge_lora:
+                    merged = net.merge_and_unload()
+                    merged.save_pretrained(str(tmp / "merged"), max_shard_size=max_shard_size)
+                    copy_tokenizer(tokenizer or model.get("path"), tmp / "merged")
+            else:
+                net.save_pretrained(str(tmp), max_shard_size=max_shard_size)
         except OSError as e:
             raise WriteFailed(f"cannot write {out}: {e.strerror or e}; nothing changed") from e
         copied = copy_tokenizer(tokenizer or model.get("path"), tmp)
@@ -128,7 +146,11 @@ def _hf_state(net, plan: dict, tensors: dict) -> dict:
         else:
             state[key] = tensors[name]
     if missing:
-        found = _from_folder(plan, missing)
+        found = _from_folder(plan, {k: by_name.get(k, k) for k in missing})
+        state.update(found)
+        missing = [k for k in missing if k not in found]
+    if missing:  # frozen weights a checkpoint leaves out, started from their initial values
+        found = _initial_frozen(plan, {k: by_name.get(k, k) for k in missing})
         state.update(found)
         missing = [k for k in missing if k not in found]
     if missing:
@@ -139,16 +161,36 @@ def _hf_state(net, plan: dict, tensors: dict) -> dict:
     return state
 
 
-def _from_folder(plan: dict, keys: list[str]) -> dict:
-    """Tensors the loss never reads (so no stage holds them) from the compiled model's folder."""
+def _from_folder(plan: dict, keys: dict[str, str]) -> dict:
+    """Tensors no stage holds (the loss never reads them) or a checkpoint leaves out (frozen
+    weights) from the compiled model's folder; `keys`: model key -> plan name, whose aliases
+    (the folder's names of a LoRA model's base weights) are looked up too."""
     folder = plan["model"].get("path")
+    aliases = {p["name"]: tuple(p.get("aliases", ())) for p in plan["params"]}
     found = {}
     for f in sorted(Path(folder).glob("*.safetensors")) if folder else []:
         from safetensors import safe_open
 
         with safe_open(str(f), framework="pt") as handle:
-            for key in set(keys) & set(handle.keys()):
-                found[key] = handle.get_tensor(key)
+            held = set(handle.keys())
+            for key, name in keys.items():
+                stored = next((n for n in (key, name, *aliases.get(name, ())) if n in held), None)
+                if stored is not None and key not in found:
+                    found[key] = handle.get_tensor(stored)
+    return found
+
+
+def _initial_frozen(plan: dict, keys: dict[str, str]) -> dict:
+    """Frozen weights of a model compiled without weights: the stages' seeded initial values
+    (`stage_api.initial_value`; a run started with --init had others: export it at its end)."""
+    from .stage_api import initial_value
+
+    params = {p["name"]: p for p in plan["params"] if p.get("frozen")}
+    found = {}
+    for key, name in keys.items():
+        p = params.get(name)
+        if p is not None:
+            found[key] = initial_value(name, tuple(p["shape"]), getattr(torch, p["dtype"]))
     return found
 
 
@@ -164,8 +206,9 @@ def copy_tokenizer(folder, out: Path) -> list[str]:
 
 
 def export_checkpoint(
-    plan: dict, root, step: int | None, out, tokenizer=None, max_shard_size=MAX_SHARD, say=print
-) -> tuple[int, Path]:
+    plan: dict, root, step: int | None, out, tokenizer=None, max_shard_size=MAX_SHARD, say=print,
+    merge_lora=False,
+) -> tuple[int, Path]:  # fmt: skip
     """Write the HuggingFace folder of checkpoint `step` (the newest complete one: None)."""
     check_exportable(plan)
     ckpt = Checkpoints(root, 0, int(plan["gpus"]), {"plan": plan_hash(plan)}, keep=0)
@@ -194,7 +237,7 @@ def export_checkpoint(
             tensors.update(read_tensors(path))
         except (FileNotFoundError, ValueError) as e:
             raise PipelineConfigError(f"cannot read {path} ({e})") from None
-    return step, write_hf_folder(out, plan, tensors, tokenizer, max_shard_size, say)
+    return step, write_hf_folder(out, plan, tensors, tokenizer, max_shard_size, say, merge_lora)
 
 
 def main(argv, plan_path, prog: str = "export") -> int:
@@ -207,13 +250,15 @@ def main(argv, plan_path, prog: str = "export") -> int:
     p.add_argument("-o", "--output", required=True, help="the folder to write")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     p.add_argument("--max-shard-size", default=MAX_SHARD, help=f"default {MAX_SHARD}")
+    p.add_argument("--merge-lora", action="store_true", help=MERGE_HELP)
     args = p.parse_args(argv)
     try:
         plan = read_plan(plan_path)
         root = args.checkpoint_dir or default_dir(plan)
         step, out = export_checkpoint(
-            plan, root, args.step, args.output, args.tokenizer, args.max_shard_size
-        )
+            plan, root, args.step, args.output, args.tokenizer, args.max_shard_size,
+            merge_lora=args.merge_lora,
+        )  # fmt: skip
     except (PipelineConfigError, WriteFailed) as e:
         print(f"ftpipe: {e}", file=sys.stderr)
         return 1

@@ -73,6 +73,7 @@ class HFExporter:
     def __init__(self, plan: dict, args, ckpt: Checkpoints | None, say=print):
         self.plan, self.out, self.say = plan, Path(args.save_hf), say
         self.tokenizer = args.tokenizer
+        self.merge_lora = args.merge_lora
         self.ckpt = ckpt if args.save_hf_every_checkpoint else None
         self.done: set[int] = set()
         if args.save_hf_every_checkpoint and not args.save_every:
@@ -96,8 +97,9 @@ class HFExporter:
                 self.done.add(step)
                 out = self.out.with_name(f"{self.out.name}-step-{step:06d}")
                 export_checkpoint(
-                    self.plan, self.ckpt.root, step, out, self.tokenizer, say=self.say
-                )
+                    self.plan, self.ckpt.root, step, out, self.tokenizer, say=self.say,
+                    merge_lora=self.merge_lora,
+                )  # fmt: skip
                 self.say(f"wrote {out}")
 
     def at_end(self, tensors: dict, rank: int, world: int, device, dtype_of) -> None:
@@ -105,5 +107,8 @@ class HFExporter:
         everything = gather_tensors(self.plan, tensors, rank, world, device, dtype_of)
         if rank == 0:
             self.after_checkpoint()
-            write_hf_folder(self.out, self.plan, everything, self.tokenizer, say=self.say)
+            write_hf_folder(
+                self.out, self.plan, everything, self.tokenizer, say=self.say,
+                merge_lora=self.merge_lora,
+            )  # fmt: skip
             self.say(f"wrote {self.out} (HuggingFace folder)")

@@ -16,6 +16,7 @@ import torch
 
 from .comm import POST_AHEAD_BYTES
 from .data import SOURCES
+from .export import MERGE_HELP
 from .freezing import parse_freeze_at
 from .optim import DECAYS, OPTIMIZERS
 from .precision import PRECISIONS
@@ -176,8 +177,11 @@ def parse_args(argv, plan: dict) -> argparse.Namespace:
         "--log-dir", default=None, help="log.jsonl and TensorBoard scalars (where installed)"
     )
     p.add_argument(
-        "--save-hf", default=None, help="write the trained model here as a HuggingFace folder"
+        "--save-hf",
+        default=None,
+        help="write the trained model here as a HuggingFace folder (LoRA: peft's adapter folder)",
     )
+    p.add_argument("--merge-lora", action="store_true", help=MERGE_HELP)
     p.add_argument(
         "--save-hf-every-checkpoint",
         action="store_true",

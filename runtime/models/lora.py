@@ -40,9 +40,9 @@ class LoraSpec:
                 key, _, value = part.partition("=")
                 key = key.strip()
                 if key not in _KEYS:
-                    raise ValueError(f"--lora: unknown key {key!r}; give {EXAMPLE}")
+                    raise ValueError(f"unknown key {key!r}; give {EXAMPLE}")
                 if key in fields:
-                    raise ValueError(f"--lora: {key} is given twice; give {EXAMPLE}")
+                    raise ValueError(f"{key} is given twice; give {EXAMPLE}")
                 fields[key] = [value.strip()]
             elif key == "targets" and part:
                 fields[key].append(part)
@@ -52,19 +52,17 @@ class LoraSpec:
                 )
         missing = [k for k in ("r", "alpha", "targets") if k not in fields]
         if missing:
-            raise ValueError(f"--lora needs {', '.join(missing)}; give {EXAMPLE}")
+            raise ValueError(f"{', '.join(missing)} missing; give {EXAMPLE}")
         targets = tuple(t for t in fields["targets"] if t)
         try:
             r, alpha = int(fields["r"][0]), float(fields["alpha"][0])
             dropout = float(fields.get("dropout", ["0"])[0])
         except ValueError:
             raise ValueError(
-                f"--lora: r must be an integer, alpha and dropout numbers; give {EXAMPLE}"
+                f"r must be an integer, alpha and dropout numbers; give {EXAMPLE}"
             ) from None
         if r < 1 or alpha <= 0 or not 0 <= dropout < 1 or not targets:
-            raise ValueError(
-                "--lora: r must be >= 1, alpha > 0, dropout in [0, 1) and targets not empty"
-            )
+            raise ValueError("r must be >= 1, alpha > 0, dropout in [0, 1) and targets not empty")
         return cls(r, alpha, targets, dropout)
 
     def to_json(self) -> dict:
@@ -99,11 +97,11 @@ def wrap(net, spec: LoraSpec | dict | None):
         raise ImportError("LoRA needs peft: pip install 'ftpipe[hf]'") from None
     try:
         return get_peft_model(net, spec.config())
-    except ValueError as e:  # peft: "Target modules {...} not found in the base model"
+    except ValueError:  # peft: "Target modules {...} not found in the base model"
         names = sorted({n.rsplit(".", 1)[-1] for n, m in net.named_modules() if _linear(m)})
         raise ValueError(
-            f"--lora targets {', '.join(spec.targets)} match no module of the model ({e}); "
-            f"its linear layers are named {', '.join(names[:12])}"
+            f"--lora targets {', '.join(spec.targets)} match no module of the model; its "
+            f"linear layers are named {', '.join(names[:12])}"
         ) from None
 
 

@@ -16,13 +16,17 @@ from safetensors.torch import load_file
 from torch.func import functional_call
 
 
-def train_plain(plan, steps, optimizer="adamw", lr=0.01, clip=0.0, seed=0, data=None, model=None):
+def train_plain(
+    plan, steps, optimizer="adamw", lr=0.01, clip=0.0, seed=0, data=None, model=None, text=None
+):
     """The unpartitioned model (the toy's, or `model`: a HuggingFace one), gradient
-    accumulation over the plan's micro-batches."""
+    accumulation over the plan's micro-batches. `text`: TextOptions of a `data` text file
+    (tokenized by the model's folder)."""
     model = model if model is not None else ToyModel()
     loss_of = hf_loss if hasattr(model, "config") else lambda net, inputs: net(**inputs)
     opt = make_optimizer(optimizer, model.parameters(), lr)
-    source = make_data(plan["model"], data, seed)
+    tokenizer = plan["model"].get("path") if text is not None else None
+    source = make_data(plan["model"], data, seed, text, tokenizer)
     m = plan["micro_batches"]
     losses, params = [], []
     for k in range(steps):
