@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_allreduce  # noqa: E402
 import bench_fidelity  # noqa: E402 - sections 3 and 4 live beside this file
 import bench_freeze  # noqa: E402
+import bench_lora  # noqa: E402
 import bench_planner  # noqa: E402
 import bench_runtime  # noqa: E402
 import bench_schedules  # noqa: E402
@@ -229,6 +230,7 @@ SECTIONS = {
     "allreduce": (bench_allreduce.measure, bench_allreduce.markdown),
     "startup": (bench_startup.measure, bench_startup.markdown),
     "freeze": (bench_freeze.measure, bench_freeze.markdown),
+    "lora": (bench_lora.measure, bench_lora.markdown),
 }
 
 
