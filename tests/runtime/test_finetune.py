@@ -32,7 +32,7 @@ from ftpipe_runtime.checkpoint import read_tensors, step_dir
 from ftpipe_runtime.data import TextOptions, make_data
 from ftpipe_runtime.optim import lr_at
 from runtime_helpers import RUNTIME_HOME
-from text_helpers import pairs, tiny_models, write_jsonl
+from text_helpers import eval_loss, pairs, tiny_models, write_jsonl
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("datasets")
@@ -139,18 +139,6 @@ def _plan(pkg: Path) -> dict:
     return json.loads((pkg / "plan.json").read_text())
 
 
-@torch.no_grad()
-def _eval_loss(net, plan: dict, path: Path) -> float:
-    """The evaluation loss as the pipeline defines it, of a model in one process."""
-    data = make_data(plan["model"], str(path), 0, TEXT, plan["model"]["path"], evaluation=True)
-    total = samples = 0.0
-    for j in range(data.micro_batches):
-        batch = {n: data.get(n, j) for n in plan["model"]["inputs"]}
-        total += float(loss_of(net, batch)) * data.weight(j)
-        samples += data.weight(j)
-    return total / samples
-
-
 @pytest.mark.parametrize("name", ["llama", "t5"])
 def test_text_fine_tuning_evaluates_and_saves_a_huggingface_folder(runs, name):
     root, pkgs, logs, _ = runs
@@ -164,7 +152,9 @@ def test_text_fine_tuning_evaluates_and_saves_a_huggingface_folder(runs, name):
     net, info = cls.from_pretrained(str(root / f"hf-{name}"), output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     net.eval()
-    assert _eval_loss(net, plan, root / "val.jsonl") == pytest.approx(evals[-1]["loss"], rel=1e-4)
+    assert eval_loss(net, plan, root / "val.jsonl", TEXT) == pytest.approx(
+        evals[-1]["loss"], rel=1e-4
+    )
     tok = transformers.AutoTokenizer.from_pretrained(str(root / f"hf-{name}"))
     assert tok.eos_token_id == 3
 

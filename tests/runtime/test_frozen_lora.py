@@ -27,14 +27,13 @@ import pytest
 import torch
 from runtime_helpers import RUNTIME_HOME
 from runtime_reference import train_plain
-from text_helpers import pairs, write_jsonl
+from text_helpers import eval_loss, pairs, write_jsonl
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 from click.testing import CliRunner  # noqa: E402
 from demo_text import write_model  # noqa: E402
-from ftpipe_runtime.data import TextOptions, make_data  # noqa: E402
-from ftpipe_runtime.models.hf import loss_of  # noqa: E402
+from ftpipe_runtime.data import TextOptions  # noqa: E402
 from ftpipe_runtime.models.lora import wrap  # noqa: E402
 from ftpipe_runtime.stage_api import initial_value  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -152,17 +151,6 @@ def test_a_frozen_prefix_trains_as_one_process_does(runs):
         assert not (step / f"stage-{s['id']}.optimizer.pt").exists()
 
 
-@torch.no_grad()
-def _eval_loss(net, plan: dict, path: Path) -> float:
-    data = make_data(plan["model"], str(path), 0, TEXT, plan["model"]["path"], evaluation=True)
-    total = samples = 0.0
-    for j in range(data.micro_batches):
-        batch = {n: data.get(n, j) for n in plan["model"]["inputs"]}
-        total += float(loss_of(net, batch)) * data.weight(j)
-        samples += data.weight(j)
-    return total / samples
-
-
 def test_lora_trains_as_peft_does_and_peft_loads_the_adapter(runs):
     root, pkgs, logs = runs
     plan = _plan(pkgs["lora"])
@@ -195,6 +183,10 @@ def test_lora_trains_as_peft_does_and_peft_loads_the_adapter(runs):
     ).eval()
     last = logs["lora"]["evals"][-1]
     assert last["step"] == 6
-    assert _eval_loss(loaded, plan, root / "val.jsonl") == pytest.approx(last["loss"], rel=1e-4)
+    assert eval_loss(loaded, plan, root / "val.jsonl", TEXT) == pytest.approx(
+        last["loss"], rel=1e-4
+    )
     merged = transformers.LlamaForCausalLM.from_pretrained(root / "hf-lora" / "merged").eval()
-    assert _eval_loss(merged, plan, root / "val.jsonl") == pytest.approx(last["loss"], rel=1e-4)
+    assert eval_loss(merged, plan, root / "val.jsonl", TEXT) == pytest.approx(
+        last["loss"], rel=1e-4
+    )

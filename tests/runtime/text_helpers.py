@@ -13,7 +13,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 from demo_text import WORDS, pairs, sentences, write_jsonl, write_model, write_tokenizer  # noqa: E402
 
-__all__ = ["WORDS", "pairs", "sentences", "tiny_models", "write_jsonl", "write_tokenizer"]
+__all__ = ["WORDS", "eval_loss", "pairs", "sentences", "tiny_models", "write_jsonl",
+           "write_tokenizer"]  # fmt: skip
+
+
+def eval_loss(net, plan: dict, path: Path, text) -> float:
+    """The evaluation loss as the pipeline defines it (samples of a text file under the
+    TextOptions `text`, each batch weighted by its samples), of a model in one process."""
+    import torch
+    from ftpipe_runtime.data import make_data
+    from ftpipe_runtime.models.hf import loss_of
+
+    data = make_data(plan["model"], str(path), 0, text, plan["model"]["path"], evaluation=True)
+    total = samples = 0.0
+    with torch.no_grad():
+        for j in range(data.micro_batches):
+            batch = {n: data.get(n, j) for n in plan["model"]["inputs"]}
+            total += float(loss_of(net, batch)) * data.weight(j)
+            samples += data.weight(j)
+    return total / samples
 
 
 def tiny_models(root: Path) -> dict[str, Path]:
