@@ -37,7 +37,7 @@ def parse_lora(text: str | None) -> dict | None:
 
 def adapted(model, freeze: str = "", lora: dict | None = None):
     """`model` (a LossModel or FunctionModel: the network is `model.m`) with LoRA adapters
-    and the weights matching `freeze` frozen. FtpipeError when nothing is left to train."""
+    and the weights matching `freeze` frozen. FtpipeError when they leave nothing to train."""
     if lora:
         try:
             model.m = wrap(model.m, lora)
@@ -45,7 +45,7 @@ def adapted(model, freeze: str = "", lora: dict | None = None):
             raise FtpipeError(str(e)) from None
     if freeze:
         freeze_matching(model, freeze)
-    if not any(p.requires_grad for p in model.parameters()):
+    if (freeze or lora) and not any(p.requires_grad for p in model.parameters()):
         raise FtpipeError(
             "every parameter of the model is frozen, so there is nothing to train; freeze fewer"
         )
