@@ -22,7 +22,7 @@ from ftpipe_compiler.planner import Space, orientation_of, plan_shape
 from ftpipe_compiler.profiling import costed_graph
 
 TARGETS = [("t5-11b", "rte", "v100-32gb", 64), ("t5-3b", "rte", "rtx2080ti", 16)]
-SCALING = ("t5-3b", "rte", "rtx2080ti", (8, 32, 128, 512))
+SCALING = ("t5-3b", "rte", "rtx2080ti", (8, 64, 512))
 SCHEDULES = ("ftpipe",)
 PER_GPU = 40  # sequences per step and GPU
 

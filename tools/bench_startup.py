@@ -30,7 +30,7 @@ from bench_stats import OtherLoad
 MODEL, GPUS = "gpt2-tiny", 2
 SCHEDULES = ("gpipe", "1f1b", "2bw", "wpipe", "ftpipe")
 STEPS = (10, 100_000)
-ROUNDS = 3
+ROUNDS = 2
 TARGET_S = 2.0
 # One more ftpipe case: checkpoints every 100 steps cut the run into 1,000 drained segments.
 CASES = [(s, ()) for s in SCHEDULES] + [("ftpipe", ("--save-every", "100"))]
