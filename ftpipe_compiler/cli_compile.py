@@ -9,11 +9,14 @@ ftpipe compile --model t5-3b --gpus 8 --schedule 1f1b,zb1p,zbv
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 import time
 from pathlib import Path
 
 import click
+from ftpipe_runtime.atomic import write_atomic
 from ftpipe_runtime.replicas import launch_hint
 from ftpipe_runtime.schedules import SCHEDULES
 from tqdm import tqdm
@@ -27,6 +30,7 @@ from .errors import FtpipeError
 from .frozen import describe_frozen
 from .output import check_writable, output_folder
 from .partition import PARTITIONERS, problem_from_graph
+from .planner.shrink import index_of, shrink_plans
 from .plan_search import GROUPS, best_plan, schedule_names
 from .profiling import costed_graph
 from .simulate import write_report
@@ -104,6 +108,17 @@ def _schedules(ctx, param, value: str) -> list[str]:
     "--gpus-per-node or --cluster).",
 )
 @click.option(
+    "--freeze-training",
+    "freeze_alpha",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    default=None,
+    metavar="ALPHA",
+    help="Also write the plans a freeze-training run (PipeTransformer; run it with "
+    "--freeze-alpha or --freeze-at) switches to as it freezes layers: the active layers on "
+    "GPUS/2, GPUS/4 ... GPUs, the freed GPUs as data-parallel replicas, one halving per "
+    "decision of the freeze rule with this alpha at its fastest (<package>/elastic/).",
+)
+@click.option(
     "-o",
     "--output",
     type=click.Path(file_okay=False),
@@ -131,6 +146,7 @@ def compile_command(
     gpus_per_node,
     cluster_file,
     replicas,
+    freeze_alpha,
     output,
     force,
     as_json,
@@ -181,7 +197,9 @@ def compile_command(
             competitors=found.competitors, simulated=sim.summary(), command=command
         )
         phases.update(2)
-        pkg = _generate(out, force, phases, timings, traced, graph, plan, sim, spec, command)
+        shrinks = _shrinks(freeze_alpha, graph, plan, hardware, partitioners, steps, seed)
+        pkg = _generate(out, force, phases, timings, traced, graph, plan, sim, spec, command,
+                        shrinks)  # fmt: skip
         phases.close()
         timings["total_s"] = time.perf_counter() - t_start
         package = out / pkg.name
@@ -206,6 +224,7 @@ def compile_command(
             f"wrote {out}/plan.json, {out}/report.html and the package {package} "
             f"in {timings['total_s']:.1f} s"
         )
+        _say_shrinks(shrinks, package)
         hint = launch_hint(plan.to_json())
         click.echo(f"run it on every node: cd {out} && torchrun {hint} -m {pkg.name}")
         return
@@ -228,7 +247,9 @@ def compile_command(
     rows = [c.to_json() for c in matrix]
     winner_sim = best.sim
     plan = best.plan.with_(competitors=tuple(rows), simulated=winner_sim.summary(), command=command)
-    pkg = _generate(out, force, phases, timings, traced, graph, plan, winner_sim, spec, command)
+    shrinks = _shrinks(freeze_alpha, graph, plan, hardware, partitioners, steps, seed)
+    pkg = _generate(out, force, phases, timings, traced, graph, plan, winner_sim, spec, command,
+                    shrinks)  # fmt: skip
     phases.close()
     package = out / pkg.name
     timings["total_s"] = time.perf_counter() - t_start
@@ -272,6 +293,7 @@ def compile_command(
             f"note: the best plan uses {plan.gpus} of the {gpus} GPUs asked for; the others "
             "would have no stage to run"
         )
+    _say_shrinks(shrinks, package)
     click.echo(f"run it: cd {out} && torchrun --nproc_per_node {plan.gpus} -m {pkg.name}")
 
 
@@ -279,14 +301,39 @@ def _names(partitioners: str | None) -> list[str] | None:
     return [n.strip() for n in partitioners.split(",")] if partitioners else None
 
 
-def _generate(out, force, phases, timings, traced, graph, plan, sim, spec, command):
-    """Write plan.json, report.html and the package into `out`, all or nothing."""
+def _shrinks(alpha, graph, plan, hardware, partitioners, steps, seed):
+    """--freeze-training: the shorter pipelines' plans (planner/shrink.py); () without it."""
+    if alpha is None:
+        return ()
+    return shrink_plans(graph, plan, alpha=alpha, hardware=hardware or graph.hardware,
+                        partitioners=_names(partitioners), steps=steps, seed=seed)  # fmt: skip
+
+
+def _say_shrinks(shrinks, package) -> None:
+    for s in shrinks:
+        click.echo(
+            f"freeze training: from {s.frozen} frozen layers on {s.plan.replicas} replicas x "
+            f"{s.plan.gpus} GPUs ({package}/elastic/{s.name})"
+        )
+
+
+def _generate(out, force, phases, timings, traced, graph, plan, sim, spec, command, shrinks=()):
+    """Write plan.json, report.html and the package into `out`, all or nothing; each
+    shrink's package goes in the package's elastic/<name>/."""
     phases.set_postfix_str("generate")
     t0 = time.perf_counter()
     with output_folder(out, force) as tmp:
         plan.save(tmp / "plan.json")
         write_report(tmp / "report.html", plan, sim, command)
         pkg = generate_package(traced, graph, plan, spec, tmp, command, force=True)
+        for s in shrinks:
+            sub = generate_package(traced, graph, s.plan, spec, tmp / "_elastic" / s.name,
+                                   command, force=True)  # fmt: skip
+            (pkg / "elastic").mkdir(exist_ok=True)
+            sub.rename(pkg / "elastic" / s.name)
+        if shrinks:
+            shutil.rmtree(tmp / "_elastic")  # emptied: each shrink moved into the package
+            write_atomic(pkg / "elastic" / "index.json", json.dumps(index_of(shrinks), indent=1))
     timings["generate_s"] = time.perf_counter() - t0
     phases.update()
     return pkg
