@@ -30,8 +30,8 @@ from .errors import FtpipeError
 from .frozen import describe_frozen
 from .output import check_writable, output_folder
 from .partition import PARTITIONERS, problem_from_graph
-from .planner.shrink import index_of, shrink_plans
 from .plan_search import GROUPS, best_plan, schedule_names
+from .planner.shrink import index_of, shrink_plans
 from .profiling import costed_graph
 from .simulate import write_report
 

@@ -191,6 +191,12 @@ class FreezeTraining:
         if self.record is not None:
             self.record(row)
 
+    def start_frozen(self, layers: int) -> None:
+        """Freeze the bottom `layers` at once: a run going on on another plan
+        (`ftpipe_runtime.elastic`) whose earlier decisions froze them."""
+        if layers > self.frozen:
+            self._freeze(self.frozen, layers)
+
     def _freeze(self, before: int, upto: int) -> None:
         names = {n for u in self.units[before:upto] for n in u}
         for s, opt in self.optimizers.items():

@@ -37,6 +37,7 @@ from .atomic import (
 )
 from .comm import Comm, init_distributed
 from .dataflow import Dataflow
+from .elastic import Carried, Shrinks, hand_over, load_carried, segment_end
 from .errors import PeerFailure, PipelineConfigError, WriteFailed
 from .evaluate import Evaluator, loss_messages, reporter, splicer
 from .executor import Executor
@@ -61,6 +62,7 @@ def run(plan: dict | str | os.PathLike, stages: dict, argv: list[str] | None = N
     `plan` is the plan dict or the path of plan.json; either is checked before anything runs.
     """
     rank = int(os.environ.get("RANK", 0))
+    argv_plan = plan
     try:
         plan = read_plan(plan) if not isinstance(plan, dict) else plan
         Topology(plan)  # before the arguments, whose defaults come from the plan
@@ -68,7 +70,13 @@ def run(plan: dict | str | os.PathLike, stages: dict, argv: list[str] | None = N
         raise SystemExit(f"ftpipe: {e}") from None
     args = parse_args(argv, plan)
     try:
-        return _train(plan, stages, args, rank)
+        # Freeze training on a package compiled with --freeze-training: segments, each on
+        # its plan, the next one shorter (ftpipe_runtime.elastic).
+        shrinks = Shrinks.beside(path) if (path := _path_of(argv_plan)) else None
+        carried = None
+        while isinstance(got := _train(plan, stages, args, rank, shrinks, carried), Carried):
+            carried, plan, stages = got, got.plan, got.stages
+        return got
     except PeerFailure as e:
         _die(f"ftpipe rank {rank}: {e}", 1)
     except (PipelineConfigError, WriteFailed) as e:
@@ -77,13 +85,18 @@ def run(plan: dict | str | os.PathLike, stages: dict, argv: list[str] | None = N
         raise SystemExit(f"ftpipe: {e}") from None
 
 
+def _path_of(plan) -> Path | None:
+    return None if isinstance(plan, dict) else Path(plan)
+
+
 def _die(message: str, code: int):
     print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(code)
 
 
-def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
+def _train(plan: dict, stage_classes: dict, args, rank: int, shrinks=None, carried=None):
+    """The run's summary, or what it hands to the next, shorter plan (`Carried`)."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     topo = Topology(plan)
@@ -107,6 +120,7 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     if not plan.get("recompute", True) and sched.can_keep_activations:
         sched = sched.without_recompute()  # the planner chose to keep activations
     m = args.micro_batches or sched.micro_batches or int(plan["micro_batches"])
+    m = carried.micro_batches if carried else m
     precision = for_run(plan, args.dtype, sched)
     topo = Topology(plan_in(plan, precision))  # messages in the run's compute dtype
     # Everything that can be refused is refused before any rank waits for another: first
@@ -121,25 +135,39 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
             "out, or compile the package with --replicas 1"
         )
     data = Shard(sources.train, replica, reps.count, m)
-    timeline = Timeline(sched, topo.stage_infos(), m, args.steps, drain_every=args.save_every)
+    freezing = args.freeze_alpha is not None or bool(args.freeze_at)
+    shrinks = shrinks if freezing else None
+    first = carried.first if carried else 0
+    pending = bool(shrinks and shrinks.pending(topo.world))
+    end = segment_end(first, args.steps, _decides(args), pending)
+    if end < args.steps and (sources.eval is not None or args.save_hf or args.trace):
+        raise PipelineConfigError(
+            "evaluation, --save-hf and --trace do not run with a pipeline that shrinks yet "
+            "(elastic/ beside the plan); leave them out, or compile without --freeze-training"
+        )
+    timeline = Timeline(sched, topo.stage_infos(), m, end, drain_every=args.save_every)
     # With evaluation rounds after every step: the most there can be (`Timeline.check`).
     every_step = lambda n: splicer(topo, m, sources.eval, steps=n, first=0, every=1)  # noqa: E731
     timeline.check(topo.stage_graph(), every_step)
     root = Path(args.checkpoint_dir or checkpoint.default_dir(plan))
+    root = root / carried.name if carried else root  # each plan's checkpoints its own
     ckpt = checkpoint.Checkpoints(
         root, rank, world, checkpoint.run_identity(plan, args, name, m), args.keep_checkpoints, say
     )
     failure = None
     try:
         modules, optimizers, mixed, exporter, runlog = _prepare(
-            plan, stage_classes, args, (rank, gpu), topo, ckpt, device, precision, say
+            plan, stage_classes, args, (rank, gpu), topo, ckpt, device, precision, say, carried
         )
     except Exception as e:  # noqa: BLE001 - told to the other ranks first, then raised
         failure = e
     init_distributed(rank, world, device.type, args.init_method, args.timeout)
     _agree_to_start(failure, rank, world)
 
-    first, manifest = ckpt.choose(lambda v: _all_gather(v, world)) if args.resume else (0, None)
+    if args.resume:
+        first, manifest = ckpt.choose(lambda v: _all_gather(v, world))
+    else:
+        manifest = None
     if first >= args.steps:
         raise PipelineConfigError(f"the checkpoint is at step {first}; ask for more --steps")
     if manifest and _lr_changes(args, manifest.get("steps"), first):
@@ -169,7 +197,6 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     # The collectives: the gradient norm across a pipeline's ranks when a synchronous step
     # clips (fp16's overflow check rides on it: the norm is computed then even without
     # clipping), and each GPU's gradients with its replicas.
-    freezing = args.freeze_alpha is not None or bool(args.freeze_at)
     if freezing and not sched.synchronous:
         raise PipelineConfigError(
             f"freeze training needs a synchronous schedule, not {name}; pick gpipe or 1f1b"
@@ -185,11 +212,16 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
     samples = reps.count * m * micro_batch
     progress = Progress(rank == 0, args.steps, first, samples, args.log_every)
     progress.log, progress.lr_of = runlog, lr_of
+    if carried:
+        progress.losses.update(carried.losses)
     if args.resume:
         where = f"step {first} of {root}" if first else f"step 0: no checkpoint in {root}"
         if rank == 0:
             progress.write(f"resuming from {where}")
     freezer = _freezer(plan, args, modules, optimizers, mixed, comm, progress, runlog, freezing)
+    if carried:  # the same layers frozen, then the weights and state handed over loaded
+        freezer.start_frozen(carried.frozen)
+        load_carried(carried, modules, optimizers, mixed, device)
     saver = checkpoint.Saver(ckpt, args.save_every, args.steps, m, stages=replica == 0)
     saver.modules, saver.optimizers, saver.precision = modules, optimizers, mixed
     stepper = Stepper(
@@ -233,7 +265,7 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
         if freezer:
             freezer.grad_sync = sync
     saver.versions, saver.drained = executor.kept_versions, timeline.drains
-    if first:
+    if first and not carried:
         for s, mod in modules.items():
             load = lambda t, s=s, mod=mod: mixed.load(s, mod, t)  # noqa: E731
             ckpt.load_stage(first, s, mod, optimizers[s], device, load)
@@ -282,6 +314,15 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
             raise PeerFailure(f"rank 0 gave up waiting for the losses of the loss stage: {why}")
     comm.finish()
     wall = time.perf_counter() - start
+    if end < args.steps:
+        return _switch((plan, stage_classes), args, (rank, world, replica, reps),
+                       (first, end, m, wall, samples),
+                       (modules, optimizers, mixed, freezer, progress, runlog), shrinks,
+                       carried)  # fmt: skip
+    segments = _segment(carried.segments if carried else [], first, end, reps, samples, wall)
+    if rank == 0 and carried:
+        progress.write(_segment_line(segments[-1]))
+    wall = sum(row["wall_s"] for row in segments)  # of every plan's steps
     if args.trace:  # every rank's actions, written by rank 0
         mine = {"rank": rank, "gpu": gpu, "replica": replica, "actions": tracer.rows}
         ranks = _all_gather(mine, world)
@@ -300,8 +341,19 @@ def _train(plan: dict, stage_classes: dict, args, rank: int) -> dict:
         exporter.at_end(mine, rank, world, device, lambda p: mixed.saved_dtype(p, traced))
     if runlog is not None:
         runlog.close()
+    start = carried.start if carried else first
     return _finish(
-        args, plan, modules, progress, device, (world, rank, replica), first, m, wall, mixed
+        args,
+        plan,
+        modules,
+        progress,
+        device,
+        (world, rank, replica),
+        start,
+        m,
+        wall,
+        mixed,
+        segments,
     )
 
 
@@ -314,7 +366,8 @@ def _freezer(plan, args, modules, optimizers, mixed, comm, progress, runlog, on)
         raise PipelineConfigError(
             "freeze training does not resume from a checkpoint yet; start the run again"
         )
-    args.freeze_decisions = []
+    if not hasattr(args, "freeze_decisions"):  # kept across the plans of one run
+        args.freeze_decisions = []
 
     def record(row):
         args.freeze_decisions.append({k: v for k, v in row.items() if k != "norms"})
@@ -334,6 +387,57 @@ def _freezer(plan, args, modules, optimizers, mixed, comm, progress, runlog, on)
         raise PipelineConfigError(str(e)) from None
 
 
+def _decides(args):
+    """Is a freeze decision taken after step k (0-based)? (`FreezeTraining.due`)"""
+    forced = {s for s, _ in args.freeze_at}
+    alpha, every = args.freeze_alpha, args.freeze_every
+    return lambda k: k + 1 in forced or (alpha is not None and (k + 1) % every == 0)
+
+
+def _switch(current, args, where, span, state, shrinks, carried):
+    """At a segment's end: hand everything over to the next plan (or the same one, when
+    the decision did not freeze enough for a shorter pipeline)."""
+    rank, world, replica, reps = where
+    first, end, m, wall, samples = span
+    modules, optimizers, mixed, freezer, progress, runlog = state
+    progress.close()
+    segments = _segment(carried.segments if carried else [], first, end, reps, samples, wall)
+    if rank == 0:
+        progress.write(_segment_line(segments[-1]))
+    nxt = shrinks.after(freezer.frozen, reps.gpus, reps.count, m)
+    tensors, opt = hand_over(modules, optimizers, mixed, replica, world)
+    if nxt is None:
+        name, (new_plan, stages), new_m = (carried.name if carried else ""), current, m
+    else:
+        new_plan, stages = shrinks.load(nxt)
+        name, new_m = nxt.name, m * reps.count // nxt.replicas
+        if rank == 0:
+            progress.write(
+                f"step {end}: {freezer.frozen} layers frozen: switching to {nxt.replicas} "
+                f"replicas x {nxt.gpus} GPUs ({nxt.name})"
+            )
+    return Carried(
+        first=end, start=carried.start if carried else first, name=name, plan=new_plan,
+        stages=stages,
+        micro_batches=new_m, frozen=freezer.frozen, tensors=tensors, optimizer=opt,
+        losses=dict(progress.losses), runlog=runlog, segments=segments,
+    )  # fmt: skip
+
+
+def _segment(done: list, first: int, end: int, reps, samples: int, wall: float) -> list:
+    row = {"steps": [first, end], "replicas": reps.count, "gpus": reps.gpus,
+           "wall_s": wall, "samples_per_s": (end - first) * samples / wall if wall > 0 else 0.0}  # fmt: skip
+    return [*done, row]
+
+
+def _segment_line(row: dict) -> str:
+    a, b = row["steps"]
+    return (
+        f"steps {a + 1}-{b} on {row['replicas']} replicas x {row['gpus']} GPUs: "
+        f"{row['samples_per_s']:.1f} samples/s"
+    )
+
+
 def _after_steps(*hooks):
     """One on_stepped hook calling those given (None: absent), in order."""
     hooks = [h for h in hooks if h is not None]
@@ -347,7 +451,7 @@ def _after_steps(*hooks):
     return call
 
 
-def _prepare(plan, stage_classes, args, where, topo, ckpt, device, precision, say):
+def _prepare(plan, stage_classes, args, where, topo, ckpt, device, precision, say, carried):
     """This rank's own checks and set-up: its --log-json, its checkpoint folder, its export
     and log, its stages and --init weights, their precision and optimizers. `where`: the
     rank and the pipeline GPU it runs."""
@@ -361,7 +465,8 @@ def _prepare(plan, stage_classes, args, where, topo, ckpt, device, precision, sa
         if not args.resume:
             ckpt.refuse_foreign()
     exporter = HFExporter(plan, args, ckpt, say) if args.save_hf else None
-    runlog = RunLog(args.log_dir, rank, say=say) if args.log_dir else None
+    runlog = RunLog(args.log_dir, rank, say=say) if args.log_dir and not carried else None
+    runlog = carried.runlog if carried else runlog
     modules = build_stages(topo, stage_classes, gpu, device, precision.dtype)
     if args.init:
         load_init(modules, args.init, plan)
@@ -464,7 +569,7 @@ def _replica_difference(everyone: list[dict]) -> float:
     )
 
 
-def _finish(args, plan, modules, progress, device, where, first, m, wall, mixed) -> dict:
+def _finish(args, plan, modules, progress, device, where, first, m, wall, mixed, segments):
     world, rank, replica = where
     mine = {
         "memory": peak_memory(device),
@@ -497,6 +602,7 @@ def _finish(args, plan, modules, progress, device, where, first, m, wall, mixed)
         # compared with each other's (0.0: identical).
         "replica_difference": _replica_difference(everyone),
         "freezes": getattr(args, "freeze_decisions", []),
+        "segments": segments,  # one per plan the run trained on
     }
     if rank == 0:
         mem = ", ".join(f"rank {r} {human_bytes(b)}" for r, b in enumerate(summary["memory_bytes"]))

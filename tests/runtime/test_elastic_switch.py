@@ -1,0 +1,116 @@
+"""Elastic pipelining (PipeTransformer §3.2-3.3): a 4-layer BERT compiled with
+`--freeze-training` on 4 CPU ranks freezes 2 layers after step 2 (forced), switches from
+one pipeline of 4 GPUs to 2 replicas x 2 GPUs, and goes on; its losses and every weight at
+the end equal one process that freezes the same layers after the same step (SGD, as in
+test_freeze_training: Adam turns rounding noise on weights of zero gradient into +-lr).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from runtime_reference import checkpoint_params
+
+transformers = pytest.importorskip("transformers")
+from ftpipe_runtime.freezing import bound_schedule, layer_units  # noqa: E402
+from ftpipe_runtime.models import with_dropout  # noqa: E402
+from test_freeze_training import BERT, CLIP, LR, STEPS, _train_frozen  # noqa: E402
+
+from ftpipe_compiler.cli import cli  # noqa: E402
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("elastic")
+    config = transformers.AutoConfig.for_model("bert", **BERT)
+    for key, value in with_dropout(config.to_dict(), 0.0).items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    transformers.BertForQuestionAnswering(config).save_pretrained(root / "bert")
+    args = ["compile", "--model", str(root / "bert"), "--gpus", "4", "--seq-len", "16",
+            "--micro-batch", "2", "--batch", "8", "--schedule", "gpipe", "-p", "gpipe",
+            "--freeze-training", "0.5", "-o", str(root / "out")]  # fmt: skip
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert "from 2 frozen layers on 2 replicas x 2 GPUs" in result.output
+    return root / "out" / "bert_pipeline"
+
+
+def test_compile_writes_the_shorter_pipelines(package):
+    index = json.loads((package / "elastic" / "index.json").read_text())["plans"]
+    main = json.loads((package / "plan.json").read_text())
+    # one halving per decision of alpha = 1/2 at its fastest: 2, then 3 of 4 layers
+    assert [(e["gpus"], e["replicas"], e["micro_batches"], e["frozen_layers"]) for e in index] == [
+        (2, 2, 2, bound_schedule(4, 0.5, 1)[-1]),
+        (1, 4, 1, bound_schedule(4, 0.5, 2)[-1]),
+    ]
+    units = layer_units([p["name"] for p in main["params"]])
+    for e in index:
+        plan = json.loads((package / "elastic" / e["name"] / "plan.json").read_text())
+        assert (plan["gpus"], plan["replicas"], plan["schedule"]) == (e["gpus"], e["replicas"],
+                                                                      "gpipe")  # fmt: skip
+        assert (package / "elastic" / e["name"] / "stages.py").is_file()
+        owner = {n: s["gpu"] for s in plan["stages"] for n in s["params"]}
+        frozen = [n for u in units[: e["frozen_layers"]] for n in u if n in owner]
+        assert frozen and {owner[n] for n in frozen} == {0}  # the frozen prefix on GPU 0
+        # every parameter stays trainable in the code: the run decides what is frozen
+        assert [p["trainable"] for p in plan["params"]] == [p["trainable"] for p in main["params"]]
+
+
+def test_bad_alpha_is_refused(tmp_path):
+    result = CliRunner().invoke(
+        cli,
+        [
+            "compile",
+            "--model",
+            "t5-tiny",
+            "--gpus",
+            "2",
+            "--freeze-training",
+            "1.5",
+            "-o",
+            str(tmp_path / "o"),
+        ],  # fmt: skip
+    )
+    assert result.exit_code == 2 and "--freeze-training" in result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_switch_to_the_shorter_pipeline_equals_one_process(run_pipeline, package, tmp_path):
+    plan = json.loads((package / "plan.json").read_text())
+    ckpt, log = tmp_path / "ckpt", tmp_path / "run.json"
+    argv = ["--steps", str(STEPS), "--optimizer", "sgd", "--lr", str(LR), "--clip", str(CLIP),
+            "--schedule", "gpipe", "--device", "cpu", "--freeze-at", "2:2",
+            "--save-every", "2", "--checkpoint-dir", str(ckpt), "--log-json", str(log),
+            "--log-dir", str(tmp_path / "log")]  # fmt: skip
+    env = {"PYTHONPATH": os.pathsep.join([str(package.parent), os.environ.get("PYTHONPATH", "")])}
+    codes, ranks = run_pipeline(plan, argv, name="elastic", module=package.name,
+                                cwd=package.parent, env=env)  # fmt: skip
+    assert codes == [0] * 4, ranks.stderr()
+    got = json.loads(log.read_text())
+    assert "switching to 2 replicas x 2 GPUs (d2x2)" in ranks.stderr(0)
+    segments = [(s["steps"], s["replicas"], s["gpus"]) for s in got["segments"]]
+    assert segments == [([0, 2], 1, 4), ([2, STEPS], 2, 2)]
+    assert [(f["step"], f["frozen"]) for f in got["freezes"]] == [(2, 2)]
+    assert got["replica_difference"] == 0.0
+
+    losses, params, _, _ = _train_frozen(plan, "sgd", freeze_after=2, layers=2)
+    assert got["losses"] == pytest.approx(losses, rel=1e-5)
+    shrunk = json.loads((package / "elastic" / "d2x2" / "plan.json").read_text())
+    at_end = checkpoint_params(ckpt / "d2x2", STEPS, range(len(shrunk["stages"])))
+    assert set(at_end) >= set(params[-1])
+    for name, value in params[-1].items():
+        torch.testing.assert_close(at_end[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    units = layer_units([p["name"] for p in plan["params"]])
+    at_switch = checkpoint_params(ckpt, 2, range(len(plan["stages"])))  # the 4-GPU plan's
+    frozen = [n for u in units[:2] for n in u if n in params[1]]
+    assert len(frozen) > 10
+    for name in frozen:  # moved bit for bit, and not touched after the freeze
+        assert torch.equal(at_end[name], at_switch[name]), name
