@@ -60,6 +60,8 @@ def test_compile_writes_the_shorter_pipelines(package):
         owner = {n: s["gpu"] for s in plan["stages"] for n in s["params"]}
         frozen = [n for u in units[: e["frozen_layers"]] for n in u if n in owner]
         assert frozen and {owner[n] for n in frozen} == {0}  # the frozen prefix on GPU 0
+        if e["gpus"] > 1:  # a stage of the frozen layers alone: forward only
+            assert plan["stages"][0]["forward_only"] and plan["stages"][0]["gpu"] == 0
         # every parameter stays trainable in the code: the run decides what is frozen
         assert [p["trainable"] for p in plan["params"]] == [p["trainable"] for p in main["params"]]
 
