@@ -12,7 +12,8 @@ Sections:
   runtime   the generated package vs torch.distributed.pipelining, an even split, one process
   fidelity  simulated vs measured step time of generated packages on CPU (measured profile)
   startup   seconds to the first step for --steps 100000 against --steps 10
-  freeze    PipeTransformer's freeze training on elastic pipelines, BERT-large, simulated
+  freeze    PipeTransformer's freeze training on elastic pipelines: BERT-large simulated, and a
+            4-rank tiny BERT measured switching from 1 x 4 to 2 x 2 GPUs
 """
 
 from __future__ import annotations

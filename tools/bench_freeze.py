@@ -1,4 +1,4 @@
-"""Section `freeze`: PipeTransformer's freeze training on elastic pipelines, simulated.
+"""Section `freeze`: PipeTransformer's freeze training on elastic pipelines, simulated and small.
 
     python tools/bench.py --sections freeze --out /tmp/freeze.md
 
@@ -13,11 +13,23 @@ simulated time. Freeze decisions are taken once per epoch (the released code's f
 interval) with the rule's bound limiting (the most freezing alpha allows); other alphas and
 a finer decision interval show how the figure moves. Samples per epoch: SQuAD v1.1's
 87,599 training questions.
+
+`measure_switch` runs the real thing small: a 4-layer BERT compiled with `--freeze-training`
+on 4 CPU ranks (gloo), 2 layers frozen after step RUN_SWITCH (forced), the run switching from
+1 pipeline x 4 GPUs to 2 replicas x 2 GPUs, against the same run on the 4-GPU plan alone.
+Each segment's rate is taken over its steps after the first WARM (set-up and the first step
+overlap them), from the step ends the timing worker records.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+import tempfile
 import time
+from pathlib import Path
+
+from bench_launch import compile_plan, run_package
 
 from ftpipe_compiler.cluster import get_cluster
 from ftpipe_compiler.planner.elastic import FreezeRun, simulate_freezing
@@ -35,9 +47,54 @@ CASES = [
     (1 / 2, 1, CHAIN, "alpha 1/2 (aggressive)"),
     (1 / 3, 4, CHAIN, "paper's alpha, 4 decisions per epoch"),
 ]
+# The real switch, small: (steps, switch after, warm-up steps left out of each rate)
+RUN_STEPS, RUN_SWITCH, WARM, RUN_BATCH = 40, 20, 3, 8
+TINY_BERT = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                 intermediate_size=64, vocab_size=128, max_position_embeddings=64)  # fmt: skip
 
 
 def measure() -> dict:
+    return {**simulated(), "switch": measure_switch()}
+
+
+def _rates(summary: dict) -> list[dict]:
+    """Samples/s before and after the freeze, each over its steps after the first WARM, from
+    the step ends (seconds since the segment's training started; a switch starts one)."""
+    ends, out = summary["step_ends_s"], []
+    for first, end in ((0, RUN_SWITCH), (RUN_SWITCH, RUN_STEPS)):
+        seg = next(g for g in summary["segments"] if g["steps"][0] <= first < g["steps"][1])
+        times = ends[first + WARM - 1 : end]
+        out.append({"steps": [first, end], "replicas": seg["replicas"], "gpus": seg["gpus"],
+                    "samples_per_s": (len(times) - 1) * RUN_BATCH / (times[-1] - times[0])})  # fmt: skip
+    return out
+
+
+def measure_switch(work: Path | None = None) -> dict:
+    import torch
+    import transformers
+
+    work = Path(work or tempfile.mkdtemp(prefix="ftpipe-bench-freeze-"))
+    config = transformers.BertConfig(**TINY_BERT, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.BertForQuestionAnswering(config).save_pretrained(work / "bert")
+    compiled = compile_plan(work / "out", str(work / "bert"), 4, seq_len=16, micro_batch=2,
+                            batch=RUN_BATCH, schedule="gpipe", partitioners="gpipe", freeze_training=0.5)  # fmt: skip
+    out, package = Path(compiled["output"]), Path(compiled["package"]).name
+    argv = ["--steps", str(RUN_STEPS), "--freeze-at", f"{RUN_SWITCH}:2", "--optimizer", "sgd"]
+    elastic = out / package / "elastic"
+    switching = run_package(out, package, argv, work / "switch.json", gpus=4)
+    shutil.move(elastic, work / "elastic-hidden")  # the same run, no shorter plan
+    staying = run_package(out, package, argv, work / "stay.json", gpus=4)
+    shutil.move(work / "elastic-hidden", elastic)
+    rows = []
+    for name, summary in (("switching", switching), ("4 GPUs throughout", staying)):
+        rows += [{"run": name, **r} for r in _rates(summary)]
+    return {"steps": RUN_STEPS, "switch_after": RUN_SWITCH, "warm": WARM, "rows": rows,
+            "plans": json.loads((elastic / "index.json").read_text())["plans"]}  # fmt: skip
+
+
+def simulated() -> dict:
     t0 = time.perf_counter()
     graph = costed_graph(MODEL, TASK, HARDWARE, MICRO_BATCH, SEQ_LEN)[3]
     trace_s = time.perf_counter() - t0
@@ -112,4 +169,26 @@ def markdown(data: dict) -> str:
         f"{p['baseline_h']:.2f} h: the roofline at 50% of peak is not a calibrated RTX 5000.",
         "",
     ]
+    if "switch" in data:
+        lines += _switch_markdown(data["switch"])
     return "\n".join(lines)
+
+
+def _switch_markdown(sw: dict) -> list[str]:
+    lines = [
+        f"Measured, small: a 4-layer BERT compiled with `--freeze-training 0.5` on 4 CPU ranks, "
+        f"{sw['steps']} steps of 8 samples, 2 layers frozen after step {sw['switch_after']} "
+        "(forced); the switching run moves to 2 replicas x 2 GPUs, the other stays on its "
+        f"4-GPU pipeline (freezing alike). Samples/s before and after the freeze, the first "
+        f"{sw['warm']} steps of each left out:",
+        "",
+        "| run | steps | replicas x GPUs | samples/s |",
+        "|---|---|---|---:|",
+    ]
+    for r in sw["rows"]:
+        a, b = r["steps"]
+        lines.append(
+            f"| {r['run']} | {a + 1}-{b} | {r['replicas']} x {r['gpus']} | "
+            f"{r['samples_per_s']:.1f} |"
+        )
+    return lines + [""]

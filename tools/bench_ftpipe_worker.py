@@ -42,7 +42,7 @@ def main() -> None:
         ends[step] = progress.times[step]
 
     report.Progress.loss = loss
-    summary = run(package.load_plan(), package.STAGES, runtime_argv)
+    summary = run(package.PLAN_PATH, package.STAGES, runtime_argv)  # its path: elastic/ beside
     if int(os.environ.get("RANK", 0)) == 0:
         summary["step_ends_s"] = [ends[k] for k in sorted(ends)]
         write_atomic(args.result, json.dumps(summary, indent=1))
