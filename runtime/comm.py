@@ -65,7 +65,7 @@ def describe(key: Key) -> str:
     if kind == "eval":
         return f"activation {name!r} of evaluation batch {index}"
     if kind == "weight":
-        return f"weight {name!r} of step {index}"
+        return f"weight {name!r} after {index} steps of its stage"
     if kind == "wgrad":
         return f"gradient of weight {name!r} summed over step {index}"
     what = "activation" if kind == "act" else "gradient"
@@ -108,6 +108,7 @@ class Comm:
         self._waiting = dict.fromkeys(self._next_post, 0)  # source -> bytes posted, not taken
         self._pending = dict.fromkeys(self._next_post, 0)  # source -> receives posted, not taken
         self._sends: list[tuple] = []
+        self.sent: dict[str, list[int]] = {}  # message kind -> [messages, bytes] sent
         self.loss_groups: dict[int, object] = {}  # job rank of a loss stage -> its group with 0
         self.listener_error: Exception | None = None
 
@@ -183,6 +184,8 @@ class Comm:
             raise RuntimeError(f"rank {self.rank} sends {key} to rank {dst}, but {due} is due")
         self._next_send[dst] = i + 1
         t = tensor.detach().contiguous()  # gloo refuses strided views
+        count = self.sent.setdefault(key[0], [0, 0])
+        count[0], count[1] = count[0] + 1, count[1] + t.nbytes
         group = self.pair_groups[(self.rank, dst)]
         work = dist.isend(t, dst=self.ranks[dst], group=group, tag=i)
         self._sends.append((work, t, dst, key))

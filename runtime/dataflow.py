@@ -13,17 +13,19 @@ Receivers post their receives in the sender's order (NCCL matches point-to-point
 by order, not tag), so both ends derive that order from the same lists: every rank makes
 the sender's actions itself (`Timeline` is a pure function of the plan and the options).
 Keys: ("act", tensor, mb), ("grad", tensor, mb), ("eval", tensor, evaluation batch), and
-("weight", parameter, step), ("wgrad", parameter, step) (below).
+("weight", parameter, version), ("wgrad", parameter, step) (below).
 Nothing is derived ahead of need, so a run of any length costs the same to start.
 
-Weights read by other stages (tied embeddings): under a synchronous schedule a weight
-changes only at the step, so its owner sends it once per step, at the owner's first forward
-of the step (before it computes), and the readers send its gradient back once, summed over the step's
+Weights read by other stages (tied embeddings): a weight changes only at its owner's
+optimizer step, so its owner sends it once per version (`ForwardVersions`: under a
+synchronous schedule once per step; under FTPipe's whenever the owner stepped since it last
+sent it; under PipeDream-2BW and WPipe once per pinned version), at the first forward of the
+owner that reads that version, before it computes; the readers keep it for every forward of
+theirs reading that version. Its gradient comes back once per step, summed over the step's
 micro-batches, after the last of this rank's readers' backwards of the step; the owner adds
 it in at its own last backward of the step, which comes after (the readers' backward of a
 micro-batch precedes the owner's, as with any activation), after the rest of that backward
-has run. Under other schedules every
-micro-batch may see another version of the weight, so it goes with each like an activation.
+has run, and steps after that backward whatever the schedule.
 
 Gradients: a backward sends the gradient of an input upstream when it is the last of this
 rank's readers of that tensor to run for that micro-batch (each reader runs exactly one
@@ -42,10 +44,10 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .schedules import Action, Timeline
+from .schedules import Action, ForwardVersions, Timeline
 from .topology import Topology
 
-Key = tuple  # ("act" | "grad" | "eval" | "weight" | "wgrad", tensor name, micro-batch | step)
+Key = tuple  # ("act" | "grad" | "eval" | "weight" | "wgrad", tensor, micro-batch | version | step)
 GRADIENTS = ("grad", "wgrad")
 
 
@@ -94,29 +96,55 @@ class Dataflow:
         self.topo, self.timeline, self.evaluation = topo, timeline, evaluation
         self.micro_batches = timeline.m
         self.policies = timeline.schedule.policies(topo.stage_infos(), timeline.m)
+        self._versions: dict[str, ForwardVersions] = {}  # weight -> its owner's forwards
 
-    def once_per_step(self, tensor: str) -> bool:
-        """Is `tensor` a weight sent once per step (and its gradient summed over the step)?"""
-        return self.timeline.schedule.synchronous and self.topo.transfers[tensor].weight
+    def shared(self, tensor: str) -> bool:
+        """Is `tensor` a weight, sent once per version and its gradient once per step?"""
+        return self.topo.transfers[tensor].weight
+
+    def version(self, tensor: str, mb: int) -> int:
+        """The version of weight `tensor` that micro-batch `mb` reads (its owner's forward's)."""
+        versions = self._versions.get(tensor)
+        if versions is None:
+            owner = self.topo.transfers[tensor].producer
+            versions = self._versions[tensor] = ForwardVersions(
+                self.listed(self.topo.rank_of[owner]),
+                owner,
+                self.policies[owner],
+                self.micro_batches,
+                self.timeline.first,
+            )
+        return versions.version(mb)
 
     def slot(self, tensor: str, mb: int) -> tuple[str, int]:
-        """What a value of `tensor` for micro-batch `mb` is kept under: (tensor, mb), or for a
-        weight sent once per step (tensor, -1 - step) (never a micro-batch's number)."""
-        return (
-            (tensor, -1 - mb // self.micro_batches) if self.once_per_step(tensor) else (tensor, mb)
-        )
+        """What the value of `tensor` micro-batch `mb` reads is kept under: (tensor, mb), or for
+        a weight (tensor, -1 - version) (never a micro-batch's number)."""
+        return (tensor, -1 - self.version(tensor, mb)) if self.shared(tensor) else (tensor, mb)
 
-    def uses(self, tensor: str, rank: int) -> int:
-        """How many forwards on `rank` read one value of `tensor` (one per micro-batch, or every
-        micro-batch of the step for a weight sent once per step)."""
+    def grad_slot(self, tensor: str, mb: int) -> tuple[str, int]:
+        """What the gradient of `tensor` from micro-batch `mb` is summed under: (tensor, mb), or
+        for a weight (tensor, -1 - step)."""
+        return (tensor, -1 - mb // self.micro_batches) if self.shared(tensor) else (tensor, mb)
+
+    def uses(self, tensor: str, rank: int, mb: int) -> int:
+        """How many forwards on `rank` read the value of `tensor` micro-batch `mb` reads (one
+        per local reader, times the micro-batches reading that version for a weight)."""
         n = len(self.topo.local_consumers(tensor, rank))
-        return n * self.micro_batches if self.once_per_step(tensor) else n
+        if not self.shared(tensor) or not n:
+            return n
+        v = self.version(tensor, mb)
+        return n * self._versions[tensor].forwards(v)
+
+    def grad_uses(self, tensor: str, rank: int) -> int:
+        """How many backwards on `rank` add to one gradient of `tensor` sent back."""
+        n = len(self.topo.local_consumers(tensor, rank))
+        return n * self.micro_batches if self.shared(tensor) else n
 
     def sending_order(self, stage: int) -> list[str]:
-        """A forward's outputs in the order it sends them: weights sent once per step first
-        (they are known before the forward runs, so they go before it computes)."""
+        """A forward's outputs in the order it sends them: weights first (they are known before
+        the forward runs, so they go before it computes)."""
         outputs = self.topo.outputs[stage]
-        return sorted(outputs, key=lambda t: not self.once_per_step(t))
+        return sorted(outputs, key=lambda t: not self.shared(t))
 
     def actions(self, rank: int) -> Iterator[Planned]:
         """Every action of `rank` in order, with its messages and its optimizer step."""
@@ -124,7 +152,7 @@ class Dataflow:
         local = tuple(topo.stages_on(rank))
         readers: dict[tuple[str, int], int] = {}  # slot -> local readers' backwards left
         steps: dict[int, int] = {}  # step -> this rank's S actions of it so far
-        sent: dict[str, int] = {}  # weight sent once per step -> the last step it was sent for
+        sent: dict[str, int] = {}  # weight -> the last version sent
         for a in self.listed(rank):
             if a.kind == "E":
                 out = [
@@ -137,11 +165,11 @@ class Dataflow:
                 out = []
                 for t in self.sending_order(a.stage):
                     key = ("act", t, a.mb)
-                    if self.once_per_step(t):
-                        k = a.mb // self.micro_batches
-                        if sent.get(t) == k:
+                    if self.shared(t):
+                        v = self.version(t, a.mb)
+                        if sent.get(t) == v:
                             continue
-                        sent[t], key = k, ("weight", t, k)
+                        sent[t], key = v, ("weight", t, v)
                     out += [(dst, key) for dst in topo.remote_ranks(t)]
                 yield Planned(a, tuple(out))
             elif a.kind == "B":
@@ -151,11 +179,11 @@ class Dataflow:
                     src = topo.rank_of[tr.producer]
                     if not tr.grad or src == rank:
                         continue
-                    slot = self.slot(t, a.mb)
-                    left = readers.pop(slot, self.uses(t, rank)) - 1
+                    slot = self.grad_slot(t, a.mb)
+                    left = readers.pop(slot, self.grad_uses(t, rank)) - 1
                     if left:
                         readers[slot] = left
-                    elif self.once_per_step(t):
+                    elif self.shared(t):
                         out.append((src, ("wgrad", t, a.mb // self.micro_batches)))
                     else:
                         out.append((src, ("grad", t, a.mb)))

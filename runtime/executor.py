@@ -71,7 +71,6 @@ class Executor:
         self.acts = Outputs(topo, rank, comm, "act", flow)
         self.grads: dict[tuple[str, int], torch.Tensor] = {}  # flow.slot -> summed gradient
         self.backwards: dict[int, int] = {}  # stage -> its backwards of the step so far
-        self.owned: dict[tuple[int, str], torch.Tensor] = {}  # weights sent once per step
         self.saved: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> inputs, outputs, weights
         self.losses: dict[int, dict[int, torch.Tensor]] = {}  # step -> {mb: loss}
         self.policies = {s: flow.policies[s] for s in modules}
@@ -111,17 +110,15 @@ class Executor:
         keep_graph = not self.policies[s].recompute and s not in self.forward_only
         params = self._version(a)
         order = self.flow.sending_order(s)
-        for t in order:  # a weight sent once per step goes before the forward computes
-            if (s, t) in self.owned:
-                self.acts.put(t, m, self.owned[(s, t)])
+        for t in order:  # a weight (the version this forward reads) goes before it computes
+            if self.flow.shared(t):
+                self.acts.put(t, m, self._weight(s, t, params))
         with self._seeded(s, m), torch.set_grad_enabled(keep_graph):
             out = self._call(s, params, inputs)
         if s not in self.forward_only:
             self.saved[(s, m)] = (inputs, out if keep_graph else None, params)
         for t in order:
             self.acts.put(t, m, self._checked(t, out))
-            if self.flow.once_per_step(t):  # the parameter itself, changed in place by steps
-                self.owned[(s, t)] = out[t]
         if s == self.topo.loss_stage:
             self._record_loss(m, out["loss"].detach().float())
 
@@ -172,7 +169,7 @@ class Executor:
         late, alone = [], not split and self.grad_sync is None
         for t in self.topo.outputs[s]:
             if self.topo.transfers[t].grad:
-                if self.flow.once_per_step(t):
+                if self.flow.shared(t):
                     if not last:
                         continue  # its gradient, summed over the step, comes at the last one
                     if alone and out[t].requires_grad and out[t].grad_fn is None:
@@ -204,7 +201,7 @@ class Executor:
                 continue
             x = inputs[t]
             g = x.grad if x.grad is not None else torch.zeros_like(x)
-            slot = self.flow.slot(t, m)
+            slot = self.flow.grad_slot(t, m)
             have = self.grads.get(slot)
             self.grads[slot] = g if have is None else have + g
             if self.now.sends_grad(t):
@@ -246,13 +243,13 @@ class Executor:
         return n == self.m
 
     def _grad_key(self, t: str, m: int) -> tuple:
-        if self.flow.once_per_step(t):
+        if self.flow.shared(t):
             return ("wgrad", t, m // self.m)
         return ("grad", t, m)
 
     def _gather_grad(self, t: str, m: int) -> torch.Tensor:
         """This rank's consumers' gradients (already summed) plus one per consumer rank."""
-        total = self.grads.pop(self.flow.slot(t, m), None)
+        total = self.grads.pop(self.flow.grad_slot(t, m), None)
         for src in self.topo.remote_ranks(t):
             g = self.comm.recv(src, self._grad_key(t, m))
             total = g if total is None else total + g
@@ -289,6 +286,12 @@ class Executor:
                 n: t.detach().to(self.device).requires_grad_(True) for n, t in params.items()
             }
 
+    def _weight(self, s: int, name: str, params) -> torch.Tensor:
+        """Parameter `name` of stage s as the forward running on `params` reads it."""
+        if params is not None and name in params:
+            return params[name]
+        return self.modules[s].get_parameter(name)
+
     def _copy(self, s: int) -> dict[str, torch.Tensor]:
         return {
             n: p.detach().clone().requires_grad_(True)
@@ -314,8 +317,8 @@ class Executor:
 class Outputs:
     """Stage outputs of one kind of forward ("act": training, "eval": evaluation), by (tensor,
     micro-batch): kept for this rank's consumers until their last use, and sent once to
-    every other rank that consumes them. With `flow` (training), a weight that `flow` sends
-    once per step is kept and sent once per step, under `flow.slot`."""
+    every other rank that consumes them. With `flow` (training), a weight is kept and sent
+    once per version, under `flow.slot`."""
 
     def __init__(self, topo, rank: int, comm, kind: str, flow=None):
         self.topo, self.rank, self.comm, self.kind, self.flow = topo, rank, comm, kind, flow
@@ -325,13 +328,14 @@ class Outputs:
     def _slot(self, t: str, m: int) -> tuple[tuple, tuple, int]:
         """(slot, message key, uses on this rank) of tensor t's value for micro-batch m."""
         flow = self.flow
-        if flow is not None and flow.once_per_step(t):
-            return flow.slot(t, m), ("weight", t, m // flow.micro_batches), flow.uses(t, self.rank)
+        if flow is not None and flow.shared(t):
+            key = ("weight", t, flow.version(t, m))
+            return flow.slot(t, m), key, flow.uses(t, self.rank, m)
         return (t, m), (self.kind, t, m), len(self.topo.local_consumers(t, self.rank))
 
     def put(self, t: str, m: int, value: torch.Tensor) -> None:
         slot, key, uses = self._slot(t, m)
-        if self.put_last.get(t) == slot:  # a weight already sent for this step
+        if self.put_last.get(t) == slot:  # a weight already sent in this version
             return
         self.put_last[t] = slot
         value = value.detach()

@@ -325,6 +325,7 @@ def _train(plan: dict, stage_classes: dict, args, rank: int, shrinks=None, carri
     wall = sum(row["wall_s"] for row in segments)  # of every plan's steps
     if args.trace:  # every rank's actions, written by rank 0
         mine = {"rank": rank, "gpu": gpu, "replica": replica, "actions": tracer.rows}
+        mine["sent"] = comm.sent  # kind -> [messages, bytes]: what crossed to other ranks
         ranks = _all_gather(mine, world)
         if rank == 0:
             meta = {"schedule": name, "micro_batches": m, "steps": args.steps, "first": first}

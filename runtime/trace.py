@@ -9,8 +9,10 @@ Every action runs inside `torch.profiler.record_function("ftpipe <action>")`, so
 `torch.profiler` trace of a run shows the schedule. With `--trace FILE`, each rank also keeps
 one row per action: [kind, stage, mb, start, end, waited], seconds from when the ranks
 started together (a barrier), kind "R" for a backward that recomputes, and `waited` the
-seconds of it spent waiting for messages or collectives (`Comm.waited`). Rank 0 gathers the
-rows and writes them, atomically, with the run's schedule and micro-batches.
+seconds of it spent waiting for messages or collectives (`Comm.waited`), and what it sent to
+other ranks per message kind ("act", "grad", "weight", "wgrad", "eval": [messages, bytes]).
+Rank 0 gathers the rows and writes them, atomically, with the run's schedule and
+micro-batches.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ numbers. T5's relative position bias (an embedding of bucketed distances, plus t
 mask), attention masks and rotary tables are such tensors. The reader recomputes one when,
 by the cost model, that subgraph's forward and backward take less time than the tensor's
 journey (bytes / bandwidth, twice when its gradient comes back). A parameter the copies
-read reaches the reading stage like any weight read by several stages (under a synchronous
-schedule once per step), and its gradient comes back summed, so training is unchanged.
+read reaches the reading stage like any weight read by several stages (once per version of
+its owner's weights), and its gradient comes back summed, so training is unchanged.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def rematerialised(
         for s in sorted(readers[t]):
             new = {x for x in closure if stage_of[x] != s}
             # Weights the copies read come to the stage (and their gradients go back):
-            # counted as if with every micro-batch, as an asynchronous schedule sends them.
+            # counted as if with every micro-batch (they go once per version: a bound).
             weights = {p for x in new for p in node[x].params} - reads.get(s, set())
             cost = sum(node[x].fwd_s + node[x].bwd_s for x in new)
             cost += 2 * sum(param[p].bytes for p in weights) / bandwidth

@@ -14,11 +14,11 @@ kind (`KINDS`) has one handler to start it and one to finish it. A stage whose b
 split (a W in its list) runs B for bwd_s - wgrad_s (plus recompute) and W for wgrad_s, frees
 the micro-batch at W, and its weight gradients (so its all-reduce) come with its last W.
 
-A weight in `once` (read by other stages, under a synchronous schedule) goes as the runtime
-sends it: once per step, at its owner's first forward of the step, arriving for all of the
-step's micro-batches; its gradient goes back once per step, summed, after the last
-backward of the step of its readers on a GPU, and only the owner's last backward of the
-step waits for it (`ftpipe_runtime.dataflow`).
+A weight read by other stages goes as the runtime sends it (`ftpipe_runtime.dataflow`):
+once per version of its owner's weights (`versions`, the runtime's `ForwardVersions` of the
+owner), at the owner's first forward reading that version, arriving for every micro-batch
+that reads it; its gradient goes back once per step, summed, after the last backward of the
+step of its readers on a GPU, and only the owner's last backward of the step waits for it.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class EventLoop:
         total_mbs: int,
         timeline_steps: int,
         micro_batches: int,
-        once: frozenset[str] = frozenset(),
+        versions: dict | None = None,
     ):
         self.lists, self.cap_steps = lists, timeline_steps
         self.cap_mbs = timeline_steps * micro_batches
@@ -72,15 +72,18 @@ class EventLoop:
         self.bcount = {s: [0] * total_mbs for s in st}
         self.btime = {s: [0.0] * total_mbs for s in st}
         self.total_mbs = total_mbs
-        self.sent_once: set[tuple[int, int]] = set()  # (stage, step): its `once` weights went
+        # Owner stage -> its ForwardVersions: a weight goes once per version (from the lists).
+        self.versions = versions or {}
+        self.sent_version: dict[int, int] = {}  # owner stage -> the version its weights last went
         last_b = {
             (a.stage, a.mb // self.m): a.mb
             for acts in lists.values()
             for a in acts
             if a.kind == "B"
         }
+        weights = {p.name for p in plan.params}
         for t in plan.transfers:
-            per_step = t.tensor in once
+            per_step = t.tensor in weights  # once per version; its gradient once per step
             by_gpu: dict[int, list[int]] = {}
             for c in t.consumers:
                 by_gpu.setdefault(self.gpu[c], []).append(c)
@@ -99,6 +102,8 @@ class EventLoop:
                         for mb in range(total_mbs):
                             if last_b.get((t.producer, mb // self.m)) != mb:
                                 waits[mb] += 1
+        for sends in self.out.values():  # weights first, as the runtime's sending order
+            sends.sort(key=lambda x: not x[3])
         self.last_b = last_b
         # Step groups: which GPUs meet before stepping.
         self.group_of = {s: grp for grp in groups for s in grp}
@@ -209,14 +214,20 @@ class EventLoop:
         self.busy[g].append((start, t))
         self.held[s] += 1
         self.peak[s] = max(self.peak[s], self.held[s])
-        k = m // self.m
-        first = (s, k) not in self.sent_once
-        self.sent_once.add((s, k))
+        versions = self.versions.get(s)
+        v = versions.version(m) if versions is not None else None
+        first = v is not None and self.sent_version.get(s) != v
+        if first:
+            self.sent_version[s] = v
+            n = versions.forwards(v)
+            # The version's forwards are consecutive micro-batches from this one on.
+            read = range(m, min(m + n, self.total_mbs))
         for nbytes, dst, consumers, per_step in self.out[s]:
             if per_step and not first:
-                continue  # went with the step's first forward
-            arrive = self._send(g, dst, nbytes, t)
-            mbs = range(k * self.m, min((k + 1) * self.m, self.total_mbs)) if per_step else (m,)
+                continue  # went with the first forward reading this version
+            # A weight is known before the forward computes: the runtime sends it then.
+            arrive = self._send(g, dst, nbytes, start if per_step else t)
+            mbs = read if per_step else (m,)
             for c in consumers:
                 for i in mbs:
                     self._arrive(

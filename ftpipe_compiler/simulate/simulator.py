@@ -10,9 +10,9 @@ B its bwd_s plus recompute_s when it recomputes (per the schedule, not the plan'
 a schedule that splits the backward runs B for bwd_s - wgrad_s and W for wgrad_s.
 A tensor crossing to another GPU goes once per destination GPU over that directed link,
 one tensor at a time, while compute goes on; a gradient goes back once per consumer GPU.
-A weight read by several stages is one such tensor, sent by its owner with every
-micro-batch, or under a synchronous schedule (where it changes only at the step) once per
-step, its gradient summed over the step coming back once, as the runtime does. Stages on one
+A weight read by several stages is one such tensor, sent by its owner once per version of
+its weights (it changes only at the owner's step; under a synchronous schedule once per
+step), its gradient summed over the step coming back once, as the runtime does. Stages on one
 GPU hand over for free. Under a synchronous schedule every
 GPU's optimizer steps wait for the slowest GPU (the flush, and one gradient norm); under
 the asynchronous one every stage steps at its own pace. With replicas (data parallelism) one
@@ -32,6 +32,7 @@ from dataclasses import replace
 
 from ftpipe_runtime.schedules import (
     SCHEDULES,
+    ForwardVersions,
     ScheduleError,
     StageGraph,
     resolve_schedule,
@@ -85,8 +86,12 @@ def simulate(
         validate(lists, StageGraph.of(infos, consumers), sched, m, run_steps)
     except ScheduleError as e:
         raise FtpipeError(f"schedule {name}: {e}") from None
-    once = frozenset(p.name for p in plan.params) if sched.synchronous else frozenset()
-    run = EventLoop(plan, lists, groups, m * run_steps, min(steps, TIMELINE_STEPS), m, once)
+    # A weight read by other stages goes once per version of its owner's weights, the
+    # micro-batches reading each version counted by the runtime's own ForwardVersions.
+    owners = {t.producer for t in plan.transfers if t.tensor in {p.name for p in plan.params}}
+    gpu = {s.id: s.gpu for s in plan.stages}
+    versions = {s: ForwardVersions(lists[gpu[s]], s, policies[s], m) for s in owners}
+    run = EventLoop(plan, lists, groups, m * run_steps, min(steps, TIMELINE_STEPS), m, versions)
     run.go()
 
     ends = [max(run.step_end[g].get(k, 0.0) for g in lists) for k in range(steps)]

@@ -26,7 +26,7 @@ from .merge import interleave
 from .periodic import Pattern
 from .timeline import Timeline, drains_at_checkpoints
 from .validate import StageGraph, validate
-from .versions import Versions, WeightPlan, weight_plan
+from .versions import ForwardVersions, Versions, WeightPlan, weight_plan
 
 SCHEDULES: dict[str, Schedule] = {
     "gpipe": gpipe.SCHEDULE,
@@ -42,6 +42,7 @@ SCHEDULES: dict[str, Schedule] = {
 
 __all__ = [
     "FREE",
+    "ForwardVersions",
     "KINDS",
     "SCHEDULES",
     "Action",

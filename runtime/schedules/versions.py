@@ -118,3 +118,64 @@ def weight_plan(
                 plan.stashed.add(key)
         plan.most[a.stage] = max(plan.most[a.stage], follow.alive(a.stage))
     return plan
+
+
+class ForwardVersions:
+    """Which version of a stage's weights each of its training forwards reads, from its GPU's
+    actions in order (a list, or a stream made as it is asked): the version its policy pins
+    (`weight_delay`), or else the steps the stage took before the forward (`first` of them
+    before a resumed run's first action). A weight the stage sends to other stages goes once
+    per version: the runtime's `Dataflow` and the simulator both ask here which forwards one
+    message serves, so the two send the same.
+
+        fv = ForwardVersions(actions_of_gpu, stage=0, policy=pol, micro_batches=4)
+        fv.version(mb)      # the version micro-batch mb's forward reads
+        fv.forwards(v)      # how many of the stage's forwards read version v
+
+    A stage's forwards run in micro-batch order, and the versions they read never go back,
+    so a version is a run of consecutive micro-batches; only the latest `KEEP` are kept.
+    """
+
+    KEEP = 4096  # versions remembered: far more than any schedule keeps in flight
+
+    def __init__(self, acts, stage: int, policy: StagePolicy, micro_batches: int, first: int = 0):
+        self._acts, self.stage, self.policy, self.m = iter(acts), stage, policy, micro_batches
+        self._taken = first
+        self._runs: list[list[int]] = []  # [version, first mb, forwards], oldest first
+        self._done = False
+
+    def _advance(self) -> bool:
+        """Read on to the stage's next training forward; False at the end of the actions."""
+        for a in self._acts:
+            if a.stage != self.stage or not a.spec.trains:
+                continue
+            if a.kind == "S":
+                self._taken += 1
+            elif a.kind == "F":
+                v = self.policy.version(a.mb, self.m)
+                v = self._taken if v is None else v
+                if self._runs and self._runs[-1][0] == v:
+                    self._runs[-1][2] += 1
+                else:
+                    self._runs.append([v, a.mb, 1])
+                    del self._runs[: -self.KEEP]
+                return True
+        self._done = True
+        return False
+
+    def version(self, mb: int) -> int:
+        while not self._runs or self._runs[-1][1] + self._runs[-1][2] <= mb:
+            if not self._advance():
+                raise ScheduleError(f"stage {self.stage} runs no forward of micro-batch {mb}")
+        for v, start, _ in reversed(self._runs):
+            if start <= mb:
+                return v
+        raise ScheduleError(f"stage {self.stage}: micro-batch {mb} is too old to look up")
+
+    def forwards(self, v: int) -> int:
+        while not self._done and (not self._runs or self._runs[-1][0] <= v):
+            self._advance()
+        for w, _, n in reversed(self._runs):
+            if w == v:
+                return n
+        raise ScheduleError(f"stage {self.stage} runs no forward on its weights version {v}")

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 from ftpipe_runtime.dataflow import Dataflow
 from ftpipe_runtime.errors import PipelineConfigError
-from ftpipe_runtime.schedules import Action, Timeline, Versions, get_schedule, validate
+from ftpipe_runtime.schedules import (
+    Action,
+    ScheduleError,
+    Timeline,
+    Versions,
+    get_schedule,
+    validate,
+)
 from ftpipe_runtime.topology import Topology
 from runtime_toy import toy_plan
 
@@ -64,14 +71,20 @@ def test_each_tensor_crosses_once_per_destination_rank(schedule):
     assert not any(k[1] == "keep" and k[0] == "grad" for k in to_0)
     weights = sorted(k for k in to_1 if k[1] == "emb.weight")
     weight_grads = sorted(k for k in to_0 if k[1] == "emb.weight")
-    if flow.timeline.schedule.synchronous:
-        # Weights change only at the step: the weight goes once per step, its gradient
-        # (summed over the step's micro-batches) comes back once.
-        assert weights == [("weight", "emb.weight", k) for k in range(steps)]
-        assert weight_grads == [("wgrad", "emb.weight", k) for k in range(steps)]
-    else:  # each micro-batch may see another version: it goes like an activation
-        assert weights == [("act", "emb.weight", i) for i in mbs]
-        assert weight_grads == [("grad", "emb.weight", i) for i in mbs]
+    # A weight changes only at its owner's step: it goes once per version its owner's
+    # forwards read (counted here from rank 0's list), its gradient (summed over the step's
+    # micro-batches) comes back once per step.
+    pol, versions, taken = flow.policies[0], set(), 0
+    for a in flow.timeline.lists()[0]:
+        if a.stage == 0 and a.kind == "S":
+            taken += 1
+        elif a.stage == 0 and a.kind == "F":
+            pinned = pol.version(a.mb, m)
+            versions.add(taken if pinned is None else pinned)
+    assert weights == [("weight", "emb.weight", v) for v in sorted(versions)]
+    assert weight_grads == [("wgrad", "emb.weight", k) for k in range(steps)]
+    expected = {"ftpipe": [0, 1], "2bw": [0], "wpipe": [0]}.get(schedule, list(range(steps)))
+    assert sorted(versions) == expected  # 2BW's and WPipe's step 1 reads version 0
     # The gradient of x0 leaves rank 1 after both of its readers there ran their backward.
     backwards = [item for item in flow.actions(1) if item.action.kind == "B"]
     for i in mbs:
@@ -182,3 +195,26 @@ def test_receives_posted_ahead_are_bounded_in_count_as_well_as_bytes(monkeypatch
 def _keys_prefix(flow, src, dst, n) -> list:
     stream = flow.keys(src, dst)
     return [stream.get(i) for i in range(n)]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "ftpipe", "2bw"])
+def test_forward_versions_follow_the_owners_steps(schedule):
+    """The version each forward of stage 0 reads and how many forwards read it, against a
+    count of stage 0's steps before each of its forwards (or the pinned version)."""
+    from ftpipe_runtime.schedules import ForwardVersions
+
+    topo, m, steps = Topology(toy_plan("two-ranks")), 3, 4
+    flow = _flow(topo, get_schedule(schedule), m, steps)
+    acts, pol = flow.timeline.lists()[0], flow.policies[0]
+    expected, taken = {}, 0
+    for a in acts:
+        taken += a.stage == 0 and a.kind == "S"
+        if a.stage == 0 and a.kind == "F":
+            pinned = pol.version(a.mb, m)
+            expected[a.mb] = taken if pinned is None else pinned
+    fv = ForwardVersions(acts, 0, pol, m)
+    assert {mb: fv.version(mb) for mb in range(m * steps)} == expected
+    counts = {v: list(expected.values()).count(v) for v in set(expected.values())}
+    assert {v: fv.forwards(v) for v in counts} == counts
+    with pytest.raises(ScheduleError, match="no forward of micro-batch"):
+        fv.version(m * steps)
