@@ -135,6 +135,14 @@ def ring_allreduce_s(
     return 2 * (d - 1) / d * nbytes / bandwidth + 2 * (d - 1) * latency_s
 
 
+def optimizer_step_s(held_bytes, hardware) -> float:
+    """An optimizer step over parameters each holding `held_bytes` (weights, gradient and
+    optimizer state, as `param_bytes` counts them): elementwise and memory-bound, it reads
+    and writes each once, at the hardware's step bandwidth for a parameter of that size
+    (`Hardware.step_bandwidth`: its passes stay in cache or stream from memory)."""
+    return sum(2 * b / hardware.step_bandwidth(b) for b in held_bytes if b > 0)
+
+
 def period_s(compute_s: float, send_s: float, recv_s: float) -> float:
     """FTPipe eq. 1 for a GPU: its compute plus the transfer time compute does not hide."""
     return compute_s + max(0.0, send_s - compute_s) + max(0.0, recv_s - compute_s)

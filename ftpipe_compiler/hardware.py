@@ -20,6 +20,22 @@ class Hardware:
     description: str = ""
     # (dtype, FLOP/s): dense tensor-core peaks of 16-bit math (fp32 accumulate)
     peak_flops_16bit: tuple[tuple[str, float], ...] = ()
+    # The fixed cost of one point-to-point message between two devices (seconds), beside
+    # link_bandwidth; measured per machine where a file says so (tools/calibrate_hardware.py).
+    link_latency_s: float = 0.0
+    # Bytes/s an optimizer step streams (each parameter's weights, gradient and optimizer
+    # state read and written once: cost_model.optimizer_step_s) for a parameter whose step
+    # does not fit in `cache_bytes`, and for one that does; 0: the roofline's memory bandwidth.
+    optimizer_bandwidth: float = 0.0
+    optimizer_cache_bandwidth: float = 0.0
+    cache_bytes: int = 0  # the last-level cache a parameter's step may stay in
+
+    def step_bandwidth(self, held_bytes: int) -> float:
+        """What the optimizer step of a parameter holding `held_bytes` (weights, gradient,
+        state) streams per second: measured, in cache or not, or the roofline's."""
+        if self.optimizer_cache_bandwidth and held_bytes <= self.cache_bytes:
+            return self.optimizer_cache_bandwidth
+        return self.optimizer_bandwidth or self.memory_bandwidth * self.efficiency
 
     def peak(self, dtype: str = "float32") -> float:
         """Peak FLOP/s of math in `dtype` (an op computing in bf16 runs on bf16 tensor cores)."""

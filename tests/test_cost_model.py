@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from ftpipe_runtime.schedules import StagePolicy
@@ -54,3 +56,27 @@ def test_stage_and_gpu_memory_follow_the_policy():
     arrays = {k: np.array([v, 2 * v]) for k, v in kw.items()}
     held, transient = stage_memory(**arrays, policy=two)
     assert held.tolist() == [451, 902] and transient.tolist() == [50, 100]
+
+
+def test_an_optimizer_step_streams_what_each_parameter_holds_twice():
+    """Read and written once: 2 x held bytes at the step bandwidth, the cache's for a
+    parameter whose step fits in the last-level cache, memory's for a larger one; without
+    measured figures, the roofline's memory bandwidth."""
+    from ftpipe_compiler.cost_model import optimizer_step_s
+    from ftpipe_compiler.hardware import get_hardware
+
+    hw = replace(
+        get_hardware("cpu"),
+        optimizer_bandwidth=1e9,
+        optimizer_cache_bandwidth=4e9,
+        cache_bytes=32 * 2**20,
+    )
+    small, large = 16 * 2**20, 64 * 2**20
+    assert optimizer_step_s([small], hw) == pytest.approx(2 * small / 4e9)
+    assert optimizer_step_s([large], hw) == pytest.approx(2 * large / 1e9)
+    assert optimizer_step_s([small, large, 0], hw) == pytest.approx(
+        2 * small / 4e9 + 2 * large / 1e9
+    )
+    roofline = get_hardware("rtx2080ti")
+    bw = roofline.memory_bandwidth * roofline.efficiency
+    assert optimizer_step_s([large], roofline) == pytest.approx(2 * large / bw)

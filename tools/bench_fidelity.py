@@ -5,9 +5,13 @@
 
 For each plan of the GPT-2 bench model: compile it with a measured profile taken on one
 thread (`--profile measured --hardware cpu`, the compile runs with OMP_NUM_THREADS=1), so the
-profile times what a one-thread rank does; simulate it under its schedule with the link
-bandwidth measured between two local gloo ranks (`bench_gloo`) in place of the hardware
-file's; train the package on 2 one-thread ranks; compare the steady-state step times.
+profile times what a one-thread rank does, profiled afresh in this run (a private cache: a
+profile cached under other conditions would not be this run's machine); simulate it under its
+schedule with the hardware file's point-to-point link and optimizer step, calibrated once
+for this machine (tools/calibrate_hardware.py), and beside that with the link measured now
+(`bench_gloo`); train the package on 2 one-thread ranks; compare the steady-state step
+times. Each plan's simulated and measured timelines are drawn side by side in an HTML
+report (`ftpipe simulate PLAN --compare TRACE --report`) in the work folder.
 
 Beside each prediction, to show where a gap comes from: how long every action of the run
 took, waits for messages apart (`bench_actions`), against the profile's stage times.
@@ -16,6 +20,8 @@ took, waits for messages apart (`bench_actions`), against the profile's stage ti
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +31,14 @@ from bench_fidelity_report import markdown  # noqa: F401 - the section's rendere
 from bench_gloo import measure_link
 from bench_launch import ROOT, TOOLS, compile_plan, run_child, run_package
 from bench_stats import OtherLoad, step_times, summarise_steps
+from calibrate_hardware import fit_link
+from ftpipe_runtime.trace import read_trace
 from tqdm import tqdm
 
 from ftpipe_compiler.partition.plan import Plan
 from ftpipe_compiler.simulate import simulate
+from ftpipe_compiler.simulate.measured import measured
+from ftpipe_compiler.simulate.report import write_report
 
 MODEL = "gpt2-bench"
 WARMUP, TIMED, COOLDOWN = 1, 4, 1  # steps: set-up, timed, overlapping the shutdown
@@ -68,17 +78,16 @@ CASES = {
 }
 
 
-def measure_case(
-    name: str, case: Case, work: Path, bandwidth: float, warmup: int, timed: int
-) -> dict:
+def measure_case(name: str, case: Case, work: Path, link: dict, warmup: int, timed: int) -> dict:
     from ftpipe_runtime.schedules import get_schedule
 
     info = case.compile(work / name)
     out = Path(info["output"])
     plan = Plan.load(out / "plan.json")
     policies = get_schedule(case.schedule).policies(plan.stage_infos(), plan.micro_batches)
-    sim_file = simulate(plan, case.schedule, steps=SIM_STEPS)
-    sim = simulate(plan.with_(bandwidth=bandwidth), case.schedule, steps=SIM_STEPS)
+    sim = simulate(plan, case.schedule, steps=SIM_STEPS)
+    now = plan.with_(bandwidth=link["link_bandwidth"], latency_s=link["link_latency_s"])
+    sim_now = simulate(now, case.schedule, steps=SIM_STEPS)
     argv = ["--steps", str(warmup + timed + COOLDOWN), "--schedule", case.schedule]
     with OtherLoad() as load:
         result = run_package(
@@ -87,10 +96,14 @@ def measure_case(
     samples = plan.micro_batches * int(plan.model.get("micro_batch", 1))
     stats = summarise_steps(step_times(result["step_ends_s"], warmup, COOLDOWN), samples)
     stats["other_cores"] = load.cores
-    actions = None
+    actions, report = None, None
     if "action_files" in result:
         rows = load_actions(result["action_files"])
         actions = summarise(rows, plan.micro_batches, range(warmup, warmup + timed))
+        report = work / f"{name}.compare.html"  # the two timelines side by side
+        run = measured(read_trace(result["action_files"][0]), plan.gpus)
+        command = f"ftpipe simulate plan.json --compare trace.json --report {report.name}"
+        write_report(report, plan, sim, command, run)
     return {
         "name": name,
         "label": case.label,
@@ -100,7 +113,9 @@ def measure_case(
         "micro_batches": plan.micro_batches,
         "simulated_step_s": sim.step_time_s,
         "file_bandwidth": plan.bandwidth,
-        "simulated_step_s_file_bandwidth": sim_file.step_time_s,
+        "file_latency_s": plan.latency_s,
+        "simulated_step_s_link_now": sim_now.step_time_s,
+        "timelines": str(report) if report else None,
         "bytes_sent_per_step": [g.bytes_sent for g in sim.gpus],
         "busy_fraction": [g.busy_fraction for g in sim.gpus],
         "profile": {
@@ -110,6 +125,7 @@ def measure_case(
                 "bwd_s": s.bwd_s,
                 "recompute_s": s.recompute_s,
                 "recompute": policies[s.id].recompute,
+                "step_s": s.step_s,
             }
             for s in plan.stages
         },
@@ -124,10 +140,14 @@ def measure(
 ) -> dict:
     work = Path(work or ROOT / "out" / "bench" / "fidelity")
     work.mkdir(parents=True, exist_ok=True)
+    profiles = work / "profiles"  # profiled afresh, once, for every plan of this run
+    shutil.rmtree(profiles, ignore_errors=True)
+    os.environ["FTPIPE_CACHE_DIR"] = str(profiles)
     link = measure_link(work)
+    link["link_latency_s"], link["link_bandwidth"] = fit_link(link["sizes"], link["one_way_s"])
     rows = []
     for name in tqdm(cases, desc="fidelity", file=sys.stderr, disable=None):
-        rows.append(measure_case(name, CASES[name], work, link["bandwidth"], warmup, timed))
+        rows.append(measure_case(name, CASES[name], work, link, warmup, timed))
         tqdm.write(
             f"  {name}: simulated {rows[-1]['simulated_step_s']:.3f} s, measured "
             f"{rows[-1]['measured']['step_s']:.3f} s",

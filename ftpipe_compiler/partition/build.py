@@ -12,6 +12,7 @@ from dataclasses import replace
 import networkx as nx
 from ftpipe_runtime.schedules import StageInfo, with_chunks
 
+from ..cost_model import optimizer_step_s
 from ..errors import FtpipeError
 from .plan import Plan, PlanParam, Stage, Transfer
 from .problem import Problem
@@ -79,6 +80,8 @@ def build_plan(
     input_bytes = {i.name: i.bytes for i in graph.inputs}
     shared = [p for p in graph.params if len(readers.get(p.name, ())) > 1]  # sent by the owner
 
+    trainable = {p.name: p.trainable for p in graph.params}
+    owned = {s: [p for p, r in readers.items() if r[0] == s] for s in members}
     stages = []
     for s, ids in members.items():
         mine = copies.get(s, [])
@@ -116,6 +119,9 @@ def build_plan(
                 + sum(input_bytes[x] for x in model_inputs),
                 act_bytes=sum(n.act_bytes for n in nodes),
                 copies=tuple(mine),
+                step_s=optimizer_step_s(
+                    (problem.static_bytes[p] for p in owned[s] if trainable[p]), problem.hardware
+                ),
             )
         )
     transfers = tuple(
@@ -170,6 +176,7 @@ def build_plan(
         micro_batches=problem.micro_batches,
         optimizer=problem.optimizer,
         bandwidth=problem.bandwidth,
+        latency_s=problem.hardware.link_latency_s,
         memory_bytes=problem.memory,
         stages=tuple(stages),
         transfers=transfers,

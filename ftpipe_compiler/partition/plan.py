@@ -61,6 +61,8 @@ class Stage:
     copies: tuple[str, ...] = ()
     # Nothing trainable in it or before it: no backward, nothing kept (ftpipe_runtime.frozen).
     forward_only: bool = False
+    # Its optimizer step (cost_model.optimizer_step_s of the parameters it owns; 0: free).
+    step_s: float = 0.0
 
     @property
     def compute_s(self) -> float:
@@ -120,6 +122,8 @@ class Plan:
     # Per micro-batch: bytes (activations and their gradients) that stages' `copies` keep
     # from crossing between GPUs (partition/remat); the weights the copies read travel instead.
     remat_saved_bytes: int = 0
+    # The machine's point-to-point message cost beside `bandwidth` (Hardware.link_latency_s).
+    latency_s: float = 0.0
     version: str = __version__
 
     # --- where the ranks are ---

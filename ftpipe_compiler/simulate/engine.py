@@ -54,9 +54,9 @@ class EventLoop:
         self.bwd = {s: x.bwd_s - (x.wgrad_s if s in split else 0.0) for s, x in st.items()}
         self.wgrad = {s: x.wgrad_s for s, x in st.items()}
         self.rec = {s: x.recompute_s for s, x in st.items()}
-        # Seconds a stage's optimizer step takes on its GPU (0 today); the data-parallel
+        # Seconds a stage's optimizer step takes on its GPU (Stage.step_s); the data-parallel
         # all-reduce before it is `ar_done`: when (stage, step)'s gradients are summed.
-        self.step_s = dict.fromkeys(st, 0.0)
+        self.step_s = {s: x.step_s for s, x in st.items()}
         self.b_done: dict[tuple[int, int], int] = {}
         self.ar_done: dict[tuple[int, int], float] = {}
         self.stages_of = {g: [s for s in st if self.gpu[s] == g] for g in lists}
@@ -190,9 +190,9 @@ class EventLoop:
         if len(here) < len(self.group_gpus[grp]):
             return
         t0 = max(here.values())
-        for h in here:
+        for h in here:  # each GPU's waiting S then takes its optimizer step
             self.released.add((grp, step, h))
-            self._push(h, t0, t0)
+            self._push(h, t0, t0 + self.step_s[self.lists[h][self.pos[h]].stage])
 
     def _send(self, src: int, dst: int, nbytes: int, t: float) -> float:
         return self.net.send(src, dst, nbytes, t)

@@ -8,8 +8,9 @@ The simulator times replica 0; the others run the same lists at the same times, 
 share with it is counted where they share it. Ranks sit on nodes in order (rank r on node
 r // gpus_per_node), GPU g of replica 0 on the rank the plan's placement gives it.
 
-- Two GPUs of one node: a link per ordered pair (the cluster's intra-node link), one tensor
-  at a time, as before data parallelism.
+- Two GPUs of one node: a link per ordered pair (the cluster's intra-node link, or the
+  plan's point-to-point bandwidth and latency), one tensor at a time, each taking the
+  link's latency plus its bytes over the bandwidth.
 - Across nodes: the sending node's network interface, one transfer at a time (FIFO) at the
   cluster's inter-node bandwidth. Every replica with a GPU on that node sends the same
   tensor at the same moment, so a pipeline transfer occupies it that many times over.
@@ -35,7 +36,7 @@ class Network:
         self.replicas = plan.replicas
         cluster = plan.cluster
         if cluster is None:  # a plan without a cluster: one node, its links the plan's
-            self.intra = self.inter = Link("link", plan.bandwidth)
+            self.intra = self.inter = Link("link", plan.bandwidth, plan.latency_s)
             per_node = plan.world
         else:
             self.intra, self.inter = cluster.intra_node, cluster.inter_node
@@ -66,9 +67,10 @@ class Network:
             return t
         self.sent[src] = self.sent.get(src, 0) + nbytes
         node = self.node[src]
-        if node == self.node[dst]:
+        if node == self.node[dst]:  # each message costs the link its latency, then its bytes
             start = max(self.pair_free.get((src, dst), 0.0), t)
-            self.pair_free[src, dst] = arrive = start + nbytes / self.intra.bandwidth
+            arrive = start + self.intra.latency_s + nbytes / self.intra.bandwidth
+            self.pair_free[src, dst] = arrive
             return arrive
         start = max(self.nic_free.get(node, 0.0), t)
         busy = self.sharing[node] * nbytes / self.inter.bandwidth

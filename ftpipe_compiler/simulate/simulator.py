@@ -13,9 +13,11 @@ one tensor at a time, while compute goes on; a gradient goes back once per consu
 A weight read by several stages is one such tensor, sent by its owner once per version of
 its weights (it changes only at the owner's step; under a synchronous schedule once per
 step), its gradient summed over the step coming back once, as the runtime does. Stages on one
-GPU hand over for free. Under a synchronous schedule every
-GPU's optimizer steps wait for the slowest GPU (the flush, and one gradient norm); under
-the asynchronous one every stage steps at its own pace. With replicas (data parallelism) one
+GPU hand over for free. A tensor's time on a link is the link's latency plus its bytes over
+the bandwidth. A stage's S takes its optimizer step's time (`Stage.step_s`: its weights,
+gradients and optimizer state streamed at the machine's step bandwidth). Under a
+synchronous schedule every GPU's optimizer steps wait for the slowest GPU (the flush, and
+one gradient norm); under the asynchronous one every stage steps at its own pace. With replicas (data parallelism) one
 replica is timed, its links and the all-reduce of each stage's gradients modelled by
 `network.Network`; samples/s count every replica.
 

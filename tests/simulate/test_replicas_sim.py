@@ -79,6 +79,7 @@ def test_buckets_overlap_the_last_backward(b):
 
 def test_one_replica_is_the_single_pipeline():
     plan = make_plan([(0.1, 0.2, 0.1)] * 3, nbytes=4 * MB, bandwidth=INTRA.bandwidth)
+    plan = plan.with_(latency_s=INTRA.latency_s)  # the same link as the cluster's
     alone = simulate(plan, steps=8)
     one = replicated(plan, 1, 8)
     assert simulate(one, steps=8).step_time_s == pytest.approx(alone.step_time_s, rel=1e-12)

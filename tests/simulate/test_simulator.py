@@ -212,3 +212,16 @@ def test_a_tied_weight_goes_once_per_version(plan_factory):
     assert owner == [(0, pytest.approx(26.0)), (1, pytest.approx(14.0))]
     each = simulate(plan, "ftpipe", steps=4)
     assert [g.bytes_sent for g in each.gpus] == [10_000, 10_000]
+
+
+def test_optimizer_steps_and_message_latency_take_their_time(plan_factory):
+    """A stage's S takes its optimizer step (Stage.step_s); every message waits the link's
+    latency before its bytes. GPipe on two GPUs: both steps run side by side after the flush
+    (+1 s); the critical path crosses the link twice per step (the last activation out, the
+    last gradient back: +2 latencies)."""
+    plan = plan_factory([(1.0, 2.0, 0.0)] * 2, micro_batches=2, bandwidth=1e3, nbytes=0)
+    plain = simulate(plan, "gpipe", steps=4).step_time_s
+    stepping = plan.with_(stages=tuple(replace(s, step_s=1.0) for s in plan.stages))
+    assert simulate(stepping, "gpipe", steps=4).step_time_s == pytest.approx(plain + 1.0)
+    late = simulate(plan.with_(latency_s=0.25), "gpipe", steps=4)
+    assert late.step_time_s == pytest.approx(plain + 2 * 0.25)

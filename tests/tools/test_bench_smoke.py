@@ -188,22 +188,27 @@ def test_runtime_markdown_computes_its_ratios_and_drift():
 def test_fidelity_markdown_flags_errors_beyond_the_target():
     from bench_fidelity_report import markdown
 
-    prof = {"gpu": 0, "fwd_s": 0.1, "bwd_s": 0.2, "recompute_s": 0.1, "recompute": False}
+    prof = {"gpu": 0, "fwd_s": 0.1, "bwd_s": 0.2, "recompute_s": 0.1, "recompute": False,
+            "step_s": 0.1}  # fmt: skip
     acts = {k: {"compute_s": 0.1, "wait_s": 0.0, "count": 4, "compute_per_step_s": 0.4,
                 "wait_per_step_s": 0.0} for k in "FBS"}  # fmt: skip
-    case = {"busy_fraction": [0.8], "label": "p", "stages": [[0, 0]], "micro_batches": 4, "file_bandwidth": 5e9,
-            "simulated_step_s": 1.0, "simulated_step_s_file_bandwidth": 1.0,
+    case = {"busy_fraction": [0.8], "label": "p", "name": "p", "stages": [[0, 0]],
+            "micro_batches": 4, "file_bandwidth": 5e9, "file_latency_s": 5e-5,
+            "simulated_step_s": 1.0, "simulated_step_s_link_now": 1.0,
+            "timelines": "out/p.compare.html",
             "measured": {**summarise_steps([1.5, 1.5], 8), "other_cores": 0.0},
             "error": -1 / 3, "profile": {"0": prof},
             "actions": {"0": acts}}  # fmt: skip
     link = {"sizes": [4096, 51_463_168], "bandwidth_by_size": [1e6, 2e9], "latency_s": 1e-4,
-            "bandwidth": 2e9}  # fmt: skip
+            "bandwidth": 2e9, "link_latency_s": 1e-4, "link_bandwidth": 2e9}  # fmt: skip
     text = markdown({"model": "m", "warmup_steps": 1, "timed_steps": 2, "link": link,
                      "cases": [case]})  # fmt: skip
-    assert "-33.3% ✗" in text and "0 of 1 plans within ±20%" in text
-    # busiest rank, simulated / measured: compute 0.8 x 1 s / F + B; step actions; waits
-    assert "| p | 0 | 800 / 800 | 0 / 400 | 200 / 0 | 300 | 1000 / 1500 |" in text
-    assert "largest part of the -33.3% is the optimizer-step actions (400 ms" in text
+    assert "-33.3% ✗" in text and "0 of 1 plans within ±10%" in text
+    # busiest rank, simulated / measured: compute 0.8 x 1 s / F + B; the step model's and
+    # the step actions; waits (the simulator's idle time less its steps)
+    assert "| p | 0 | 800 / 800 | 100 / 400 | 100 / 0 | 300 | 1000 / 1500 |" in text
+    assert "largest part of the -33.3% is the optimizer-step actions (300 ms" in text
+    assert "50 us + bytes / 5.00 GB/s" in text and "[p](out/p.compare.html)" in text
 
 
 def test_schedules_section_on_a_tiny_model():
@@ -248,3 +253,12 @@ def test_startup_rows_take_the_least_disturbed_wall_time_and_say_the_verdict():
     assert bench_startup._cpu_s(os.getpid()) == pytest.approx(
         used.ru_utime + used.ru_stime, abs=0.2
     )
+
+
+def test_calibration_fits_latency_and_bandwidth_and_counts_the_cache():
+    from calibrate_hardware import fit_link, last_level_cache_bytes
+
+    sizes = [4096, 262_144, 4_194_304, 51_463_168]
+    latency, bandwidth = fit_link(sizes, [5e-5 + n / 2e9 for n in sizes])
+    assert latency == pytest.approx(5e-5) and bandwidth == pytest.approx(2e9)
+    assert last_level_cache_bytes() >= 0
