@@ -202,8 +202,8 @@ class Executor:
             x = inputs[t]
             g = x.grad if x.grad is not None else torch.zeros_like(x)
             slot = self.flow.grad_slot(t, m)
-            have = self.grads.get(slot)
-            self.grads[slot] = g if have is None else have + g
+            have = self.grads.get(slot)  # ours alone (an earlier x.grad): added to in place
+            self.grads[slot] = g if have is None else have.add_(g)
             if self.now.sends_grad(t):
                 dst = self.topo.rank_of[info.producer]
                 self.comm.send(dst, self._grad_key(t, m), self.grads.pop(slot))
@@ -339,12 +339,20 @@ class Outputs:
             return
         self.put_last[t] = slot
         value = value.detach()
-        if self.topo.transfers[t].weight:  # the parameter itself: steps would change it
-            value = value.clone()
+        if self.topo.transfers[t].weight and not self._settled():
+            value = value.clone()  # the parameter itself: a step could change it meanwhile
         if uses:
             self.held[slot] = [value, uses]
         for dst in self.topo.remote_ranks(t):
             self.comm.send(dst, key, value)
+
+    def _settled(self) -> bool:
+        """Is every use of a weight sent now over before its owner steps again? Under a
+        synchronous schedule yes: the owner's next step comes after its last backward of
+        the step, which waits for every reader's gradient, so every reader has received
+        the weight and run its forwards by then (no copy needed for the messages or the
+        local readers). Otherwise a reader may run after the owner's step: send a copy."""
+        return self.flow is not None and self.flow.timeline.schedule.synchronous
 
     def take(self, t: str, m: int) -> torch.Tensor:
         slot, key, uses = self._slot(t, m)

@@ -10,8 +10,9 @@ profile cached under other conditions would not be this run's machine); simulate
 schedule with the hardware file's point-to-point link and optimizer step, calibrated once
 for this machine (tools/calibrate_hardware.py), and beside that with the link measured now
 (`bench_gloo`); train the package on 2 one-thread ranks; compare the steady-state step
-times. Each plan's simulated and measured timelines are drawn side by side in an HTML
-report (`ftpipe simulate PLAN --compare TRACE --report`) in the work folder.
+times. Each plan's simulated and measured timelines are drawn one above the other, on one
+time scale, in an HTML report (`ftpipe simulate PLAN --compare TRACE --report`) written to
+`REPORTS` (docs/fidelity/, which BENCHMARKS.md links to).
 
 Beside each prediction, to show where a gap comes from: how long every action of the run
 took, waits for messages apart (`bench_actions`), against the profile's stage times.
@@ -43,6 +44,7 @@ from ftpipe_compiler.simulate.report import write_report
 MODEL = "gpt2-bench"
 WARMUP, TIMED, COOLDOWN = 1, 4, 1  # steps: set-up, timed, overlapping the shutdown
 SIM_STEPS = 10
+REPORTS = ROOT / "docs" / "fidelity"  # each plan's simulated and measured timelines
 
 
 def _handmade(out: Path, schedule: str) -> dict:
@@ -78,7 +80,9 @@ CASES = {
 }
 
 
-def measure_case(name: str, case: Case, work: Path, link: dict, warmup: int, timed: int) -> dict:
+def measure_case(
+    name: str, case: Case, work: Path, link: dict, warmup: int, timed: int, reports: Path
+) -> dict:
     from ftpipe_runtime.schedules import get_schedule
 
     info = case.compile(work / name)
@@ -100,7 +104,7 @@ def measure_case(name: str, case: Case, work: Path, link: dict, warmup: int, tim
     if "action_files" in result:
         rows = load_actions(result["action_files"])
         actions = summarise(rows, plan.micro_batches, range(warmup, warmup + timed))
-        report = work / f"{name}.compare.html"  # the two timelines side by side
+        report = reports / f"{name}.html"  # the two timelines side by side
         run = measured(read_trace(result["action_files"][0]), plan.gpus)
         command = f"ftpipe simulate plan.json --compare trace.json --report {report.name}"
         write_report(report, plan, sim, command, run)
@@ -115,7 +119,7 @@ def measure_case(name: str, case: Case, work: Path, link: dict, warmup: int, tim
         "file_bandwidth": plan.bandwidth,
         "file_latency_s": plan.latency_s,
         "simulated_step_s_link_now": sim_now.step_time_s,
-        "timelines": str(report) if report else None,
+        "timelines": _shown(report) if report else None,
         "bytes_sent_per_step": [g.bytes_sent for g in sim.gpus],
         "busy_fraction": [g.busy_fraction for g in sim.gpus],
         "profile": {
@@ -135,11 +139,24 @@ def measure_case(name: str, case: Case, work: Path, link: dict, warmup: int, tim
     }
 
 
+def _shown(path: Path) -> str:
+    """The path BENCHMARKS.md (at the repository's root) links to."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 def measure(
-    work: Path | None = None, warmup: int = WARMUP, timed: int = TIMED, cases=tuple(CASES)
+    work: Path | None = None,
+    warmup: int = WARMUP,
+    timed: int = TIMED,
+    cases=tuple(CASES),
+    reports: Path = REPORTS,
 ) -> dict:
     work = Path(work or ROOT / "out" / "bench" / "fidelity")
     work.mkdir(parents=True, exist_ok=True)
+    reports.mkdir(parents=True, exist_ok=True)
     profiles = work / "profiles"  # profiled afresh, once, for every plan of this run
     shutil.rmtree(profiles, ignore_errors=True)
     os.environ["FTPIPE_CACHE_DIR"] = str(profiles)
@@ -147,7 +164,7 @@ def measure(
     link["link_latency_s"], link["link_bandwidth"] = fit_link(link["sizes"], link["one_way_s"])
     rows = []
     for name in tqdm(cases, desc="fidelity", file=sys.stderr, disable=None):
-        rows.append(measure_case(name, CASES[name], work, link, warmup, timed))
+        rows.append(measure_case(name, CASES[name], work, link, warmup, timed, reports))
         tqdm.write(
             f"  {name}: simulated {rows[-1]['simulated_step_s']:.3f} s, measured "
             f"{rows[-1]['measured']['step_s']:.3f} s",

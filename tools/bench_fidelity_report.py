@@ -174,7 +174,7 @@ def markdown(d: dict) -> str:
     shown = [c for c in cases if c.get("timelines")]
     if shown:
         lines += [
-            "Each plan's simulated and measured timelines side by side (`ftpipe simulate "
+            "Each plan's simulated and measured timelines, one above the other (`ftpipe simulate "
             "PLAN --compare TRACE --report`): "
             + ", ".join(f"[{c['name']}]({c['timelines']})" for c in shown)
             + ".",
