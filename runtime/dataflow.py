@@ -19,8 +19,9 @@ Nothing is derived ahead of need, so a run of any length costs the same to start
 Weights read by other stages (tied embeddings): a weight changes only at its owner's
 optimizer step, so its owner sends it once per version (`ForwardVersions`: under a
 synchronous schedule once per step; under FTPipe's whenever the owner stepped since it last
-sent it; under PipeDream-2BW and WPipe once per pinned version), at the first forward of the
-owner that reads that version, before it computes; the readers keep it for every forward of
+sent it; under PipeDream-2BW and WPipe once per pinned version), with the first forward of
+the owner that reads that version, after that forward's activations (a 51 MB embedding
+sent first would hold them up on the link); the readers keep it for every forward of
 theirs reading that version. Its gradient comes back once per step, summed over the step's
 micro-batches, after the last of this rank's readers' backwards of the step; the owner adds
 it in at its own last backward of the step, which comes after (the readers' backward of a
@@ -141,10 +142,10 @@ class Dataflow:
         return n * self.micro_batches if self.shared(tensor) else n
 
     def sending_order(self, stage: int) -> list[str]:
-        """A forward's outputs in the order it sends them: weights first (they are known before
-        the forward runs, so they go before it computes)."""
+        """A forward's outputs in the order it sends them: activations first (the next
+        stage's forward can start on them), then weights (once per version)."""
         outputs = self.topo.outputs[stage]
-        return sorted(outputs, key=lambda t: not self.shared(t))
+        return sorted(outputs, key=lambda t: self.shared(t))
 
     def actions(self, rank: int) -> Iterator[Planned]:
         """Every action of `rank` in order, with its messages and its optimizer step."""

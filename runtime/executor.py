@@ -110,9 +110,6 @@ class Executor:
         keep_graph = not self.policies[s].recompute and s not in self.forward_only
         params = self._version(a)
         order = self.flow.sending_order(s)
-        for t in order:  # a weight (the version this forward reads) goes before it computes
-            if self.flow.shared(t):
-                self.acts.put(t, m, self._weight(s, t, params))
         with self._seeded(s, m), torch.set_grad_enabled(keep_graph):
             out = self._call(s, params, inputs)
         if s not in self.forward_only:
@@ -285,12 +282,6 @@ class Executor:
             self.stash[key] = {
                 n: t.detach().to(self.device).requires_grad_(True) for n, t in params.items()
             }
-
-    def _weight(self, s: int, name: str, params) -> torch.Tensor:
-        """Parameter `name` of stage s as the forward running on `params` reads it."""
-        if params is not None and name in params:
-            return params[name]
-        return self.modules[s].get_parameter(name)
 
     def _copy(self, s: int) -> dict[str, torch.Tensor]:
         return {

@@ -16,7 +16,8 @@ the micro-batch at W, and its weight gradients (so its all-reduce) come with its
 
 A weight read by other stages goes as the runtime sends it (`ftpipe_runtime.dataflow`):
 once per version of its owner's weights (`versions`, the runtime's `ForwardVersions` of the
-owner), at the owner's first forward reading that version, arriving for every micro-batch
+owner), after the activations of the owner's first forward reading that version, arriving
+for every micro-batch
 that reads it; its gradient goes back once per step, summed, after the last backward of the
 step of its readers on a GPU, and only the owner's last backward of the step waits for it.
 """
@@ -102,8 +103,8 @@ class EventLoop:
                         for mb in range(total_mbs):
                             if last_b.get((t.producer, mb // self.m)) != mb:
                                 waits[mb] += 1
-        for sends in self.out.values():  # weights first, as the runtime's sending order
-            sends.sort(key=lambda x: not x[3])
+        for sends in self.out.values():  # weights last, as the runtime's sending order
+            sends.sort(key=lambda x: x[3])
         self.last_b = last_b
         # Step groups: which GPUs meet before stepping.
         self.group_of = {s: grp for grp in groups for s in grp}
@@ -225,8 +226,7 @@ class EventLoop:
         for nbytes, dst, consumers, per_step in self.out[s]:
             if per_step and not first:
                 continue  # went with the first forward reading this version
-            # A weight is known before the forward computes: the runtime sends it then.
-            arrive = self._send(g, dst, nbytes, start if per_step else t)
+            arrive = self._send(g, dst, nbytes, t)
             mbs = read if per_step else (m,)
             for c in consumers:
                 for i in mbs:

@@ -196,20 +196,20 @@ def test_2bw_and_wpipe_run_at_the_busiest_gpus_work_on_uniform_stages(plan_facto
 
 
 def test_a_tied_weight_goes_once_per_version(plan_factory):
-    """As the runtime sends it: the weight before the owner's first forward of the step
-    computes, its gradient summed after the reader's last backward, waited for by the
-    owner's last only; under the asynchronous schedule too, its owner stepping once a step."""
+    """As the runtime sends it: the weight after the activations of the owner's first
+    forward of the step, its gradient summed after the reader's last backward, waited for by
+    the owner's last only; under the asynchronous schedule too, its owner stepping once a
+    step."""
     costs, m = [(1.0, 2.0, 0.0)] * 2, 2
     # Activations free, the 10,000-byte weight 10 s on the link.
     plan = plan_factory(costs, micro_batches=m, tied=[(0, 1)], tied_bytes=10_000, bandwidth=1e3)
     sync = simulate(plan, "gpipe", steps=1)
-    # GPU 0: F0 [0, 1], F1 [1, 2], the weight (sent at 0) arrives at 10; GPU 1: F0, F1
-    # [10, 12], B1, B0 [12, 16], the summed gradient arrives at 26; GPU 0: B1 [14, 16],
-    # B0 [26, 28].
-    assert sync.step_time_s == pytest.approx(28.0)
+    # GPU 0: F0 [0, 1], F1 [1, 2], the weight arrives at 11; GPU 1: F0, F1 [11, 13], B1, B0
+    # [13, 17], the summed gradient arrives at 27; GPU 0: B1 [15, 17], B0 [27, 29].
+    assert sync.step_time_s == pytest.approx(29.0)
     assert [g.bytes_sent for g in sync.gpus] == [10_000, 10_000]
     owner = sorted((e.mb, e.start) for e in sync.timeline if e.stage == 0 and e.kind in "BR")
-    assert owner == [(0, pytest.approx(26.0)), (1, pytest.approx(14.0))]
+    assert owner == [(0, pytest.approx(27.0)), (1, pytest.approx(15.0))]
     each = simulate(plan, "ftpipe", steps=4)
     assert [g.bytes_sent for g in each.gpus] == [10_000, 10_000]
 
