@@ -80,7 +80,7 @@ def build_plan(
     input_bytes = {i.name: i.bytes for i in graph.inputs}
     shared = [p for p in graph.params if len(readers.get(p.name, ())) > 1]  # sent by the owner
 
-    trainable = {p.name: p.trainable for p in graph.params}
+    trainable = {p.name: p.trainable and not p.frozen for p in graph.params}  # stepped
     owned = {s: [p for p, r in readers.items() if r[0] == s] for s in members}
     stages = []
     for s, ids in members.items():
