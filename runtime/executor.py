@@ -7,9 +7,11 @@ Stage inputs are detached leaves whatever their source (the same rank or a messa
 every stage backpropagates on its own and hands the input gradients upstream the same way:
 summed over this rank's consumers, then sent once per producer rank. Integer tensors
 (masks, ids) never carry gradients. A parameter read by several stages is an output of its
-owner stage like any other: readers get a copy of its value at the owner's forward (the
-version that micro-batch sees, however many steps the owner takes before the readers run),
-and the gradient they send back reaches the parameter's `.grad` through the owner's backward.
+owner stage like any other: readers get its value at the owner's forward, once per version
+(the version that micro-batch sees, however many steps the owner takes before the readers
+run: a copy, unless the schedule is synchronous and every reader is done with it before the
+owner steps again), and the gradient they send back, summed over the step, reaches the
+parameter's `.grad` through the owner's last backward of the step.
 
 Split backwards (zero-bubble schedules: the stage's policy says `split`, and a W follows each
 B): B computes the input gradients and
