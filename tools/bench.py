@@ -1,6 +1,6 @@
 """`make bench`: measure ftpipe against its peers and write BENCHMARKS.md (+ a JSON of raw figures).
 
-    python tools/bench.py --out BENCHMARKS.md                 # everything (~9 min on 2 cores)
+    python tools/bench.py --out BENCHMARKS.md                 # everything (~32 min on 2 cores)
     python tools/bench.py --sections plans,compile --out B.md # a subset
 
 Sections:

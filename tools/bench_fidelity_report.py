@@ -138,17 +138,20 @@ def _budget_rows(cases: list[dict]) -> list[str]:
     for c in cases:
         b = _budget(c)
         if b is not None:
+            # error > 0: the simulation is slower, so look for what the run spent less on
             extra = {k: b["run"][k] - b["sim"][k] for k in b["run"]}
-            part = max(extra, key=extra.get)
+            sign = -1 if c["error"] > 0 else 1
+            part = max(extra, key=lambda k: sign * extra[k])
             lines.append(
                 f"- {c['label']}: the largest part of the {c['error']:+.1%} is "
-                f"{_PARTS[part]} ({_ms(extra[part])} ms per step more than simulated)."
+                f"{_PARTS[part]} ({_ms(abs(extra[part]))} ms per step "
+                f"{'less' if extra[part] < 0 else 'more'} in the run than simulated)."
             )
     return lines + [""]
 
 
 _PARTS = {
-    "compute": "compute running slower than profiled",
+    "compute": "compute time differing from the profile",
     "step": "the optimizer-step actions",
     "wait": "waiting for messages",
     "other": "time between actions",
