@@ -82,7 +82,12 @@ class Link:
         try:
             curve = tuple(sorted((float(b), float(w)) for b, w in d.get("allreduce_bandwidth", ())))
         except (TypeError, ValueError):
-            curve = ((0.0, 0.0),)
+            curve = None
+        if curve is None or any(not (b > 0 and w > 0) for b, w in curve):
+            raise FtpipeError(
+                f"link {d.get('name', '')!r}: allreduce_bandwidth must be a list of "
+                "[bytes, bytes/s] pairs, both positive"
+            )
         link = cls(
             str(d.get("name", "")),
             float(d["bandwidth"]),
@@ -92,11 +97,6 @@ class Link:
         if not link.bandwidth > 0 or link.latency_s < 0:
             raise FtpipeError(
                 f"link {link.name!r}: bandwidth must be positive and latency not negative"
-            )
-        if any(not (b > 0 and w > 0) for b, w in curve):
-            raise FtpipeError(
-                f"link {link.name!r}: allreduce_bandwidth must be a list of [bytes, bytes/s] "
-                "pairs, both positive"
             )
         return link
 

@@ -18,8 +18,7 @@ from runtime_reference import checkpoint_params
 
 transformers = pytest.importorskip("transformers")
 from ftpipe_runtime.freezing import bound_schedule, layer_units  # noqa: E402
-from ftpipe_runtime.models import with_dropout  # noqa: E402
-from test_freeze_training import BERT, CLIP, LR, STEPS, _train_frozen  # noqa: E402
+from test_freeze_training import CLIP, LR, STEPS, _train_frozen, write_bert  # noqa: E402
 
 from ftpipe_compiler.cli import cli  # noqa: E402
 
@@ -29,11 +28,7 @@ pytestmark = pytest.mark.multiproc
 @pytest.fixture(scope="module")
 def package(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("elastic")
-    config = transformers.AutoConfig.for_model("bert", **BERT)
-    for key, value in with_dropout(config.to_dict(), 0.0).items():
-        setattr(config, key, value)
-    torch.manual_seed(0)
-    transformers.BertForQuestionAnswering(config).save_pretrained(root / "bert")
+    write_bert(root / "bert")
     args = ["compile", "--model", str(root / "bert"), "--gpus", "4", "--seq-len", "16",
             "--micro-batch", "2", "--batch", "8", "--schedule", "gpipe", "-p", "gpipe",
             "--freeze-training", "0.5", "-o", str(root / "out")]  # fmt: skip

@@ -39,14 +39,19 @@ BERT = dict(
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def package(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("freeze")
+def write_bert(folder: Path) -> None:
+    """The tiny QA BERT these tests compile, dropout off, seed 0, as a HuggingFace folder."""
     config = transformers.AutoConfig.for_model("bert", **BERT)
     for key, value in with_dropout(config.to_dict(), 0.0).items():
         setattr(config, key, value)
     torch.manual_seed(0)
-    transformers.BertForQuestionAnswering(config).save_pretrained(root / "bert")
+    transformers.BertForQuestionAnswering(config).save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("freeze")
+    write_bert(root / "bert")
     args = ["compile", "--model", str(root / "bert"), "--gpus", "2", "--seq-len", "16",
             "--micro-batch", "2", "--batch", "4", "-o", str(root / "out")]  # fmt: skip
     result = CliRunner().invoke(cli, args)
