@@ -11,8 +11,8 @@ from ftpipe_runtime.models.lora import LoraSpec
 from ftpipe_runtime.precision import PRECISIONS
 
 from .cli import cli, echo_json
-from .measured import DEVICES
-from .profiling import GRANULARITIES, PROFILERS, costed_graph
+from .costs.measured import DEVICES
+from .costs.profilers import GRANULARITIES, PROFILERS, costed_graph
 from .resources import config_names, load_config
 
 

@@ -25,14 +25,14 @@ from .cli import cli, command_line, echo_json
 from .cli_commands import model_options
 from .cli_plan import cluster_of, describe_shapes, plan_on_cluster
 from .codegen import generate_package
-from .cost_model import describe
+from .costs.formulas import describe
+from .costs.profilers import costed_graph
 from .errors import FtpipeError
-from .frozen import describe_frozen
+from .model.frozen import describe_frozen
 from .output import check_writable, output_folder
 from .partition import PARTITIONERS, problem_from_graph
 from .plan_search import GROUPS, best_plan, schedule_names
 from .planner.shrink import index_of, shrink_plans
-from .profiling import costed_graph
 from .simulate import write_report
 
 

@@ -11,7 +11,7 @@ from ftpipe_runtime.atomic import check_writable_file
 from ftpipe_runtime.schedules import SCHEDULES
 
 from .cli import cli, command_line, echo_json
-from .graph import OpGraph
+from .graph.opgraph import OpGraph
 from .partition import PARTITIONERS, Result, pick_best, problem_from_graph, run_partitioners
 
 

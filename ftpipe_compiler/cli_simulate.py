@@ -14,7 +14,7 @@ from ftpipe_runtime.schedules import SCHEDULES
 
 from .cli import cli, echo_json
 from .partition import remat
-from .partition.plan import Plan
+from .plan import Plan
 from .simulate import compare, simulate, table
 from .simulate.measured import load_measured
 from .simulate.report import compare_line, write_report

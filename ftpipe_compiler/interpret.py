@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from .graph import OpGraph
-from .trace import WRAPPER_PREFIX, Traced, retarget
+from .graph.opgraph import OpGraph
+from .graph.trace import WRAPPER_PREFIX, Traced, retarget
 
 
 def run_graph(

@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-from ftpipe_compiler.costs import analytic_costs
-from ftpipe_compiler.hardware import get_hardware
-from ftpipe_compiler.tasks import resolve_task
-from ftpipe_compiler.trace import trace_model
-from ftpipe_compiler.zoo import resolve_model
+from ftpipe_compiler.costs.analytic import analytic_costs
+from ftpipe_compiler.costs.hardware import get_hardware
+from ftpipe_compiler.graph.trace import trace_model
+from ftpipe_compiler.model.tasks import resolve_task
+from ftpipe_compiler.model.zoo import resolve_model
 
 
 @pytest.fixture

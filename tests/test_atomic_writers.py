@@ -18,9 +18,9 @@ from ftpipe_runtime.checkpoint import Checkpoints
 from ftpipe_runtime.errors import WriteFailed
 
 from ftpipe_compiler.codegen import generate_package
+from ftpipe_compiler.costs.cache import save_profile
+from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.partition import problem_from_graph, run_partitioners
-from ftpipe_compiler.profile_cache import save_profile
-from ftpipe_compiler.profiling import costed_graph
 from ftpipe_compiler.simulate import simulate, write_report
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from ftpipe_compiler.cluster import Cluster, Link, get_cluster, load_cluster
+from ftpipe_compiler.costs.cluster import Cluster, Link, get_cluster, load_cluster
+from ftpipe_compiler.costs.hardware import get_hardware
 from ftpipe_compiler.errors import FtpipeError
-from ftpipe_compiler.hardware import get_hardware
 from ftpipe_compiler.resources import config_names, load_config
 
 

@@ -6,7 +6,7 @@ from click.testing import CliRunner
 from ftpipe_compiler.cli import cli
 from ftpipe_compiler.codegen import check_package
 from ftpipe_compiler.partition import PARTITIONERS
-from ftpipe_compiler.partition.plan import Plan
+from ftpipe_compiler.plan import Plan
 from ftpipe_compiler.plan_search import schedule_names
 
 SCHEDULES = tuple(schedule_names("auto"))

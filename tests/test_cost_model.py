@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from ftpipe_runtime.schedules import StagePolicy
 
-from ftpipe_compiler.cost_model import (
+from ftpipe_compiler.costs.formulas import (
     FP32,
     PRECISIONS,
     Precision,
@@ -62,8 +62,8 @@ def test_an_optimizer_step_streams_what_each_parameter_holds_twice():
     """Read and written once: 2 x held bytes at the step bandwidth, the cache's for a
     parameter whose step fits in the last-level cache, memory's for a larger one; without
     measured figures, the roofline's memory bandwidth."""
-    from ftpipe_compiler.cost_model import optimizer_step_s
-    from ftpipe_compiler.hardware import get_hardware
+    from ftpipe_compiler.costs.formulas import optimizer_step_s
+    from ftpipe_compiler.costs.hardware import get_hardware
 
     hw = replace(
         get_hardware("cpu"),

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 from ftpipe_runtime.models.lora import LoraSpec
 
+from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.partition import Plan, build_plan, problem_from_graph
-from ftpipe_compiler.profiling import costed_graph
 
 FREEZE = r"transformer.(wte|wpe|h.0\.)"
 

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from ftpipe_compiler.errors import PlanFormatError
-from ftpipe_compiler.graph import OpGraph
+from ftpipe_compiler.graph.opgraph import OpGraph
 
 
 def test_json_round_trip(tiny_t5_costed, tmp_path):

@@ -2,11 +2,11 @@ import pytest
 import torch
 
 from ftpipe_compiler.errors import TraceError
-from ftpipe_compiler.granularity import collapse, layer_key
+from ftpipe_compiler.graph.granularity import collapse, layer_key
+from ftpipe_compiler.graph.trace import trace_model
 from ftpipe_compiler.interpret import run_graph
-from ftpipe_compiler.tasks import resolve_task
-from ftpipe_compiler.trace import trace_model
-from ftpipe_compiler.zoo import resolve_model
+from ftpipe_compiler.model.tasks import resolve_task
+from ftpipe_compiler.model.zoo import resolve_model
 
 
 @pytest.mark.parametrize("fixture", ["tiny_t5", "tiny_gpt2", "tiny_bert"])

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from ftpipe_compiler.errors import FtpipeError, UnknownNameError
+from ftpipe_compiler.model.tasks import Task, resolve_task
+from ftpipe_compiler.model.zoo import resolve_model
 from ftpipe_compiler.resources import config_names, load_config
-from ftpipe_compiler.tasks import Task, resolve_task
-from ftpipe_compiler.zoo import resolve_model
 
 # The real models' parameter counts (HuggingFace, tied embeddings counted once).
 PUBLISHED = {

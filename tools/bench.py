@@ -41,8 +41,8 @@ import bench_startup  # noqa: E402
 import bench_zero_bubble  # noqa: E402
 from ftpipe_runtime.atomic import write_atomic  # noqa: E402
 
+from ftpipe_compiler.costs.profilers import costed_graph  # noqa: E402
 from ftpipe_compiler.partition import problem_from_graph, run_partitioners  # noqa: E402
-from ftpipe_compiler.profiling import costed_graph  # noqa: E402
 from ftpipe_compiler.simulate import simulate  # noqa: E402
 from ftpipe_compiler.version import __version__  # noqa: E402
 

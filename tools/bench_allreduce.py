@@ -108,7 +108,7 @@ def run_ranks(work: Path, d: int, sizes, tag: str = "") -> list[float]:
 def measure(work: Path | None = None, ranks=RANKS, sizes=SIZES) -> dict:
     import tempfile
 
-    from ftpipe_compiler.cluster import get_cluster
+    from ftpipe_compiler.costs.cluster import get_cluster
 
     work = Path(work or tempfile.mkdtemp(prefix="ftpipe-allreduce-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,7 @@ from calibrate_hardware import fit_link
 from ftpipe_runtime.trace import read_trace
 from tqdm import tqdm
 
-from ftpipe_compiler.partition.plan import Plan
+from ftpipe_compiler.plan import Plan
 from ftpipe_compiler.simulate import simulate
 from ftpipe_compiler.simulate.measured import measured
 from ftpipe_compiler.simulate.report import write_report

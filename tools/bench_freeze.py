@@ -31,9 +31,9 @@ from pathlib import Path
 
 from bench_launch import compile_plan, run_package
 
-from ftpipe_compiler.cluster import get_cluster
+from ftpipe_compiler.costs.cluster import get_cluster
+from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.planner.elastic import FreezeRun, simulate_freezing
-from ftpipe_compiler.profiling import costed_graph
 
 MODEL, TASK, HARDWARE, GPUS = "bert-large", "squad", "quadro-rtx5000", 16
 SEQ_LEN, MICRO_BATCH, BATCH, EPOCHS, SAMPLES = 512, 4, 64, 3, 87_599

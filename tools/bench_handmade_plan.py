@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 from ftpipe_compiler.codegen import generate_package
+from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.partition import build_plan, problem_from_graph
-from ftpipe_compiler.profiling import costed_graph
 from ftpipe_compiler.simulate import simulate, write_report
 
 MODEL = "gpt2-bench"

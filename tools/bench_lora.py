@@ -18,10 +18,10 @@ from __future__ import annotations
 import re
 import time
 
+from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.errors import InfeasibleError
 from ftpipe_compiler.partition import problem_from_graph
 from ftpipe_compiler.plan_search import CHEAP, best_plan
-from ftpipe_compiler.profiling import costed_graph
 
 GIB = 2**30
 SCHEDULES = ["gpipe", "1f1b", "zb1p", "interleaved"]

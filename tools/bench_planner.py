@@ -17,9 +17,9 @@ from __future__ import annotations
 import functools
 import time
 
-from ftpipe_compiler.cluster import get_cluster
+from ftpipe_compiler.costs.cluster import get_cluster
+from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.planner import Space, orientation_of, plan_shape
-from ftpipe_compiler.profiling import costed_graph
 
 TARGETS = [("t5-11b", "rte", "v100-32gb", 64), ("t5-3b", "rte", "rtx2080ti", 16)]
 SCALING = ("t5-3b", "rte", "rtx2080ti", (8, 64, 512))

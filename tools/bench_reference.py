@@ -31,7 +31,7 @@ IGNORE = -100  # label of padding (HF's ignore_index)
 
 def build_model(name: str, seed: int = 0) -> nn.Module:
     """The HF model of a shipped spec, randomly initialised from `seed`, in train mode."""
-    from ftpipe_compiler.zoo import resolve_model
+    from ftpipe_compiler.model.zoo import resolve_model
 
     return resolve_model(name).build("cpu", seed=seed).m
 

@@ -18,8 +18,8 @@ import sys
 import time
 from dataclasses import replace
 
+from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.partition import problem_from_graph, run_partitioners
-from ftpipe_compiler.profiling import costed_graph
 from ftpipe_compiler.simulate import simulate
 
 CASES = [("t5-3b", "rte", "rtx2080ti", 8), ("bert-large", "squad", "rtx2080ti", 8)]

@@ -32,9 +32,9 @@ from bench_runtime import Bench
 from bench_stats import run_rounds
 from ftpipe_runtime.atomic import atomic_open
 
+from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.partition import problem_from_graph
 from ftpipe_compiler.plan_search import best_plan, schedule_names
-from ftpipe_compiler.profiling import costed_graph
 
 MODEL = "gpt2-bench"
 RUNTIME = ("zb1p", "interleaved", "zbv")  # pipelining has each; gpipe and 1f1b: section runtime

@@ -11,7 +11,7 @@ What the simulator charges and where it comes from (`configs/hardware/<name>.jso
   and large messages count alike).
 - `optimizer_bandwidth`, `optimizer_cache_bandwidth`, `cache_bytes`: an optimizer step reads
   and writes each parameter's weights, gradient and optimizer state once
-  (`cost_model.optimizer_step_s`), its several passes from the last-level cache when they
+  (`formulas.optimizer_step_s`), its several passes from the last-level cache when they
   fit there (`cache_bytes`, from sysfs), else from memory. Measured by timing what the
   runtime does at a step (`Stepper`: clip by the gradient norm, step, clear; the norm's
   all-reduce apart) on one thread, fastest of `steps`: 16 block-sized tensors, and one
@@ -79,7 +79,7 @@ def time_step(optimizer: str, shape, count: int, steps: int) -> tuple[float, int
     import torch
     from ftpipe_runtime.optim import clip_coef, make_optimizer, squared_norm
 
-    from ftpipe_compiler.cost_model import param_bytes
+    from ftpipe_compiler.costs.formulas import param_bytes
 
     torch.set_num_threads(1)  # as one rank runs
     torch.manual_seed(0)

@@ -28,7 +28,7 @@ MB = 1e6
 def child(args: list[str]) -> None:
     """Run the CLI in this process and print what its memory did, as JSON."""
     from ftpipe_compiler.cli import cli
-    from ftpipe_compiler.graph import OpGraph
+    from ftpipe_compiler.graph.opgraph import OpGraph
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "graph.json"

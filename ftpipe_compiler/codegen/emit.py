@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 from ..errors import FtpipeError
-from ..granularity import layer_key
+from ..graph.granularity import layer_key
 from .layout import Layout, StageLayout
 from .names import Namer, module_stack, value_base, weight_base
 

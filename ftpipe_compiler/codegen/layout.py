@@ -24,9 +24,9 @@ import torch
 from torch import fx
 
 from ..errors import FtpipeError
-from ..graph import OpGraph
-from ..partition.plan import Plan
-from ..trace import Traced
+from ..graph.opgraph import OpGraph
+from ..graph.trace import Traced
+from ..plan import Plan
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,13 @@ from torch import nn
 from tqdm import tqdm
 
 from ..errors import FtpipeError, OutputExistsError
-from ..graph import OpGraph
+from ..graph.opgraph import OpGraph
+from ..graph.trace import WRAPPER_PREFIX, Traced
+from ..model.zoo import ModelSpec
 from ..output import output_folder
-from ..partition.plan import Plan
+from ..plan import Plan
 from ..resources import templates_dir
-from ..trace import WRAPPER_PREFIX, Traced
 from ..version import __version__
-from ..zoo import ModelSpec
 from .emit import StageEmitter, value_names
 from .layout import layout, package_plan
 from .summary import describe

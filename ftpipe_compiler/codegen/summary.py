@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from ..granularity import layer_key
+from ..graph.granularity import layer_key
 from .layout import StageLayout
 from .names import module_stack
 

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from ..cost_model import PRECISIONS
+from ..costs.formulas import PRECISIONS
 from ..errors import FtpipeError, InfeasibleError, unknown
+from ..plan import Plan
 
 # Modules, not their functions: `partition.mixed` must stay the module of that name.
 from . import acyclic, baselines, metis, mixed, pipedream
 from .build import build_plan
-from .plan import Plan
 from .problem import Problem
 
 __all__ = [
@@ -65,7 +65,7 @@ def problem_from_graph(
 ) -> Problem:
     """A Problem with the graph's defaults: its hardware, the task's optimizer, and the task's
     batch / micro-batch as micro-batches per step."""
-    from ..hardware import get_hardware
+    from ..costs.hardware import get_hardware
 
     meta = graph.meta or {}
     if micro_batches is None:

@@ -18,12 +18,12 @@ import heapq
 import random
 import time
 
-from ..cost_model import stage_memory
+from ..costs.formulas import stage_memory
+from ..plan import Plan
 from .build import build_plan
 from .coarsen import atoms
 from .indexed import Costs, infeasible
 from .layout import Layout
-from .plan import Plan
 from .refine import refine
 
 ORDERS = (0.0, 2.0, 8.0, 32.0)  # noise (in atoms) added to the graph's order; 0: the order itself

@@ -17,11 +17,11 @@ import time
 
 import numpy as np
 
-from ..granularity import layer_key
+from ..graph.granularity import layer_key
+from ..plan import Plan
 from .build import build_plan
 from .chain import Chain, runs
 from .indexed import Costs, infeasible
-from .plan import Plan
 
 
 def layers(costs: Costs) -> list[list[int]]:

@@ -12,9 +12,9 @@ from dataclasses import replace
 import networkx as nx
 from ftpipe_runtime.schedules import StageInfo, with_chunks
 
-from ..cost_model import optimizer_step_s
+from ..costs.formulas import optimizer_step_s
 from ..errors import FtpipeError
-from .plan import Plan, PlanParam, Stage, Transfer
+from ..plan import Plan, PlanParam, Stage, Transfer
 from .problem import Problem
 from .remat import rematerialised
 

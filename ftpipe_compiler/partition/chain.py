@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from tqdm import tqdm
 
-from ..cost_model import period_s, stage_memory
+from ..costs.formulas import period_s, stage_memory
 from .indexed import Costs
 
 

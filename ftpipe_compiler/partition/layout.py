@@ -15,7 +15,7 @@ from collections import defaultdict
 
 from ftpipe_runtime.schedules import StageInfo
 
-from ..cost_model import gpu_memory_bytes, period_s, stage_memory
+from ..costs.formulas import gpu_memory_bytes, period_s, stage_memory
 from .indexed import Costs, topological_stages
 
 

@@ -28,13 +28,13 @@ import time
 
 import pymetis
 
-from ..granularity import layer_key, sublayer_key
+from ..graph.granularity import layer_key, sublayer_key
+from ..plan import Plan
 from .build import build_plan
 from .coarsen import atoms, by_scope
 from .indexed import Costs, infeasible
 from .layout import Layout
 from .mixed import stages
-from .plan import Plan
 from .refine import refine
 
 SCALE = 1_000_000  # METIS weights are integers: the heaviest atom weighs about this much

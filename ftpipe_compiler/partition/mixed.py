@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import time
 
-from ..cost_model import gpu_memory_bytes, stage_memory
-from ..granularity import layer_key, sublayer_key
+from ..costs.formulas import gpu_memory_bytes, stage_memory
+from ..graph.granularity import layer_key, sublayer_key
+from ..plan import Plan
 from .build import build_plan
 from .coarsen import Coarse, atoms, by_scope, grow_centers
 from .indexed import Costs, infeasible
 from .layout import Layout
-from .plan import Plan
 from .refine import refine
 
 ITERATIONS = 4  # §4.3 re-costing rounds: usually stable after two; a repeat also ends them

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import time
 
+from ..plan import Plan
 from .build import build_plan
 from .chain import Chain, compress
 from .indexed import Costs, infeasible
-from .plan import Plan
 
 MAX_UNITS = 384  # chain length: ~0.3% of the work per unit on T5-3B, a second of DP
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 from ftpipe_runtime.schedules import SCHEDULES, Schedule, ScheduleError, StageInfo, StagePolicy
 
-from ..cost_model import FP32, OPTIMIZERS, Precision, param_bytes
+from ..costs.formulas import FP32, OPTIMIZERS, Precision, param_bytes
+from ..costs.hardware import Hardware
 from ..errors import FtpipeError, unknown
-from ..graph import OpGraph
-from ..hardware import Hardware
+from ..graph.opgraph import OpGraph
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ its owner's weights), and its gradient comes back summed, so training is unchang
 
 from __future__ import annotations
 
-from ..graph import OpGraph
+from ..graph.opgraph import OpGraph
 
 __all__ = ["MAX_COPY_NODES", "describe", "rematerialised"]
 

@@ -23,7 +23,7 @@ least the larger of the two.
 
 from __future__ import annotations
 
-from ..cluster import Cluster
+from ..costs.cluster import Cluster
 from ..partition.problem import Problem
 from .shapes import node_span, placement
 

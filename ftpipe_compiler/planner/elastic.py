@@ -37,12 +37,12 @@ from dataclasses import asdict, dataclass, replace
 
 from ftpipe_runtime.freezing import bound_schedule, layer_units
 
-from ..cluster import Cluster
-from ..cost_model import PRECISIONS
-from ..costs import weight_share
+from ..costs.analytic import weight_share
+from ..costs.cluster import Cluster
+from ..costs.formulas import PRECISIONS
 from ..errors import FtpipeError, InfeasibleError
-from ..granularity import collapse
-from ..graph import OpGraph
+from ..graph.granularity import collapse
+from ..graph.opgraph import OpGraph
 from ..partition import Problem
 from .search import Candidate, Space, best_plan
 

@@ -32,11 +32,11 @@ from dataclasses import asdict, dataclass, field
 
 from tqdm import tqdm
 
-from ..cluster import Cluster
-from ..cost_model import PRECISIONS
+from ..costs.cluster import Cluster
+from ..costs.formulas import PRECISIONS
 from ..errors import FtpipeError, InfeasibleError
 from ..partition import Problem, run_partitioners
-from ..partition.plan import Plan
+from ..plan import Plan
 from ..simulate import SimResult, simulate
 from .bounds import throughput_bound
 from .shapes import depths, orientations, placement

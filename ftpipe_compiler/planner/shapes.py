@@ -19,7 +19,7 @@ exactly; one node of any size takes every shape.
 
 from __future__ import annotations
 
-from .. import cluster as _cluster
+from ..costs import cluster as _cluster
 
 ORIENTATIONS = ("pipeline", "replica")
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, replace
 from ftpipe_runtime.freezing import bound_schedule
 
 from ..errors import FtpipeError, InfeasibleError
-from ..graph import OpGraph
+from ..graph.opgraph import OpGraph
 from ..partition import problem_from_graph
-from ..partition.plan import Plan
+from ..plan import Plan
 from .elastic import frozen_graph, graph_units
 
 __all__ = ["Shrink", "shrink_plans", "index_of"]

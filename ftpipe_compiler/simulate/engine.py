@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import heapq
 
-from ..partition.plan import Plan
+from ..plan import Plan
 from .network import Network
 from .result import Event
 

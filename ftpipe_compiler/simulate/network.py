@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from ftpipe_runtime.replicas import BUCKET_BYTES, bucket_indices
 
-from ..cluster import Link
-from ..partition.plan import Plan
+from ..costs.cluster import Link
+from ..plan import Plan
 
 
 class Network:

@@ -15,8 +15,8 @@ import jinja2
 from ftpipe_runtime.atomic import write_atomic
 
 from .. import resources
-from ..partition.plan import Plan
 from ..partition.remat import describe as describe_remat
+from ..plan import Plan
 from ..version import __version__
 from .result import SimResult
 

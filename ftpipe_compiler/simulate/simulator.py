@@ -42,7 +42,7 @@ from ftpipe_runtime.schedules import (
 )
 
 from ..errors import FtpipeError, unknown
-from ..partition.plan import Plan
+from ..plan import Plan
 from .engine import EventLoop
 from .result import GpuResult, SimResult
 

@@ -8,10 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ftpipe_compiler.hardware import get_hardware
+from ftpipe_compiler.costs.hardware import get_hardware
+from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.partition import build_plan
 from ftpipe_compiler.partition.problem import Problem
-from ftpipe_compiler.profiling import costed_graph
 
 TINY = ("t5-tiny", "gpt2-tiny", "bert-tiny")
 REPO = Path(__file__).resolve().parents[2]

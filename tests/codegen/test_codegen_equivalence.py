@@ -17,7 +17,7 @@ from ftpipe_runtime.stage_api import run_in_one_process
 
 from ftpipe_compiler import partition
 from ftpipe_compiler.codegen import check_package, generate_package, import_package
-from ftpipe_compiler.zoo import resolve_model
+from ftpipe_compiler.model.zoo import resolve_model
 
 LAYOUTS = {
     "2 stages": lambda g: contiguous(g, 2),

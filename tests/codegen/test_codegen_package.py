@@ -16,7 +16,7 @@ from ftpipe_runtime.stage_api import run_in_one_process
 from ftpipe_compiler.codegen import check_package, generate_package, import_package
 from ftpipe_compiler.codegen import package as package_module
 from ftpipe_compiler.errors import OutputExistsError
-from ftpipe_compiler.partition.plan import Plan
+from ftpipe_compiler.plan import Plan
 from ftpipe_compiler.version import __version__
 
 COMMAND = "ftpipe compile --model t5-tiny --gpus 2"

@@ -8,7 +8,7 @@ from codegen_helpers import contiguous, costed
 from ftpipe_runtime import check
 
 from ftpipe_compiler.codegen import check_package, generate_package, import_package
-from ftpipe_compiler.zoo import resolve_model
+from ftpipe_compiler.model.zoo import resolve_model
 
 safetensors = pytest.importorskip("safetensors.torch")
 

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from ftpipe_compiler import measured_blocks
-from ftpipe_compiler.profiling import costed_graph
+from ftpipe_compiler.costs import blocks as measured_blocks
+from ftpipe_compiler.costs.profilers import costed_graph
 
 # A GPT-2 big enough that its layers take milliseconds (timer noise stays small) and varied
 # enough in FLOPs (embeddings, layers, a small head) for a rank correlation to mean something.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from ftpipe_compiler.measured import measured_costs
-from ftpipe_compiler.profile_cache import load_profile, profile_dir, profile_key
+from ftpipe_compiler.costs.cache import load_profile, profile_dir, profile_key
+from ftpipe_compiler.costs.measured import measured_costs
 
 
 def _costs(graph):

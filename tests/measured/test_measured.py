@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftpipe_compiler.costs import analytic_costs
+from ftpipe_compiler.costs.analytic import analytic_costs
+from ftpipe_compiler.costs.cache import Weights
+from ftpipe_compiler.costs.hardware import get_hardware
+from ftpipe_compiler.costs.measured import measured_costs
+from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.errors import FtpipeError, UnknownNameError
-from ftpipe_compiler.hardware import get_hardware
-from ftpipe_compiler.measured import measured_costs
-from ftpipe_compiler.profile_cache import Weights
-from ftpipe_compiler.profiling import costed_graph
-from ftpipe_compiler.tasks import resolve_task
-from ftpipe_compiler.trace import trace_model
+from ftpipe_compiler.graph.trace import trace_model
+from ftpipe_compiler.model.tasks import resolve_task
 
 
 def _whole_model_loss(spec, traced, seed=0) -> float:

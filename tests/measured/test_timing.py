@@ -9,8 +9,8 @@ import statistics
 
 import pytest
 
-from ftpipe_compiler.measured import measure_step, measured_costs
-from ftpipe_compiler.profiling import costed_graph
+from ftpipe_compiler.costs.measured import measure_step, measured_costs
+from ftpipe_compiler.costs.profilers import costed_graph
 
 
 def ranks(xs) -> list[float]:

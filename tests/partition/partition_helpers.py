@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from ftpipe_compiler.graph import Edge, ModelInput, Node, OpGraph, Param
-from ftpipe_compiler.hardware import Hardware
+from ftpipe_compiler.costs.hardware import Hardware
+from ftpipe_compiler.graph.opgraph import Edge, ModelInput, Node, OpGraph, Param
 from ftpipe_compiler.partition.problem import Problem
 
 GIB = 2**30

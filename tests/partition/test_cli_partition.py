@@ -10,7 +10,7 @@ from partition_helpers import crafted_graph
 
 from ftpipe_compiler.cli import cli
 from ftpipe_compiler.partition import PARTITIONERS, PATTERNED
-from ftpipe_compiler.partition.plan import Plan
+from ftpipe_compiler.plan import Plan
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from test_layout import random_layout
 from ftpipe_compiler.cli import cli
 from ftpipe_compiler.partition import build_plan, run_partitioners
 from ftpipe_compiler.partition.indexed import Costs
-from ftpipe_compiler.partition.plan import Plan
+from ftpipe_compiler.plan import Plan
 
 
 def test_a_one_node_model_compiles_for_the_one_gpu_it_can_use(tmp_path):

@@ -6,7 +6,7 @@ import networkx as nx
 import pytest
 from partition_helpers import crafted_graph, make_graph, make_problem
 
-from ftpipe_compiler.granularity import sublayer_key
+from ftpipe_compiler.graph.granularity import sublayer_key
 from ftpipe_compiler.partition.indexed import Costs
 from ftpipe_compiler.partition.layout import Layout
 from ftpipe_compiler.partition.mixed import assign, lpt, mixed, stages
@@ -52,7 +52,7 @@ def test_stages_split_where_a_path_leaves_the_gpu_and_returns(seed):
 
 
 def test_mixed_on_tiny_t5_costed_balances_better_than_one_gpu(tiny_t5_costed):
-    from ftpipe_compiler.hardware import get_hardware
+    from ftpipe_compiler.costs.hardware import get_hardware
     from ftpipe_compiler.partition.problem import Problem
 
     problem = Problem(

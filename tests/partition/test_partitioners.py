@@ -61,7 +61,7 @@ def test_same_seed_same_plan(name, seed):
 
 
 def test_all_partitioners_on_tiny_t5_costed(tiny_t5_costed):
-    from ftpipe_compiler.hardware import get_hardware
+    from ftpipe_compiler.costs.hardware import get_hardware
     from ftpipe_compiler.partition.problem import Problem
 
     problem = Problem(

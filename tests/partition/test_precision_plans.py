@@ -15,10 +15,10 @@ import math
 import pytest
 from ftpipe_runtime.precision import PRECISIONS as RUNTIME
 
-from ftpipe_compiler.cost_model import PRECISIONS, describe, param_bytes
-from ftpipe_compiler.hardware import get_hardware
+from ftpipe_compiler.costs.formulas import PRECISIONS, describe, param_bytes
+from ftpipe_compiler.costs.hardware import get_hardware
+from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.partition import problem_from_graph, run_partitioners
-from ftpipe_compiler.profiling import costed_graph
 
 pytestmark = pytest.mark.slow
 

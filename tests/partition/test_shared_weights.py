@@ -11,7 +11,7 @@ from test_layout import random_layout, random_legal_moves
 from ftpipe_compiler.errors import PlanFormatError
 from ftpipe_compiler.partition import build_plan
 from ftpipe_compiler.partition.indexed import Costs
-from ftpipe_compiler.partition.plan import Plan
+from ftpipe_compiler.plan import Plan
 
 
 def halves(graph, gpu_of):

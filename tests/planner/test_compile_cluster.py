@@ -7,7 +7,7 @@ import json
 from click.testing import CliRunner
 
 from ftpipe_compiler.cli import cli
-from ftpipe_compiler.partition.plan import Plan
+from ftpipe_compiler.plan import Plan
 
 BASE = ["compile", "--model", "t5-tiny", "--hardware", "cpu", "--batch", "16", "--json"]
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 from ftpipe_runtime.freezing import bound_schedule
 
-from ftpipe_compiler.cluster import get_cluster
-from ftpipe_compiler.costs import analytic_costs
-from ftpipe_compiler.hardware import get_hardware
+from ftpipe_compiler.costs.analytic import analytic_costs
+from ftpipe_compiler.costs.cluster import get_cluster
+from ftpipe_compiler.costs.hardware import get_hardware
+from ftpipe_compiler.graph.trace import WRAPPER_PREFIX, trace_model
 from ftpipe_compiler.planner.elastic import (
     CacheOptions,
     FreezeRun,
@@ -17,7 +18,6 @@ from ftpipe_compiler.planner.elastic import (
     graph_units,
     simulate_freezing,
 )
-from ftpipe_compiler.trace import WRAPPER_PREFIX, trace_model
 
 HW = get_hardware("rtx2080ti")
 

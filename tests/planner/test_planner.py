@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from ftpipe_compiler.cluster import get_cluster
-from ftpipe_compiler.partition.plan import Plan
+from ftpipe_compiler.costs.cluster import get_cluster
+from ftpipe_compiler.plan import Plan
 from ftpipe_compiler.planner import Space, depths, orientations, placement, plan_shape
 
 BATCH = 32

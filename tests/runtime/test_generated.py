@@ -25,10 +25,10 @@ from runtime_reference import checkpoint_params, train_delayed, train_stale
 
 pytest.importorskip("transformers")
 from ftpipe_compiler.codegen import generate_package, import_package  # noqa: E402
-from ftpipe_compiler.hardware import get_hardware  # noqa: E402
+from ftpipe_compiler.costs.hardware import get_hardware  # noqa: E402
+from ftpipe_compiler.costs.profilers import costed_graph  # noqa: E402
 from ftpipe_compiler.partition import build_plan  # noqa: E402
 from ftpipe_compiler.partition.problem import Problem  # noqa: E402
-from ftpipe_compiler.profiling import costed_graph  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 STAGES_OF = {"gpt2-tiny": 3, "t5-tiny": 4, "llama-tiny": 4, "t5-remat": 4}

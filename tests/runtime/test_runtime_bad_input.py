@@ -191,8 +191,8 @@ def package(tmp_path_factory):
     """A generated gpt2-tiny package (2 stages on 2 GPUs)."""
     pytest.importorskip("transformers")
     from ftpipe_compiler.codegen import generate_package
+    from ftpipe_compiler.costs.profilers import costed_graph
     from ftpipe_compiler.partition import problem_from_graph, run_partitioners
-    from ftpipe_compiler.profiling import costed_graph
 
     spec, _, traced, graph = costed_graph("gpt2-tiny")
     plan = run_partitioners(problem_from_graph(graph, 2), ["gpipe"], progress=False)[0].plan

@@ -18,10 +18,10 @@ from ftpipe_runtime.split_backward import backward_input, backward_weight
 
 pytest.importorskip("transformers")
 from ftpipe_compiler.codegen import generate_package, import_package  # noqa: E402
-from ftpipe_compiler.hardware import get_hardware  # noqa: E402
+from ftpipe_compiler.costs.hardware import get_hardware  # noqa: E402
+from ftpipe_compiler.costs.profilers import costed_graph  # noqa: E402
 from ftpipe_compiler.partition import build_plan  # noqa: E402
 from ftpipe_compiler.partition.problem import Problem  # noqa: E402
-from ftpipe_compiler.profiling import costed_graph  # noqa: E402
 
 
 class Counted(torch.autograd.Function):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from ftpipe_compiler.hardware import get_hardware
+from ftpipe_compiler.costs.hardware import get_hardware
 from ftpipe_compiler.partition import build_plan
-from ftpipe_compiler.partition.plan import Plan, PlanParam, Stage, Transfer
 from ftpipe_compiler.partition.problem import Problem
+from ftpipe_compiler.plan import Plan, PlanParam, Stage, Transfer
 
 
 def make_plan(

@@ -11,9 +11,9 @@ import pytest
 from conftest import make_plan
 from ftpipe_runtime.replicas import BUCKET_BYTES
 
-from ftpipe_compiler.cluster import Cluster, Link
-from ftpipe_compiler.cost_model import ring_allreduce_s
-from ftpipe_compiler.hardware import get_hardware
+from ftpipe_compiler.costs.cluster import Cluster, Link
+from ftpipe_compiler.costs.formulas import ring_allreduce_s
+from ftpipe_compiler.costs.hardware import get_hardware
 from ftpipe_compiler.planner import placement
 from ftpipe_compiler.simulate import simulate
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from .trace import VIEW_OPS, Traced, describe_value, op_name, retarget
+from ..graph.trace import VIEW_OPS, Traced, describe_value, op_name, retarget
 
 try:
     _MALLOC_TRIM = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim  # glibc only

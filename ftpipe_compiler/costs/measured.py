@@ -9,7 +9,7 @@ time includes its own Python and autograd overhead (the sum of an op-level profi
 backward times runs about 2-3x the backward of the whole model on small models). Walking
 the blocks in order, only the block's own parameters are on the device (`Weights`: real
 weights from safetensors, else a seeded random init; real buffers), and it is fed the real
-values the earlier blocks produced (`measured_blocks`). Per block, after one warm-up, the
+values the earlier blocks produced (`blocks`). Per block, after one warm-up, the
 median of `repeats` runs of:
 
 - fwd_s: forward under `no_grad` (what a recomputing stage runs first),
@@ -46,13 +46,13 @@ import torch
 from ftpipe_runtime.errors import WriteFailed
 from tqdm import tqdm
 
-from .costs import analytic_costs
-from .errors import FtpipeError, unknown
-from .graph import OpGraph
+from ..errors import FtpipeError, unknown
+from ..graph.opgraph import OpGraph
+from ..graph.trace import Traced
+from .analytic import analytic_costs
+from .blocks import Block, Timing, plan_blocks, run_blocks
+from .cache import Weights, load_profile, profile_key, save_profile
 from .hardware import get_hardware
-from .measured_blocks import Block, Timing, plan_blocks, run_blocks
-from .profile_cache import Weights, load_profile, profile_key, save_profile
-from .trace import Traced
 
 GB = 1e9
 

@@ -9,14 +9,14 @@ from dataclasses import replace
 
 from ftpipe_runtime.precision import PRECISIONS
 
-from .costs import analytic_costs
-from .errors import FtpipeError
-from .frozen import parse_lora
-from .graph import OpGraph
+from ..errors import FtpipeError
+from ..graph.opgraph import OpGraph
+from ..graph.trace import Traced, trace_model
+from ..model.frozen import parse_lora
+from ..model.tasks import Task, resolve_task
+from ..model.zoo import ModelSpec, resolve_model
+from .analytic import analytic_costs
 from .hardware import get_hardware
-from .tasks import Task, resolve_task
-from .trace import Traced, trace_model
-from .zoo import ModelSpec, resolve_model
 
 GRANULARITIES = ("op", "layer")
 PROFILERS = ("analytic", "measured")

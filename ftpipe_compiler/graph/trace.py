@@ -18,10 +18,10 @@ import torch
 from ftpipe_runtime.precision import get_precision
 from torch import fx
 
-from .errors import TraceError
-from .graph import Edge, ModelInput, Node, OpGraph, Param
-from .tasks import Task
-from .zoo import ModelSpec
+from ..errors import TraceError
+from ..model.tasks import Task
+from ..model.zoo import ModelSpec
+from .opgraph import Edge, ModelInput, Node, OpGraph, Param
 
 # Tracing artefacts with no effect on the computation.
 _DROP = {

@@ -23,9 +23,9 @@ import torch
 from ftpipe_runtime.models import HEADS, Vocab, get_head, input_shapes, synthetic_batch
 from torch import nn
 
+from ..errors import FtpipeError, unknown
+from ..resources import config_names, load_config
 from . import frozen, hub
-from .errors import FtpipeError, unknown
-from .resources import config_names, load_config
 from .tasks import Task
 
 FUNCTION = re.compile(r"[\w.]+:\w+")

@@ -7,7 +7,7 @@ The model is wrapped (peft, `ftpipe_runtime.models.lora`) and frozen before it i
 so `requires_grad` says it all from there on: the traced graph marks frozen weights
 (`Param.frozen`) and the values no gradient reaches (`Node.requires_grad`), the costs give
 them no weight-gradient compute (costs.py), the memory model no gradient or optimizer state
-(cost_model.param_bytes), the plan records them (`PlanParam.frozen`), and a stage that
+(formulas.param_bytes), the plan records them (`PlanParam.frozen`), and a stage that
 nothing trainable feeds runs forwards only. A `module:function` model's own `requires_grad`
 counts the same way.
 """
@@ -18,7 +18,7 @@ import re
 
 from ftpipe_runtime.models.lora import LoraSpec, is_adapter, wrap
 
-from .errors import FtpipeError
+from ..errors import FtpipeError
 
 __all__ = ["adapted", "base_names", "describe_frozen", "freeze_matching", "parse_lora"]
 

@@ -24,8 +24,8 @@ import networkx as nx
 import torch
 from ftpipe_runtime.atomic import write_atomic
 
-from .errors import FtpipeError, PlanFormatError
-from .version import GRAPH_FORMAT
+from ..errors import FtpipeError, PlanFormatError
+from ..version import GRAPH_FORMAT
 
 
 @dataclass(frozen=True)

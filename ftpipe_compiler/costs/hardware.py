@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .errors import unknown
-from .resources import config_names, load_config
+from ..errors import unknown
+from ..resources import config_names, load_config
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class Hardware:
     # link_bandwidth; measured per machine where a file says so (tools/calibrate_hardware.py).
     link_latency_s: float = 0.0
     # Bytes/s an optimizer step streams (each parameter's weights, gradient and optimizer
-    # state read and written once: cost_model.optimizer_step_s) for a parameter whose step
+    # state read and written once: formulas.optimizer_step_s) for a parameter whose step
     # does not fit in `cache_bytes`, and for one that does; 0: the roofline's memory bandwidth.
     optimizer_bandwidth: float = 0.0
     optimizer_cache_bandwidth: float = 0.0

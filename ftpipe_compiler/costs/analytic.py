@@ -25,10 +25,10 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from .granularity import collapse
-from .graph import OpGraph
+from ..graph.granularity import collapse
+from ..graph.opgraph import OpGraph
+from ..graph.trace import VIEW_OPS, Traced, retarget
 from .hardware import Hardware
-from .trace import VIEW_OPS, Traced, retarget
 
 BACKWARD_FACTOR = 2.0
 

@@ -26,10 +26,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cost_model import ring_allreduce_s
-from .errors import FtpipeError
+from ..errors import FtpipeError
+from ..resources import load_config
+from .formulas import ring_allreduce_s
 from .hardware import Hardware, get_hardware
-from .resources import load_config
 
 __all__ = ["Cluster", "Link", "get_cluster", "load_cluster"]
 

@@ -5,7 +5,7 @@ graph = collapse(op_graph)     # T5-3B: 2,607 op nodes -> about 100 layer nodes
 
 from __future__ import annotations
 
-from .graph import Edge, Node, OpGraph
+from .opgraph import Edge, Node, OpGraph
 
 
 def collapse(graph: OpGraph, key=None) -> OpGraph:

@@ -33,8 +33,8 @@ from ftpipe_runtime.errors import WriteFailed
 from ftpipe_runtime.models import synthetic_batch
 from torch import nn
 
-from .errors import PlanFormatError
-from .graph import OpGraph
+from ..errors import PlanFormatError
+from ..graph.opgraph import OpGraph
 
 CACHE_FORMAT = 2  # 2: weight-gradient times (wgrad_s) measured
 

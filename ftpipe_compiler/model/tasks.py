@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, replace
 
 from ftpipe_runtime.models import get_head
 
-from .errors import FtpipeError, unknown
-from .resources import config_names, load_config
+from ..errors import FtpipeError, unknown
+from ..resources import config_names, load_config
 
 
 @dataclass(frozen=True)

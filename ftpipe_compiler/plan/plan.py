@@ -32,10 +32,10 @@ from ftpipe_runtime.schedules import (
     with_chunks,
 )
 
-from ..cluster import Cluster
-from ..cost_model import gpu_memory_bytes, period_s, stage_memory
+from ..costs.cluster import Cluster
+from ..costs.formulas import gpu_memory_bytes, period_s, stage_memory
 from ..errors import FtpipeError, PlanFormatError, unknown
-from ..graph import _typed, read_json
+from ..graph.opgraph import _typed, read_json
 from ..version import PLAN_FORMAT, READABLE_FORMATS, __version__
 
 
@@ -61,7 +61,7 @@ class Stage:
     copies: tuple[str, ...] = ()
     # Nothing trainable in it or before it: no backward, nothing kept (ftpipe_runtime.frozen).
     forward_only: bool = False
-    # Its optimizer step (cost_model.optimizer_step_s of the parameters it owns; 0: free).
+    # Its optimizer step (formulas.optimizer_step_s of the parameters it owns; 0: free).
     step_s: float = 0.0
 
     @property

@@ -1,0 +1,1 @@
+"""What each operator costs: time, memory, bytes; the machines it runs on."""

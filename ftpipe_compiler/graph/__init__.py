@@ -1,0 +1,1 @@
+"""The traced operator graph of a model."""

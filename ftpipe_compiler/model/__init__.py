@@ -1,0 +1,1 @@
+"""Which model, which task, and what of it is frozen."""
