@@ -44,7 +44,7 @@ demo: install
 		--steps 40 --eval-every 10 --lr 3e-3 --log-every 10 --save-hf ../demo-text/fine-tuned
 
 bench: install
-	$(BIN)/python tools/bench.py --out BENCHMARKS.md
+	$(BIN)/python -m benchmarks --out BENCHMARKS.md
 
 clean:
 	rm -rf $(OUT) build *.egg-info .pytest_cache .ruff_cache

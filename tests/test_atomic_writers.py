@@ -23,7 +23,6 @@ from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.partition import problem_from_graph, run_partitioners
 from ftpipe_compiler.simulate import simulate, write_report
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
 RUNTIME_TESTS = Path(__file__).resolve().parent / "runtime"
 
 
@@ -75,9 +74,7 @@ def _log_json(folder: Path):
 
 
 def _benchmarks(folder: Path):
-    if str(TOOLS) not in sys.path:
-        sys.path.insert(0, str(TOOLS))
-    import bench
+    from benchmarks import __main__ as bench
 
     sections = {"plans": (lambda: {"figure": 1.0}, lambda data: "## a section\n")}
     with pytest.MonkeyPatch.context() as mp:

@@ -21,7 +21,7 @@ class Hardware:
     # (dtype, FLOP/s): dense tensor-core peaks of 16-bit math (fp32 accumulate)
     peak_flops_16bit: tuple[tuple[str, float], ...] = ()
     # The fixed cost of one point-to-point message between two devices (seconds), beside
-    # link_bandwidth; measured per machine where a file says so (tools/calibrate_hardware.py).
+    # link_bandwidth; measured per machine where a file says so (python -m benchmarks.calibrate).
     link_latency_s: float = 0.0
     # Bytes/s an optimizer step streams (each parameter's weights, gradient and optimizer
     # state read and written once: formulas.optimizer_step_s) for a parameter whose step

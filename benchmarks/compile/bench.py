@@ -1,0 +1,81 @@
+"""Section `compile`: the phases of `ftpipe compile --model t5-3b --gpus 8`, timed by the command.
+
+python -m benchmarks --sections compile --out /tmp/compile.md
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+import torch
+from ftpipe_runtime.atomic import write_atomic
+
+
+def measure(model="t5-3b", gpus=8) -> dict:
+    """The phases of `ftpipe compile`, timed by the command itself."""
+    import tempfile
+
+    from click.testing import CliRunner
+
+    from ftpipe_compiler.cli import cli
+
+    with tempfile.TemporaryDirectory() as tmp:
+        r = CliRunner().invoke(
+            cli, ["compile", "--model", model, "--gpus", str(gpus), "-o", f"{tmp}/out", "--json"]
+        )
+        if r.exit_code != 0:
+            raise RuntimeError(r.output)
+        data = json.loads(r.output[r.output.index("{") :])
+        figures = save_figures(Path(tmp) / "out" / "report.html", FIGURES)
+    return {
+        "model": model,
+        "gpus": gpus,
+        "timings": data["timings"],
+        "winner": data["winner"],
+        "schedule": data["schedule"],
+        "figures": figures,
+    }
+
+
+FIGURES = Path(__file__).resolve().parents[2] / "docs"
+
+
+def save_figures(report: Path, folder: Path) -> list[str]:
+    """The report's timeline and memory charts as standalone SVG files, for the README."""
+    import re
+
+    html = report.read_text()
+    folder.mkdir(exist_ok=True)
+    saved = []
+    for name in ("timeline", "memory"):
+        m = re.search(rf'<svg xmlns="http://www.w3.org/2000/svg" id="{name}".*?</svg>', html, re.S)
+        if m:
+            path = folder / f"t5-3b-{name}.svg"
+            write_atomic(path, m.group(0) + "\n")
+            saved.append(str(path.relative_to(folder.parent)))
+    return saved
+
+
+def markdown(data: dict) -> str:
+    t = data["timings"]
+    return "\n".join(
+        [
+            f"## 2. Compile time: `ftpipe compile --model {data['model']} --gpus {data['gpus']}`",
+            "",
+            "| trace + profile | partitioner x schedule, simulated (`--schedule auto`) | generate "
+            "| total |",
+            "|---:|---:|---:|---:|",
+            f"| {t['trace_profile_s']:.1f} s | {t['search_s']:.1f} s | "
+            f"{t['generate_s']:.1f} s | {t['total_s']:.1f} s |",
+            "",
+            "Figures of the winning plan (from its report.html): "
+            + ", ".join(f"[{Path(f).name}]({f})" for f in data.get("figures", []))
+            + ".",
+            "",
+            f"Winner: {data['winner']} under {data['schedule']}. Measured on this machine ({platform.processor() or platform.machine()}, "
+            f"{torch.get_num_threads()} threads).",
+            "",
+        ]
+    )

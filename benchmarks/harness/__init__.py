@@ -1,0 +1,2 @@
+"""Shared by the sections: launching ranks (launch), step statistics (stats), action timings
+from a run's trace (actions), the hand-cut reference model (reference) and the torchrun workers."""

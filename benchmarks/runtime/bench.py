@@ -1,0 +1,198 @@
+"""BENCHMARKS.md section 3: the generated package at run time, on 2 CPU processes (gloo).
+
+    data = measure()            # ~6 min on 2 cores: compiles 2 plans, 2 rounds of 10 runs
+    print(markdown(data))
+
+GPT-2 bench model (8 blocks, d_model 256, 50,257-token vocabulary, tied embeddings), batch
+8 of 128 tokens in 4 micro-batches, AdamW at a constant 1e-4, no clipping, every contender
+starting from one weights file and reading the same micro-batches, one thread per rank:
+
+  a. the package vs torch.distributed.pipelining on the same 4 + 4 block split, under GPipe
+     and 1F1B, and pipelining with the recomputation ftpipe's schedules do (same work);
+  b. ftpipe's compiled plan vs that even split, both in ftpipe's runtime, same schedule;
+  c. the unpartitioned model in one process on both cores.
+
+Every configuration runs once per round, the rounds one after the other, so a disturbance
+from outside (this machine is shared) spreads over all of them instead of spoiling one.
+Each run trains WARMUP + TIMED + COOLDOWN steps and times the TIMED ones: the first step
+sets the pipeline up, and the last overlaps the ranks' shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+from ftpipe_runtime.atomic import atomic_open
+
+from benchmarks.harness.actions import load_actions, summarise
+from benchmarks.harness.launch import ROOT, compile_plan, flags, run_child, run_package, torchrun
+from benchmarks.harness.reference import build_model
+from benchmarks.harness.stats import run_rounds, step_times, summarise_steps
+from benchmarks.runtime.report import markdown  # noqa: F401 - the section's renderer
+
+MODEL = "gpt2-bench"
+WARMUP, TIMED, COOLDOWN, ROUNDS = 1, 3, 1, 2
+LR, SEED = 1e-4, 0
+TRAINING = ["--lr", str(LR), "--decay", "constant", "--clip", "0", "--seed", str(SEED)]
+
+
+def blocks_on_first_stage(plan: dict) -> int:
+    """Transformer blocks of stage 0 of a contiguous 2-stage split (checked contiguous)."""
+    blocks = {}
+    for s in plan["stages"]:
+        for name in s["params"]:
+            hit = re.match(r"transformer\.h\.(\d+)\.", name)
+            if hit:
+                blocks.setdefault(s["id"], set()).add(int(hit.group(1)))
+    first = blocks.get(0, set())
+    if first != set(range(len(first))) or blocks.get(1, set()) & first:
+        raise ValueError(f"not a contiguous split: stage blocks {blocks}")
+    return len(first)
+
+
+def stage_costs(plan: dict) -> list[dict]:
+    """What the profile says each stage costs per micro-batch (for the write-up)."""
+    return [
+        {
+            "stage": s["id"],
+            "gpu": s["gpu"],
+            "nodes": len(s["nodes"]),
+            "blocks": sorted({int(h) for p in s["params"] for h in re.findall(r"\.h\.(\d+)\.", p)}),
+            "fwd_s": s["fwd_s"],
+            "bwd_s": s["bwd_s"],
+            "recompute_s": s["recompute_s"],
+        }
+        for s in plan["stages"]
+    ]
+
+
+class Bench:
+    """The runs of one measurement: one work folder, one weights file, one step count. Each
+    run returns its losses, when its steps ended, and the CPU others used meanwhile."""
+
+    def __init__(self, work: Path, micro_batches: int, micro_batch: int, warmup: int, timed: int):
+        self.work, self.micro_batches, self.warmup = work, micro_batches, warmup
+        self.batch = micro_batches * micro_batch
+        self.timed = range(warmup, warmup + timed)
+        self.steps = warmup + timed + COOLDOWN
+        self.weights = work / "weights.pt"
+
+    def ftpipe(self, compiled: dict, schedule: str, name: str) -> dict:
+        """A run of the package, with how long its actions took (`bench_actions`)."""
+        argv = ["--steps", str(self.steps), "--schedule", schedule, "--init", str(self.weights)]
+        out, package = Path(compiled["output"]), Path(compiled["package"]).name
+        result = run_package(
+            out, package, argv + TRAINING, self.work / f"{name}.json", actions=True
+        )
+        if "action_files" in result:
+            rows = load_actions(result["action_files"])
+            result["actions"] = summarise(rows, self.micro_batches, self.timed)
+        return result
+
+    def pipelining(self, plan: Path, blocks: int, schedule: str, recompute: bool, name: str):
+        result = self.work / f"{name}.json"
+        args = ["-m", "benchmarks.harness.pipelining_worker"] + flags(
+            plan=plan, weights=self.weights, blocks=blocks, schedule=schedule, steps=self.steps,
+            lr=LR, seed=SEED, result=result, recompute=recompute or None,
+        )  # fmt: skip
+        torchrun(args, result.with_suffix(".log"))
+        return json.loads(result.read_text())
+
+    def single(self, plan: Path, name: str) -> dict:
+        result = self.work / f"{name}.json"
+        cmd = [sys.executable, "-m", "benchmarks.harness.reference"] + flags(
+            plan=plan, weights=self.weights, steps=self.steps, lr=LR, seed=SEED, threads=2,
+            result=result,
+        )  # fmt: skip
+        run_child(cmd, result.with_suffix(".log"), threads=2)
+        return json.loads(result.read_text())
+
+    def merge(self, rounds: list[dict]) -> dict:
+        """One configuration's rounds: every timed step, the first round's losses."""
+        times = [t for r in rounds for t in step_times(r["step_ends_s"], self.warmup, COOLDOWN)]
+        return {
+            **summarise_steps(times, self.batch),
+            "actions": rounds[0].get("actions"),  # the first round's, per stage (ftpipe only)
+            "losses": rounds[0]["losses"],
+            "same_losses_every_round": all(r["losses"] == rounds[0]["losses"] for r in rounds),
+            "other_cores": [r["other_cores"] for r in rounds],
+        }
+
+
+def measure(
+    work: Path | None = None, warmup: int = WARMUP, timed: int = TIMED, rounds: int = ROUNDS
+) -> dict:
+    work = Path(work or ROOT / "out" / "bench" / "runtime")
+    work.mkdir(parents=True, exist_ok=True)
+    common = dict(hardware="cpu", profile="measured", schedule="1f1b")
+    even = compile_plan(work / "even", MODEL, 2, partitioners="gpipe", **common)
+    best = compile_plan(work / "ftpipe", MODEL, 2, **common)
+    even_path = work / "even" / "plan.json"
+    even_plan = json.loads(even_path.read_text())
+    best_plan = json.loads((work / "ftpipe" / "plan.json").read_text())
+    blocks = blocks_on_first_stage(even_plan)
+    m, size = int(even_plan["micro_batches"]), int(even_plan["model"]["micro_batch"])
+    bench = Bench(work, m, size, warmup, timed)
+    params = {p["name"] for p in even_plan["params"]}  # a transfer of one is a tied weight
+    with atomic_open(bench.weights, "wb") as f:
+        torch.save(build_model(MODEL, SEED).state_dict(), f)
+
+    todo = {
+        "ftpipe-even-gpipe": lambda n: bench.ftpipe(even, "gpipe", n),
+        "ftpipe-even-1f1b": lambda n: bench.ftpipe(even, "1f1b", n),
+        "pipelining-gpipe": lambda n: bench.pipelining(even_path, blocks, "gpipe", False, n),
+        "pipelining-1f1b": lambda n: bench.pipelining(even_path, blocks, "1f1b", False, n),
+        "pipelining-gpipe-recompute": lambda n: bench.pipelining(
+            even_path, blocks, "gpipe", True, n
+        ),
+        "pipelining-1f1b-recompute": lambda n: bench.pipelining(even_path, blocks, "1f1b", True, n),
+        "ftpipe-plan-gpipe": lambda n: bench.ftpipe(best, "gpipe", n),
+        "ftpipe-plan-1f1b": lambda n: bench.ftpipe(best, "1f1b", n),
+        "ftpipe-plan-ftpipe": lambda n: bench.ftpipe(best, "ftpipe", n),
+        "single": lambda n: bench.single(even_path, n),
+    }
+    raw = run_rounds(todo, rounds, "runtime")
+    runs = {name: bench.merge(results) for name, results in raw.items()}
+    for name, stats in runs.items():
+        print(f"  {name}: {stats['samples_per_s']:.2f} samples/s", file=sys.stderr)
+    return {
+        "model": MODEL,
+        "batch": bench.batch,
+        "micro_batches": m,
+        "seq_len": int(even_plan["model"]["inputs"]["input_ids"][0][1]),
+        "warmup_steps": warmup,
+        "timed_steps": timed,
+        "cooldown_steps": COOLDOWN,
+        "rounds": rounds,
+        "lr": LR,
+        "even_blocks": blocks,
+        "plans": {
+            "even": {
+                "partitioner": even["winner"],
+                "stages": stage_costs(even_plan),
+                "transfers": [
+                    {"tensor": t["tensor"], "bytes": t["bytes"], "weight": t["tensor"] in params}
+                    for t in even_plan["transfers"]
+                ],
+                "simulated_step_s": even["simulated"]["step_time_s"],
+            },
+            "ftpipe": {
+                "partitioner": best["winner"],
+                "stages": stage_costs(best_plan),
+                "simulated_step_s": best["simulated"]["step_time_s"],
+                "lower_bound_s": best["lower_bound_s"],
+                "competitors": {
+                    r["partitioner"]: r["simulated_step_time_s"] for r in best["results"]
+                },
+            },
+        },
+        "runs": runs,
+    }
+
+
+if __name__ == "__main__":
+    print(markdown(measure()))

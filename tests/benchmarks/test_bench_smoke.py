@@ -1,0 +1,259 @@
+"""The benchmark harness of BENCHMARKS.md sections 3-4, on tiny sizes (seconds).
+
+The pieces a benchmark figure rests on, each against a reference: the hand-cut pipelining
+stages against the HF model's own loss, the pipelining run against one process, the step
+statistics and action summaries against hand computations.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+import torch
+
+from benchmarks.harness.actions import summarise
+from benchmarks.harness.launch import flags, torchrun
+from benchmarks.harness.reference import (
+    Recomputed,
+    build_model,
+    lm_loss,
+    split_stages,
+    step_batch,
+    train_single,
+)
+from benchmarks.harness.stats import OtherLoad, fmt_ratio, step_times, summarise_steps
+from benchmarks.runtime.bench import blocks_on_first_stage
+
+TINY_PLAN = {  # what the benchmark reads from a plan: the model's inputs, micro-batches
+    "micro_batches": 2,
+    "model": {
+        "model_name": "gpt2-tiny",
+        "head": "causal-lm",
+        "vocab": {"vocab_size": 128},
+        "micro_batch": 2,
+        "inputs": {"input_ids": [[2, 16], "int64"], "labels": [[2, 16], "int64"]},
+    },
+}
+
+
+def test_step_times_skip_warmup_and_cooldown():
+    ends = [5.0, 7.0, 8.5, 10.5, 12.0, 20.0]  # the first and the last step are not timed
+    times = step_times(ends, warmup=1, cooldown=1)
+    assert times == [2.0, 1.5, 2.0, 1.5]
+    s = summarise_steps(times, samples_per_step=8)
+    assert s["step_s"] == pytest.approx(1.75)
+    assert s["step_std_s"] == pytest.approx(statistics.stdev(times))
+    assert s["samples_per_s"] == pytest.approx(8 / 1.75)
+    with pytest.raises(ValueError):
+        step_times(ends, warmup=0)
+
+
+def test_fmt_ratio_combines_both_standard_errors():
+    a = {"samples_per_s": 4.0, "step_s": 2.0, "step_std_s": 0.2, "timed_steps": 4}
+    b = {"samples_per_s": 2.0, "step_s": 4.0, "step_std_s": 0.4, "timed_steps": 4}
+    se = 2.0 * ((0.1**2 / 4) * 2) ** 0.5  # ratio x sqrt(sum of (cv^2 / n))
+    assert fmt_ratio(a, b) == f"2.00 ± {se:.2f}"
+
+
+def test_other_load_is_cpu_time_not_ours(monkeypatch):
+    from benchmarks.harness import stats as bench_stats
+
+    # Readings at the start and at the end, in seconds: wall clock, all CPU, our CPU.
+    for name, values in (("_busy_s", [10.0, 13.0]), ("_ours_s", [1.0, 3.0])):
+        monkeypatch.setattr(bench_stats, name, iter(values).__next__)
+    monkeypatch.setattr(bench_stats.time, "perf_counter", iter([0.0, 2.0]).__next__)
+    with OtherLoad() as load:
+        pass
+    assert load.cores == pytest.approx((13 - 10 - (3 - 1)) / 2)  # 1 s of others' CPU in 2 s
+
+
+def test_flags():
+    assert flags(schedule="1f1b", force=True, cache=False, seq_len=None, micro_batches=4) == [
+        "--schedule", "1f1b", "--force", "--no-cache", "--micro-batches", "4",
+    ]  # fmt: skip
+
+
+def test_split_stages_reproduce_the_models_loss_and_gradients(seed):
+    model = build_model("gpt2-tiny", seed=seed)
+    ids = torch.randint(0, 128, (2, 16))
+    expected = model(input_ids=ids, labels=ids, use_cache=False).loss  # HF's own loss
+    expected.backward()
+    want = model.transformer.h[0].attn.c_attn.weight.grad.clone()
+    model.zero_grad()
+    first, last = split_stages(model, blocks=1)
+    got = lm_loss(Recomputed(last)(Recomputed(first)(ids)), ids)
+    got.backward()
+    assert got.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert torch.allclose(model.transformer.h[0].attn.c_attn.weight.grad, want, atol=1e-6)
+
+
+def test_blocks_on_first_stage():
+    def stage(i, blocks):
+        return {"id": i, "params": [f"transformer.h.{b}.mlp.c_fc.weight" for b in blocks]}
+
+    assert blocks_on_first_stage({"stages": [stage(0, [0, 1, 2]), stage(1, [3, 4])]}) == 3
+    with pytest.raises(ValueError):
+        blocks_on_first_stage({"stages": [stage(0, [0, 2]), stage(1, [1, 3])]})
+
+
+def test_summarise_excludes_warmup_and_waits():
+    rows = [  # kind, stage, mb, start, end, waited; 2 micro-batches a step
+        ("F", 0, 0, 0.0, 1.0, 0.0),  # step 0: warm-up
+        ("F", 0, 2, 0.0, 0.5, 0.1),
+        ("F", 0, 3, 1.0, 1.3, 0.0),
+        ("B", 0, 2, 2.0, 3.0, 0.4),
+        ("S", 0, 1, 3.0, 3.2, 0.0),
+    ]
+    out = summarise(rows, micro_batches=2, timed=range(1, 2))["0"]
+    assert out["F"]["count"] == 2
+    assert out["F"]["compute_s"] == pytest.approx((0.4 + 0.3) / 2)
+    assert out["F"]["wait_s"] == pytest.approx(0.05)
+    assert out["B"]["compute_per_step_s"] == pytest.approx(0.6)
+    assert out["S"]["compute_s"] == pytest.approx(0.2)
+
+
+def test_pipelining_run_starts_at_the_single_process_loss(tmp_path, seed):
+    """Two gloo ranks of torch.distributed.pipelining against one process: the same loss at
+    step 1, then apart (its LM head and embedding are no longer one parameter)."""
+    plan, weights = tmp_path / "plan.json", tmp_path / "w.pt"
+    plan.write_text(json.dumps(TINY_PLAN))
+    torch.save(build_model("gpt2-tiny", seed).state_dict(), weights)
+    result = tmp_path / "pipelining.json"
+    args = ["-m", "benchmarks.harness.pipelining_worker"] + flags(
+        plan=plan, weights=weights, blocks=1, schedule="1f1b", steps=2, lr=1e-2, result=result
+    )
+    torchrun(args, tmp_path / "pipelining.log")
+    piped = json.loads(result.read_text())
+    single = train_single(TINY_PLAN, str(weights), steps=2, lr=1e-2, seed=0)
+    assert piped["losses"][0] == pytest.approx(single["losses"][0], rel=1e-6)
+    assert abs(piped["losses"][1] - single["losses"][1]) > 1e-5
+    assert len(piped["step_ends_s"]) == 2
+
+
+def test_step_batch_stacks_the_runtimes_micro_batches():
+    from ftpipe_runtime.data import make_data
+
+    data = make_data(TINY_PLAN["model"], None, 0)
+    ids, labels = step_batch(data, step=1, micro_batches=2)
+    assert torch.equal(ids[2:], data.get("input_ids", 3))
+    assert torch.equal(labels, ids)  # GPT-2: the labels are the inputs
+
+
+def _run(rate: float, losses=(10.0, 9.0), actions=None) -> dict:
+    step = 8 / rate
+    stats = summarise_steps([step * 0.99, step * 1.01], samples_per_step=8)
+    return {**stats, "losses": list(losses), "actions": actions, "other_cores": [0.0, 0.0],
+            "same_losses_every_round": True}  # fmt: skip
+
+
+def _runtime_data() -> dict:
+    stage = {"nodes": 10, "fwd_s": 0.1, "bwd_s": 0.2, "recompute_s": 0.1}
+    acts = {k: {"compute_s": 0.1, "wait_s": 0.05, "count": 4, "compute_per_step_s": 0.4}
+            for k in "FBS"}  # fmt: skip
+    names = ["ftpipe-even-gpipe", "ftpipe-even-1f1b", "pipelining-gpipe", "pipelining-1f1b",
+             "pipelining-gpipe-recompute", "pipelining-1f1b-recompute", "ftpipe-plan-gpipe",
+             "ftpipe-plan-1f1b", "ftpipe-plan-ftpipe", "single"]  # fmt: skip
+    runs = {n: _run(2.0, actions={"0": acts, "1": acts}) for n in names}
+    runs["ftpipe-even-1f1b"] = _run(1.0, actions={"0": acts, "1": acts})  # half pipelining's
+    runs["pipelining-1f1b"]["losses"] = [10.0, 9.5]  # drifts by 0.5 at step 2
+    tied = {"tensor": "w", "bytes": 51_000_000, "weight": True}
+    plan = {"partitioner": "gpipe", "simulated_step_s": 2.0, "transfers": [tied],
+            "stages": [{**stage, "stage": 0, "gpu": 0, "blocks": [0, 1]},
+                       {**stage, "stage": 1, "gpu": 1, "blocks": [2, 3]}]}  # fmt: skip
+    best = {**plan, "partitioner": "mixed", "lower_bound_s": 0.1,
+            "competitors": {"gpipe": 2.0, "mixed": 1.0}}  # fmt: skip
+    return {"model": "gpt2-bench", "batch": 8, "seq_len": 128, "micro_batches": 4, "lr": 1e-4,
+            "warmup_steps": 1, "timed_steps": 1, "cooldown_steps": 1, "rounds": 2,
+            "even_blocks": 2, "plans": {"even": plan, "ftpipe": best}, "runs": runs}  # fmt: skip
+
+
+def test_runtime_markdown_computes_its_ratios_and_drift():
+    from benchmarks.runtime.report import markdown
+
+    text = markdown(_runtime_data())
+    assert "| 1F1B | 1.00 ± 0.01 | 2.00 ± 0.03 | 0.50 ± 0.01 |" in text  # ftpipe / pipelining
+    assert "max Δ 5.0e-01" in text  # pipelining's drift from the single process
+    assert "slower than pipelining here (down to 0.50x" in text
+    assert "w (51.00 MB, once per step)" in text and "A tied weight travels" in text
+    assert "simulated plan / even" in text and "| 2.00 |" in text  # 2.0 s / 1.0 s simulated
+
+
+def test_fidelity_markdown_flags_errors_beyond_the_target():
+    from benchmarks.fidelity.report import markdown
+
+    prof = {"gpu": 0, "fwd_s": 0.1, "bwd_s": 0.2, "recompute_s": 0.1, "recompute": False,
+            "step_s": 0.1}  # fmt: skip
+    acts = {k: {"compute_s": 0.1, "wait_s": 0.0, "count": 4, "compute_per_step_s": 0.4,
+                "wait_per_step_s": 0.0} for k in "FBS"}  # fmt: skip
+    case = {"busy_fraction": [0.8], "label": "p", "name": "p", "stages": [[0, 0]],
+            "micro_batches": 4, "file_bandwidth": 5e9, "file_latency_s": 5e-5,
+            "simulated_step_s": 1.0, "simulated_step_s_link_now": 1.0,
+            "timelines": "out/p.compare.html",
+            "measured": {**summarise_steps([1.5, 1.5], 8), "other_cores": 0.0},
+            "error": -1 / 3, "profile": {"0": prof},
+            "actions": {"0": acts}}  # fmt: skip
+    link = {"sizes": [4096, 51_463_168], "bandwidth_by_size": [1e6, 2e9], "latency_s": 1e-4,
+            "bandwidth": 2e9, "link_latency_s": 1e-4, "link_bandwidth": 2e9}  # fmt: skip
+    text = markdown({"model": "m", "warmup_steps": 1, "timed_steps": 2, "link": link,
+                     "cases": [case]})  # fmt: skip
+    assert "-33.3% ✗" in text and "0 of 1 plans within ±10%" in text
+    # busiest rank, simulated / measured: compute 0.8 x 1 s / F + B; the step model's and
+    # the step actions; waits (the simulator's idle time less its steps)
+    assert "| p | 0 | 800 / 800 | 100 / 400 | 100 / 0 | 300 | 1000 / 1500 |" in text
+    assert "largest part of the -33.3% is the optimizer-step actions (300 ms" in text
+    assert "50 us + bytes / 5.00 GB/s" in text and "[p](out/p.compare.html)" in text
+
+
+def test_schedules_section_on_a_tiny_model():
+    """The side-by-side section end to end on GPT-2 tiny over 2 GPUs: every schedule gets a
+    plan, WPipe's is looped, and the comparison with the paper is written."""
+    from benchmarks.schedules import bench as bench_schedules
+
+    data = bench_schedules.measure([("gpt2-tiny", None, "rtx2080ti", 2)], steps=4)
+    rows = data["cases"][0]["rows"]
+    assert list(rows) == list(bench_schedules.SCHEDULES)
+    assert all(r["best"] and r["best"]["fits"] for r in rows.values())
+    assert rows["wpipe"]["best"]["stages"] == 4
+    two_bw, wpipe = rows["2bw"]["best"]["memory"], rows["wpipe"]["best"]["memory"]
+    assert two_bw["extra"] > wpipe["extra"] > 0 and rows["gpipe"]["best"]["memory"]["extra"] == 0
+    text = bench_schedules.markdown(data)
+    assert "| wpipe | " in text and "WPipe vs 2BW (both cut by pipedream)" in text
+    assert "(paper 1.4x)" in text and "(paper -36%)" in text
+
+
+def test_startup_rows_take_the_least_disturbed_wall_time_and_say_the_verdict():
+    import os
+    import resource
+
+    from benchmarks.startup import bench as bench_startup
+
+    tries = {
+        "10": [{"seconds": s, "cpu_s": [c, 1.0], "peak_mib": [300, 301]} for s, c in
+               [(9.0, 2.0), (7.0, 2.5), (8.0, 2.2)]],
+        "100000": [{"seconds": s, "cpu_s": [c, 1.0], "peak_mib": [302, 300]} for s, c in
+                   [(8.5, 2.4), (10.0, 2.6), (11.0, 2.3)]],
+    }  # fmt: skip
+    row = bench_startup._row("ftpipe", tries)
+    assert row["extra_s"] == pytest.approx(8.5 - 7.0)
+    assert row["extra_cpu_s"] == pytest.approx(2.4 - 2.2)
+    assert row["100000"]["peak_mib"] == 302
+    data = {"model": "m", "gpus": 2, "rounds": 3, "steps": [10, 100000], "target_s": 2.0}
+    text = bench_startup.markdown({**data, "rows": [row], "met": True, "other_load_cores": 0.1})
+    assert "| ftpipe | 7.00 | 8.50 | +1.50 | 2.20 | 2.40 | +0.20 | 301 | 302 |" in text
+    assert "Target met for every schedule." in text
+    assert sum(i * i for i in range(300_000))  # some CPU time of our own
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    assert bench_startup._cpu_s(os.getpid()) == pytest.approx(
+        used.ru_utime + used.ru_stime, abs=0.2
+    )
+
+
+def test_calibration_fits_latency_and_bandwidth_and_counts_the_cache():
+    from benchmarks.calibrate import fit_link, last_level_cache_bytes
+
+    sizes = [4096, 262_144, 4_194_304, 51_463_168]
+    latency, bandwidth = fit_link(sizes, [5e-5 + n / 2e9 for n in sizes])
+    assert latency == pytest.approx(5e-5) and bandwidth == pytest.approx(2e9)
+    assert last_level_cache_bytes() >= 0
