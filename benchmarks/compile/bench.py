@@ -12,6 +12,9 @@ from pathlib import Path
 import torch
 from ftpipe_runtime.atomic import write_atomic
 
+from benchmarks.compile import bytes as sent_bytes
+from ftpipe_compiler.plan import Plan
+
 
 def measure(model="t5-3b", gpus=8) -> dict:
     """The phases of `ftpipe compile`, timed by the command itself."""
@@ -29,6 +32,7 @@ def measure(model="t5-3b", gpus=8) -> dict:
             raise RuntimeError(r.output)
         data = json.loads(r.output[r.output.index("{") :])
         figures = save_figures(Path(tmp) / "out" / "report.html", FIGURES)
+        sent = sent_bytes.bytes_three_ways(Plan.load(Path(tmp) / "out" / "plan.json"), model)
     return {
         "model": model,
         "gpus": gpus,
@@ -36,6 +40,7 @@ def measure(model="t5-3b", gpus=8) -> dict:
         "winner": data["winner"],
         "schedule": data["schedule"],
         "figures": figures,
+        "bytes": sent,
     }
 
 
@@ -73,6 +78,8 @@ def markdown(data: dict) -> str:
             "Figures of the winning plan (from its report.html): "
             + ", ".join(f"[{Path(f).name}]({f})" for f in data.get("figures", []))
             + ".",
+            "",
+            sent_bytes.markdown(data["bytes"]) if "bytes" in data else "",
             "",
             f"Winner: {data['winner']} under {data['schedule']}. Measured on this machine ({platform.processor() or platform.machine()}, "
             f"{torch.get_num_threads()} threads).",

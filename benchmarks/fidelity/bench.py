@@ -24,7 +24,7 @@ import json
 import os
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ftpipe_runtime.trace import read_trace
@@ -87,9 +87,11 @@ def measure_case(
 
     info = case.compile(work / name)
     out = Path(info["output"])
-    plan = Plan.load(out / "plan.json")
+    by_ops = Plan.load(out / "plan.json")
+    plan = with_stage_times(by_ops, out / "plan.json", work / f"{name}.stages.log")
     policies = get_schedule(case.schedule).policies(plan.stage_infos(), plan.micro_batches)
     sim = simulate(plan, case.schedule, steps=SIM_STEPS)
+    sim_ops = simulate(by_ops, case.schedule, steps=SIM_STEPS)
     now = plan.with_(bandwidth=link["link_bandwidth"], latency_s=link["link_latency_s"])
     sim_now = simulate(now, case.schedule, steps=SIM_STEPS)
     argv = ["--steps", str(warmup + timed + COOLDOWN), "--schedule", case.schedule]
@@ -116,6 +118,7 @@ def measure_case(
         "stages": [[s.id, s.gpu] for s in plan.stages],
         "micro_batches": plan.micro_batches,
         "simulated_step_s": sim.step_time_s,
+        "simulated_step_s_ops": sim_ops.step_time_s,
         "file_bandwidth": plan.bandwidth,
         "file_latency_s": plan.latency_s,
         "simulated_step_s_link_now": sim_now.step_time_s,
@@ -137,6 +140,16 @@ def measure_case(
         "measured": stats,
         "error": (sim.step_time_s - stats["step_s"]) / stats["step_s"],
     }
+
+
+def with_stage_times(plan: Plan, path: Path, log: Path) -> Plan:
+    """`plan` with each stage's times measured on the stage as a whole, in a one-thread
+    child like the ranks (benchmarks/fidelity/stage_times.py), instead of its ops' profile
+    summed."""
+    cmd = [sys.executable, "-m", "benchmarks.fidelity.stage_times", str(path)]
+    text = run_child(cmd, log)
+    timed = json.loads(text[text.index("{") :])
+    return plan.with_(stages=tuple(replace(s, **timed[str(s.id)]) for s in plan.stages))
 
 
 def _shown(path: Path) -> str:

@@ -43,6 +43,7 @@ class EventLoop:
         timeline_steps: int,
         micro_batches: int,
         versions: dict | None = None,
+        weights_once: bool = True,
     ):
         self.lists, self.cap_steps = lists, timeline_steps
         self.cap_mbs = timeline_steps * micro_batches
@@ -82,7 +83,9 @@ class EventLoop:
             for a in acts
             if a.kind == "B"
         }
-        weights = {p.name for p in plan.params}
+        # weights_once=False: every forward sends the weights it reads like an activation,
+        # and its backward their gradient (the runtime before weights went once per version).
+        weights = {p.name for p in plan.params} if weights_once else set()
         for t in plan.transfers:
             per_step = t.tensor in weights  # once per version; its gradient once per step
             by_gpu: dict[int, list[int]] = {}

@@ -50,8 +50,15 @@ TIMELINE_STEPS = 3  # steps kept on the timeline for the report
 
 
 def simulate(
-    plan: Plan, schedule: str | None = None, micro_batches: int | None = None, steps: int = 10
+    plan: Plan,
+    schedule: str | None = None,
+    micro_batches: int | None = None,
+    steps: int = 10,
+    *,
+    weights_once: bool = True,
 ) -> SimResult:
+    """`weights_once=False` sends a weight read by other stages with every micro-batch, as
+    the runtime did before (benchmarks compare the bytes); the runtime itself never does."""
     name = schedule or plan.schedule
     if name not in SCHEDULES and not name.lower().endswith(".csv"):
         raise unknown("schedule", name, SCHEDULES)
@@ -93,7 +100,9 @@ def simulate(
     owners = {t.producer for t in plan.transfers if t.tensor in {p.name for p in plan.params}}
     gpu = {s.id: s.gpu for s in plan.stages}
     versions = {s: ForwardVersions(lists[gpu[s]], s, policies[s], m) for s in owners}
-    run = EventLoop(plan, lists, groups, m * run_steps, min(steps, TIMELINE_STEPS), m, versions)
+    run = EventLoop(
+        plan, lists, groups, m * run_steps, min(steps, TIMELINE_STEPS), m, versions, weights_once
+    )
     run.go()
 
     ends = [max(run.step_end[g].get(k, 0.0) for g in lists) for k in range(steps)]

@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from ftpipe_compiler.costs.measured import measure_step, measured_costs
+from ftpipe_compiler.costs.measured import measure_stages, measure_step, measured_costs
 from ftpipe_compiler.costs.profilers import costed_graph
 
 
@@ -76,3 +76,18 @@ def test_blocks_add_up_to_the_whole_step(profiled, one_thread, seed):
           f"recompute+backward {recompute:.3f}")  # fmt: skip
     assert 0.75 <= ratio <= 1.25
     assert 0.75 <= recompute <= 1.25
+
+
+def test_a_stage_is_timed_as_one_block(profiled, one_thread, seed):
+    """A plan's stages, each run as a whole: one stage holding the model is the model timed
+    as one block, and two halves take about as long as the whole."""
+    spec, traced = profiled
+    ids = [n.id for n in traced.graph.nodes]
+    half = len(ids) // 2
+    halves = measure_stages(traced, spec, [(0, ids[:half]), (1, ids[half:])], repeats=2)
+    whole = measure_stages(traced, spec, [(0, ids)], repeats=2)[0]
+    assert set(halves) == {0, 1}
+    assert all(t.fwd_s > 0 and t.recompute_s > 0 and t.bwd_s > 0 for t in halves.values())
+    assert whole.act_bytes == measure_step(traced, spec, repeats=1).act_bytes
+    ratio = sum(t.fwd_s + t.bwd_s for t in halves.values()) / (whole.fwd_s + whole.bwd_s)
+    assert 0.7 <= ratio <= 1.4

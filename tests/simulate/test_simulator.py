@@ -120,6 +120,14 @@ def test_a_weight_read_by_two_stages_travels_once_per_version(plan_factory, sche
     weight = 375 if schedule == "2bw" else 500
     assert tied.gpus[0].bytes_sent == plain.gpus[0].bytes_sent + weight  # per step
     assert tied.gpus[2].bytes_sent == plain.gpus[2].bytes_sent + 500  # its gradient
+    # As before weights went once per version: with each micro-batch, and each gradient back.
+    each = simulate(
+        plan_factory([(1.0, 2.0, 1.0)] * 3, tied=[(0, 2)], tied_bytes=500, **kw),
+        steps=3,
+        weights_once=False,
+    )
+    assert each.gpus[0].bytes_sent == plain.gpus[0].bytes_sent + 4 * 500
+    assert each.gpus[2].bytes_sent == plain.gpus[2].bytes_sent + 4 * 500
     # Same GPU: handed over in place, nothing on the links.
     local = simulate(
         plan_factory([(1.0, 2.0, 1.0)] * 3, gpu_of=[0, 1, 0], tied=[(0, 2)], **kw), steps=3
