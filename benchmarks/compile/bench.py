@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from ftpipe_runtime.atomic import write_atomic
 
-from benchmarks.compile import bytes as sent_bytes
+from benchmarks.compile import sent_bytes
 from ftpipe_compiler.plan import Plan
 
 
