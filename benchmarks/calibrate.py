@@ -1,4 +1,4 @@
-"""Measure this machine's point-to-point link and optimizer step once, for its hardware file.
+"""Measure this machine's links and optimizer step once, for its hardware file.
 
     python -m benchmarks.calibrate                    # print the fitted figures
     python -m benchmarks.calibrate --write cpu        # and store them in cpu.json
@@ -6,9 +6,8 @@
 What the simulator charges and where it comes from (`configs/hardware/<name>.json`):
 - `link_bandwidth`, `link_latency_s`: a point-to-point message of n bytes between two ranks
   takes latency + n / bandwidth. Measured by gloo ping-pong between two local one-thread ranks
-  (`bench_gloo`, 4 KiB to 49 MiB), `rounds` times; the fastest one-way time per size (other
-  processes only slow a message down) is fitted by least squares on relative error (small
-  and large messages count alike).
+  (`harness.gloo`, 4 KiB to 49 MiB), `rounds` times; the fastest one-way time per size (other
+  processes only slow a message down) is fitted by `fit`.
 - `optimizer_bandwidth`, `optimizer_cache_bandwidth`, `cache_bytes`: an optimizer step reads
   and writes each parameter's weights, gradient and optimizer state once
   (`formulas.optimizer_step_s`), its several passes from the last-level cache when they
@@ -17,14 +16,20 @@ What the simulator charges and where it comes from (`configs/hardware/<name>.jso
   all-reduce apart) on one thread, fastest of `steps`: 16 block-sized tensors, and one
   embedding-sized one.
 
-The node section (the data-parallel all-reduce, `bench_allreduce`) is left as it is. Run it
-on a quiet machine: other processes on the same cores make everything look slower.
+- the node section's `intra_node` link (the data-parallel all-reduce): `latency_s` and the
+  bandwidth each buffer size reaches, `allreduce_bandwidth`. 2 ranks all-reduce 1 to 100 MB
+  (`allreduce.bench`) `allreduce_runs` times; each size's median is fitted by `fit` for the
+  latency, and each size's bandwidth is what remains of its time after it.
+
+Run it on a quiet machine: other processes on the same cores make everything look slower.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import statistics
 import time
 from pathlib import Path
 
@@ -33,19 +38,23 @@ SMALL = (256, 1024)  # a transformer block's matrix: its step stays in cache
 LARGE = (50257, 256)  # GPT-2's embedding: its step streams from memory
 
 
-def fit_link(sizes, times) -> tuple[float, float]:
-    """(latency_s, bandwidth) minimising sum(((a + n/b) - t) / t)^2): weighted least squares."""
-    w = [1 / t for t in times]  # relative error: each equation divided by its time
-    rows = [(wi, n * wi) for n, wi in zip(sizes, w)]  # unknowns a, c = 1/b
-    saa = sum(r[0] * r[0] for r in rows)
-    sac = sum(r[0] * r[1] for r in rows)
-    scc = sum(r[1] * r[1] for r in rows)
-    sat = sum(r[0] * t * wi for r, t, wi in zip(rows, times, w))
-    sct = sum(r[1] * t * wi for r, t, wi in zip(rows, times, w))
-    det = saa * scc - sac * sac
-    a = (sat * scc - sct * sac) / det
-    c = (saa * sct - sac * sat) / det
-    return max(a, 0.0), 1 / c
+def fit(rows, times) -> tuple[float, float]:
+    """(latency_s, bandwidth) of t = k * latency + n / bandwidth over rows (k, n) and their
+    times t: k latencies (1 for a message, 2(d-1) for a ring all-reduce) and n bytes through
+    the link. Least squares on relative error (each equation divided by its t, so small and
+    large messages count alike). A negative latency means no fixed cost is visible: the
+    bandwidth is then fitted alone, with latency 0 (the best fit a latency >= 0 allows)."""
+    a11 = a12 = a22 = b1 = b2 = 0.0  # normal equations in (latency, 1 / bandwidth)
+    for (k, n), t in zip(rows, times):
+        x1, x2 = k / t, n / t
+        a11, a12, a22 = a11 + x1 * x1, a12 + x1 * x2, a22 + x2 * x2
+        b1, b2 = b1 + x1, b2 + x2
+    det = a11 * a22 - a12 * a12
+    latency = (b1 * a22 - b2 * a12) / det
+    inverse = (a11 * b2 - a12 * b1) / det
+    if latency < 0:
+        latency, inverse = 0.0, b2 / a22
+    return latency, 1 / inverse
 
 
 def measure_link(rounds: int, work: Path) -> dict:
@@ -55,7 +64,7 @@ def measure_link(rounds: int, work: Path) -> dict:
     sizes = runs[0]["sizes"]
     # The fastest of the runs: other processes on these cores only ever slow a message.
     times = [min(r["one_way_s"][i] for r in runs) for i in range(len(sizes))]
-    latency, bandwidth = fit_link(sizes, times)
+    latency, bandwidth = fit([(1, n) for n in sizes], times)
     return {"sizes": sizes, "one_way_s": times, "link_latency_s": latency,
             "link_bandwidth": bandwidth}  # fmt: skip
 
@@ -111,44 +120,67 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=0)
 
 
+def measure_allreduce(runs: int, work: Path) -> dict:
+    """2 ranks' all-reduce, each size's median of `runs` runs: the latency `fit` finds, and
+    the bandwidth each size reaches after it (ring: 2(d-1)/d of the bytes cross each link)."""
+    from benchmarks.allreduce.bench import SIZES, ring_factor, run_ranks  # it imports `fit`
+
+    per_run = [run_ranks(work, 2, SIZES, f"-{i}") for i in range(runs)]
+    median = [statistics.median(ts) for ts in zip(*per_run)]
+    latency, _ = fit([(2, ring_factor(2) * n) for n in SIZES], median)
+    curve = [[n, round(ring_factor(2) * n / (t - 2 * latency), -6)] for n, t in zip(SIZES, median)]
+    return {"runs": per_run, "median": median, "latency_s": latency, "curve": curve}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--write", metavar="HARDWARE", help="store the figures in this file")
     ap.add_argument("--rounds", type=int, default=5, help="ping-pong runs (fastest per size)")
     ap.add_argument("--steps", type=int, default=10, help="optimizer steps timed")
     ap.add_argument("--optimizer", default="adamw")
+    ap.add_argument("--allreduce-runs", type=int, default=5, help="all-reduce runs (median)")
     ap.add_argument("--work", default=str(ROOT / "out" / "calibrate"))
     args = ap.parse_args(argv)
-    link = measure_link(args.rounds, Path(args.work))
+    path = ROOT / "configs" / "hardware" / f"{args.write}.json" if args.write else None
+    hw = json.loads(path.read_text()) if path else None  # a bad name fails before measuring
+    work = Path(args.work)
+    link = measure_link(args.rounds, work)
     step = measure_step(args.optimizer, args.steps)
-    print(json.dumps({"link": link, "step": step}, indent=1))
-    if args.write:
+    allreduce = measure_allreduce(args.allreduce_runs, work)
+    print(json.dumps({"link": link, "step": step, "allreduce": allreduce}, indent=1))
+    if path:
         from ftpipe_runtime.atomic import write_atomic
 
-        path = ROOT / "configs" / "hardware" / f"{args.write}.json"
-        hw = json.loads(path.read_text())
-        hw["link_bandwidth"] = float(f"{link['link_bandwidth']:.3g}")
-        hw["link_latency_s"] = float(f"{link['link_latency_s']:.3g}")
-        hw["optimizer_bandwidth"] = float(f"{step['memory_bandwidth']:.3g}")
-        hw["optimizer_cache_bandwidth"] = float(f"{step['cache_bandwidth']:.3g}")
-        hw["cache_bytes"] = step["cache_bytes"]
-        note = (
-            "point-to-point link and optimizer step measured on this machine by "
-            "python -m benchmarks.calibrate: gloo ping-pong between two one-thread ranks "
-            f"(4 KiB to 49 MiB, fastest of {args.rounds} runs) fitted to "
-            f"{hw['link_latency_s'] * 1e6:.0f} us + bytes / {hw['link_bandwidth'] / 1e9:.2f} GB/s; "
-            f"the runtime's {args.optimizer} step with gradient clipping on one thread, "
-            f"fastest of {args.steps}: 16 x {SMALL} fp32 parameters "
-            f"{step['cache_step_s'] * 1e3:.1f} ms, one {LARGE} {step['memory_step_s'] * 1e3:.1f} "
-            f"ms: {hw['optimizer_cache_bandwidth'] / 1e9:.1f} GB/s of weights, gradients and "
-            f"state read and written while a parameter's step fits the "
-            f"{step['cache_bytes'] // 2**20} MiB cache, {hw['optimizer_bandwidth'] / 1e9:.1f} "
-            "GB/s beyond"
-        )
-        hw["sources"] = [s for s in hw.get("sources", []) if not s.startswith(note[:40])]
-        hw["sources"].append(note)
-        write_atomic(path, json.dumps(hw, indent=2) + "\n")
+        _store(hw, args, link, step, allreduce)
+        text = json.dumps(hw, indent=2)  # one [bytes, bandwidth] pair per line:
+        write_atomic(path, re.sub(r"\[\s+(\S+),\s+(\S+)\s+\]", r"[\1, \2]", text) + "\n")
         print(f"wrote {path}")
+
+
+def _store(hw: dict, args, link: dict, step: dict, allreduce: dict) -> None:
+    hw["link_bandwidth"] = float(f"{link['link_bandwidth']:.3g}")
+    hw["link_latency_s"] = float(f"{link['link_latency_s']:.3g}")
+    hw["optimizer_bandwidth"] = float(f"{step['memory_bandwidth']:.3g}")
+    hw["optimizer_cache_bandwidth"] = float(f"{step['cache_bandwidth']:.3g}")
+    hw["cache_bytes"] = step["cache_bytes"]
+    intra = hw["node"]["intra_node"]
+    intra["latency_s"] = round(allreduce["latency_s"], 7)
+    intra["allreduce_bandwidth"] = allreduce["curve"]
+    note = (
+        "point-to-point link and optimizer step measured on this machine by "
+        "python -m benchmarks.calibrate: gloo ping-pong between two one-thread ranks "
+        f"(4 KiB to 49 MiB, fastest of {args.rounds} runs) fitted to "
+        f"{hw['link_latency_s'] * 1e6:.0f} us + bytes / {hw['link_bandwidth'] / 1e9:.2f} GB/s; "
+        f"the runtime's {args.optimizer} step with gradient clipping on one thread, "
+        f"fastest of {args.steps}: 16 x {SMALL} fp32 parameters "
+        f"{step['cache_step_s'] * 1e3:.1f} ms, one {LARGE} {step['memory_step_s'] * 1e3:.1f} "
+        f"ms: {hw['optimizer_cache_bandwidth'] / 1e9:.1f} GB/s of weights, gradients and "
+        f"state read and written while a parameter's step fits the "
+        f"{step['cache_bytes'] // 2**20} MiB cache, {hw['optimizer_bandwidth'] / 1e9:.1f} "
+        "GB/s beyond"
+    )
+    hw["sources"] = [s for s in hw.get("sources", []) if not s.startswith(note[:40])]
+    hw["sources"].append(note)
 
 
 if __name__ == "__main__":

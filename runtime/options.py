@@ -209,6 +209,11 @@ def parse_args(argv, plan: dict) -> argparse.Namespace:
         metavar="STEP:LAYERS",
         help="after STEP optimizer steps, LAYERS bottom layers are frozen (repeatable)",
     )
+    freeze.add_argument(
+        "--no-shrink",
+        action="store_true",
+        help="freeze, but keep training on this plan (leave the shorter ones in elastic/ unused)",
+    )
     args = p.parse_args(argv)
     if args.freeze_alpha is not None and args.freeze_alpha >= 1:
         p.error(f"argument --freeze-alpha: {args.freeze_alpha} must be below 1")

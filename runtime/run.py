@@ -72,7 +72,8 @@ def run(plan: dict | str | os.PathLike, stages: dict, argv: list[str] | None = N
     try:
         # Freeze training on a package compiled with --freeze-training: segments, each on
         # its plan, the next one shorter (ftpipe_runtime.elastic).
-        shrinks = Shrinks.beside(path) if (path := _path_of(argv_plan)) else None
+        path = None if args.no_shrink else _path_of(argv_plan)
+        shrinks = Shrinks.beside(path) if path else None
         carried = None
         while isinstance(got := _train(plan, stages, args, rank, shrinks, carried), Carried):
             carried, plan, stages = got, got.plan, got.stages
@@ -319,7 +320,8 @@ def _train(plan: dict, stage_classes: dict, args, rank: int, shrinks=None, carri
                        (first, end, m, wall, samples),
                        (modules, optimizers, mixed, freezer, progress, runlog), shrinks,
                        carried)  # fmt: skip
-    segments = _segment(carried.segments if carried else [], first, end, reps, samples, wall)
+    segments = _segment(carried.segments if carried else [], first, end, reps, samples, wall,
+                        progress.times)  # fmt: skip
     if rank == 0 and carried:
         progress.write(_segment_line(segments[-1]))
     wall = sum(row["wall_s"] for row in segments)  # of every plan's steps
@@ -402,7 +404,8 @@ def _switch(current, args, where, span, state, shrinks, carried):
     first, end, m, wall, samples = span
     modules, optimizers, mixed, freezer, progress, runlog = state
     progress.close()
-    segments = _segment(carried.segments if carried else [], first, end, reps, samples, wall)
+    segments = _segment(carried.segments if carried else [], first, end, reps, samples, wall,
+                        progress.times)  # fmt: skip
     if rank == 0:
         progress.write(_segment_line(segments[-1]))
     nxt = shrinks.after(freezer.frozen, reps.gpus, reps.count, m)
@@ -425,9 +428,12 @@ def _switch(current, args, where, span, state, shrinks, carried):
     )  # fmt: skip
 
 
-def _segment(done: list, first: int, end: int, reps, samples: int, wall: float) -> list:
+def _segment(done: list, first: int, end: int, reps, samples: int, wall: float, ends) -> list:
+    """`ends`: step -> seconds from the segment's start to the end of the step's forwards on
+    the loss stage (rank 0 hears them with the losses; benchmarks time steps by them)."""
     row = {"steps": [first, end], "replicas": reps.count, "gpus": reps.gpus,
-           "wall_s": wall, "samples_per_s": (end - first) * samples / wall if wall > 0 else 0.0}  # fmt: skip
+           "wall_s": wall, "samples_per_s": (end - first) * samples / wall if wall > 0 else 0.0,
+           "step_ends_s": [ends[k] for k in sorted(ends)]}  # fmt: skip
     return [*done, row]
 
 

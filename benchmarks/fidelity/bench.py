@@ -30,7 +30,7 @@ from pathlib import Path
 from ftpipe_runtime.trace import read_trace
 from tqdm import tqdm
 
-from benchmarks.calibrate import fit_link
+from benchmarks.calibrate import fit
 from benchmarks.fidelity.report import markdown  # noqa: F401 - the section's renderer
 from benchmarks.harness.actions import load_actions, summarise
 from benchmarks.harness.gloo import measure_link
@@ -174,7 +174,9 @@ def measure(
     shutil.rmtree(profiles, ignore_errors=True)
     os.environ["FTPIPE_CACHE_DIR"] = str(profiles)
     link = measure_link(work)
-    link["link_latency_s"], link["link_bandwidth"] = fit_link(link["sizes"], link["one_way_s"])
+    link["link_latency_s"], link["link_bandwidth"] = fit(
+        [(1, n) for n in link["sizes"]], link["one_way_s"]
+    )
     rows = []
     for name in tqdm(cases, desc="fidelity", file=sys.stderr, disable=None):
         rows.append(measure_case(name, CASES[name], work, link, warmup, timed, reports))

@@ -14,17 +14,17 @@ interval) with the rule's bound limiting (the most freezing alpha allows); other
 a finer decision interval show how the figure moves. Samples per epoch: SQuAD v1.1's
 87,599 training questions.
 
-`measure_switch` runs the real thing small: a 4-layer BERT compiled with `--freeze-training`
-on 4 CPU ranks (gloo), 2 layers frozen after step RUN_SWITCH (forced), the run switching from
-1 pipeline x 4 GPUs to 2 replicas x 2 GPUs, against the same run on the 4-GPU plan alone.
-Each segment's rate is taken over its steps after the first WARM (set-up and the first step
-overlap them), from the step ends the timing worker records.
+`measure_switch` runs the real thing small: the zoo's tiny BERT with 4 layers, compiled with
+`--freeze-training`, on 4 CPU ranks (gloo), 2 layers frozen after step RUN_SWITCH (forced),
+the run switching from 1 pipeline x 4 GPUs to 2 replicas x 2 GPUs, against the same run on
+the 4-GPU plan alone (`--no-shrink`). Each segment's rate is taken over its steps after the
+first WARM (set-up and the first step overlap them), from the step ends in the runtime's
+summary.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +33,7 @@ from benchmarks.harness.launch import compile_plan, run_package
 from ftpipe_compiler.costs.cluster import get_cluster
 from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.planner.elastic import FreezeRun, simulate_freezing
+from ftpipe_compiler.resources import load_config
 
 MODEL, TASK, HARDWARE, GPUS = "bert-large", "squad", "quadro-rtx5000", 16
 SEQ_LEN, MICRO_BATCH, BATCH, EPOCHS, SAMPLES = 512, 4, 64, 3, 87_599
@@ -48,8 +49,7 @@ CASES = [
 ]
 # The real switch, small: (steps, switch after, warm-up steps left out of each rate)
 RUN_STEPS, RUN_SWITCH, WARM, RUN_BATCH = 40, 20, 3, 8
-TINY_BERT = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
-                 intermediate_size=64, vocab_size=128, max_position_embeddings=64)  # fmt: skip
+RUN_LAYERS = 4  # one per rank of the 4-GPU plan (the zoo's bert-tiny has 2)
 
 
 def measure() -> dict:
@@ -73,8 +73,8 @@ def measure_switch(work: Path | None = None) -> dict:
     import transformers
 
     work = Path(work or tempfile.mkdtemp(prefix="ftpipe-bench-freeze-"))
-    config = transformers.BertConfig(**TINY_BERT, hidden_dropout_prob=0.0,
-                                     attention_probs_dropout_prob=0.0)  # fmt: skip
+    tiny = load_config("models", "bert-tiny")["config"]  # dropout off
+    config = transformers.BertConfig(**{**tiny, "num_hidden_layers": RUN_LAYERS})
     torch.manual_seed(0)
     transformers.BertForQuestionAnswering(config).save_pretrained(work / "bert")
     compiled = compile_plan(work / "out", str(work / "bert"), 4, seq_len=16, micro_batch=2,
@@ -83,9 +83,7 @@ def measure_switch(work: Path | None = None) -> dict:
     argv = ["--steps", str(RUN_STEPS), "--freeze-at", f"{RUN_SWITCH}:2", "--optimizer", "sgd"]
     elastic = out / package / "elastic"
     switching = run_package(out, package, argv, work / "switch.json", gpus=4)
-    shutil.move(elastic, work / "elastic-hidden")  # the same run, no shorter plan
-    staying = run_package(out, package, argv, work / "stay.json", gpus=4)
-    shutil.move(work / "elastic-hidden", elastic)
+    staying = run_package(out, package, [*argv, "--no-shrink"], work / "stay.json", gpus=4)
     rows = []
     for name, summary in (("switching", switching), ("4 GPUs throughout", staying)):
         rows += [{"run": name, **r} for r in _rates(summary)]

@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: `benchmarks` imports from here
-WORKER = ["-m", "benchmarks.harness.ftpipe_worker"]
 
 
 def child_env(threads: int = 1, pythonpath=()) -> dict:
@@ -88,20 +87,20 @@ def torchrun(args: list[str], log: Path, cwd=ROOT, nproc: int = 2, pythonpath=()
 def run_package(
     out: Path, package: str, argv: list[str], result: Path, gpus: int = 2, actions: bool = False
 ) -> dict:
-    """Train the generated package in `out` on `gpus` ranks (through the timing worker);
-    returns the runtime's summary plus `step_ends_s` (and with `actions`, `action_files`: the
-    run's `--trace`)."""
-    args = [*WORKER, "--package", package, "--result", result]
+    """Train the generated package in `out` on `gpus` ranks, as its users run it; returns the
+    runtime's summary (`--log-json`) plus `step_ends_s`: its segments' step ends, one after
+    the other (and with `actions`, `action_files`: the run's `--trace`)."""
     trace = Path(f"{result}.trace.json")
     argv = [*argv, "--trace", str(trace)] if actions else argv
     torchrun(
-        args + ["--", "--device", "cpu", *argv],
+        ["-m", package, "--device", "cpu", "--log-json", result, *argv],
         result.with_suffix(".log"),
         cwd=out,
         nproc=gpus,
         pythonpath=[out],
     )
     summary = json.loads(result.read_text())
+    summary["step_ends_s"] = [t for g in summary["segments"] for t in g["step_ends_s"]]
     if actions and trace.exists():
         summary["action_files"] = [str(trace)]
     return summary

@@ -251,9 +251,20 @@ def test_startup_rows_take_the_least_disturbed_wall_time_and_say_the_verdict():
 
 
 def test_calibration_fits_latency_and_bandwidth_and_counts_the_cache():
-    from benchmarks.calibrate import fit_link, last_level_cache_bytes
+    from benchmarks.calibrate import fit, last_level_cache_bytes
 
     sizes = [4096, 262_144, 4_194_304, 51_463_168]
-    latency, bandwidth = fit_link(sizes, [5e-5 + n / 2e9 for n in sizes])
+    latency, bandwidth = fit([(1, n) for n in sizes], [5e-5 + n / 2e9 for n in sizes])
     assert latency == pytest.approx(5e-5) and bandwidth == pytest.approx(2e9)
+    # A ring all-reduce over d ranks: 2(d-1) latencies, 2(d-1)/d of the bytes per link.
+    rows = [(2 * (d - 1), 2 * (d - 1) / d * n) for d in (2, 4) for n in sizes]
+    latency, bandwidth = fit(rows, [k * 1e-4 + b / 3e9 for k, b in rows])
+    assert latency == pytest.approx(1e-4) and bandwidth == pytest.approx(3e9)
+    # Small messages faster than the line through the large ones: the unconstrained fit's
+    # latency is negative; then latency 0 and the bandwidth that best fits alone.
+    times = [1e-6, 1.05e-4, 4_194_304 / 2e9, 51_463_168 / 2e9]
+    latency, bandwidth = fit([(1, n) for n in sizes], times)
+    ratios = [n / t for n, t in zip(sizes, times)]  # relative error: minimise sum (r/b - 1)^2
+    assert latency == 0.0
+    assert bandwidth == pytest.approx(sum(r * r for r in ratios) / sum(ratios))
     assert last_level_cache_bytes() >= 0

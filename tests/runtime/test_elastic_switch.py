@@ -95,6 +95,9 @@ def test_switch_to_the_shorter_pipeline_equals_one_process(run_pipeline, package
     assert "switching to 2 replicas x 2 GPUs (d2x2)" in ranks.stderr(0)
     segments = [(s["steps"], s["replicas"], s["gpus"]) for s in got["segments"]]
     assert segments == [([0, 2], 1, 4), ([2, STEPS], 2, 2)]
+    for s in got["segments"]:  # each segment's step ends, timed from its own start
+        ends = s["step_ends_s"]
+        assert len(ends) == s["steps"][1] - s["steps"][0] and ends == sorted(ends) and ends[0] > 0
     assert [(f["step"], f["frozen"]) for f in got["freezes"]] == [(2, 2)]
     assert got["replica_difference"] == 0.0
 
@@ -111,3 +114,21 @@ def test_switch_to_the_shorter_pipeline_equals_one_process(run_pipeline, package
     assert len(frozen) > 10
     for name in frozen:  # moved bit for bit, and not touched after the freeze
         assert torch.equal(at_end[name], at_switch[name]), name
+
+
+def test_no_shrink_freezes_on_the_same_plan(run_pipeline, package, tmp_path):
+    """--no-shrink: the same freeze, the shorter plans in elastic/ left unused."""
+    plan = json.loads((package / "plan.json").read_text())
+    log = tmp_path / "run.json"
+    argv = ["--steps", str(STEPS), "--optimizer", "sgd", "--lr", str(LR), "--clip", str(CLIP),
+            "--schedule", "gpipe", "--device", "cpu", "--freeze-at", "2:2", "--no-shrink",
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-json", str(log)]  # fmt: skip
+    env = {"PYTHONPATH": os.pathsep.join([str(package.parent), os.environ.get("PYTHONPATH", "")])}
+    codes, ranks = run_pipeline(plan, argv, name="stay", module=package.name,
+                                cwd=package.parent, env=env)  # fmt: skip
+    assert codes == [0] * 4, ranks.stderr()
+    got = json.loads(log.read_text())
+    assert [(s["steps"], s["replicas"], s["gpus"]) for s in got["segments"]] == [([0, STEPS], 1, 4)]
+    assert [(f["step"], f["frozen"]) for f in got["freezes"]] == [(2, 2)]
+    losses, _, _, _ = _train_frozen(plan, "sgd", freeze_after=2, layers=2)
+    assert got["losses"] == pytest.approx(losses, rel=1e-5)
