@@ -1,6 +1,6 @@
 """`make bench`: measure ftpipe against its peers and write BENCHMARKS.md (+ a JSON of raw figures).
 
-    python -m benchmarks --out BENCHMARKS.md                 # everything (~32 min on 2 cores)
+    python -m benchmarks --out BENCHMARKS.md                 # everything (~20 min on 2 cores)
     python -m benchmarks --sections plans,compile --out B.md # a subset
 
 Sections:
@@ -14,6 +14,13 @@ Sections:
   startup   seconds to the first step for --steps 100000 against --steps 10
   freeze    PipeTransformer's freeze training on elastic pipelines: BERT-large simulated, and a
             4-rank tiny BERT measured switching from 1 x 4 to 2 x 2 GPUs
+  planner   the data x pipeline shape for T5-11B on 64 and T5-3B on 16 GPUs, planning time
+  allreduce gloo all-reduce on this machine against the simulator's ring model
+  lora      Llama-3.1-8B on 4 x RTX 4090: full fine-tuning against LoRA, simulated
+
+Parts of sections that only compute (planning, simulating: one thread each) run first, two at
+a time, one per core of this 2-core machine; then every part that times processes on the
+machine (torchrun ranks, startup, all-reduce, compile) runs alone, one after the other.
 """
 
 from __future__ import annotations
@@ -29,37 +36,8 @@ from pathlib import Path
 import torch
 from ftpipe_runtime.atomic import write_atomic
 
-from benchmarks import (
-    allreduce,
-    compile,
-    fidelity,
-    freeze,
-    lora,
-    planner,
-    plans,
-    runtime,
-    schedules,
-    startup,
-    zero_bubble,
-)
+from benchmarks.sections import LANES, SECTIONS, run_sections
 from ftpipe_compiler.version import __version__
-
-SECTIONS = {  # name -> (measure() -> dict, markdown(dict) -> str), in BENCHMARKS.md's order
-    name: (module.measure, module.markdown)
-    for name, module in [
-        ("plans", plans),
-        ("schedules", schedules),
-        ("zero_bubble", zero_bubble),
-        ("compile", compile),
-        ("runtime", runtime),
-        ("fidelity", fidelity),
-        ("planner", planner),
-        ("allreduce", allreduce),
-        ("startup", startup),
-        ("freeze", freeze),
-        ("lora", lora),
-    ]
-}
 
 
 def main(argv=None) -> None:
@@ -80,20 +58,17 @@ def main(argv=None) -> None:
         raw = {k: v for k, v in json.loads(out_json.read_text()).items() if k in SECTIONS}
     except (OSError, ValueError):
         raw = {}
-    for s in names:
-        t0 = time.perf_counter()
-        print(f"bench: {s}", file=sys.stderr, flush=True)
-        measure, _ = SECTIONS[s]
-        raw[s] = measure()
-        raw[s]["bench_seconds"] = time.perf_counter() - t0
-        raw[s]["measured_on"] = str(datetime.date.today())
-    parts = [render(raw[s]) for s, (_, render) in SECTIONS.items() if s in raw]
+    t0 = time.perf_counter()
+    raw.update(run_sections(names, SECTIONS, previous=raw))
+    print(f"bench: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    parts = [SECTIONS[s].markdown(raw[s]) for s in SECTIONS if s in raw]
     head = [
         "# ftpipe benchmarks",
         "",
         f"Written by `make bench` (`python -m benchmarks`) on {datetime.date.today()}, ftpipe {__version__}, "
         f"torch {torch.__version__}, Python {platform.python_version()}, {platform.machine()}. "
-        f"Raw figures: `{Path(args.out).with_suffix('.json').name}`.",
+        f"Raw figures: `{Path(args.out).with_suffix('.json').name}`. Planning and simulation "
+        f"ran {LANES} at a time (one thread each), everything timed on processes alone.",
         "",
     ]
     # Both files, each whole: an interrupted or failed bench leaves the previous ones as they were.

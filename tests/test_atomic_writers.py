@@ -75,8 +75,9 @@ def _log_json(folder: Path):
 
 def _benchmarks(folder: Path):
     from benchmarks import __main__ as bench
+    from benchmarks.sections import Section
 
-    sections = {"plans": (lambda: {"figure": 1.0}, lambda data: "## a section\n")}
+    sections = {"plans": Section(lambda data: "## a section\n", {"": (lambda: {"x": 1.0}, True)})}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(bench, "SECTIONS", sections)
         bench.main(["--sections", "plans", "--out", str(folder / "BENCHMARKS.md")])

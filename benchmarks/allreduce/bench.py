@@ -29,6 +29,8 @@ from benchmarks.allreduce.worker import ROUNDS, SIZES  # 1 to 100 MB
 from benchmarks.calibrate import fit
 from benchmarks.harness.launch import torchrun
 
+ALONE = True  # it times processes: the machine to itself (benchmarks.sections)
+
 MB = 1_000_000
 RANKS = (2, 4)
 CORES = os.cpu_count() or 1  # the target holds for ranks that each have a core

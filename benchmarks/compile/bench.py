@@ -15,6 +15,8 @@ from ftpipe_runtime.atomic import write_atomic
 from benchmarks.compile import sent_bytes
 from ftpipe_compiler.plan import Plan
 
+ALONE = True  # it times processes: the machine to itself (benchmarks.sections)
+
 
 def measure(model="t5-3b", gpus=8) -> dict:
     """The phases of `ftpipe compile`, timed by the command itself."""

@@ -41,6 +41,8 @@ from ftpipe_compiler.simulate import simulate
 from ftpipe_compiler.simulate.measured import measured
 from ftpipe_compiler.simulate.report import write_report
 
+ALONE = True  # it times processes: the machine to itself (benchmarks.sections)
+
 MODEL = "gpt2-bench"
 WARMUP, TIMED, COOLDOWN = 1, 4, 1  # steps: set-up, timed, overlapping the shutdown
 SIM_STEPS = 10

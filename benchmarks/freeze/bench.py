@@ -189,3 +189,10 @@ def _switch_markdown(sw: dict) -> list[str]:
             f"{r['samples_per_s']:.1f} |"
         )
     return lines + [""]
+
+
+PARTS = {"simulated": (simulated, False), "switch": (measure_switch, True)}  # (run, alone)
+
+
+def combine(parts: dict) -> dict:
+    return {**parts["simulated"], "switch": parts["switch"]}

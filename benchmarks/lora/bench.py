@@ -23,6 +23,8 @@ from ftpipe_compiler.errors import InfeasibleError
 from ftpipe_compiler.partition import problem_from_graph
 from ftpipe_compiler.plan_search import CHEAP, best_plan
 
+ALONE = False  # it only computes: it may share the machine (benchmarks.sections)
+
 GIB = 2**30
 SCHEDULES = ["gpipe", "1f1b", "zb1p", "interleaved"]
 LLAMA = ("llama-3.1-8b", "rtx4090", 4)

@@ -12,6 +12,8 @@ from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.partition import problem_from_graph, run_partitioners
 from ftpipe_compiler.simulate import simulate
 
+ALONE = False  # it only computes: it may share the machine (benchmarks.sections)
+
 SEQUENTIAL = ("pipedream", "acyclic", "gpipe", "params")
 # (model, task, hardware, gpus): the paper's machine, and V100 boxes of 4 and 8.
 PLAN_CASES = [

@@ -34,6 +34,8 @@ from benchmarks.harness.reference import build_model
 from benchmarks.harness.stats import run_rounds, step_times, summarise_steps
 from benchmarks.runtime.report import markdown  # noqa: F401 - the section's renderer
 
+ALONE = True  # it times processes: the machine to itself (benchmarks.sections)
+
 MODEL = "gpt2-bench"
 WARMUP, TIMED, COOLDOWN, ROUNDS = 1, 3, 1, 2
 LR, SEED = 1e-4, 0

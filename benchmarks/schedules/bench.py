@@ -22,6 +22,8 @@ from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.partition import problem_from_graph, run_partitioners
 from ftpipe_compiler.simulate import simulate
 
+ALONE = False  # it only computes: it may share the machine (benchmarks.sections)
+
 CASES = [("t5-3b", "rte", "rtx2080ti", 8), ("bert-large", "squad", "rtx2080ti", 8)]
 SCHEDULES = ("gpipe", "1f1b", "2bw", "wpipe", "ftpipe")
 SAME = "pipedream"  # the partitioner both 2BW and WPipe get in the like-for-like comparison

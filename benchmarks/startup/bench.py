@@ -27,6 +27,8 @@ from pathlib import Path
 from benchmarks.harness.launch import ROOT, child_env, compile_plan
 from benchmarks.harness.stats import OtherLoad
 
+ALONE = True  # it times processes: the machine to itself (benchmarks.sections)
+
 MODEL, GPUS = "gpt2-tiny", 2
 SCHEDULES = ("gpipe", "1f1b", "2bw", "wpipe", "ftpipe")
 STEPS = (10, 100_000)

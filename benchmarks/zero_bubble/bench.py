@@ -140,6 +140,9 @@ def simulated() -> dict:
     return {"cases": cases}
 
 
+PARTS = {"simulated": (simulated, False), "runtime": (runtime, True)}  # (run, alone)
+
+
 def measure() -> dict:
     return {"simulated": simulated(), "runtime": runtime()}
 

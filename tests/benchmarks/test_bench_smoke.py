@@ -268,3 +268,27 @@ def test_calibration_fits_latency_and_bandwidth_and_counts_the_cache():
     assert latency == 0.0
     assert bandwidth == pytest.approx(sum(r * r for r in ratios) / sum(ratios))
     assert last_level_cache_bytes() >= 0
+
+
+def test_sections_run_compute_parts_two_at_a_time_and_timed_parts_alone():
+    from functools import partial
+
+    from benchmarks.sections import Section, run_sections
+
+    sections = {  # dict(...) is picklable: the compute-only parts run in child processes
+        "both": Section(
+            str, {"sim": (partial(dict, v=1), False), "run": (partial(dict, v=2), True)}
+        ),
+        "one": Section(str, {"": (partial(dict, v=3), False)}),
+        "merged": Section(
+            str, {"a": (partial(dict, v=4), True)}, combine=lambda r: {**r["a"], "w": 5}
+        ),
+    }
+    out = run_sections(list(sections), sections, previous={"one": {"part_seconds": {"": 9.0}}})
+    assert {k: v for k, v in out["both"].items() if k in ("sim", "run")} == {
+        "sim": {"v": 1},
+        "run": {"v": 2},
+    }
+    assert out["one"]["v"] == 3 and out["merged"]["v"] == 4 and out["merged"]["w"] == 5
+    assert set(out["both"]["part_seconds"]) == {"sim", "run"}
+    assert out["both"]["bench_seconds"] == pytest.approx(sum(out["both"]["part_seconds"].values()))
