@@ -1,6 +1,6 @@
 """BENCHMARKS.md section 3: the generated package at run time, on 2 CPU processes (gloo).
 
-    data = measure()            # ~6 min on 2 cores: compiles 2 plans, 2 rounds of 10 runs
+    data = measure()            # ~5 min on 2 cores: compiles 2 plans, 10 runs
     print(markdown(data))
 
 GPT-2 bench model (8 blocks, d_model 256, 50,257-token vocabulary, tied embeddings), batch
@@ -12,10 +12,14 @@ starting from one weights file and reading the same micro-batches, one thread pe
   b. ftpipe's compiled plan vs that even split, both in ftpipe's runtime, same schedule;
   c. the unpartitioned model in one process on both cores.
 
-Every configuration runs once per round, the rounds one after the other, so a disturbance
-from outside (this machine is shared) spreads over all of them instead of spoiling one.
-Each run trains WARMUP + TIMED + COOLDOWN steps and times the TIMED ones: the first step
-sets the pipeline up, and the last overlaps the ranks' shutdown.
+Every configuration runs once per round, the rounds one after the other (with more than
+one, a disturbance from outside spreads over all configurations instead of spoiling one;
+each run says how much CPU others used meanwhile). Each run trains WARMUP + TIMED +
+COOLDOWN steps and times the TIMED ones: two warm-up steps, because pipelining's second
+step is still 10-40 % slower than its later ones (its best needs both; ftpipe's second step
+is already steady), and the last step overlaps the ranks' shutdown. One round of 6 timed
+steps costs two thirds of two rounds of 3 (each launch sets up a model and trains 3 untimed
+steps) for the same number of timed steps.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from benchmarks.runtime.report import markdown  # noqa: F401 - the section's ren
 ALONE = True  # it times processes: the machine to itself (benchmarks.sections)
 
 MODEL = "gpt2-bench"
-WARMUP, TIMED, COOLDOWN, ROUNDS = 1, 3, 1, 2
+WARMUP, TIMED, COOLDOWN, ROUNDS = 2, 6, 1, 1
 LR, SEED = 1e-4, 0
 TRAINING = ["--lr", str(LR), "--decay", "constant", "--clip", "0", "--seed", str(SEED)]
 
@@ -139,24 +143,10 @@ def measure(
     blocks = blocks_on_first_stage(even_plan)
     m, size = int(even_plan["micro_batches"]), int(even_plan["model"]["micro_batch"])
     bench = Bench(work, m, size, warmup, timed)
-    params = {p["name"] for p in even_plan["params"]}  # a transfer of one is a tied weight
     with atomic_open(bench.weights, "wb") as f:
         torch.save(build_model(MODEL, SEED).state_dict(), f)
 
-    todo = {
-        "ftpipe-even-gpipe": lambda n: bench.ftpipe(even, "gpipe", n),
-        "ftpipe-even-1f1b": lambda n: bench.ftpipe(even, "1f1b", n),
-        "pipelining-gpipe": lambda n: bench.pipelining(even_path, blocks, "gpipe", False, n),
-        "pipelining-1f1b": lambda n: bench.pipelining(even_path, blocks, "1f1b", False, n),
-        "pipelining-gpipe-recompute": lambda n: bench.pipelining(
-            even_path, blocks, "gpipe", True, n
-        ),
-        "pipelining-1f1b-recompute": lambda n: bench.pipelining(even_path, blocks, "1f1b", True, n),
-        "ftpipe-plan-gpipe": lambda n: bench.ftpipe(best, "gpipe", n),
-        "ftpipe-plan-1f1b": lambda n: bench.ftpipe(best, "1f1b", n),
-        "ftpipe-plan-ftpipe": lambda n: bench.ftpipe(best, "ftpipe", n),
-        "single": lambda n: bench.single(even_path, n),
-    }
+    todo = _configurations(bench, even, best, even_path, blocks)
     raw = run_rounds(todo, rounds, "runtime")
     runs = {name: bench.merge(results) for name, results in raw.items()}
     for name, stats in runs.items():
@@ -172,27 +162,51 @@ def measure(
         "rounds": rounds,
         "lr": LR,
         "even_blocks": blocks,
-        "plans": {
-            "even": {
-                "partitioner": even["winner"],
-                "stages": stage_costs(even_plan),
-                "transfers": [
-                    {"tensor": t["tensor"], "bytes": t["bytes"], "weight": t["tensor"] in params}
-                    for t in even_plan["transfers"]
-                ],
-                "simulated_step_s": even["simulated"]["step_time_s"],
-            },
-            "ftpipe": {
-                "partitioner": best["winner"],
-                "stages": stage_costs(best_plan),
-                "simulated_step_s": best["simulated"]["step_time_s"],
-                "lower_bound_s": best["lower_bound_s"],
-                "competitors": {
-                    r["partitioner"]: r["simulated_step_time_s"] for r in best["results"]
-                },
-            },
-        },
+        "plans": _plans(even, even_plan, best, best_plan),
         "runs": runs,
+    }
+
+
+def _configurations(bench: Bench, even: dict, best: dict, even_path: Path, blocks: int) -> dict:
+    """name -> a run of it: the package on the even split and on its plan, pipelining on
+    the even split (with and without recompute), the model in one process."""
+    return {
+        "ftpipe-even-gpipe": lambda n: bench.ftpipe(even, "gpipe", n),
+        "ftpipe-even-1f1b": lambda n: bench.ftpipe(even, "1f1b", n),
+        "pipelining-gpipe": lambda n: bench.pipelining(even_path, blocks, "gpipe", False, n),
+        "pipelining-1f1b": lambda n: bench.pipelining(even_path, blocks, "1f1b", False, n),
+        "pipelining-gpipe-recompute": lambda n: bench.pipelining(
+            even_path, blocks, "gpipe", True, n
+        ),
+        "pipelining-1f1b-recompute": lambda n: bench.pipelining(even_path, blocks, "1f1b", True, n),
+        "ftpipe-plan-gpipe": lambda n: bench.ftpipe(best, "gpipe", n),
+        "ftpipe-plan-1f1b": lambda n: bench.ftpipe(best, "1f1b", n),
+        "ftpipe-plan-ftpipe": lambda n: bench.ftpipe(best, "ftpipe", n),
+        "single": lambda n: bench.single(even_path, n),
+    }
+
+
+def _plans(even: dict, even_plan: dict, best: dict, best_plan: dict) -> dict:
+    """The two plans for the write-up: stage costs, the even split's transfers (a transfer
+    of a parameter is a tied weight), simulated step times, the plan's competitors."""
+    params = {p["name"] for p in even_plan["params"]}
+    return {
+        "even": {
+            "partitioner": even["winner"],
+            "stages": stage_costs(even_plan),
+            "transfers": [
+                {"tensor": t["tensor"], "bytes": t["bytes"], "weight": t["tensor"] in params}
+                for t in even_plan["transfers"]
+            ],
+            "simulated_step_s": even["simulated"]["step_time_s"],
+        },
+        "ftpipe": {
+            "partitioner": best["winner"],
+            "stages": stage_costs(best_plan),
+            "simulated_step_s": best["simulated"]["step_time_s"],
+            "lower_bound_s": best["lower_bound_s"],
+            "competitors": {r["partitioner"]: r["simulated_step_time_s"] for r in best["results"]},
+        },
     }
 
 

@@ -127,17 +127,19 @@ def _quality(d: dict) -> str:
     """How far outside load and nondeterminism could have moved the figures."""
     loads = [(c, name) for name, r in d["runs"].items() for c in r["other_cores"] if c is not None]
     same = [name for name, r in d["runs"].items() if not r["same_losses_every_round"]]
-    text = (
-        "Every round repeated every loss exactly. "
-        if not same
-        else f"Losses differed between rounds in {', '.join(same)}. "
-    )
+    text = ""
+    if d["rounds"] > 1:
+        text = (
+            "Every round repeated every loss exactly. "
+            if not same
+            else f"Losses differed between rounds in {', '.join(same)}. "
+        )
     if loads:
         worst, where = max(loads)
         mean = sum(c for c, _ in loads) / len(loads)
         text += (
             f"Other processes on this machine used {mean:.2f} cores on average while the runs "
-            f"went (at most {worst:.2f}, during a round of {where})."
+            f"went (at most {worst:.2f}, during {where})."
         )
     return text
 
@@ -150,8 +152,9 @@ def markdown(d: dict) -> str:
         f"tied embeddings; batch {d['batch']} of {d['seq_len']} tokens in "
         f"{d['micro_batches']} micro-batches; AdamW at a constant {d['lr']:g}, no clipping; "
         "2 ranks of one thread each (gloo), every run from the same weights on the same "
-        f"micro-batches. Every configuration ran {d['rounds']} times, the rounds one after the "
-        f"other; each run trained {d['warmup_steps']} warm-up, {d['timed_steps']} timed and "
+        f"micro-batches. Every configuration ran "
+        + ("once" if d["rounds"] == 1 else f"{d['rounds']} times, the rounds one after the other")
+        + f"; each run trained {d['warmup_steps']} warm-up, {d['timed_steps']} timed and "
         f"{d['cooldown_steps']} final untimed step(s), and a figure pools the "
         f"{d['rounds'] * d['timed_steps']} timed steps of its configuration: samples/s = "
         f"batch / mean step time. One run of `python -m benchmarks` ({d.get('bench_seconds', 0):.0f} "

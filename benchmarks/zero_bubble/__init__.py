@@ -1,5 +1,6 @@
-"""Section `zero_bubble` of make bench (bench.py: measure and markdown)."""
+"""Section `zero_bubble` of make bench: measure (bench.py) and report (report.py)."""
 
-from .bench import markdown, measure
+from .bench import measure
+from .report import markdown
 
 __all__ = ["markdown", "measure"]

@@ -8,7 +8,7 @@ a. Runtime, 2 CPU ranks (gloo), GPT-2 bench model: our zero-bubble and interleav
    with two stages per rank in a loop / a V). The split is ftpipe's plan for that schedule by
    the even `gpipe` partitioner, cut at the same blocks for pipelining. Pipelining runs as
    its users run it (no recompute: its best) and with the recomputation ftpipe's schedules
-   do (the same work). Every configuration runs once per round, rounds one after the other.
+   do (the same work). Every configuration runs once per round, as in section `runtime`.
    GPipe and 1F1B against ScheduleGPipe / Schedule1F1B on the same even split are section
    `runtime`'s (measured there, not twice: it keeps `make bench` within its time).
 b. Simulated, 8 GPUs: T5-3B, GPT2-XL and Llama-3.1-8B; every partitioner under every
@@ -31,14 +31,14 @@ from ftpipe_runtime.atomic import atomic_open
 from benchmarks.harness.launch import ROOT, compile_plan
 from benchmarks.harness.reference import build_model
 from benchmarks.harness.stats import run_rounds
-from benchmarks.runtime.bench import Bench
+from benchmarks.runtime.bench import ROUNDS, SEED, TIMED, WARMUP, Bench  # the same steps
 from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.partition import problem_from_graph
 from ftpipe_compiler.plan_search import best_plan, schedule_names
 
 MODEL = "gpt2-bench"
 RUNTIME = ("zb1p", "interleaved", "zbv")  # pipelining has each; gpipe and 1f1b: section runtime
-WARMUP, TIMED, ROUNDS, SEED = 1, 3, 2, 0  # bench_runtime's steps, learning rate and data
+
 # (model, hardware): the paper's GPU for T5-3B and GPT2-XL; Llama-3.1-8B's fp32 weights,
 # gradients and Adam state (128 GB) need larger ones.
 SIM_CASES = [("t5-3b", "rtx2080ti"), ("gpt2-xl", "rtx2080ti"), ("llama-3.1-8b", "a100-40gb")]
@@ -103,7 +103,7 @@ def runtime(work: Path | None = None, rounds: int = ROUNDS) -> dict:
             "rounds": rounds, "timed_steps": TIMED, "plans": splits, "runs": runs}  # fmt: skip
 
 
-def _fastest(rows: list[dict]) -> dict | None:
+def fastest(rows: list[dict]) -> dict | None:
     return min(rows, key=lambda r: r["simulated_step_time_s"], default=None)
 
 
@@ -127,9 +127,9 @@ def simulated() -> dict:
                 "task": task.name,
                 "micro_batches": problem.micro_batches,
                 "micro_batch": graph.meta.get("micro_batch"),
-                "best": _fastest(ok),
-                "best_sync": _fastest([r for r in ok if r["update"] == "sync"]),
-                "baseline": _fastest(
+                "best": fastest(ok),
+                "best_sync": fastest([r for r in ok if r["update"] == "sync"]),
+                "baseline": fastest(
                     [r for r in ok if r["schedule"] == "1f1b" and r["partitioner"] in SEQUENTIAL]
                 ),
                 "matrix": rows,
@@ -145,103 +145,6 @@ PARTS = {"simulated": (simulated, False), "runtime": (runtime, True)}  # (run, a
 
 def measure() -> dict:
     return {"simulated": simulated(), "runtime": runtime()}
-
-
-def markdown(data: dict) -> str:
-    lines = ["## Zero-bubble and interleaved schedules", ""]
-    rt = data.get("runtime")
-    if rt:
-        runs = rt["runs"]
-        lines += [
-            f"### a. Runtime vs torch.distributed.pipelining ({rt['model']}, 2 CPU ranks, batch "
-            f"{rt['batch']} in {rt['micro_batches']} micro-batches, {rt['rounds']} rounds of "
-            f"{rt['timed_steps']} timed steps)",
-            "",
-            "Same split (ftpipe's even plan for the schedule, blocks per stage and their ranks "
-            "below), same weights, data and AdamW. *ours / theirs*: samples/s over every timed "
-            "step of every round, and (in brackets) the fastest step of each, which outside load "
-            "(*other cores*: CPU others used during the runs, of 2) disturbs least; *same work*: "
-            "pipelining also recomputing where ftpipe does. One run of this section.",
-            "",
-            "| schedule | blocks per stage (ranks) | ftpipe samples/s | pipelining samples/s "
-            "| ours / theirs | pipelining + recompute | ours / theirs, same work | other cores "
-            "| losses equal |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---|",
-        ]
-        for s, split in rt["plans"].items():
-            ours, theirs = runs[f"ftpipe-{s}"], runs[f"pipelining-{s}"]
-            same = runs[f"pipelining-{s}-recompute"]
-            equal = _close(ours["losses"], theirs["losses"])
-            load = [c for r in (ours, theirs, same) for c in r["other_cores"] if c is not None]
-            lines.append(
-                f"| {s} | {split['blocks']} ({','.join(map(str, split['gpus']))}) | "
-                f"{ours['samples_per_s']:.2f} | {theirs['samples_per_s']:.2f} | "
-                f"{_ratio(ours, theirs)} | {same['samples_per_s']:.2f} | {_ratio(ours, same)} | "
-                + (f"{min(load):.1f}-{max(load):.1f}" if load else "-")
-                + f" | {'yes' if equal else 'no'} (rel 1e-4) |"
-            )
-        lines.append("")
-    sim = data.get("simulated")
-    if sim:
-        lines += [
-            f"### b. Simulated on {SIM_GPUS} GPUs: partition x schedule vs the best sequential "
-            "partition under 1F1B",
-            "",
-            "Every partitioner under every schedule (nothing pruned but by the lower bound), "
-            "simulated; *best* may be an asynchronous schedule (stale weights: ftpipe, 2bw, "
-            "wpipe), *best sync* trains exactly like one process.",
-            "",
-            "| model | GPUs | 1F1B, best sequential | s/step | best sync | s/step | speedup "
-            "| best | s/step | speedup |",
-            "|---|---|---|---:|---|---:|---:|---|---:|---:|",
-        ]
-        for c in sim["cases"]:
-            base, sync, best = c["baseline"], c["best_sync"], c["best"]
-
-            lines.append(
-                f"| {c['model']} ({c['task']}, {c['micro_batches']} x {c['micro_batch']}) | "
-                f"{c['gpus']} x {c['hardware']} | "
-                + (
-                    f"{base['partitioner']} | {base['simulated_step_time_s']:.3f}"
-                    if base
-                    else "none fits | -"
-                )
-                + f" | {_vs(sync, base)} | {_vs(best, base)} |"
-            )
-        lines += ["", "Per schedule, its fastest plan (s/step simulated, bubble, peak GiB):", ""]
-        names = list(dict.fromkeys(r["schedule"] for r in sim["cases"][0]["matrix"]))
-        lines += ["| model | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
-        for c in sim["cases"]:
-            row = []
-            for n in names:
-                r = _fastest([x for x in c["matrix"] if x["schedule"] == n and x["status"] == "ok"])
-                row.append(
-                    "does not fit" if r is None else
-                    f"{r['simulated_step_time_s']:.3f} ({r['partitioner']}, "
-                    f"{r['bubble_fraction']:.0%}, {r['max_memory_bytes'] / 2**30:.1f})"
-                )  # fmt: skip
-            lines.append(f"| {c['model']} | " + " | ".join(row) + " |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _close(a: list[float], b: list[float]) -> bool:
-    """Losses within rel 1e-4 (the runtimes sum micro-batch losses in another order)."""
-    return len(a) == len(b) and all(abs(x - y) <= 1e-4 * abs(y) for x, y in zip(a, b))
-
-
-def _ratio(ours: dict, theirs: dict) -> str:
-    mean = ours["samples_per_s"] / theirs["samples_per_s"]
-    return f"{mean:.2f} ({theirs['step_min_s'] / ours['step_min_s']:.2f})"
-
-
-def _vs(r: dict | None, base: dict | None) -> str:
-    if r is None:
-        return "none fits | - | -"
-    speedup = base["simulated_step_time_s"] / r["simulated_step_time_s"] if base else None
-    return f"{r['partitioner']} / {r['schedule']} | {r['simulated_step_time_s']:.3f} | " + (
-        f"{speedup:.2f}x" if speedup else "-"
-    )
 
 
 if __name__ == "__main__":

@@ -210,6 +210,7 @@ def test_schedules_section_on_a_tiny_model():
     """The side-by-side section end to end on GPT-2 tiny over 2 GPUs: every schedule gets a
     plan, WPipe's is looped, and the comparison with the paper is written."""
     from benchmarks.schedules import bench as bench_schedules
+    from benchmarks.schedules import markdown
 
     data = bench_schedules.measure([("gpt2-tiny", None, "rtx2080ti", 2)], steps=4)
     rows = data["cases"][0]["rows"]
@@ -218,7 +219,7 @@ def test_schedules_section_on_a_tiny_model():
     assert rows["wpipe"]["best"]["stages"] == 4
     two_bw, wpipe = rows["2bw"]["best"]["memory"], rows["wpipe"]["best"]["memory"]
     assert two_bw["extra"] > wpipe["extra"] > 0 and rows["gpipe"]["best"]["memory"]["extra"] == 0
-    text = bench_schedules.markdown(data)
+    text = markdown(data)
     assert "| wpipe | " in text and "WPipe vs 2BW (both cut by pipedream)" in text
     assert "(paper 1.4x)" in text and "(paper -36%)" in text
 
