@@ -26,10 +26,12 @@ class Section:
     combine: object = None
 
     @classmethod
-    def of(cls, module) -> Section:
-        """From a section's bench module: PARTS, or measure and ALONE; markdown; combine."""
-        parts = getattr(module, "PARTS", None) or {"": (module.measure, module.ALONE)}
-        return cls(module.markdown, parts, getattr(module, "combine", None))
+    def of(cls, package) -> Section:
+        """From a section's package: its markdown, and from its bench module PARTS (or
+        measure and ALONE) and combine."""
+        bench = package.bench
+        parts = getattr(bench, "PARTS", None) or {"": (bench.measure, bench.ALONE)}
+        return cls(package.markdown, parts, getattr(bench, "combine", None))
 
     def data(self, results: dict) -> dict:
         if self.combine is not None:
@@ -40,7 +42,7 @@ class Section:
 # BENCHMARKS.md's order
 NAMES = ["plans", "schedules", "zero_bubble", "compile", "runtime", "fidelity", "planner"]
 NAMES += ["allreduce", "startup", "freeze", "lora"]
-SECTIONS = {name: Section.of(importlib.import_module(f"benchmarks.{name}.bench")) for name in NAMES}
+SECTIONS = {name: Section.of(importlib.import_module(f"benchmarks.{name}")) for name in NAMES}
 
 
 def _timed(measure) -> tuple[dict, float]:
