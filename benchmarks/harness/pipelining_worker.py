@@ -14,6 +14,10 @@ are then two parameters that nothing keeps equal: pipelining has no notion of ti
 blocks and sits on the plan's GPU of stage i (a loop for interleaved, a V for zbv); the
 multi-stage schedules (zb1p, interleaved, zbv) drive every stage of the rank. The rank with
 the last stage writes the losses and when each step ended.
+
+`--runs runs.json` trains several configurations in one launch, one after the other, each
+from the weights file with its own stages, schedule and optimizer (a list of objects with
+the keys plan, blocks, schedule, recompute, result): a launch's set-up is paid once.
 """
 
 from __future__ import annotations
@@ -56,34 +60,50 @@ MULTI = {"zb1p", "interleaved", "zbv"}  # take a list of stages
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--plan", required=True, help="plan.json: model, inputs, micro-batches")
+    ap.add_argument("--plan", help="plan.json: model, inputs, micro-batches")
     ap.add_argument("--weights", required=True, help="state dict every rank starts from")
-    ap.add_argument(
-        "--blocks", required=True, help="blocks on stage 0 (of 2), or blocks per stage: 2,2,2,2"
-    )
+    ap.add_argument("--blocks", help="blocks on stage 0 (of 2), or blocks per stage: 2,2,2,2")
     ap.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
     ap.add_argument("--recompute", action="store_true", help="recompute as ftpipe does")
+    ap.add_argument("--result", help="JSON written by the rank with the last stage")
+    ap.add_argument("--runs", help="JSON list of runs (plan, blocks, schedule, recompute, result)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=0, help="of the synthetic data")
-    ap.add_argument("--result", required=True)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if not args.runs and not (args.plan and args.blocks and args.result):
+        ap.error("give --plan, --blocks and --result, or --runs")
+    return args
 
 
 def main(argv=None) -> None:
-    from ftpipe_runtime.data import make_data
-
     args = parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != 2:
         raise SystemExit("the bench model is split in two: run 2 ranks")
+    if args.runs:
+        with open(args.runs) as f:
+            runs = json.load(f)
+    else:
+        runs = [
+            {k: getattr(args, k) for k in ("plan", "blocks", "schedule", "recompute", "result")}
+        ]
     dist.init_process_group("gloo")
-    with open(args.plan) as f:
+    for run in runs:
+        train(run, args, rank)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def train(run: dict, args, rank: int) -> None:
+    """One configuration: this rank's stages of a fresh model from the weights file."""
+    from ftpipe_runtime.data import make_data
+
+    with open(run["plan"]) as f:
         plan = json.load(f)
     m = int(plan["micro_batches"])
-
     model = load_weights(build_model(plan["model"]["model_name"]), args.weights)
-    counts = [int(b) for b in args.blocks.split(",")]
+    counts = [int(b) for b in str(run["blocks"]).split(",")]
     if len(counts) == 1:
         counts.append(model.config.n_layer - counts[0])
     chunks = split_chunks(model, counts)
@@ -91,17 +111,17 @@ def main(argv=None) -> None:
     gpu_of = {s["id"]: s["gpu"] for s in plan.get("stages", ())} or {0: 0, 1: 1}
     if len(gpu_of) != len(chunks):
         raise SystemExit(
-            f"--blocks {args.blocks} makes {len(chunks)} stages, the plan {len(gpu_of)}"
+            f"--blocks {run['blocks']} makes {len(chunks)} stages, the plan {len(gpu_of)}"
         )
     mine = [i for i in range(len(chunks)) if gpu_of[i] == rank]
     modules = {
-        i: Recomputed(chunks[i]) if args.recompute and i != last else chunks[i]
+        i: Recomputed(chunks[i]) if run["recompute"] and i != last else chunks[i]
         for i in mine
     }  # fmt: skip
     del model
     stages = [PipelineStage(modules[i], i, len(chunks), torch.device("cpu")) for i in mine]
-    make = SCHEDULES[args.schedule]
-    schedule = make(stages if args.schedule in MULTI else stages[0], m, loss_fn=lm_loss)
+    name = run["schedule"]
+    schedule = SCHEDULES[name](stages if name in MULTI else stages[0], m, loss_fn=lm_loss)
     # A V puts the embedding and the head, tied, on one rank: one parameter, stepped once.
     params = list({id(p): p for mod in modules.values() for p in mod.parameters()}.values())
     opt = torch.optim.AdamW(params, lr=args.lr)
@@ -123,10 +143,8 @@ def main(argv=None) -> None:
         opt.zero_grad(set_to_none=True)
         ends.append(time.perf_counter() - start)
     if last in mine:
-        result = {"losses": losses, "step_ends_s": ends, "schedule": args.schedule}
-        write_atomic(args.result, json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+        result = {"losses": losses, "step_ends_s": ends, "schedule": name}
+        write_atomic(run["result"], json.dumps(result))
 
 
 if __name__ == "__main__":

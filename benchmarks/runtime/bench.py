@@ -46,6 +46,18 @@ LR, SEED = 1e-4, 0
 TRAINING = ["--lr", str(LR), "--decay", "constant", "--clip", "0", "--seed", str(SEED)]
 
 
+def ungroup(raw: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """`run_rounds`' results with each launch of several configurations (`Bench.pipelining`)
+    split into one result per configuration, each with the launch's `other_cores`."""
+    out: dict[str, list[dict]] = {}
+    for name, results in raw.items():
+        for r in results:
+            group = r.get("group", {name: r})
+            for sub, result in group.items():
+                out.setdefault(sub, []).append({**result, "other_cores": r["other_cores"]})
+    return out
+
+
 def blocks_on_first_stage(plan: dict) -> int:
     """Transformer blocks of stage 0 of a contiguous 2-stage split (checked contiguous)."""
     blocks = {}
@@ -99,14 +111,23 @@ class Bench:
             result["actions"] = summarise(rows, self.micro_batches, self.timed)
         return result
 
-    def pipelining(self, plan: Path, blocks: int, schedule: str, recompute: bool, name: str):
-        result = self.work / f"{name}.json"
-        args = ["-m", "benchmarks.harness.pipelining_worker"] + flags(
-            plan=plan, weights=self.weights, blocks=blocks, schedule=schedule, steps=self.steps,
-            lr=LR, seed=SEED, result=result, recompute=recompute or None,
-        )  # fmt: skip
-        torchrun(args, result.with_suffix(".log"))
-        return json.loads(result.read_text())
+    def pipelining(self, configs: dict, tag: str) -> dict:
+        """Every configuration, name -> (plan, blocks, schedule, recompute), trained in one
+        launch one after the other; returns {"group": name -> its result} (`ungroup`)."""
+        runs = [
+            {"plan": str(plan), "blocks": blocks, "schedule": schedule, "recompute": recompute,
+             "result": str(self.work / f"{name}.{tag}.json")}
+            for name, (plan, blocks, schedule, recompute) in configs.items()
+        ]  # fmt: skip
+        listed = self.work / f"pipelining.{tag}.runs.json"
+        with atomic_open(listed, "w") as f:
+            json.dump(runs, f)
+        args = ["-m", "benchmarks.harness.pipelining_worker", "--runs", listed]
+        args += flags(weights=self.weights, steps=self.steps, lr=LR, seed=SEED)
+        torchrun(args, listed.with_suffix(".log"))
+        return {
+            "group": {n: json.loads(Path(r["result"]).read_text()) for n, r in zip(configs, runs)}
+        }
 
     def single(self, plan: Path, name: str) -> dict:
         result = self.work / f"{name}.json"
@@ -147,7 +168,7 @@ def measure(
         torch.save(build_model(MODEL, SEED).state_dict(), f)
 
     todo = _configurations(bench, even, best, even_path, blocks)
-    raw = run_rounds(todo, rounds, "runtime")
+    raw = ungroup(run_rounds(todo, rounds, "runtime"))
     runs = {name: bench.merge(results) for name, results in raw.items()}
     for name, stats in runs.items():
         print(f"  {name}: {stats['samples_per_s']:.2f} samples/s", file=sys.stderr)
@@ -173,12 +194,14 @@ def _configurations(bench: Bench, even: dict, best: dict, even_path: Path, block
     return {
         "ftpipe-even-gpipe": lambda n: bench.ftpipe(even, "gpipe", n),
         "ftpipe-even-1f1b": lambda n: bench.ftpipe(even, "1f1b", n),
-        "pipelining-gpipe": lambda n: bench.pipelining(even_path, blocks, "gpipe", False, n),
-        "pipelining-1f1b": lambda n: bench.pipelining(even_path, blocks, "1f1b", False, n),
-        "pipelining-gpipe-recompute": lambda n: bench.pipelining(
-            even_path, blocks, "gpipe", True, n
+        "pipelining": lambda n: bench.pipelining(
+            {
+                f"pipelining-{s}" + ("-recompute" if r else ""): (even_path, blocks, s, r)
+                for s in ("gpipe", "1f1b")
+                for r in (False, True)
+            },
+            n,
         ),
-        "pipelining-1f1b-recompute": lambda n: bench.pipelining(even_path, blocks, "1f1b", True, n),
         "ftpipe-plan-gpipe": lambda n: bench.ftpipe(best, "gpipe", n),
         "ftpipe-plan-1f1b": lambda n: bench.ftpipe(best, "1f1b", n),
         "ftpipe-plan-ftpipe": lambda n: bench.ftpipe(best, "ftpipe", n),

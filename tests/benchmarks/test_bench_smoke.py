@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,22 +115,28 @@ def test_summarise_excludes_warmup_and_waits():
     assert out["S"]["compute_s"] == pytest.approx(0.2)
 
 
-def test_pipelining_run_starts_at_the_single_process_loss(tmp_path, seed):
+def test_pipelining_runs_start_at_the_single_process_loss(tmp_path, seed):
     """Two gloo ranks of torch.distributed.pipelining against one process: the same loss at
-    step 1, then apart (its LM head and embedding are no longer one parameter)."""
+    step 1, then apart (its LM head and embedding are no longer one parameter); two
+    configurations in one launch, each from the weights file afresh."""
     plan, weights = tmp_path / "plan.json", tmp_path / "w.pt"
     plan.write_text(json.dumps(TINY_PLAN))
     torch.save(build_model("gpt2-tiny", seed).state_dict(), weights)
-    result = tmp_path / "pipelining.json"
-    args = ["-m", "benchmarks.harness.pipelining_worker"] + flags(
-        plan=plan, weights=weights, blocks=1, schedule="1f1b", steps=2, lr=1e-2, result=result
-    )
-    torchrun(args, tmp_path / "pipelining.log")
-    piped = json.loads(result.read_text())
+    runs = [
+        {"plan": str(plan), "blocks": 1, "schedule": s, "recompute": r,
+         "result": str(tmp_path / f"{s}-{r}.json")}
+        for s, r in (("1f1b", False), ("gpipe", True))
+    ]  # fmt: skip
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    args = ["-m", "benchmarks.harness.pipelining_worker", "--runs", tmp_path / "runs.json"]
+    torchrun(args + flags(weights=weights, steps=2, lr=1e-2), tmp_path / "pipelining.log")
     single = train_single(TINY_PLAN, str(weights), steps=2, lr=1e-2, seed=0)
-    assert piped["losses"][0] == pytest.approx(single["losses"][0], rel=1e-6)
-    assert abs(piped["losses"][1] - single["losses"][1]) > 1e-5
-    assert len(piped["step_ends_s"]) == 2
+    for run in runs:
+        piped = json.loads(Path(run["result"]).read_text())
+        assert piped["schedule"] == run["schedule"]
+        assert piped["losses"][0] == pytest.approx(single["losses"][0], rel=1e-6)
+        assert abs(piped["losses"][1] - single["losses"][1]) > 1e-5
+        assert len(piped["step_ends_s"]) == 2
 
 
 def test_step_batch_stacks_the_runtimes_micro_batches():
@@ -293,3 +300,19 @@ def test_sections_run_compute_parts_two_at_a_time_and_timed_parts_alone():
     assert out["one"]["v"] == 3 and out["merged"]["v"] == 4 and out["merged"]["w"] == 5
     assert set(out["both"]["part_seconds"]) == {"sim", "run"}
     assert out["both"]["bench_seconds"] == pytest.approx(sum(out["both"]["part_seconds"].values()))
+
+
+def test_ungroup_gives_each_configuration_of_a_shared_launch_its_own_results():
+    from benchmarks.runtime.bench import ungroup
+
+    raw = {
+        "ftpipe": [{"losses": [1.0], "other_cores": 0.1}],
+        "pipelining": [
+            {"group": {"a": {"losses": [2.0]}, "b": {"losses": [3.0]}}, "other_cores": 0.2}
+        ],
+    }
+    assert ungroup(raw) == {
+        "ftpipe": [{"losses": [1.0], "other_cores": 0.1}],
+        "a": [{"losses": [2.0], "other_cores": 0.2}],
+        "b": [{"losses": [3.0], "other_cores": 0.2}],
+    }
