@@ -14,12 +14,13 @@ starting from one weights file and reading the same micro-batches, one thread pe
 
 Every configuration runs once per round, the rounds one after the other (with more than
 one, a disturbance from outside spreads over all configurations instead of spoiling one;
-each run says how much CPU others used meanwhile). Each run trains WARMUP + TIMED +
-COOLDOWN steps and times the TIMED ones: two warm-up steps, because pipelining's second
-step is still 10-40 % slower than its later ones (its best needs both; ftpipe's second step
-is already steady), and the last step overlaps the ranks' shutdown. One round of 6 timed
-steps costs two thirds of two rounds of 3 (each launch sets up a model and trains 3 untimed
-steps) for the same number of timed steps.
+each run says how much CPU others used meanwhile). Each run trains TIMED + 2 steps and
+times TIMED of them, each contender at its best (WINDOWS): the package after one warm-up
+step (its first sets the pipeline up; its second is already steady), its last step untimed
+(an asynchronous schedule's last overlaps nothing); pipelining and the single process after
+two (pipelining's second step is still 10-40 % slower than its later ones), their last step
+timed (it ends before anything is torn down). One round of 6 timed steps costs about two
+thirds of two rounds of 3 (each launch sets a model up and trains 2 untimed steps).
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ from benchmarks.runtime.report import markdown  # noqa: F401 - the section's ren
 ALONE = True  # it times processes: the machine to itself (benchmarks.sections)
 
 MODEL = "gpt2-bench"
-WARMUP, TIMED, COOLDOWN, ROUNDS = 2, 6, 1, 1
+TIMED, ROUNDS = 6, 1
+WINDOWS = {"ftpipe": (1, 1), "pipelining": (2, 0), "single": (2, 0)}  # untimed: first, last
+UNTIMED = 2  # steps of a run besides the timed ones: every window's two
 LR, SEED = 1e-4, 0
 TRAINING = ["--lr", str(LR), "--decay", "constant", "--clip", "0", "--seed", str(SEED)]
 
@@ -92,11 +95,12 @@ class Bench:
     """The runs of one measurement: one work folder, one weights file, one step count. Each
     run returns its losses, when its steps ended, and the CPU others used meanwhile."""
 
-    def __init__(self, work: Path, micro_batches: int, micro_batch: int, warmup: int, timed: int):
-        self.work, self.micro_batches, self.warmup = work, micro_batches, warmup
+    def __init__(self, work: Path, micro_batches: int, micro_batch: int, timed: int):
+        self.work, self.micro_batches = work, micro_batches
         self.batch = micro_batches * micro_batch
-        self.timed = range(warmup, warmup + timed)
-        self.steps = warmup + timed + COOLDOWN
+        first = WINDOWS["ftpipe"][0]
+        self.timed = range(first, first + timed)  # the package's timed steps
+        self.steps = timed + UNTIMED
         self.weights = work / "weights.pt"
 
     def ftpipe(self, compiled: dict, schedule: str, name: str) -> dict:
@@ -109,7 +113,7 @@ class Bench:
         if "action_files" in result:
             rows = load_actions(result["action_files"])
             result["actions"] = summarise(rows, self.micro_batches, self.timed)
-        return result
+        return {**result, "window": WINDOWS["ftpipe"]}
 
     def pipelining(self, configs: dict, tag: str) -> dict:
         """Every configuration, name -> (plan, blocks, schedule, recompute), trained in one
@@ -125,9 +129,9 @@ class Bench:
         args = ["-m", "benchmarks.harness.pipelining_worker", "--runs", listed]
         args += flags(weights=self.weights, steps=self.steps, lr=LR, seed=SEED)
         torchrun(args, listed.with_suffix(".log"))
-        return {
-            "group": {n: json.loads(Path(r["result"]).read_text()) for n, r in zip(configs, runs)}
-        }
+        window = {"window": WINDOWS["pipelining"]}
+        return {"group": {n: {**json.loads(Path(r["result"]).read_text()), **window}
+                          for n, r in zip(configs, runs)}}  # fmt: skip
 
     def single(self, plan: Path, name: str) -> dict:
         result = self.work / f"{name}.json"
@@ -136,11 +140,11 @@ class Bench:
             result=result,
         )  # fmt: skip
         run_child(cmd, result.with_suffix(".log"), threads=2)
-        return json.loads(result.read_text())
+        return {**json.loads(result.read_text()), "window": WINDOWS["single"]}
 
     def merge(self, rounds: list[dict]) -> dict:
         """One configuration's rounds: every timed step, the first round's losses."""
-        times = [t for r in rounds for t in step_times(r["step_ends_s"], self.warmup, COOLDOWN)]
+        times = [t for r in rounds for t in step_times(r["step_ends_s"], *r["window"])]
         return {
             **summarise_steps(times, self.batch),
             "actions": rounds[0].get("actions"),  # the first round's, per stage (ftpipe only)
@@ -150,9 +154,7 @@ class Bench:
         }
 
 
-def measure(
-    work: Path | None = None, warmup: int = WARMUP, timed: int = TIMED, rounds: int = ROUNDS
-) -> dict:
+def measure(work: Path | None = None, timed: int = TIMED, rounds: int = ROUNDS) -> dict:
     work = Path(work or ROOT / "out" / "bench" / "runtime")
     work.mkdir(parents=True, exist_ok=True)
     common = dict(hardware="cpu", profile="measured", schedule="1f1b")
@@ -163,7 +165,7 @@ def measure(
     best_plan = json.loads((work / "ftpipe" / "plan.json").read_text())
     blocks = blocks_on_first_stage(even_plan)
     m, size = int(even_plan["micro_batches"]), int(even_plan["model"]["micro_batch"])
-    bench = Bench(work, m, size, warmup, timed)
+    bench = Bench(work, m, size, timed)
     with atomic_open(bench.weights, "wb") as f:
         torch.save(build_model(MODEL, SEED).state_dict(), f)
 
@@ -177,9 +179,8 @@ def measure(
         "batch": bench.batch,
         "micro_batches": m,
         "seq_len": int(even_plan["model"]["inputs"]["input_ids"][0][1]),
-        "warmup_steps": warmup,
         "timed_steps": timed,
-        "cooldown_steps": COOLDOWN,
+        "windows": WINDOWS,
         "rounds": rounds,
         "lr": LR,
         "even_blocks": blocks,

@@ -144,6 +144,13 @@ def _quality(d: dict) -> str:
     return text
 
 
+def _windows(d: dict) -> str:
+    """Which steps each contender's runs left untimed (older data: one window for all)."""
+    windows = d.get("windows") or {"every run": (d["warmup_steps"], d["cooldown_steps"])}
+    return "; ".join(f"{who} after {a} warm-up step(s), {b} untimed at the end"
+                     for who, (a, b) in windows.items())  # fmt: skip
+
+
 def markdown(d: dict) -> str:
     lines = [
         "## 3. Runtime: the generated package on 2 CPU processes",
@@ -154,8 +161,9 @@ def markdown(d: dict) -> str:
         "2 ranks of one thread each (gloo), every run from the same weights on the same "
         f"micro-batches. Every configuration ran "
         + ("once" if d["rounds"] == 1 else f"{d['rounds']} times, the rounds one after the other")
-        + f"; each run trained {d['warmup_steps']} warm-up, {d['timed_steps']} timed and "
-        f"{d['cooldown_steps']} final untimed step(s), and a figure pools the "
+        + f"; each run timed {d['timed_steps']} steps, each contender at its best ("
+        + _windows(d)
+        + "), and a figure pools the "
         f"{d['rounds'] * d['timed_steps']} timed steps of its configuration: samples/s = "
         f"batch / mean step time. One run of `python -m benchmarks` ({d.get('bench_seconds', 0):.0f} "
         "s).",

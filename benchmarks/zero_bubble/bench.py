@@ -31,7 +31,7 @@ from ftpipe_runtime.atomic import atomic_open
 from benchmarks.harness.launch import ROOT, compile_plan
 from benchmarks.harness.reference import build_model
 from benchmarks.harness.stats import run_rounds
-from benchmarks.runtime.bench import ROUNDS, SEED, TIMED, WARMUP, Bench, ungroup  # the same steps
+from benchmarks.runtime.bench import ROUNDS, SEED, TIMED, Bench, ungroup  # the same steps
 from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.partition import problem_from_graph
 from ftpipe_compiler.plan_search import best_plan, schedule_names
@@ -80,9 +80,7 @@ def runtime(work: Path | None = None, rounds: int = ROUNDS) -> dict:
         s: json.loads((Path(c["output"]) / "plan.json").read_text()) for s, c in compiled.items()
     }
     first = plans[RUNTIME[0]]
-    bench = Bench(
-        work, int(first["micro_batches"]), int(first["model"]["micro_batch"]), WARMUP, TIMED
-    )
+    bench = Bench(work, int(first["micro_batches"]), int(first["model"]["micro_batch"]), TIMED)
     with atomic_open(bench.weights, "wb") as f:
         torch.save(build_model(MODEL, SEED).state_dict(), f)
     todo, splits, piped = {}, {}, {}
