@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from conftest import make_plan
 from ftpipe_runtime.replicas import BUCKET_BYTES
+from sim_plans import make_plan
 
 from ftpipe_compiler.costs.cluster import Cluster, Link
 from ftpipe_compiler.costs.formulas import ring_allreduce_s
