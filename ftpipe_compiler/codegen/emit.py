@@ -19,8 +19,8 @@ from torch import fx
 
 from ..errors import FtpipeError
 from ..graph.granularity import layer_key
-from .layout import Layout, StageLayout
 from .names import Namer, module_stack, value_base, weight_base
+from .wiring import StageWiring, Wiring
 
 MAX_LINE = 100
 _OPERATORS = {getattr(operator, k): k for k in ("add", "sub", "mul", "truediv", "floordiv", "neg")}
@@ -56,14 +56,14 @@ class StageEmitter:
 
     def __init__(
         self,
-        st: StageLayout,
-        lay: Layout,
+        st: StageWiring,
+        wiring: Wiring,
         names: dict[str, str],
         placeholders: dict,
         param_expr,
         compute: torch.dtype = torch.float32,
     ):
-        self.st, self.lay, self.names = st, lay, dict(names)
+        self.st, self.wiring, self.names = st, wiring, dict(names)
         self.placeholders = placeholders
         self.param_expr = param_expr
         # Traced in 16 bits, a cast to that dtype is a cast to the compute dtype: it follows
@@ -75,7 +75,7 @@ class StageEmitter:
     def body(self) -> list[str]:
         lines = [f'{name} = tensors["{name}"]' for name in self.st.model_inputs]
         for w in self.st.inputs:
-            src = self.lay.wires[w]
+            src = self.wiring.wires[w]
             note = f"  # {tuple(src.shape)} {src.dtype} from stage {src.producer}"
             lines.append(f'{self.names[w]} = tensors["{w}"]{note}')
         code = self._nodes()
@@ -164,9 +164,9 @@ class StageEmitter:
         return constant(a)
 
     def _return(self) -> list[str]:
-        items = [f'"loss": {self.names[self.lay.loss.name]}'] if self.st.is_loss else []
+        items = [f'"loss": {self.names[self.wiring.loss.name]}'] if self.st.is_loss else []
         for w in self.st.outputs:
-            if self.lay.wires[w].weight:  # the parameter itself: its gradient accumulates in it
+            if self.wiring.wires[w].weight:  # the parameter itself: its gradient accumulates in it
                 items.append(f'"{w}": {self.param_expr(w)}')
             else:  # gloo sends only contiguous tensors (stride-0 masks, permuted biases)
                 items.append(f'"{w}": {self.names[w]}.contiguous()')

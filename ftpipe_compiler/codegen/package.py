@@ -30,8 +30,8 @@ from ..plan import Plan
 from ..resources import templates_dir
 from ..version import __version__
 from .emit import StageEmitter, value_names
-from .layout import layout, package_plan
 from .summary import describe
+from .wiring import package_plan, wire
 
 TEMPLATES = ("stages.py", "__init__.py", "__main__.py", "README.md")
 
@@ -52,23 +52,23 @@ def generate_package(
         raise OutputExistsError(
             f"{final} already exists; pass --force to replace it, or choose another output folder"
         )
-    lay = layout(traced, graph, plan)
+    wiring = wire(traced, graph, plan)
     names = value_names(
         traced.program.graph,
         traced.placeholders,
         list(plan.model.get("inputs") or []),
-        [w.name for w in lay.wires.values() if w.weight],
+        [w.name for w in wiring.wires.values() if w.weight],
     )
     info = {p.name: p for p in plan.params}
     compute = getattr(torch, graph.meta.get("compute_dtype", "float32"))
     generated_by = f"ftpipe {__version__}: {command}"
     stages = []
     uses_operator = False
-    summaries = describe(lay.stages)
-    for st in tqdm(lay.stages, desc="generating stages", unit="stage", disable=None):
+    summaries = describe(wiring.stages)
+    for st in tqdm(wiring.stages, desc="generating stages", unit="stage", disable=None):
         emitter = StageEmitter(
             st,
-            lay,
+            wiring,
             names,
             traced.placeholders,
             lambda n: param_expr(n, info[n].trainable or info[n].frozen),
@@ -88,8 +88,8 @@ def generate_package(
                 "frozen": py_tuple([p for p in st.params if info[p].frozen]),
                 "n_params": sum(math.prod(info[p].shape) for p in st.params if info[p].trainable),
                 "body": [ln for line in body for ln in line.split("\n")],
-                "receives": [(w, lay.wires[w].producer) for w in st.inputs],
-                "sends": [(w, lay.wires[w].consumers) for w in st.outputs],
+                "receives": [(w, wiring.wires[w].producer) for w in st.inputs],
+                "sends": [(w, wiring.wires[w].consumers) for w in st.outputs],
             }
         )
     buffers = _buffer_values(
@@ -98,11 +98,11 @@ def generate_package(
         [
             p.name
             for p in plan.params
-            if not (p.trainable or p.frozen) and any(p.name in st.params for st in lay.stages)
+            if not (p.trainable or p.frozen) and any(p.name in st.params for st in wiring.stages)
         ],
     )
     extra = {"path": spec.path} if spec.path else {}
-    pplan = package_plan(plan, lay, extra, generated_by)
+    pplan = package_plan(plan, wiring, extra, generated_by)
     context = {
         "generated_by": generated_by,
         "command": command,

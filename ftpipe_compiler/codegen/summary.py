@@ -5,13 +5,13 @@ from __future__ import annotations
 import re
 
 from ..graph.granularity import layer_key
-from .layout import StageLayout
 from .names import module_stack
+from .wiring import StageWiring
 
 QUIET = {"Dropout"}
 
 
-def held_layers(st: StageLayout) -> list[tuple[str, str]]:
+def held_layers(st: StageWiring) -> list[tuple[str, str]]:
     """(layer scope, module type) in order of first appearance in the stage."""
     seen: dict[str, str] = {}
     for n in st.nodes:
@@ -25,7 +25,7 @@ def held_layers(st: StageLayout) -> list[tuple[str, str]]:
     return [(k, t) for k, t in seen.items() if t not in QUIET]
 
 
-def describe(stages: list[StageLayout]) -> dict[int, list[str]]:
+def describe(stages: list[StageWiring]) -> dict[int, list[str]]:
     """Per stage, its layers with numbered runs merged; `(part)` where a layer is split."""
     held = {st.id: held_layers(st) for st in stages}
     owners: dict[str, set[int]] = {}

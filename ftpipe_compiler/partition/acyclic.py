@@ -20,10 +20,10 @@ import time
 
 from ..costs.formulas import stage_memory
 from ..plan import Plan
+from .assignment import Assignment
 from .build import build_plan
 from .coarsen import atoms
-from .indexed import Costs, infeasible
-from .layout import Layout
+from .indexed import NodeCosts, infeasible
 from .refine import refine
 
 ORDERS = (0.0, 2.0, 8.0, 32.0)  # noise (in atoms) added to the graph's order; 0: the order itself
@@ -31,7 +31,7 @@ ORDERS = (0.0, 2.0, 8.0, 32.0)  # noise (in atoms) added to the graph's order; 0
 
 def acyclic(problem) -> Plan:
     t0 = time.perf_counter()
-    costs = Costs.of(problem)
+    costs = NodeCosts.of(problem)
     coarse = atoms(costs)
     units = coarse.groups()
     rng = random.Random(problem.seed)
@@ -46,7 +46,7 @@ def acyclic(problem) -> Plan:
             for u in sl:
                 for i in u:
                     stage_of[i] = s
-        lay = Layout(costs, stage_of, list(range(len(slices))))
+        lay = Assignment(costs, stage_of, list(range(len(slices))))
         refine(lay, units)
         key = (round(lay.period(), 12), lay.comm_bytes())
         if lay.fits() and (best is None or key < best[0]):
@@ -75,7 +75,7 @@ def seeded_order(coarse, rng: random.Random, noise: float) -> list[list[int]]:
     return out
 
 
-def bisect(costs: Costs, order: list[list[int]], gpus: int, rounds: int = 24):
+def bisect(costs: NodeCosts, order: list[list[int]], gpus: int, rounds: int = 24):
     """Smallest period (to 0.1%) whose greedy walk needs at most `gpus` slices."""
     lo = max(costs.problem.lower_bound(), 1e-12)
     hi = sum(costs.rec) + 1e-12
@@ -94,7 +94,7 @@ def bisect(costs: Costs, order: list[list[int]], gpus: int, rounds: int = 24):
     return best
 
 
-def greedy(costs: Costs, order: list[list[int]], period: float, gpus: int):
+def greedy(costs: NodeCosts, order: list[list[int]], period: float, gpus: int):
     """Cut `order` from its end into slices within `period` and memory; None if > gpus."""
     mem = costs.problem.memory
     slices: list[list[list[int]]] = []
@@ -118,7 +118,7 @@ def greedy(costs: Costs, order: list[list[int]], period: float, gpus: int):
 class _Slice:
     """Running compute and memory of a slice grown leftwards (towards the graph's inputs)."""
 
-    def __init__(self, costs: Costs, depth: int, length: int):
+    def __init__(self, costs: NodeCosts, depth: int, length: int):
         self.c = costs
         self.policy = {last: costs.chain_policy(depth, last, length) for last in (False, True)}
         self.rec = self.last = 0.0

@@ -21,10 +21,10 @@ from ..graph.granularity import layer_key
 from ..plan import Plan
 from .build import build_plan
 from .chain import Chain, runs
-from .indexed import Costs, infeasible
+from .indexed import NodeCosts, infeasible
 
 
-def layers(costs: Costs) -> list[list[int]]:
+def layers(costs: NodeCosts) -> list[list[int]]:
     """Layer units; loose runs join the next layer (the last layer takes trailing ones)."""
     out: list[list[int]] = []
     loose: list[int] = []
@@ -43,7 +43,7 @@ def layers(costs: Costs) -> list[list[int]]:
 
 def gpipe(problem) -> Plan:
     t0 = time.perf_counter()
-    costs = Costs.of(problem)
+    costs = NodeCosts.of(problem)
     chain = Chain(costs, layers(costs))
     U = len(chain)
     stages = min(problem.chain_length, U)
@@ -62,7 +62,7 @@ def gpipe(problem) -> Plan:
 
 def params(problem) -> Plan:
     t0 = time.perf_counter()
-    costs = Costs.of(problem)
+    costs = NodeCosts.of(problem)
     chain = Chain(costs, layers(costs))
     segs = chain.split(
         chain.static.astype(float), problem.chain_length, exact=True, per_gpu=problem.per_gpu

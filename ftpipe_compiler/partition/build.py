@@ -34,7 +34,7 @@ def build_plan(
     # Cheap tensors computed from inputs and weights alone: recomputed where read, not sent.
     copied = rematerialised(graph, stage_of, problem.bandwidth) if problem.rematerialise else {}
     # Stage graph and a deterministic topological numbering. Ties keep the caller's order, so
-    # stages a Layout numbered topologically keep their numbers (and parameters their owners).
+    # stages a Assignment numbered topologically keep their numbers (and parameters their owners).
     sg = nx.DiGraph()
     sg.add_nodes_from(stage_of[n.id] for n in graph.nodes)
     for e in graph.edges:

@@ -24,11 +24,11 @@ import numpy as np
 from tqdm import tqdm
 
 from ..costs.formulas import period_s, stage_memory
-from .indexed import Costs
+from .indexed import NodeCosts
 
 
 class Chain:
-    def __init__(self, costs: Costs, units: list[list[int]], progress: bool = False):
+    def __init__(self, costs: NodeCosts, units: list[list[int]], progress: bool = False):
         self.c, self.units = costs, units
         U = len(units)
         uo = [0] * costs.n
@@ -183,7 +183,7 @@ class Chain:
         return stage_of, {s: s for s in range(len(segs))}
 
 
-def runs(costs: Costs, key) -> list[list[int]]:
+def runs(costs: NodeCosts, key) -> list[list[int]]:
     """Runs of consecutive nodes (graph order) whose scopes share `key(scope)`."""
     nodes = costs.problem.graph.nodes
     out: list[list[int]] = []
@@ -198,7 +198,7 @@ def runs(costs: Costs, key) -> list[list[int]]:
     return out
 
 
-def compress(costs: Costs, units: list[list[int]], max_units: int) -> list[list[int]]:
+def compress(costs: NodeCosts, units: list[list[int]], max_units: int) -> list[list[int]]:
     """Join consecutive units until about `max_units` remain, each near an equal share of work."""
     if len(units) <= max_units:
         return units

@@ -13,11 +13,11 @@ move behind the merged group, which keeps the order topological without a global
 
 from __future__ import annotations
 
-from .indexed import Costs
+from .indexed import NodeCosts
 
 
 class Coarse:
-    def __init__(self, costs: Costs, groups: list[list[int]] | None = None):
+    def __init__(self, costs: NodeCosts, groups: list[list[int]] | None = None):
         self.c = costs
         groups = groups if groups is not None else [[i] for i in range(costs.n)]
         where = {}
@@ -118,7 +118,7 @@ def _topological(members, succ, pred) -> list[int]:
     return out
 
 
-def atoms(costs: Costs, heavy_percentile: float = 99.0) -> Coarse:
+def atoms(costs: NodeCosts, heavy_percentile: float = 99.0) -> Coarse:
     """Fold nodes that are poor stage borders into a neighbour: they become indivisible atoms.
 
     Zero-cost nodes (views, shape ops) go to their lightest neighbour; a node whose output is

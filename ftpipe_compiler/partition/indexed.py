@@ -1,6 +1,6 @@
 """The problem as flat lists indexed by a node's position in the graph, for fast searches.
 
-costs = Costs.of(problem); costs.rec[i], costs.preds[i], costs.params[i] ...
+costs = NodeCosts.of(problem); costs.rec[i], costs.preds[i], costs.params[i] ...
 topological_stages(costs, stage_of)       # stage ids renumbered along the stage graph
 raise infeasible(problem, "mixed")        # "mixed: infeasible: needs 3 GPUs / 31.2 GB ..."
 """
@@ -18,7 +18,7 @@ from .problem import Problem
 
 
 @dataclass
-class Costs:
+class NodeCosts:
     """The problem's figures as flat lists indexed by a node's position in the graph."""
 
     problem: Problem
@@ -42,7 +42,7 @@ class Costs:
     output: int
 
     @classmethod
-    def of(cls, problem: Problem) -> Costs:
+    def of(cls, problem: Problem) -> NodeCosts:
         g = problem.graph
         idx = g.index
         pidx = {p.name: k for k, p in enumerate(g.params)}
@@ -90,7 +90,7 @@ class Costs:
         return self.problem.policy(self.problem.chain_stage(depth, is_last, length))
 
 
-def topological_stages(costs: Costs, stage_of: list[int]) -> list[int]:
+def topological_stages(costs: NodeCosts, stage_of: list[int]) -> list[int]:
     """Renumber stages 0..S-1 so every edge goes from a lower or equal stage to a higher one.
 
     Ties go to the stage whose first node comes first, as `build_plan` numbers them.

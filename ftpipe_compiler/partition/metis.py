@@ -30,10 +30,10 @@ import pymetis
 
 from ..graph.granularity import layer_key, sublayer_key
 from ..plan import Plan
+from .assignment import Assignment
 from .build import build_plan
 from .coarsen import atoms, by_scope
-from .indexed import Costs, infeasible
-from .layout import Layout
+from .indexed import NodeCosts, infeasible
 from .mixed import stages
 from .refine import refine
 
@@ -46,7 +46,7 @@ TRIES = ((0, 30, 0.0), (1, 10, 0.0), (2, 30, 0.5))
 
 def metis(problem) -> Plan:
     t0 = time.perf_counter()
-    costs = Costs.of(problem)
+    costs = NodeCosts.of(problem)
     coarse = atoms(costs)
     units = coarse.groups()
     best = None
@@ -58,7 +58,7 @@ def metis(problem) -> Plan:
                 ranked(costs, blocks, part),
                 stages(costs, *split(costs, blocks, part)),
             ):
-                lay = Layout(costs, *repaired)
+                lay = Assignment(costs, *repaired)
                 refine(lay, units)
                 key = (round(lay.period(), 12), lay.comm_bytes())
                 if lay.fits() and (best is None or key < best[0]):
@@ -70,7 +70,12 @@ def metis(problem) -> Plan:
 
 
 def kway(
-    costs: Costs, units: list[list[int]], parts: int, seed: int, ufactor: int, alpha: float = 0.0
+    costs: NodeCosts,
+    units: list[list[int]],
+    parts: int,
+    seed: int,
+    ufactor: int,
+    alpha: float = 0.0,
 ) -> list[int]:
     """pymetis part of every unit (all 0 for one part); weight = compute, alpha of it memory."""
     if parts == 1 or len(units) <= 1:
@@ -125,7 +130,9 @@ def c_stdout_silenced():
         os.close(saved)
 
 
-def ranked(costs: Costs, units: list[list[int]], part: list[int]) -> tuple[list[int], list[int]]:
+def ranked(
+    costs: NodeCosts, units: list[list[int]], part: list[int]
+) -> tuple[list[int], list[int]]:
     """(stage of every node, GPU of every stage): parts ranked, stages pushed forward."""
     mass: dict[int, list[float]] = {}
     for k, u in enumerate(units):
@@ -143,7 +150,7 @@ def ranked(costs: Costs, units: list[list[int]], part: list[int]) -> tuple[list[
 
 
 def split(
-    costs: Costs, units: list[list[int]], part: list[int]
+    costs: NodeCosts, units: list[list[int]], part: list[int]
 ) -> tuple[list[list[int]], list[int]]:
     """Runs of one part along a topological order that prefers to stay on the current part.
 

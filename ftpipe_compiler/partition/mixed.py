@@ -15,10 +15,10 @@ import time
 from ..costs.formulas import gpu_memory_bytes, stage_memory
 from ..graph.granularity import layer_key, sublayer_key
 from ..plan import Plan
+from .assignment import Assignment
 from .build import build_plan
 from .coarsen import Coarse, atoms, by_scope, grow_centers
-from .indexed import Costs, infeasible
-from .layout import Layout
+from .indexed import NodeCosts, infeasible
 from .refine import refine
 
 ITERATIONS = 4  # §4.3 re-costing rounds: usually stable after two; a repeat also ends them
@@ -28,7 +28,7 @@ MAX_BLOCKS = 64
 
 def mixed(problem) -> Plan:
     t0 = time.perf_counter()
-    costs = Costs.of(problem)
+    costs = NodeCosts.of(problem)
     P = problem.gpus
     base = atoms(costs)
     units = base.groups()
@@ -78,17 +78,17 @@ def _judge(plan: Plan) -> tuple[float, float, int, int]:
     )
 
 
-def _key(lay: Layout) -> tuple[float, int, int]:
+def _key(lay: Assignment) -> tuple[float, int, int]:
     return round(lay.period(), 12), lay.comm_bytes(), lay.nstages
 
 
-def assign(costs: Costs, blocks: list[list[int]]) -> Layout:
+def assign(costs: NodeCosts, blocks: list[list[int]]) -> Assignment:
     """LPT + stages, iterated until the blocks in the loss stage stop changing (§4.3)."""
     loss_blocks: frozenset[int] = frozenset()
     seen, best = set(), None
     for _ in range(ITERATIONS):
         gpu = lpt(costs, blocks, loss_blocks)
-        lay = Layout(costs, *stages(costs, blocks, gpu))
+        lay = Assignment(costs, *stages(costs, blocks, gpu))
         if best is None or (not lay.fits(), _key(lay)) < (not best.fits(), _key(best)):
             best = lay  # one that does not fit may still be repaired by refinement
         loss = lay.loss
@@ -100,7 +100,7 @@ def assign(costs: Costs, blocks: list[list[int]]) -> Layout:
     return best
 
 
-def lpt(costs: Costs, blocks: list[list[int]], loss_blocks=frozenset()) -> list[int]:
+def lpt(costs: NodeCosts, blocks: list[list[int]], loss_blocks=frozenset()) -> list[int]:
     """Longest Processing Time first: largest block to the least-loaded GPU where it fits.
 
     Memory per GPU is estimated before stages exist: static state of the parameters read,
@@ -149,7 +149,9 @@ def lpt(costs: Costs, blocks: list[list[int]], loss_blocks=frozenset()) -> list[
     return gpu
 
 
-def stages(costs: Costs, blocks: list[list[int]], gpu: list[int]) -> tuple[list[int], list[int]]:
+def stages(
+    costs: NodeCosts, blocks: list[list[int]], gpu: list[int]
+) -> tuple[list[int], list[int]]:
     """Join connected blocks of one GPU into a stage unless a path leaves the GPU and returns.
 
     Returns (stage of every node, GPU of every stage).
@@ -175,7 +177,7 @@ def stages(costs: Costs, blocks: list[list[int]], gpu: list[int]) -> tuple[list[
     return stage_of, gpu_of
 
 
-def _params_memory(costs: Costs, params, policy) -> tuple[int, int]:
+def _params_memory(costs: NodeCosts, params, policy) -> tuple[int, int]:
     """The cost model's (held, transient) of these parameters alone."""
     return stage_memory(
         trainable_bytes=sum(costs.ptrainable[p] for p in params),
@@ -187,7 +189,7 @@ def _params_memory(costs: Costs, params, policy) -> tuple[int, int]:
     )
 
 
-def _input_bytes(costs: Costs, nodes) -> int:
+def _input_bytes(costs: NodeCosts, nodes) -> int:
     inside = set(nodes)
     ext = {p for i in nodes for p in costs.preds[i] if p not in inside}
     mi = {x for i in nodes for x in costs.inputs[i]}

@@ -22,14 +22,14 @@ import time
 from ..plan import Plan
 from .build import build_plan
 from .chain import Chain, compress
-from .indexed import Costs, infeasible
+from .indexed import NodeCosts, infeasible
 
 MAX_UNITS = 384  # chain length: ~0.3% of the work per unit on T5-3B, a second of DP
 
 
 def pipedream(problem, max_units: int = MAX_UNITS) -> Plan:
     t0 = time.perf_counter()
-    costs = Costs.of(problem)
+    costs = NodeCosts.of(problem)
     units = compress(costs, [[i] for i in range(costs.n)], max_units)
     chain = Chain(costs, units, progress=True)
     n = problem.chain_length  # a schedule with a pattern (WPipe's loop) gets exactly its stages

@@ -9,17 +9,17 @@ that lower the memory over the limit most. Then a move is kept when it lowers th
 GPU's period, or keeps it and lowers the sum of squared periods (spreads load away from a
 second bottleneck), or keeps both and lowers the bytes communicated — always within memory.
 
-    refine(layout, units) -> number of moves made
+    refine(assignment, units) -> number of moves made
 """
 
 from __future__ import annotations
 
-from .layout import Layout
+from .assignment import Assignment
 
 EPS = 1e-12
 
 
-def _score(lay: Layout) -> tuple[float, float, int]:
+def _score(lay: Assignment) -> tuple[float, float, int]:
     per = lay.periods()
     return max(per), sum(p * p for p in per), lay.comm_bytes()
 
@@ -37,7 +37,7 @@ def _better(new: tuple, old: tuple) -> bool:
 
 
 def unit_neighbours(
-    lay: Layout, units: list[list[int]]
+    lay: Assignment, units: list[list[int]]
 ) -> tuple[list[int], list[list[int]], list[list[int]]]:
     """unit of every node, and each unit's predecessor / successor nodes outside it."""
     unit_of = [0] * lay.c.n
@@ -51,7 +51,7 @@ def unit_neighbours(
     return unit_of, preds, succs
 
 
-def refine(lay: Layout, units: list[list[int]], max_moves: int = 20000) -> int:
+def refine(lay: Assignment, units: list[list[int]], max_moves: int = 20000) -> int:
     """Greedy best-move refinement, slowest GPU first; every unit must sit in one stage.
 
     Stops when no move helps. `max_moves` is a safety net (the models we ship converge in
@@ -106,7 +106,7 @@ def refine(lay: Layout, units: list[list[int]], max_moves: int = 20000) -> int:
     return moves
 
 
-def overflow(lay: Layout) -> int:
+def overflow(lay: Assignment) -> int:
     mem = lay.c.problem.memory
     return sum(max(0, lay.memory(g) - mem) for g in range(lay.gpus))
 
@@ -155,7 +155,7 @@ def _best_move(lay, g, units, border, preds, succs, cur, per, work):
     return best
 
 
-def _targets(lay: Layout, s: int, preds: list[int], succs: list[int]) -> list[int]:
+def _targets(lay: Assignment, s: int, preds: list[int], succs: list[int]) -> list[int]:
     """The legal neighbouring stages of a unit now in stage s (none if it is interior)."""
     st = lay.stage
     lo = max((st[p] for p in preds), default=-1)

@@ -12,7 +12,7 @@ from ftpipe_compiler.errors import InfeasibleError
 from ftpipe_compiler.partition import build_plan
 from ftpipe_compiler.partition.baselines import gpipe, layers, params
 from ftpipe_compiler.partition.chain import compress
-from ftpipe_compiler.partition.indexed import Costs
+from ftpipe_compiler.partition.indexed import NodeCosts
 from ftpipe_compiler.partition.pipedream import pipedream
 
 
@@ -87,7 +87,7 @@ def test_gpipe_puts_an_equal_number_of_layers_on_every_gpu(seed):
 
 def test_compression_keeps_order_and_every_node(seed):
     problem = make_problem(make_graph(60, seed), gpus=2)
-    costs = Costs.of(problem)
+    costs = NodeCosts.of(problem)
     units = compress(costs, [[i] for i in range(costs.n)], 10)
     assert [i for u in units for i in u] == list(range(costs.n))
     assert len(units) <= 2 * 10 + 1

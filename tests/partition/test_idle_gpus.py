@@ -11,11 +11,11 @@ import pytest
 from click.testing import CliRunner
 from ftpipe_runtime.topology import Topology
 from partition_helpers import make_graph, make_problem
-from test_layout import random_layout
+from test_assignment import random_assignment
 
 from ftpipe_compiler.cli import cli
 from ftpipe_compiler.partition import build_plan, run_partitioners
-from ftpipe_compiler.partition.indexed import Costs
+from ftpipe_compiler.partition.indexed import NodeCosts
 from ftpipe_compiler.plan import Plan
 
 
@@ -35,7 +35,7 @@ def test_compaction_renumbers_gpus_and_keeps_every_figure():
     rng = random.Random(3)
     graph = make_graph(30, 3)
     problem = make_problem(graph, gpus=6, memory=2**50)
-    lay = random_layout(Costs.of(problem), rng, 6)
+    lay = random_assignment(NodeCosts.of(problem), rng, 6)
     plan = build_plan(problem, lay.stage_of(), lay.gpu_of(), "test")
     assert plan.idle_gpus  # this layout leaves some GPUs without a stage
     compact = plan.compacted()

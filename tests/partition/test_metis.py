@@ -9,14 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from partition_helpers import make_graph, make_problem
 
+from ftpipe_compiler.partition.assignment import Assignment
 from ftpipe_compiler.partition.coarsen import atoms
-from ftpipe_compiler.partition.indexed import Costs
-from ftpipe_compiler.partition.layout import Layout
+from ftpipe_compiler.partition.indexed import NodeCosts
 from ftpipe_compiler.partition.metis import kway, ranked, split
 from ftpipe_compiler.partition.mixed import stages
 
 
-def stage_graph(costs: Costs, stage_of: list[int]) -> nx.DiGraph:
+def stage_graph(costs: NodeCosts, stage_of: list[int]) -> nx.DiGraph:
     g = nx.DiGraph()
     g.add_nodes_from(set(stage_of))
     g.add_edges_from(
@@ -37,7 +37,7 @@ def stage_graph(costs: Costs, stage_of: list[int]) -> nx.DiGraph:
 )
 def test_repairs_of_arbitrary_parts_are_acyclic(n, graph_seed, parts, label_seed):
     """Any labelling, not only METIS's: the repairs must never yield a cyclic stage graph."""
-    costs = Costs.of(make_problem(make_graph(n, graph_seed), gpus=parts))
+    costs = NodeCosts.of(make_problem(make_graph(n, graph_seed), gpus=parts))
     units = atoms(costs).groups()
     rng = random.Random(label_seed)
     part = [rng.randrange(parts) for _ in units]
@@ -49,11 +49,11 @@ def test_repairs_of_arbitrary_parts_are_acyclic(n, graph_seed, parts, label_seed
     assert all(part_of_node[i] == g for b, g in zip(blocks, gpu) for i in b)  # a block is one part
     stage_of, gpu_of = stages(costs, blocks, gpu)
     assert nx.is_directed_acyclic_graph(stage_graph(costs, stage_of))
-    Layout(costs, stage_of, gpu_of)  # renumbers topologically; raises on a cycle
+    Assignment(costs, stage_of, gpu_of)  # renumbers topologically; raises on a cycle
 
 
 def test_kway_uses_every_part_and_is_deterministic(seed):
-    costs = Costs.of(make_problem(make_graph(60, seed), gpus=4))
+    costs = NodeCosts.of(make_problem(make_graph(60, seed), gpus=4))
     units = atoms(costs).groups()
     a = kway(costs, units, 4, seed, 30)
     assert a == kway(costs, units, 4, seed, 30)

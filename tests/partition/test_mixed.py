@@ -7,8 +7,8 @@ import pytest
 from partition_helpers import crafted_graph, make_graph, make_problem
 
 from ftpipe_compiler.graph.granularity import sublayer_key
-from ftpipe_compiler.partition.indexed import Costs
-from ftpipe_compiler.partition.layout import Layout
+from ftpipe_compiler.partition.assignment import Assignment
+from ftpipe_compiler.partition.indexed import NodeCosts
 from ftpipe_compiler.partition.mixed import assign, lpt, mixed, stages
 
 
@@ -18,18 +18,18 @@ def test_loss_stage_recosting_finds_the_better_assignment():
     One LPT pass with recompute costs puts the loss block first: period 10. Re-costing what
     landed in the loss stage (§4.3) reaches 6 + 3.5 = 9.5 on one GPU and 4 + 4 on the other.
     """
-    costs = Costs.of(
+    costs = NodeCosts.of(
         make_problem(crafted_graph([3.0, 2.0, 2.0, 3.5], [0] * 4, recompute=True), gpus=2)
     )
     blocks = [[0], [1], [2], [3]]
-    once = Layout(costs, *stages(costs, blocks, lpt(costs, blocks)))
+    once = Assignment(costs, *stages(costs, blocks, lpt(costs, blocks)))
     assert once.period() == pytest.approx(10.0)
     assert assign(costs, blocks).period() == pytest.approx(9.5)
 
 
 def test_stages_split_where_a_path_leaves_the_gpu_and_returns(seed):
     # Chain a -> b -> c with a and c on GPU 0, b on GPU 1: a and c cannot be one stage.
-    costs = Costs.of(make_problem(crafted_graph([1.0, 1.0, 1.0, 1.0], [0] * 4), gpus=2))
+    costs = NodeCosts.of(make_problem(crafted_graph([1.0, 1.0, 1.0, 1.0], [0] * 4), gpus=2))
     stage_of, gpu_of = stages(costs, [[0], [1], [2], [3]], [0, 1, 0, 0])
     assert stage_of[0] != stage_of[2]
     assert stage_of[2] == stage_of[3]  # connected on one GPU: joined
@@ -39,7 +39,7 @@ def test_stages_split_where_a_path_leaves_the_gpu_and_returns(seed):
 
     rng = random.Random(seed)
     for trial in range(10):
-        costs = Costs.of(make_problem(make_graph(40, seed + trial), gpus=3))
+        costs = NodeCosts.of(make_problem(make_graph(40, seed + trial), gpus=3))
         blocks = [[i] for i in range(costs.n)]
         stage_of, gpu_of = stages(costs, blocks, [rng.randrange(3) for _ in blocks])
         sg = nx.DiGraph(

@@ -6,11 +6,11 @@ import random
 
 import pytest
 from partition_helpers import make_graph, make_problem
-from test_layout import random_layout, random_legal_moves
+from test_assignment import random_assignment, random_legal_moves
 
 from ftpipe_compiler.errors import PlanFormatError
 from ftpipe_compiler.partition import build_plan
-from ftpipe_compiler.partition.indexed import Costs
+from ftpipe_compiler.partition.indexed import NodeCosts
 from ftpipe_compiler.plan import Plan
 
 
@@ -76,7 +76,7 @@ def test_owner_edges_keep_the_numbering_topological(seed, schedule):
     for trial in range(10):
         graph = make_graph(rng.randint(5, 40), seed + trial, loss=rng.choice([-1, -2]))
         problem = make_problem(graph, gpus=rng.randint(1, 4), schedule=schedule, memory=2**50)
-        lay = random_layout(Costs.of(problem), rng, problem.gpus)
+        lay = random_assignment(NodeCosts.of(problem), rng, problem.gpus)
         random_legal_moves(lay, rng, 30)
         plan = build_plan(problem, lay.stage_of(), lay.gpu_of(), "test")
         plan.validate()

@@ -1,7 +1,7 @@
 """From a Plan over graph nodes to what each generated stage computes and sends.
 
 A plan speaks of graph nodes (one ATen call, or a whole layer at `layer` granularity); code
-speaks of traced fx values. `layout()` maps every traced value to its stage and finds the
+speaks of traced fx values. `wire()` maps every traced value to its stage and finds the
 *wires*: the tensors that really cross between stages. They differ from the plan's transfers
 in two ways the runtime must see:
 
@@ -31,6 +31,8 @@ from ..plan import Plan
 
 @dataclass(frozen=True)
 class Wire:
+    """A value (tensor or parameter) that crosses from one stage to others."""
+
     name: str  # the traced value's name: what the plan.json of the package calls the tensor
     producer: int
     consumers: tuple[int, ...]
@@ -54,7 +56,9 @@ class Wire:
 
 
 @dataclass
-class StageLayout:
+class StageWiring:
+    """One generated stage: the traced nodes it runs, what it owns, receives and sends."""
+
     id: int
     gpu: int
     nodes: list[fx.Node] = field(default_factory=list)  # in execution order
@@ -66,14 +70,16 @@ class StageLayout:
 
 
 @dataclass
-class Layout:
-    stages: list[StageLayout]
+class Wiring:
+    """A plan mapped onto the traced program: its stages and the wires between them."""
+
+    stages: list[StageWiring]
     wires: dict[str, Wire]
     loss: fx.Node
     requires_grad: dict[str, bool]  # per traced value
 
 
-def layout(traced: Traced, graph: OpGraph, plan: Plan) -> Layout:
+def wire(traced: Traced, graph: OpGraph, plan: Plan) -> Wiring:
     fx_graph = traced.program.graph
     by_name = {n.name: n for n in fx_graph.nodes}
     stage_of: dict[str, int] = {}
@@ -108,7 +114,7 @@ def layout(traced: Traced, graph: OpGraph, plan: Plan) -> Layout:
 
     grad = _requires_grad(fx_graph, traced.placeholders, {p.name: p.trainable for p in plan.params})
     stages = {
-        st.id: StageLayout(st.id, st.gpu, is_loss=st.id == plan.loss_stage) for st in plan.stages
+        st.id: StageWiring(st.id, st.gpu, is_loss=st.id == plan.loss_stage) for st in plan.stages
     }
     input_order = list(plan.model.get("inputs") or [])
     owner = {p.name: p.stages[0] for p in plan.params if p.stages}
@@ -161,7 +167,7 @@ def layout(traced: Traced, graph: OpGraph, plan: Plan) -> Layout:
         stages[w.producer].outputs.append(w.name)
         for c in w.consumers:
             stages[c].inputs.append(w.name)
-    return Layout([stages[k] for k in sorted(stages)], wires, loss, grad)
+    return Wiring([stages[k] for k in sorted(stages)], wires, loss, grad)
 
 
 def _wire(n: fx.Node, producer: int, consumers: set[int], grad: bool, node_of) -> Wire:
@@ -218,15 +224,15 @@ def _args(n: fx.Node) -> list[fx.Node]:
     return found
 
 
-def package_plan(plan: Plan, lay: Layout, extra_model: dict, generated_by: str) -> dict:
+def package_plan(plan: Plan, wiring: Wiring, extra_model: dict, generated_by: str) -> dict:
     """The plan as the package runs it: the same schema, with wires as the transfers."""
     d = plan.to_json()
     d = {"generated_by": generated_by, **d}
     d["model"] = {**d["model"], **extra_model}
-    d["transfers"] = [w.to_json() for w in lay.wires.values()]
-    for sd, st in zip(d["stages"], lay.stages):
+    d["transfers"] = [w.to_json() for w in wiring.wires.values()]
+    for sd, st in zip(d["stages"], wiring.stages):
         sd["inputs"] = list(st.inputs)
         sd["outputs"] = list(st.outputs)
         sd["model_inputs"] = list(st.model_inputs)
-    d["wires"] = {w.name: w.node for w in lay.wires.values()}
+    d["wires"] = {w.name: w.node for w in wiring.wires.values()}
     return d

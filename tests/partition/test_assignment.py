@@ -1,4 +1,4 @@
-"""The incremental Layout must agree with build_plan's Plan to the byte and the second."""
+"""The incremental Assignment must agree with build_plan's Plan to the byte and the second."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import pytest
 from partition_helpers import make_graph, make_problem
 
 from ftpipe_compiler.partition import build_plan
-from ftpipe_compiler.partition.indexed import Costs
-from ftpipe_compiler.partition.layout import Layout
+from ftpipe_compiler.partition.assignment import Assignment
+from ftpipe_compiler.partition.indexed import NodeCosts
 from ftpipe_compiler.partition.refine import refine
 
 
-def random_layout(costs: Costs, rng: random.Random, gpus: int) -> Layout:
+def random_assignment(costs: NodeCosts, rng: random.Random, gpus: int) -> Assignment:
     """Slices of the graph order (always acyclic), several stages per GPU at random."""
     n = costs.n
     cuts = sorted(rng.sample(range(1, n), rng.randint(0, min(6, n - 1))))
@@ -23,10 +23,10 @@ def random_layout(costs: Costs, rng: random.Random, gpus: int) -> Layout:
             s += 1
         stage_of.append(s)
     gpu_of = [rng.randrange(gpus) for _ in range(len(cuts) + 1)]
-    return Layout(costs, stage_of, gpu_of)
+    return Assignment(costs, stage_of, gpu_of)
 
 
-def random_legal_moves(lay: Layout, rng: random.Random, count: int) -> None:
+def random_legal_moves(lay: Assignment, rng: random.Random, count: int) -> None:
     for _ in range(count):
         i = rng.randrange(lay.c.n)
         lo = max((lay.stage[p] for p in lay.c.preds[i]), default=0)
@@ -34,7 +34,7 @@ def random_legal_moves(lay: Layout, rng: random.Random, count: int) -> None:
         lay.move([i], rng.randint(lo, hi))
 
 
-def assert_same_as_plan(lay: Layout, problem) -> None:
+def assert_same_as_plan(lay: Assignment, problem) -> None:
     plan = build_plan(problem, lay.stage_of(), lay.gpu_of(), "test")
     if plan.feasible:
         plan.validate()
@@ -46,7 +46,7 @@ def assert_same_as_plan(lay: Layout, problem) -> None:
 
 
 @pytest.mark.parametrize("schedule", ["ftpipe", "gpipe", "1f1b", "2bw"])
-def test_layout_matches_plan_after_random_moves(seed, schedule):
+def test_assignment_matches_plan_after_random_moves(seed, schedule):
     rng = random.Random(seed)
     for trial in range(8):
         problem = make_problem(
@@ -54,7 +54,7 @@ def test_layout_matches_plan_after_random_moves(seed, schedule):
             gpus=rng.randint(1, 4),
             schedule=schedule,
         )
-        lay = random_layout(Costs.of(problem), rng, problem.gpus)
+        lay = random_assignment(NodeCosts.of(problem), rng, problem.gpus)
         assert_same_as_plan(lay, problem)
         random_legal_moves(lay, rng, 30)
         assert_same_as_plan(lay, problem)
@@ -63,7 +63,7 @@ def test_layout_matches_plan_after_random_moves(seed, schedule):
 def test_undo_restores_every_figure(seed):
     rng = random.Random(seed)
     problem = make_problem(make_graph(30, seed), gpus=3)
-    lay = random_layout(Costs.of(problem), rng, 3)
+    lay = random_assignment(NodeCosts.of(problem), rng, 3)
     before = (lay.periods(), [lay.memory(g) for g in range(3)], lay.comm_bytes(), list(lay.stage))
     nodes = [5, 6, 7]
     moved = lay.move(nodes, 0)
@@ -77,8 +77,8 @@ def test_refine_never_raises_the_period_and_keeps_the_plan_valid(seed):
     rng = random.Random(seed)
     for trial in range(6):
         problem = make_problem(make_graph(40, seed + trial), gpus=3)
-        costs = Costs.of(problem)
-        lay = random_layout(costs, rng, 3)
+        costs = NodeCosts.of(problem)
+        lay = random_assignment(costs, rng, 3)
         start = lay.period()
         refine(lay, [[i] for i in range(costs.n)])
         assert lay.period() <= start * (1 + 1e-12)

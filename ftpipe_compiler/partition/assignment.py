@@ -1,11 +1,12 @@
 """A partition under search: incremental plan figures for the partitioners' inner loops.
 
 `build_plan` is exact but rebuilds every stage; a search that tries thousands of moves
-keeps a `Layout` instead: nodes are integers (graph order), and moving one node updates
+keeps an `Assignment` instead: nodes are integers (graph order), and moving one node updates
 only what it touches. Its period, communication and memory follow `Plan` to the byte
-(tests compare the two), so a layout that fits here fits as a plan.
+(tests compare the two), so an assignment that fits here fits as a plan.
 
-    lay = Layout(Costs.of(problem), stage_of=[...], gpu_of=[...])  # stages renumbered topologically
+    lay = Assignment(NodeCosts.of(problem), stage_of=[...], gpu_of=[...])
+    # (stages renumbered topologically)
     lay.move([i, j], stage); lay.period(); lay.fits()
 """
 
@@ -16,13 +17,13 @@ from collections import defaultdict
 from ftpipe_runtime.schedules import StageInfo
 
 from ..costs.formulas import gpu_memory_bytes, period_s, stage_memory
-from .indexed import Costs, topological_stages
+from .indexed import NodeCosts, topological_stages
 
 
-class Layout:
+class Assignment:
     """Node -> stage (stages numbered topologically), stage -> GPU, with running figures."""
 
-    def __init__(self, costs: Costs, stage_of: list[int], gpu_of: dict[int, int] | list[int]):
+    def __init__(self, costs: NodeCosts, stage_of: list[int], gpu_of: dict[int, int] | list[int]):
         c = self.c = costs
         old = list(stage_of)
         self.stage = topological_stages(costs, old)
@@ -34,15 +35,15 @@ class Layout:
         self.on = [[s for s in range(self.nstages) if self.gpu[s] == g] for g in range(self.gpus)]
         S, G = self.nstages, self.gpus
         self.size, self.rec, self.last, self.act = [0] * S, [0.0] * S, [0.0] * S, [0] * S
-        self.inb = [0] * S
-        self.cs = [defaultdict(int) for _ in range(c.n)]  # consumers of a tensor per stage
-        self.cg = [defaultdict(int) for _ in range(c.n)]  # ... per GPU
-        self.mi = [defaultdict(int) for _ in range(S)]  # readers of a model input per stage
-        self.pr = [defaultdict(int) for _ in c.pstatic]  # readers of a parameter per stage
+        self.input_bytes = [0] * S  # what each stage receives (tensors, model inputs, weights)
+        self.stage_readers = [defaultdict(int) for _ in range(c.n)]  # tensor readers per stage
+        self.gpu_readers = [defaultdict(int) for _ in range(c.n)]  # ... per GPU
+        self.input_readers = [defaultdict(int) for _ in range(S)]  # model input readers
+        self.param_readers = [defaultdict(int) for _ in c.pstatic]  # param readers per stage
         self.fwd, self.bwd = [0] * G, [0] * G
         # Parameter bytes each stage owns: trainable weights (kept per version), frozen, state.
         self.trainable, self.frozen, self.state = [0] * S, [0] * S, [0] * S
-        self.se: dict[tuple[int, int], int] = defaultdict(int)  # tensor and weight edges
+        self.stage_edges: dict[tuple[int, int], int] = defaultdict(int)  # tensor and weight edges
         self._pols, self._pols_loss, self._epoch = {}, -1, 0  # stage policies, see _policy
         # Build by "moving" every node in from nowhere (stage -1) so one code path keeps the books.
         place, self.stage = self.stage, [-1] * c.n
@@ -106,7 +107,7 @@ class Layout:
                     trainable_bytes=self.trainable[s],
                     frozen_bytes=self.frozen[s],
                     state_bytes=self.state[s],
-                    input_bytes=self.inb[s],
+                    input_bytes=self.input_bytes[s],
                     act_bytes=self.act[s],
                     policy=self._policy(s),
                 )
@@ -144,10 +145,10 @@ class Layout:
         for u in touched:
             self._tensor(u, -1)
         # Tensor i: stages that now receive it, or no longer do.
-        if a >= 0 and self.cs[i].get(a):
-            self.inb[a] += c.out[i]
-        if self.cs[i].get(t):
-            self.inb[t] -= c.out[i]
+        if a >= 0 and self.stage_readers[i].get(a):
+            self.input_bytes[a] += c.out[i]
+        if self.stage_readers[i].get(t):
+            self.input_bytes[t] -= c.out[i]
         for j in c.succs[i]:
             sj = self.stage[j]
             if sj >= 0:
@@ -162,17 +163,17 @@ class Layout:
             self._edge(su, t, +1)
         for x in c.inputs[i]:
             if a >= 0:
-                self.mi[a][x] -= 1
-                if not self.mi[a][x]:
-                    self.inb[a] -= c.input_bytes[x]
-            if not self.mi[t][x]:
-                self.inb[t] += c.input_bytes[x]
-            self.mi[t][x] += 1
+                self.input_readers[a][x] -= 1
+                if not self.input_readers[a][x]:
+                    self.input_bytes[a] -= c.input_bytes[x]
+            if not self.input_readers[t][x]:
+                self.input_bytes[t] += c.input_bytes[x]
+            self.input_readers[t][x] += 1
         for p in c.params[i]:
             self._param(p, -1)
             if a >= 0:
-                self.pr[p][a] -= 1
-            self.pr[p][t] += 1
+                self.param_readers[p][a] -= 1
+            self.param_readers[p][t] += 1
             self._param(p, +1)
         if (a >= 0 and self.size[a] == 1) or not self.size[t]:
             self._epoch += 1  # a stage empties or fills: chunks may shift
@@ -191,16 +192,16 @@ class Layout:
 
     def _consumer(self, u: int, su: int, s: int, g: int, d: int) -> None:
         """One more (d=+1) or one fewer (d=-1) consumer of tensor u in stage s on GPU g."""
-        cs = self.cs[u]
+        readers = self.stage_readers[u]
         if d < 0:
-            cs[s] -= 1
-            if not cs[s] and su != s:
-                self.inb[s] -= self.c.out[u]
+            readers[s] -= 1
+            if not readers[s] and su != s:
+                self.input_bytes[s] -= self.c.out[u]
         else:
-            if not cs[s] and su != s:
-                self.inb[s] += self.c.out[u]
-            cs[s] += 1
-        self.cg[u][g] += d
+            if not readers[s] and su != s:
+                self.input_bytes[s] += self.c.out[u]
+            readers[s] += 1
+        self.gpu_readers[u][g] += d
 
     def _tensor(self, u: int, sign: int) -> None:
         """Add or remove tensor u's transfers: once per destination GPU other than its own."""
@@ -208,7 +209,7 @@ class Layout:
         if su < 0:
             return
         gu, b = self.gpu[su], self.c.out[u]
-        dests = [h for h, k in self.cg[u].items() if k and h != gu]
+        dests = [h for h, k in self.gpu_readers[u].items() if k and h != gu]
         self.fwd[gu] += sign * b * len(dests)
         if self.c.grad[u]:
             for h in dests:
@@ -217,7 +218,7 @@ class Layout:
     def _param(self, p: int, sign: int) -> None:
         """Add or remove parameter p's state and traffic: static bytes on its owner's GPU (the
         lowest reader stage), the weight sent to every other reader, its gradient back."""
-        stages = sorted(s for s, k in self.pr[p].items() if k)
+        stages = sorted(s for s, k in self.param_readers[p].items() if k)
         if not stages:
             return
         own, g, b = stages[0], self.gpu[stages[0]], self.c.pbytes[p]
@@ -230,20 +231,20 @@ class Layout:
             for h in dests:
                 self.bwd[h] += sign * b
         for s in stages[1:]:
-            self.inb[s] += sign * b
+            self.input_bytes[s] += sign * b
             self._edge(own, s, sign)
 
     def _edge(self, a: int, b: int, d: int) -> None:
         if a < 0 or a == b:
             return
-        k = self.se[(a, b)]
-        self.se[(a, b)] = k + d
+        k = self.stage_edges[(a, b)]
+        self.stage_edges[(a, b)] = k + d
         if k == 0 or k + d == 0:
             self._dirty = True
 
     def _depths(self) -> None:
         succ = defaultdict(list)
-        for (a, b), k in self.se.items():
+        for (a, b), k in self.stage_edges.items():
             if k:
                 succ[a].append(b)
         depth = [0] * self.nstages
