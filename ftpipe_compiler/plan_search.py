@@ -13,7 +13,7 @@ partitioners that cut a chain can make those patterns); so each (schedule, parti
 its own partitioning problem, its own plan and its own simulation.
 
 Search order and pruning, so that the matrix stays within the compile budget:
-1. The cheap partitioners (gpipe, params, pipedream: a second or less each, even on T5-3B)
+1. The cheap partitioners (even-layers, params, pipedream: a second or less each, even on T5-3B)
    run under every schedule.
 2. The others (mixed, acyclic, METIS: seconds to tens of seconds each on T5-3B) run under
    the `width` free-placement schedules whose cheap plans simulate fastest (schedules
@@ -44,7 +44,7 @@ from .simulate import SimResult, simulate
 
 __all__ = ["CHEAP", "GROUPS", "Cell", "best_plan", "evaluate", "schedule_names", "update_rule"]
 
-CHEAP = ("gpipe", "params", "pipedream")  # a second or less each, even on T5-3B
+CHEAP = ("even-layers", "params", "pipedream")  # a second or less each, even on T5-3B
 GROUPS = {
     "auto": "every schedule",
     "sync": "the schedules whose update is one-process mini-batch SGD",

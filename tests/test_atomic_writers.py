@@ -30,7 +30,7 @@ RUNTIME_TESTS = Path(__file__).resolve().parent / "runtime"
 def _compiled():
     spec, _, traced, graph = costed_graph("gpt2-tiny")
     problem = problem_from_graph(graph, 2)
-    plan = run_partitioners(problem, ["gpipe"], progress=False)[0].plan
+    plan = run_partitioners(problem, ["even-layers"], progress=False)[0].plan
     return spec, traced, graph, plan
 
 

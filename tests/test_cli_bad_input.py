@@ -23,7 +23,8 @@ def files(tmp_path_factory, tiny_t5_costed):
     """A costed graph and a good plan (t5-tiny on 2 GPUs), and an output folder of before."""
     folder = tmp_path_factory.mktemp("good")
     tiny_t5_costed.save(folder / "graph.json")
-    plan = run_partitioners(problem_from_graph(tiny_t5_costed, 2), ["gpipe"], progress=False)[0]
+    problem = problem_from_graph(tiny_t5_costed, 2)
+    plan = run_partitioners(problem, ["even-layers"], progress=False)[0]
     plan.plan.save(folder / "plan.json")
     (folder / "out").mkdir()
     (folder / "out" / "plan.json").write_text("an earlier compile's output")

@@ -38,7 +38,7 @@ def test_compile_writes_plan_report_and_package(tmp_path):
         "pipedream",
         "acyclic",
         "metis",
-        "gpipe",
+        "even-layers",
         "params",
     }
     # The winner is the fastest plan by simulation among those that fit.
@@ -85,7 +85,7 @@ def test_compile_picks_partition_and_schedule_together(tmp_path, spec, expect):
 
 def test_compile_refuses_to_overwrite_without_force(tmp_path):
     out = tmp_path / "out"
-    args = ["compile", "--model", "gpt2-tiny", "--gpus", "2", "-o", str(out), "-p", "gpipe"]
+    args = ["compile", "--model", "gpt2-tiny", "--gpus", "2", "-o", str(out), "-p", "even-layers"]
     assert CliRunner().invoke(cli, args).exit_code == 0
     before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     r = CliRunner().invoke(cli, args)
@@ -104,7 +104,8 @@ def test_compile_failure_leaves_existing_output(tmp_path):
     assert (
         CliRunner()
         .invoke(
-            cli, ["compile", "--model", "gpt2-tiny", "--gpus", "2", "-o", str(out), "-p", "gpipe"]
+            cli,
+            ["compile", "--model", "gpt2-tiny", "--gpus", "2", "-o", str(out), "-p", "even-layers"],
         )
         .exit_code
         == 0
@@ -123,7 +124,7 @@ def test_compile_other_heads_and_check(tmp_path, head):
     """The head is an option: BERT compiled with three more heads computes what they compute."""
     out = tmp_path / head
     args = ["compile", "--model", "bert-tiny", "--head", head, "--gpus", "2", "--seq-len", "16"]
-    args += ["--micro-batch", "2", "--batch", "4", "-p", "gpipe,pipedream", "-o", str(out)]
+    args += ["--micro-batch", "2", "--batch", "4", "-p", "even-layers,pipedream", "-o", str(out)]
     r = CliRunner().invoke(cli, args)
     assert r.exit_code == 0, r.output
     result = check_package(out / "bert_tiny_pipeline")

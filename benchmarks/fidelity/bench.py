@@ -70,7 +70,13 @@ CASES = {
         "even split (4 + 4 blocks), GPipe",
         "gpipe",
         lambda out, s: compile_plan(
-            out, MODEL, 2, partitioners="gpipe", schedule=s, hardware="cpu", profile="measured"
+            out,
+            MODEL,
+            2,
+            partitioners="even-layers",
+            schedule=s,
+            hardware="cpu",
+            profile="measured",
         ),
     ),
     "winner-ftpipe": Case(

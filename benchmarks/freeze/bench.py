@@ -78,7 +78,7 @@ def measure_switch(work: Path | None = None) -> dict:
     torch.manual_seed(0)
     transformers.BertForQuestionAnswering(config).save_pretrained(work / "bert")
     compiled = compile_plan(work / "out", str(work / "bert"), 4, seq_len=16, micro_batch=2,
-                            batch=RUN_BATCH, schedule="gpipe", partitioners="gpipe", freeze_training=0.5)  # fmt: skip
+                            batch=RUN_BATCH, schedule="gpipe", partitioners="even-layers", freeze_training=0.5)  # fmt: skip
     out, package = Path(compiled["output"]), Path(compiled["package"]).name
     argv = ["--steps", str(RUN_STEPS), "--freeze-at", f"{RUN_SWITCH}:2", "--optimizer", "sgd"]
     elastic = out / package / "elastic"

@@ -1,6 +1,6 @@
 """Shared by the runtime and fidelity benchmarks: compile plans, launch 2 CPU ranks.
 
-    info = compile_plan(out, "gpt2-bench", gpus=2, partitioners="gpipe", schedule="1f1b")
+    info = compile_plan(out, "gpt2-bench", gpus=2, partitioners="even-layers", schedule="1f1b")
     summary = run_package(out, info["package"], ["--steps", "6"], json_path)   # ftpipe
     torchrun(["-m", "benchmarks.harness.pipelining_worker", ...])             # any module
 

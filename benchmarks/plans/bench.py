@@ -14,7 +14,7 @@ from ftpipe_compiler.simulate import simulate
 
 ALONE = False  # it only computes: it may share the machine (benchmarks.sections)
 
-SEQUENTIAL = ("pipedream", "acyclic", "gpipe", "params")
+SEQUENTIAL = ("pipedream", "acyclic", "even-layers", "params")
 # (model, task, hardware, gpus): the paper's machine, and V100 boxes of 4 and 8.
 PLAN_CASES = [
     ("t5-3b", "rte", "rtx2080ti", 8),

@@ -159,7 +159,7 @@ def measure(work: Path | None = None, timed: int = TIMED, rounds: int = ROUNDS) 
     work = Path(work or ROOT / "out" / "bench" / "runtime")
     work.mkdir(parents=True, exist_ok=True)
     common = dict(hardware="cpu", profile="measured", schedule="1f1b")
-    even = compile_plan(work / "even", MODEL, 2, partitioners="gpipe", **common)
+    even = compile_plan(work / "even", MODEL, 2, partitioners="even-layers", **common)
     best = compile_plan(work / "ftpipe", MODEL, 2, **common)
     even_path = work / "even" / "plan.json"
     even_plan = json.loads(even_path.read_text())

@@ -27,7 +27,7 @@ def section_a(d: dict) -> list[str]:
         "### 3a. The package vs `torch.distributed.pipelining`: same split, same schedule",
         "",
         f"Both pipelines: stage 0 = embeddings + blocks 0-{d['even_blocks'] - 1}, stage 1 = "
-        f"blocks {d['even_blocks']}-7 + final norm + LM head + loss (`ftpipe compile -p gpipe`; "
+        f"blocks {d['even_blocks']}-7 + final norm + LM head + loss (`ftpipe compile -p even-layers`; "
         "the pipelining stages are built by hand from the HF modules with the same boundary).",
         "",
         "| schedule | ftpipe package | pipelining | ftpipe / pipelining "

@@ -6,7 +6,7 @@ a. Runtime, 2 CPU ranks (gloo), GPT-2 bench model: our zero-bubble and interleav
    schedules against torch.distributed.pipelining's schedule of the same name on the same
    split (zb1p - ScheduleInterleavedZeroBubble with one stage per rank, interleaved - ScheduleInterleaved1F1B and zbv - ScheduleZBVZeroBubble
    with two stages per rank in a loop / a V). The split is ftpipe's plan for that schedule by
-   the even `gpipe` partitioner, cut at the same blocks for pipelining. Pipelining runs as
+   the `even-layers` partitioner, cut at the same blocks for pipelining. Pipelining runs as
    its users run it (no recompute: its best) and with the recomputation ftpipe's schedules
    do (the same work). Every configuration runs once per round, as in section `runtime`.
    GPipe and 1F1B against ScheduleGPipe / Schedule1F1B on the same even split are section
@@ -43,7 +43,7 @@ RUNTIME = ("zb1p", "interleaved", "zbv")  # pipelining has each; gpipe and 1f1b:
 # gradients and Adam state (128 GB) need larger ones.
 SIM_CASES = [("t5-3b", "rtx2080ti"), ("gpt2-xl", "rtx2080ti"), ("llama-3.1-8b", "a100-40gb")]
 SIM_GPUS = 8
-SEQUENTIAL = ("pipedream", "acyclic", "gpipe", "params")
+SEQUENTIAL = ("pipedream", "acyclic", "even-layers", "params")
 
 
 def stage_blocks(plan: dict) -> list[int]:
@@ -72,7 +72,7 @@ def runtime(work: Path | None = None, rounds: int = ROUNDS) -> dict:
             hardware="cpu",
             profile="measured",
             schedule=s,
-            partitioners="gpipe",
+            partitioners="even-layers",
         )  # fmt: skip
         for s in RUNTIME
     }

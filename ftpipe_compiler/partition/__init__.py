@@ -48,10 +48,10 @@ PARTITIONERS: dict[str, Callable[[Problem], Plan]] = {
     "pipedream": pipedream.pipedream,
     "acyclic": acyclic.acyclic,
     "metis": metis.metis,
-    "gpipe": baselines.gpipe,
+    "even-layers": baselines.even_layers,
     "params": baselines.params,
 }
-PATTERNED = frozenset({"pipedream", "gpipe", "params"})  # can cut a schedule's pattern
+PATTERNED = frozenset({"pipedream", "even-layers", "params"})  # can cut a schedule's pattern
 
 
 def problem_from_graph(

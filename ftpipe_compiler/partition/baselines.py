@@ -1,7 +1,8 @@
 """The baselines every comparison shows, run with the same costs and memory model.
 
-- `gpipe`: contiguous, the same number of transformer layers on every GPU (what GPipe and
-  torch.distributed.pipelining users write by hand); where the count does not divide,
+- `even-layers`: contiguous, the same number of transformer layers on every GPU (what GPipe
+  and torch.distributed.pipelining users write by hand; called `gpipe` before, renamed so
+  that `gpipe` names only the schedule); where the count does not divide,
   the DP picks which GPUs take one more layer.
 - `params`: contiguous, balanced by parameter memory (DeepSpeed's default, PipeTransformer).
 
@@ -24,7 +25,7 @@ from .chain import Chain, runs
 from .indexed import NodeCosts, infeasible
 
 
-def layers(costs: NodeCosts) -> list[list[int]]:
+def layer_units(costs: NodeCosts) -> list[list[int]]:
     """Layer units; loose runs join the next layer (the last layer takes trailing ones)."""
     out: list[list[int]] = []
     loose: list[int] = []
@@ -41,10 +42,10 @@ def layers(costs: NodeCosts) -> list[list[int]]:
     return out
 
 
-def gpipe(problem) -> Plan:
+def even_layers(problem) -> Plan:
     t0 = time.perf_counter()
     costs = NodeCosts.of(problem)
-    chain = Chain(costs, layers(costs))
+    chain = Chain(costs, layer_units(costs))
     U = len(chain)
     stages = min(problem.chain_length, U)
     q, r = divmod(U, stages)
@@ -54,16 +55,16 @@ def gpipe(problem) -> Plan:
     if segs is None:
         raise infeasible(
             problem,
-            "gpipe",
+            "even-layers",
             f"{U} layers split {q}{'-' + str(q + 1) if r else ''} per GPU do not fit",
         )
-    return build_plan(problem, *chain.assignment(segs), "gpipe", time.perf_counter() - t0)
+    return build_plan(problem, *chain.assignment(segs), "even-layers", time.perf_counter() - t0)
 
 
 def params(problem) -> Plan:
     t0 = time.perf_counter()
     costs = NodeCosts.of(problem)
-    chain = Chain(costs, layers(costs))
+    chain = Chain(costs, layer_units(costs))
     segs = chain.split(
         chain.static.astype(float), problem.chain_length, exact=True, per_gpu=problem.per_gpu
     )

@@ -10,7 +10,7 @@ from partition_helpers import make_graph, make_problem
 
 from ftpipe_compiler.errors import InfeasibleError
 from ftpipe_compiler.partition import build_plan
-from ftpipe_compiler.partition.baselines import gpipe, layers, params
+from ftpipe_compiler.partition.baselines import even_layers, layer_units, params
 from ftpipe_compiler.partition.chain import compress
 from ftpipe_compiler.partition.indexed import NodeCosts
 from ftpipe_compiler.partition.pipedream import pipedream
@@ -77,11 +77,11 @@ def test_params_baseline_is_the_best_parameter_balance(seed):
     assert static(params(problem)) == static(want)
 
 
-def test_gpipe_puts_an_equal_number_of_layers_on_every_gpu(seed):
+def test_even_layers_puts_an_equal_number_of_layers_on_every_gpu(seed):
     problem = make_problem(make_graph(12, seed), gpus=4)
-    plan = gpipe(problem)
+    plan = even_layers(problem)
     assert sorted(len(s.nodes) for s in plan.stages) == [3, 3, 3, 3]
-    uneven = gpipe(make_problem(make_graph(10, seed), gpus=4))
+    uneven = even_layers(make_problem(make_graph(10, seed), gpus=4))
     assert sorted(len(s.nodes) for s in uneven.stages) == [2, 2, 3, 3]
 
 
@@ -91,4 +91,4 @@ def test_compression_keeps_order_and_every_node(seed):
     units = compress(costs, [[i] for i in range(costs.n)], 10)
     assert [i for u in units for i in u] == list(range(costs.n))
     assert len(units) <= 2 * 10 + 1
-    assert layers(costs) == [[i] for i in range(costs.n)]  # every node is its own layer here
+    assert layer_units(costs) == [[i] for i in range(costs.n)]  # every node is its own layer here

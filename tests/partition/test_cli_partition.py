@@ -47,7 +47,7 @@ def test_json_output_with_a_subset(graph_file):
             "2",
             "--json",
             "-p",
-            "gpipe,params",
+            "even-layers,params",
             "--schedule",
             "gpipe",
             "--optimizer",
@@ -59,7 +59,7 @@ def test_json_output_with_a_subset(graph_file):
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout)
     assert set(d) == {"lower_bound_s", "winner", "results"}
-    assert [r["partitioner"] for r in d["results"]] == ["gpipe", "params"]
+    assert [r["partitioner"] for r in d["results"]] == ["even-layers", "params"]
     best = min(d["results"], key=lambda r: (r["period_s"], r["comm_bytes"], r["partitioner"]))
     assert d["winner"] == best["partitioner"]
     assert all(r["period_s"] >= d["lower_bound_s"] * (1 - 1e-9) for r in d["results"])
@@ -93,15 +93,25 @@ def test_infeasible_everywhere_says_what_is_needed(tmp_path):
             "--hardware",
             "rtx2080ti",
             "-p",
-            "gpipe,mixed,pipedream",
+            "even-layers,mixed,pipedream",
         ],
     )
     assert res.exit_code == 1
     assert "no partitioner found a plan that fits" in res.output
-    assert "gpipe: infeasible: needs 4 GPUs / 40.0 GB" in res.output
+    assert "even-layers: infeasible: needs 4 GPUs / 40.0 GB" in res.output
     res = CliRunner().invoke(
         cli,
-        ["partition", str(path), "--gpus", "4", "--hardware", "rtx2080ti", "-p", "gpipe", "--json"],
+        [
+            "partition",
+            str(path),
+            "--gpus",
+            "4",
+            "--hardware",
+            "rtx2080ti",
+            "-p",
+            "even-layers",
+            "--json",
+        ],
     )
     assert res.exit_code == 0 and json.loads(res.stdout)["results"][0]["feasible"]
 

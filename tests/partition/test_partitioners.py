@@ -92,7 +92,7 @@ def test_too_little_memory_is_a_clear_infeasible_result(seed):
 
 def test_unknown_partitioner_names_the_choices():
     with pytest.raises(
-        UnknownNameError, match="unknown partitioner 'foo'; choose from acyclic, gpipe"
+        UnknownNameError, match="unknown partitioner 'foo'; choose from acyclic, even-layers"
     ):
         get_partitioner("foo")
     with pytest.raises(ValueError):
@@ -101,7 +101,9 @@ def test_unknown_partitioner_names_the_choices():
 
 def test_pick_best_uses_the_score_then_bytes_then_name(seed):
     problem = make_problem(make_graph(30, seed), 3)
-    results = run_partitioners(problem, names=["gpipe", "params", "pipedream"], progress=False)
+    results = run_partitioners(
+        problem, names=["even-layers", "params", "pipedream"], progress=False
+    )
     by_period = pick_best(results)
     assert by_period.plan.period_s == min(r.plan.period_s for r in results)
     by_stages = pick_best(results, score=lambda plan: -plan.period_s)  # any score the caller likes

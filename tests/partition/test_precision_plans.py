@@ -68,7 +68,8 @@ def test_bf16_needs_less_memory_per_gpu_with_fp32_masters_counted(t5_3b):
             "float32" if dt == "fp32" else "bfloat16"
         )
         results = {
-            r.partitioner: r for r in run_partitioners(problem, ["gpipe", "params"], progress=False)
+            r.partitioner: r
+            for r in run_partitioners(problem, ["even-layers", "params"], progress=False)
         }
         plans[dt] = {name: r.plan for name, r in results.items()}
         # The memory model counts, per trainable weight, what training keeps (adafactor).
@@ -76,7 +77,7 @@ def test_bf16_needs_less_memory_per_gpu_with_fp32_masters_counted(t5_3b):
         n, factored = math.prod(w.shape), sum(w.shape)
         want = (4 * n, 4 * n + 4 * factored) if dt == "fp32" else (2 * n, 8 * n + 4 * factored)
         assert problem.param_split[w.name] == want
-    for name in ("gpipe", "params"):
+    for name in ("even-layers", "params"):
         fp32, bf16 = plans["fp32"][name], plans["bf16"][name]
         assert [s.params for s in fp32.stages] == [s.params for s in bf16.stages]  # one split
         mem = {

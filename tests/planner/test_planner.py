@@ -18,7 +18,7 @@ BATCH = 32
 def planned(tiny_t5_costed):
     """The same search with pruning (5% gap) and without (every shape simulated)."""
     cluster = get_cluster("rtx2080ti", gpus=8, gpus_per_node=4)
-    space = Space(batch=BATCH, schedules=("1f1b",), recompute=(True, False), partitioners=("pipedream", "gpipe"))  # fmt: skip
+    space = Space(batch=BATCH, schedules=("1f1b",), recompute=(True, False), partitioners=("pipedream", "even-layers"))  # fmt: skip
     pruned = plan_shape(lambda b: tiny_t5_costed, cluster, space, progress=False)
     every = plan_shape(lambda b: tiny_t5_costed, cluster, replace(space, gap=-1.0), progress=False)
     return cluster, pruned, every

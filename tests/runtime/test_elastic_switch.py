@@ -30,7 +30,7 @@ def package(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("elastic")
     write_bert(root / "bert")
     args = ["compile", "--model", str(root / "bert"), "--gpus", "4", "--seq-len", "16",
-            "--micro-batch", "2", "--batch", "8", "--schedule", "gpipe", "-p", "gpipe",
+            "--micro-batch", "2", "--batch", "8", "--schedule", "gpipe", "-p", "even-layers",
             "--freeze-training", "0.5", "-o", str(root / "out")]  # fmt: skip
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output

@@ -195,7 +195,7 @@ def package(tmp_path_factory):
     from ftpipe_compiler.partition import problem_from_graph, run_partitioners
 
     spec, _, traced, graph = costed_graph("gpt2-tiny")
-    plan = run_partitioners(problem_from_graph(graph, 2), ["gpipe"], progress=False)[0].plan
+    plan = run_partitioners(problem_from_graph(graph, 2), ["even-layers"], progress=False)[0].plan
     return generate_package(traced, graph, plan, spec, tmp_path_factory.mktemp("pkg"), "pytest")
 
 

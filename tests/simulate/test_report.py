@@ -84,6 +84,6 @@ def test_header_competitors_and_escaping(plan_factory):
         no_competitors, simulate(no_competitors)
     )
     # `compile`'s matrix: a row per (schedule, partitioner).
-    cells = ({"schedule": "zb1p", "partitioner": "gpipe", "status": "ok"},)
+    cells = ({"schedule": "zb1p", "partitioner": "even-layers", "status": "ok"},)
     html = render_report(plan.with_(competitors=cells), simulate(plan, steps=2))
     assert "Plans that competed (partitioner × schedule" in html and "<td>zb1p</td>" in html
