@@ -1,10 +1,10 @@
 import pytest
 import torch
+from interpret import run_graph
 
 from ftpipe_compiler.errors import TraceError
 from ftpipe_compiler.graph.granularity import collapse, layer_key
 from ftpipe_compiler.graph.trace import trace_model
-from ftpipe_compiler.interpret import run_graph
 from ftpipe_compiler.model.tasks import resolve_task
 from ftpipe_compiler.model.zoo import resolve_model
 

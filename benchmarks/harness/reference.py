@@ -7,7 +7,7 @@
 
 Every contender reads the runtime's own synthetic data (`ftpipe_runtime.data`), so step k
 sees the same micro-batches everywhere. Stages are built by hand: pipelining's tracer
-(`pipeline()`) fails on backward through skip connections (DESIGN.md, pitfalls).
+(`pipeline()`) fails on backward through skip connections.
 
 As a script it trains the whole model in one process (section 3c):
 

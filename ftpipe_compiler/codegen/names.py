@@ -17,7 +17,7 @@ import re
 
 from torch import fx
 
-from ..graph.trace import WRAPPER_PREFIX
+from ..graph.exported import WRAPPER_PREFIX
 
 # Whole-part abbreviations; every other part is lower-cased and kept.
 ABBREVIATIONS = {

@@ -22,8 +22,9 @@ from torch import nn
 from tqdm import tqdm
 
 from ..errors import FtpipeError, OutputExistsError
+from ..graph.exported import WRAPPER_PREFIX
 from ..graph.opgraph import OpGraph
-from ..graph.trace import WRAPPER_PREFIX, Traced
+from ..graph.trace import Traced
 from ..model.zoo import ModelSpec
 from ..output import output_folder
 from ..plan import Plan

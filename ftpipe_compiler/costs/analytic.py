@@ -25,9 +25,10 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..graph.exported import VIEW_OPS, retarget
 from ..graph.granularity import collapse
 from ..graph.opgraph import OpGraph
-from ..graph.trace import VIEW_OPS, Traced, retarget
+from ..graph.trace import Traced
 from .hardware import Hardware
 
 BACKWARD_FACTOR = 2.0

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from ..graph.trace import VIEW_OPS, Traced, describe_value, op_name, retarget
+from ..graph.exported import VIEW_OPS, describe_value, op_name, retarget
+from ..graph.trace import Traced
 
 try:
     _MALLOC_TRIM = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim  # glibc only

@@ -50,7 +50,7 @@ from ..errors import FtpipeError, unknown
 from ..graph.opgraph import OpGraph
 from ..graph.trace import Traced
 from .analytic import analytic_costs
-from .blocks import Block, Timing, plan_blocks, run_blocks
+from .blocks import Block, plan_blocks, run_blocks
 from .cache import Weights, load_profile, profile_key, save_profile
 from .hardware import get_hardware
 
@@ -173,15 +173,6 @@ def measured_costs(
         except WriteFailed as e:  # the profile itself is good: keep it, say why it is not cached
             print(f"warning: {e} (the profile is not cached)", file=sys.stderr)
     return graph
-
-
-def measure_step(traced: Traced, spec, device="cpu", repeats=3, seed=0) -> Timing:
-    """The unpartitioned model timed as ONE block (all parameters at once: small models only)."""
-    clock = clock_for(device)
-    members = tuple(m for n in traced.graph.nodes for m in n.members)
-    blocks = plan_blocks(traced, [("model", members)], clock.device)
-    weights = Weights(traced, spec, clock.device, seed)
-    return run_blocks(traced, blocks, weights, clock, repeats, seed)["timings"]["model"]
 
 
 def measure_stages(traced: Traced, spec, stages, device="cpu", repeats=3, seed=0) -> dict:

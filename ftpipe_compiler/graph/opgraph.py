@@ -1,8 +1,8 @@
 """The operator graph: what tracing produces and every later step consumes.
 
-    graph = trace(spec, task)               # OpGraph, no costs yet
-    graph = analytic_costs(graph, hw)       # same graph, costs filled in
-    graph.to_json() / OpGraph.from_json(d)  # the `ftpipe profile -o graph.json` file
+    traced = trace_model(spec, task, micro_batch=4)  # traced.graph: an OpGraph, no costs yet
+    graph = analytic_costs(traced, hw, "layer")      # the graph with its costs filled in
+    graph.to_json() / OpGraph.from_json(d)           # the `ftpipe profile -o graph.json` file
 
 A node is one ATen call (``op`` granularity) or a group of them collapsed to a module
 scope (``layer`` granularity). Model inputs and parameters are not nodes: a node lists the
@@ -136,10 +136,6 @@ class OpGraph:
             for p in n.params:
                 own.setdefault(p, n.id)
         return own
-
-    def node_by_scope(self, scope: str) -> Node:
-        """The first node whose scope is `scope` (layer granularity: the whole layer)."""
-        return next(n for n in self.nodes if n.scope == scope)
 
     # --- totals ---
     @property

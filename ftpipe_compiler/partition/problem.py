@@ -134,14 +134,6 @@ class Problem:
         """Weights (one version) + gradients + optimizer state of each parameter."""
         return {name: w + s for name, (w, s) in self.param_split.items()}
 
-    @functools.cached_property
-    def node_static_bytes(self) -> dict[str, int]:
-        """Static bytes owned by each node (tied parameters at their first reader)."""
-        out = {n.id: 0 for n in self.graph.nodes}
-        for p, nid in self.graph.owner.items():
-            out[nid] += self.static_bytes[p]
-        return out
-
     def lower_bound(self) -> float:
         """No plan's period is below this: max(w_max, the least T with P*T + saved(T) >= W).
 

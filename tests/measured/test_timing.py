@@ -9,8 +9,19 @@ import statistics
 
 import pytest
 
-from ftpipe_compiler.costs.measured import measure_stages, measure_step, measured_costs
+from ftpipe_compiler.costs.blocks import plan_blocks, run_blocks
+from ftpipe_compiler.costs.cache import Weights
+from ftpipe_compiler.costs.measured import clock_for, measure_stages, measured_costs
 from ftpipe_compiler.costs.profilers import costed_graph
+
+
+def measure_step(traced, spec, device="cpu", repeats=3, seed=0):
+    """The unpartitioned model timed as ONE block (all parameters at once: small models only)."""
+    clock = clock_for(device)
+    members = tuple(m for n in traced.graph.nodes for m in n.members)
+    blocks = plan_blocks(traced, [("model", members)], clock.device)
+    weights = Weights(traced, spec, clock.device, seed)
+    return run_blocks(traced, blocks, weights, clock, repeats, seed)["timings"]["model"]
 
 
 def ranks(xs) -> list[float]:

@@ -9,7 +9,8 @@ from ftpipe_runtime.freezing import bound_schedule
 from ftpipe_compiler.costs.analytic import analytic_costs
 from ftpipe_compiler.costs.cluster import get_cluster
 from ftpipe_compiler.costs.hardware import get_hardware
-from ftpipe_compiler.graph.trace import WRAPPER_PREFIX, trace_model
+from ftpipe_compiler.graph.exported import WRAPPER_PREFIX
+from ftpipe_compiler.graph.trace import trace_model
 from ftpipe_compiler.planner.elastic import (
     CacheOptions,
     FreezeRun,

@@ -1,4 +1,5 @@
-"""Execute an OpGraph node by node: the proof that the graph holds the whole computation.
+"""Test helper: execute an OpGraph node by node, the proof that the graph holds the whole
+computation (tests/test_trace.py).
 
     loss = run_graph(traced, graph, params=dict(model.named_parameters()), inputs=example)
 
@@ -11,8 +12,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from .graph.opgraph import OpGraph
-from .graph.trace import WRAPPER_PREFIX, Traced, retarget
+from ftpipe_compiler.graph.exported import WRAPPER_PREFIX, retarget
+from ftpipe_compiler.graph.opgraph import OpGraph
+from ftpipe_compiler.graph.trace import Traced
 
 
 def run_graph(
