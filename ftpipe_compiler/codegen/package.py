@@ -63,6 +63,41 @@ def generate_package(
     info = {p.name: p for p in plan.params}
     compute = getattr(torch, graph.meta.get("compute_dtype", "float32"))
     generated_by = f"ftpipe {__version__}: {command}"
+    stages, uses_operator = _stage_contexts(traced, wiring, names, info, compute)
+    buffers = _buffer_values(
+        traced,
+        spec,
+        [
+            p.name
+            for p in plan.params
+            if not (p.trainable or p.frozen) and any(p.name in st.params for st in wiring.stages)
+        ],
+    )
+    extra = {"path": spec.path} if spec.path else {}
+    pplan = package_plan(plan, wiring, extra, generated_by)
+    context = {
+        "generated_by": generated_by,
+        "command": command,
+        "version": __version__,
+        "package": spec.package_name,
+        "model_name": spec.name,
+        "plan": pplan,
+        "stages": stages,
+        "uses_operator": uses_operator,
+        "has_buffers": bool(buffers),
+        "weights_dir": spec.path if _has_safetensors(spec.path) else "",
+        "traced_dtype": str(compute).removeprefix("torch."),
+    }
+    files = _render(context)
+    files["plan.json"] = json.dumps(pplan, indent=1) + "\n"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_atomically(final, files, buffers, generated_by)
+    return final
+
+
+def _stage_contexts(traced: Traced, wiring, names, info, compute) -> tuple[list[dict], bool]:
+    """What the templates need of each stage (its straight-line body, what it holds,
+    receives and sends), and whether any body uses the `operator` module."""
     stages = []
     uses_operator = False
     summaries = describe(wiring.stages)
@@ -93,30 +128,11 @@ def generate_package(
                 "sends": [(w, wiring.wires[w].consumers) for w in st.outputs],
             }
         )
-    buffers = _buffer_values(
-        traced,
-        spec,
-        [
-            p.name
-            for p in plan.params
-            if not (p.trainable or p.frozen) and any(p.name in st.params for st in wiring.stages)
-        ],
-    )
-    extra = {"path": spec.path} if spec.path else {}
-    pplan = package_plan(plan, wiring, extra, generated_by)
-    context = {
-        "generated_by": generated_by,
-        "command": command,
-        "version": __version__,
-        "package": spec.package_name,
-        "model_name": spec.name,
-        "plan": pplan,
-        "stages": stages,
-        "uses_operator": uses_operator,
-        "has_buffers": bool(buffers),
-        "weights_dir": spec.path if _has_safetensors(spec.path) else "",
-        "traced_dtype": str(compute).removeprefix("torch."),
-    }
+    return stages, uses_operator
+
+
+def _render(context: dict) -> dict[str, str]:
+    """The package's files rendered from templates/package/*.j2."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(templates_dir() / "package")),
         undefined=jinja2.StrictUndefined,
@@ -128,10 +144,7 @@ def generate_package(
     env.filters["thousands"] = lambda n: f"{n:,}"
     env.filters["figure"] = _figure
     files = {name: env.get_template(f"{name}.j2").render(**context) for name in TEMPLATES}
-    files["plan.json"] = json.dumps(pplan, indent=1) + "\n"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomically(final, files, buffers, generated_by)
-    return final
+    return files
 
 
 def param_expr(name: str, parameter: bool) -> str:

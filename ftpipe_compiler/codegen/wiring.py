@@ -81,37 +81,7 @@ class Wiring:
 
 def wire(traced: Traced, graph: OpGraph, plan: Plan) -> Wiring:
     fx_graph = traced.program.graph
-    by_name = {n.name: n for n in fx_graph.nodes}
-    stage_of: dict[str, int] = {}
-    node_of: dict[str, str] = {}  # traced value -> graph node id
-    copies_of: dict[str, set[int]] = {}  # traced value -> stages recomputing it
-    for st in plan.stages:
-        for nid in st.nodes:
-            for member in graph.node[nid].members:
-                stage_of[member] = st.id
-                node_of[member] = nid
-        for nid in st.copies:
-            for member in graph.node[nid].members:
-                copies_of.setdefault(member, set()).add(st.id)
-    out = next(n for n in fx_graph.nodes if n.op == "output")
-    loss = out.args[0][0]
-    if stage_of.get(loss.name) != plan.loss_stage:
-        raise FtpipeError(
-            "the plan's loss stage does not compute the loss; was it made for this graph?"
-        )
-    for n in fx_graph.nodes:  # in order, so chains of getitem follow their final source
-        if n.op == "call_function" and n.target is operator.getitem and n.name in stage_of:
-            src = n.args[0]
-            if src.name in stage_of and stage_of[src.name] != stage_of[n.name]:
-                stage_of[n.name] = stage_of[src.name]
-            if src.name in copies_of:  # an element of a recomputed tuple: recomputed too
-                copies_of.setdefault(n.name, set()).update(copies_of[src.name])
-    for name, where in copies_of.items():
-        where.discard(stage_of.get(name))
-    missing = [m for m in stage_of if m not in by_name]
-    if missing:
-        raise FtpipeError(f"the plan names traced values {missing[:3]} the program does not have")
-
+    stage_of, node_of, copies_of, loss = _placement(fx_graph, graph, plan)
     grad = _requires_grad(fx_graph, traced.placeholders, {p.name: p.trainable for p in plan.params})
     stages = {
         st.id: StageWiring(st.id, st.gpu, is_loss=st.id == plan.loss_stage) for st in plan.stages
@@ -168,6 +138,42 @@ def wire(traced: Traced, graph: OpGraph, plan: Plan) -> Wiring:
         for c in w.consumers:
             stages[c].inputs.append(w.name)
     return Wiring([stages[k] for k in sorted(stages)], wires, loss, grad)
+
+
+def _placement(fx_graph: fx.Graph, graph: OpGraph, plan: Plan):
+    """Each traced value's stage, its graph node, the other stages recomputing it (the
+    plan's `copies`), and the loss value. A tuple's `getitem` runs where the tuple is made."""
+    by_name = {n.name: n for n in fx_graph.nodes}
+    stage_of: dict[str, int] = {}
+    node_of: dict[str, str] = {}  # traced value -> graph node id
+    copies_of: dict[str, set[int]] = {}  # traced value -> stages recomputing it
+    for st in plan.stages:
+        for nid in st.nodes:
+            for member in graph.node[nid].members:
+                stage_of[member] = st.id
+                node_of[member] = nid
+        for nid in st.copies:
+            for member in graph.node[nid].members:
+                copies_of.setdefault(member, set()).add(st.id)
+    out = next(n for n in fx_graph.nodes if n.op == "output")
+    loss = out.args[0][0]
+    if stage_of.get(loss.name) != plan.loss_stage:
+        raise FtpipeError(
+            "the plan's loss stage does not compute the loss; was it made for this graph?"
+        )
+    for n in fx_graph.nodes:  # in order, so chains of getitem follow their final source
+        if n.op == "call_function" and n.target is operator.getitem and n.name in stage_of:
+            src = n.args[0]
+            if src.name in stage_of and stage_of[src.name] != stage_of[n.name]:
+                stage_of[n.name] = stage_of[src.name]
+            if src.name in copies_of:  # an element of a recomputed tuple: recomputed too
+                copies_of.setdefault(n.name, set()).update(copies_of[src.name])
+    for name, where in copies_of.items():
+        where.discard(stage_of.get(name))
+    missing = [m for m in stage_of if m not in by_name]
+    if missing:
+        raise FtpipeError(f"the plan names traced values {missing[:3]} the program does not have")
+    return stage_of, node_of, copies_of, loss
 
 
 def _wire(n: fx.Node, producer: int, consumers: set[int], grad: bool, node_of) -> Wire:

@@ -116,16 +116,18 @@ class OpGraph:
 
     @functools.cached_property
     def preds(self) -> dict[str, tuple[str, ...]]:
-        out: dict[str, list[str]] = {n.id: [] for n in self.nodes}
-        for e in self.edges:
-            out[e.dst].append(e.src)
-        return {k: tuple(v) for k, v in out.items()}
+        return self._neighbours(lambda e: (e.dst, e.src))
 
     @functools.cached_property
     def succs(self) -> dict[str, tuple[str, ...]]:
+        return self._neighbours(lambda e: (e.src, e.dst))
+
+    def _neighbours(self, ends) -> dict[str, tuple[str, ...]]:
+        """Node -> the other end of its edges, in edge order (`ends(e)`: (node, other))."""
         out: dict[str, list[str]] = {n.id: [] for n in self.nodes}
         for e in self.edges:
-            out[e.src].append(e.dst)
+            a, b = ends(e)
+            out[a].append(b)
         return {k: tuple(v) for k, v in out.items()}
 
     @functools.cached_property

@@ -21,10 +21,9 @@ import time
 from ..costs.formulas import stage_memory
 from ..plan import Plan
 from .assignment import Assignment
-from .build import build_plan
 from .coarsen import atoms
-from .indexed import NodeCosts, infeasible
-from .refine import refine
+from .indexed import NodeCosts
+from .refine import BestRefined
 
 ORDERS = (0.0, 2.0, 8.0, 32.0)  # noise (in atoms) added to the graph's order; 0: the order itself
 
@@ -35,7 +34,7 @@ def acyclic(problem) -> Plan:
     coarse = atoms(costs)
     units = coarse.groups()
     rng = random.Random(problem.seed)
-    best = None
+    best = BestRefined(units)
     for noise in ORDERS:
         order = seeded_order(coarse, rng, noise)
         slices = bisect(costs, order, problem.gpus)
@@ -46,15 +45,8 @@ def acyclic(problem) -> Plan:
             for u in sl:
                 for i in u:
                     stage_of[i] = s
-        lay = Assignment(costs, stage_of, list(range(len(slices))))
-        refine(lay, units)
-        key = (round(lay.period(), 12), lay.comm_bytes())
-        if lay.fits() and (best is None or key < best[0]):
-            best = (key, lay)
-    if best is None:
-        raise infeasible(problem, "acyclic", "no slicing of a topological order fits")
-    lay = best[1]
-    return build_plan(problem, lay.stage_of(), lay.gpu_of(), "acyclic", time.perf_counter() - t0)
+        best.offer(Assignment(costs, stage_of, list(range(len(slices)))))
+    return best.plan(problem, "acyclic", t0, "no slicing of a topological order fits")
 
 
 def seeded_order(coarse, rng: random.Random, noise: float) -> list[list[int]]:

@@ -31,30 +31,7 @@ class Chain:
     def __init__(self, costs: NodeCosts, units: list[list[int]], progress: bool = False):
         self.c, self.units = costs, units
         U = len(units)
-        uo = [0] * costs.n
-        for k, nodes in enumerate(units):
-            for i in nodes:
-                uo[i] = k
-        last_use = [max((uo[s] for s in costs.succs[i]), default=-1) for i in range(costs.n)]
-        cons, prod_out, ends = (
-            [[] for _ in range(U)],
-            [[] for _ in range(U)],
-            [[] for _ in range(U)],
-        )
-        for j, nodes in enumerate(units):
-            ext = sorted({p for i in nodes for p in costs.preds[i] if uo[p] != j})
-            cons[j] = [(p, uo[p], costs.out[p], costs.grad[p]) for p in ext]
-            for i in nodes:
-                if last_use[i] > j:
-                    prod_out[j].append(costs.out[i])
-                    ends[last_use[i]].append((uo[i], costs.out[i]))
-        out_unit = uo[costs.output]
-        first_use, last_use_p = {}, {}  # parameter -> first and last unit reading it
-        for k, nodes in enumerate(units):
-            for i in nodes:
-                for p in costs.params[i]:
-                    first_use.setdefault(p, k)
-                    last_use_p[p] = k
+        cons, prod_out, ends, out_unit, first_use, last_use_p = _unit_tables(costs, units)
         bw = costs.problem.bandwidth
         inf = float("inf")
         self.period = np.full((U, U), inf)
@@ -181,6 +158,38 @@ class Chain:
             chain = problem.sched.placement.chain(problem.gpus)
             return stage_of, {s: chain[s].gpu for s in range(len(segs))}
         return stage_of, {s: s for s in range(len(segs))}
+
+
+def _unit_tables(costs: NodeCosts, units: list[list[int]]):
+    """Per unit: the tensors it reads from other units (producer, its unit, bytes, grad),
+    the bytes it produces for later units, the tensors whose last reader it is; the loss's
+    unit; each parameter's first and last reading unit."""
+    U = len(units)
+    uo = [0] * costs.n
+    for k, nodes in enumerate(units):
+        for i in nodes:
+            uo[i] = k
+    last_use = [max((uo[s] for s in costs.succs[i]), default=-1) for i in range(costs.n)]
+    cons, prod_out, ends = (
+        [[] for _ in range(U)],
+        [[] for _ in range(U)],
+        [[] for _ in range(U)],
+    )
+    for j, nodes in enumerate(units):
+        ext = sorted({p for i in nodes for p in costs.preds[i] if uo[p] != j})
+        cons[j] = [(p, uo[p], costs.out[p], costs.grad[p]) for p in ext]
+        for i in nodes:
+            if last_use[i] > j:
+                prod_out[j].append(costs.out[i])
+                ends[last_use[i]].append((uo[i], costs.out[i]))
+    out_unit = uo[costs.output]
+    first_use, last_use_p = {}, {}  # parameter -> first and last unit reading it
+    for k, nodes in enumerate(units):
+        for i in nodes:
+            for p in costs.params[i]:
+                first_use.setdefault(p, k)
+                last_use_p[p] = k
+    return cons, prod_out, ends, out_unit, first_use, last_use_p
 
 
 def runs(costs: NodeCosts, key) -> list[list[int]]:

@@ -31,11 +31,10 @@ import pymetis
 from ..graph.granularity import layer_key, sublayer_key
 from ..plan import Plan
 from .assignment import Assignment
-from .build import build_plan
 from .coarsen import atoms, by_scope
-from .indexed import NodeCosts, infeasible
+from .indexed import NodeCosts
 from .mixed import stages
-from .refine import refine
+from .refine import BestRefined
 
 SCALE = 1_000_000  # METIS weights are integers: the heaviest atom weighs about this much
 # (seed offset, ufactor: allowed imbalance in 1/1000, share of memory in the vertex weight).
@@ -49,7 +48,7 @@ def metis(problem) -> Plan:
     costs = NodeCosts.of(problem)
     coarse = atoms(costs)
     units = coarse.groups()
-    best = None
+    best = BestRefined(units)
     for scope in (layer_key, sublayer_key):
         blocks = by_scope(coarse.copy(), scope).groups()
         for offset, ufactor, alpha in TRIES if problem.gpus > 1 else TRIES[:1]:
@@ -58,15 +57,8 @@ def metis(problem) -> Plan:
                 ranked(costs, blocks, part),
                 stages(costs, *split(costs, blocks, part)),
             ):
-                lay = Assignment(costs, *repaired)
-                refine(lay, units)
-                key = (round(lay.period(), 12), lay.comm_bytes())
-                if lay.fits() and (best is None or key < best[0]):
-                    best = (key, lay)
-    if best is None:
-        raise infeasible(problem, "metis", "no repaired METIS partition fits")
-    lay = best[1]
-    return build_plan(problem, lay.stage_of(), lay.gpu_of(), "metis", time.perf_counter() - t0)
+                best.offer(Assignment(costs, *repaired))
+    return best.plan(problem, "metis", t0, "no repaired METIS partition fits")
 
 
 def kway(

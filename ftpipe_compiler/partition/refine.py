@@ -10,11 +10,16 @@ GPU's period, or keeps it and lowers the sum of squared periods (spreads load aw
 second bottleneck), or keeps both and lowers the bytes communicated — always within memory.
 
     refine(assignment, units) -> number of moves made
+    best = BestRefined(units); best.offer(assignment) ...; best.plan(problem, "metis", t0, why)
 """
 
 from __future__ import annotations
 
+import time
+
 from .assignment import Assignment
+from .build import build_plan
+from .indexed import infeasible
 
 EPS = 1e-12
 
@@ -166,3 +171,24 @@ def _targets(lay: Assignment, s: int, preds: list[int], succs: list[int]) -> lis
     if hi < lay.nstages and hi != s and hi != lo:
         out.append(hi)
     return out
+
+
+class BestRefined:
+    """Refine each start and keep the fitting one of lowest (period, bytes sent): the search
+    loop of the partitioners that try several starts (acyclic, metis)."""
+
+    def __init__(self, units: list[list[int]]):
+        self.units, self.key, self.best = units, None, None
+
+    def offer(self, lay: Assignment) -> None:
+        refine(lay, self.units)
+        key = (round(lay.period(), 12), lay.comm_bytes())
+        if lay.fits() and (self.key is None or key < self.key):
+            self.key, self.best = key, lay
+
+    def plan(self, problem, name: str, t0: float, why: str):
+        """The best start's plan; `why` says what did not fit when none did."""
+        if self.best is None:
+            raise infeasible(problem, name, why)
+        lay = self.best
+        return build_plan(problem, lay.stage_of(), lay.gpu_of(), name, time.perf_counter() - t0)

@@ -35,15 +35,15 @@ from __future__ import annotations
 import functools
 from dataclasses import asdict, dataclass, replace
 
-from ftpipe_runtime.freezing import bound_schedule, layer_units
+from ftpipe_runtime.freezing import bound_schedule
 
-from ..costs.analytic import weight_share
 from ..costs.cluster import Cluster
 from ..costs.formulas import PRECISIONS
 from ..errors import FtpipeError, InfeasibleError
 from ..graph.granularity import collapse
 from ..graph.opgraph import OpGraph
 from ..partition import Problem
+from .frozen_graphs import boundary_bytes, cached_graph, frozen_graph, graph_units
 from .search import Candidate, Space, best_plan
 
 __all__ = [
@@ -52,9 +52,6 @@ __all__ = [
     "FreezeRun",
     "Interval",
     "Shape",
-    "cached_graph",
-    "frozen_graph",
-    "graph_units",
     "simulate_freezing",
 ]
 
@@ -148,76 +145,6 @@ class Elastic:
         }
 
 
-def graph_units(graph: OpGraph) -> list[list[str]]:
-    """The parameters that freeze with each layer (`freezing.layer_units`), in execution
-    order: a parameter's place is its first reader's."""
-    order = sorted(graph.owner, key=lambda p: graph.index[graph.owner[p]])
-    return layer_units([p for p in order if graph.param[p].dtype.startswith(("float", "bfl"))])
-
-
-def frozen_graph(graph: OpGraph, frozen: frozenset[str]) -> OpGraph:
-    """The costed op graph with `frozen` parameters frozen: a node needs a gradient only if
-    it reads a trainable parameter or a node that needs one (tracing's rule); its backward
-    keeps only the input-gradient part it still needs and the weight-gradient part of
-    trainable weights (the split of `costs.weight_share`); a node without gradient keeps
-    no activations and is not recomputed."""
-    params = tuple(replace(p, trainable=p.trainable and p.name not in frozen) for p in graph.params)
-    g = replace(graph, params=params)
-    needs: dict[str, bool] = {}
-    nodes = []
-    for n in graph.nodes:
-        share = weight_share(graph, n)
-        dx = any(needs[p] for p in graph.preds[n.id])
-        dw = any(g.param[p].trainable for p in n.params)
-        needs[n.id] = n.requires_grad and (dx or dw)
-        bwd = n.bwd_s * ((1 - share) * dx + share * dw) if needs[n.id] else 0.0
-        nodes.append(
-            replace(
-                n,
-                requires_grad=needs[n.id],
-                bwd_s=bwd,
-                wgrad_s=n.bwd_s * share if needs[n.id] and dw else 0.0,
-                act_bytes=n.act_bytes if needs[n.id] else 0,
-                recompute_s=n.recompute_s if needs[n.id] else 0.0,
-            )
-        )
-    return g.with_nodes(nodes)
-
-
-def _prefix(graph: OpGraph, units, layers: int) -> tuple[set[str], list[str]]:
-    """(the nodes of the frozen prefix of `layers` layers, those whose output leaves it)."""
-    if layers >= len(units):
-        raise FtpipeError("the whole model cannot be frozen")
-    first = min(graph.index[graph.owner[p]] for p in units[layers])
-    inside = {n.id for n in graph.nodes[:first] if not n.requires_grad}
-    boundary = [i for i in inside if any(s not in inside for s in graph.succs[i])]
-    return inside, boundary
-
-
-def cached_graph(
-    graph: OpGraph, units, read: int | None, write: int | None, s_per_byte: float
-) -> OpGraph:
-    """A frozen graph whose first `read` layers are read from the cache (their boundary
-    costs `s_per_byte` per byte, the rest of them nothing) and whose boundary after `write`
-    layers is written to it (the same cost again)."""
-    fwd = {n.id: n.fwd_s for n in graph.nodes}
-    if read:
-        inside, boundary = _prefix(graph, units, read)
-        for i in inside:
-            fwd[i] = 0.0
-        for i in boundary:
-            fwd[i] = graph.node[i].out_bytes * s_per_byte
-    if write:
-        for i in _prefix(graph, units, write)[1]:
-            fwd[i] += graph.node[i].out_bytes * s_per_byte
-    return graph.with_nodes(replace(n, fwd_s=fwd[n.id]) for n in graph.nodes)
-
-
-def boundary_bytes(graph: OpGraph, units, layers: int) -> int:
-    """Bytes of one micro-batch leaving the frozen prefix of `layers` layers."""
-    return sum(graph.node[i].out_bytes for i in _prefix(graph, units, layers)[1])
-
-
 def simulate_freezing(
     graph: OpGraph, cluster: Cluster, run: FreezeRun, cache: CacheOptions | None = CacheOptions()
 ) -> Elastic:
@@ -240,23 +167,9 @@ def simulate_freezing(
         g = collapse(cached_graph(frozen(layers), units, read, write, s_per_byte))
         best = None
         for depth in [only] if only else depths:
-            c = Candidate(cluster.gpus // depth, depth, micro, run.batch // micro,
-                          run.schedule, True)  # fmt: skip
-            space = Space(batch=c.replicas * run.batch, schedules=(run.schedule,),
-                          optimizer=run.optimizer, partitioners=run.partitioners,
-                          steps=run.steps)  # fmt: skip
-            try:
-                problem = Problem(g, depth, cluster.gpu, run.schedule, run.optimizer,
-                                  micro_batches=c.micro_batches, recompute=True,
-                                  link_bandwidth=cluster.intra_node.bandwidth,
-                                  rematerialise=True, precision=precision)  # fmt: skip
-            except FtpipeError:
-                continue
-            got, _ = best_plan(problem, c, cluster, space)
-            if got and (best is None or got[1].samples_per_s > best.samples_per_s):
-                plan, sim, _ = got
-                best = Shape(c.replicas, depth, plan.partitioner, sim.samples_per_s,
-                             sim.step_time_s)  # fmt: skip
+            got = _fastest_at(g, depth, cluster, run, micro, precision)
+            if got and (best is None or got.samples_per_s > best.samples_per_s):
+                best = got
         if best is None:
             raise InfeasibleError(f"no pipeline of {depths} GPUs fits with {layers} frozen layers")
         return best
@@ -274,6 +187,40 @@ def simulate_freezing(
         disk = cache.disk_bandwidth / min(cluster.gpus, cluster.gpus_per_node)
         return in_host / link + (1 - in_host) / disk, held
 
+    intervals = _cheapest(counts, run, per, shape, cost if cache else None)
+    return Elastic(
+        run,
+        len(units),
+        intervals,
+        shape(0, only=run.depth),
+        shape(0),
+        sum(i.no_cache_seconds for i in intervals),
+    )
+
+
+def _fastest_at(g: OpGraph, depth: int, cluster: Cluster, run: FreezeRun, micro: int, precision):
+    """The fastest fitting plan of pipelines `depth` GPUs deep (None: nothing fits)."""
+    c = Candidate(cluster.gpus // depth, depth, micro, run.batch // micro, run.schedule, True)
+    space = Space(batch=c.replicas * run.batch, schedules=(run.schedule,),
+                  optimizer=run.optimizer, partitioners=run.partitioners,
+                  steps=run.steps)  # fmt: skip
+    try:
+        problem = Problem(g, depth, cluster.gpu, run.schedule, run.optimizer,
+                          micro_batches=c.micro_batches, recompute=True,
+                          link_bandwidth=cluster.intra_node.bandwidth,
+                          rematerialise=True, precision=precision)  # fmt: skip
+    except FtpipeError:
+        return None
+    got, _ = best_plan(problem, c, cluster, space)
+    if not got:
+        return None
+    plan, sim, _ = got
+    return Shape(c.replicas, depth, plan.partitioner, sim.samples_per_s, sim.step_time_s)
+
+
+def _cheapest(counts, run: FreezeRun, per: float, shape, cost) -> tuple[Interval, ...]:
+    """The intervals of least total time: `shape(layers, read, write, s_per_byte, only)` is
+    an interval's plan, `cost(layers)` the cache's (None: no AutoCache)."""
     # Dynamic programme over what the cache holds: the boundary after c layers, or nothing.
     states: dict = {None: (0.0, ())}
     for i, ell in enumerate(counts):
@@ -283,7 +230,7 @@ def simulate_freezing(
             options = [(held, Interval(i, i / run.decisions_per_epoch, ell, plain, None, None,
                                        0.0, per / plain.samples_per_s,
                                        per / plain.samples_per_s))]  # fmt: skip
-            if cache and ell:
+            if cost and ell:
                 spb, nbytes = cost(ell)
                 write = ell if ell != held else None
                 sh = shape(ell, held, write, spb)
@@ -294,15 +241,7 @@ def simulate_freezing(
                 if new not in nxt or total + row.seconds < nxt[new][0]:
                     nxt[new] = (total + row.seconds, (*path, row))
         states = nxt
-    intervals = min(states.values(), key=lambda v: v[0])[1]
-    return Elastic(
-        run,
-        len(units),
-        intervals,
-        shape(0, only=run.depth),
-        shape(0),
-        sum(i.no_cache_seconds for i in intervals),
-    )
+    return min(states.values(), key=lambda v: v[0])[1]
 
 
 def _halvings(k: int) -> list[int]:

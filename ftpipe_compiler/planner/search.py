@@ -187,21 +187,8 @@ def candidates(cluster: Cluster, space: Space, sizes: tuple[int, ...]) -> list[C
     return out
 
 
-def plan_shape(graph_for: Callable[[int], object], cluster: Cluster, space: Space, hardware=None,
-               progress: bool = True) -> Found:  # fmt: skip
-    """Search the space (see the module docstring). `graph_for(b)`: the costed graph traced
-    with micro-batches of b (cached by the caller)."""
-    t0 = time.perf_counter()
-    traced = {"s": 0.0}
-
-    def graph(b):
-        t = time.perf_counter()
-        g = graph_for(b)
-        traced["s"] += time.perf_counter() - t
-        return g
-
-    sizes = space.micro_batch_sizes or (int(graph_for(None).meta.get("micro_batch", 1)),)
-    hw = hardware or cluster.gpu
+def _bounded(graph, cluster: Cluster, space: Space, sizes, hw):
+    """Each candidate's problem and throughput bound; rows for those that cannot fit."""
     todo = []
     rows: list[Row] = []
     for c in candidates(cluster, space, sizes):
@@ -225,6 +212,25 @@ def plan_shape(graph_for: Callable[[int], object], cluster: Cluster, space: Spac
             )
             continue
         todo.append((bound, c, problem))
+    return todo, rows
+
+
+def plan_shape(graph_for: Callable[[int], object], cluster: Cluster, space: Space, hardware=None,
+               progress: bool = True) -> Found:  # fmt: skip
+    """Search the space (see the module docstring). `graph_for(b)`: the costed graph traced
+    with micro-batches of b (cached by the caller)."""
+    t0 = time.perf_counter()
+    traced = {"s": 0.0}
+
+    def graph(b):
+        t = time.perf_counter()
+        g = graph_for(b)
+        traced["s"] += time.perf_counter() - t
+        return g
+
+    sizes = space.micro_batch_sizes or (int(graph_for(None).meta.get("micro_batch", 1)),)
+    hw = hardware or cluster.gpu
+    todo, rows = _bounded(graph, cluster, space, sizes, hw)
     # Best bound first; among equal bounds the cheaper partitioning (fewer GPUs per pipeline).
     todo.sort(
         key=lambda x: (-x[0], x[1].gpus, -x[1].micro_batch, x[1].schedule, not x[1].recompute)

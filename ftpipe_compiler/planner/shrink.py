@@ -10,7 +10,7 @@ runtime (`ftpipe_runtime.elastic`) switches to one at a freeze decision.
 Each halving of the pipeline is planned for one more decision of alpha's freeze rule at
 its fastest (`freezing.bound_schedule`: the bound limits, the most alpha allows): the i-th
 shrink runs the pipeline on K / 2^i GPUs with 2^i times the replicas, the frozen prefix of
-`bound_schedule(L, alpha, i)[-1]` layers costed forward-only (`elastic.frozen_graph`: no
+`bound_schedule(L, alpha, i)[-1]` layers costed forward-only (`frozen_graphs.frozen_graph`: no
 gradient, no optimizer state, no activations kept), so the partitioners pack those cheap
 layers at the head of the chain, onto the first GPU. Every replica keeps the main plan's
 micro-batch size and gets 1 / 2^i of its micro-batches, so a step trains on the same
@@ -29,7 +29,7 @@ from ..errors import FtpipeError, InfeasibleError
 from ..graph.opgraph import OpGraph
 from ..partition import problem_from_graph
 from ..plan import Plan
-from .elastic import frozen_graph, graph_units
+from .frozen_graphs import frozen_graph, graph_units
 
 __all__ = ["Shrink", "shrink_plans", "index_of"]
 

@@ -77,9 +77,24 @@ class EventLoop:
         # Owner stage -> its ForwardVersions: a weight goes once per version (from the lists).
         self.versions = versions or {}
         self.sent_version: dict[int, int] = {}  # owner stage -> the version its weights last went
+        self._transfers(plan, total_mbs, weights_once)
+        # Step groups: which GPUs meet before stepping.
+        self.group_of = {s: grp for grp in groups for s in grp}
+        self.group_gpus = {grp: {self.gpu[s] for s in grp} for grp in groups}
+        self.arrived: dict[tuple, dict[int, float]] = {}
+        self.released: set[tuple] = set()
+        self._gpu_state(lists, st)
+        # One handler per action kind: when it may start (None: not yet) and what it sets off.
+        kinds = {"F": "f", "B": "b", "W": "w", "S": "s"}
+        self.start_of = {k: getattr(self, f"_start_{x}") for k, x in kinds.items()}
+        self.finish_of = {k: getattr(self, f"_finish_{x}") for k, x in kinds.items()}
+
+    def _transfers(self, plan: Plan, total_mbs: int, weights_once: bool) -> None:
+        """Who sends what to whom (`out`), the gradient slots a producer waits for (`grads`,
+        `slot_count`), and how many arrivals each (stage, micro-batch) needs."""
         last_b = {
             (a.stage, a.mb // self.m): a.mb
-            for acts in lists.values()
+            for acts in self.lists.values()
             for a in acts
             if a.kind == "B"
         }
@@ -109,12 +124,9 @@ class EventLoop:
         for sends in self.out.values():  # weights last, as the runtime's sending order
             sends.sort(key=lambda x: x[3])
         self.last_b = last_b
-        # Step groups: which GPUs meet before stepping.
-        self.group_of = {s: grp for grp in groups for s in grp}
-        self.group_gpus = {grp: {self.gpu[s] for s in grp} for grp in groups}
-        self.arrived: dict[tuple, dict[int, float]] = {}
-        self.released: set[tuple] = set()
 
+    def _gpu_state(self, lists, st) -> None:
+        """Per GPU: position in its list, when it is free, what runs; per stage: memory held."""
         self.pos = dict.fromkeys(lists, 0)
         self.free = dict.fromkeys(lists, 0.0)
         self.start = dict.fromkeys(lists, 0.0)
@@ -130,10 +142,6 @@ class EventLoop:
         self.timeline: list[Event] = []
         self.heap: list[tuple[float, int, int]] = []
         self.seq = 0
-        # One handler per action kind: when it may start (None: not yet) and what it sets off.
-        kinds = {"F": "f", "B": "b", "W": "w", "S": "s"}
-        self.start_of = {k: getattr(self, f"_start_{x}") for k, x in kinds.items()}
-        self.finish_of = {k: getattr(self, f"_finish_{x}") for k, x in kinds.items()}
 
     def go(self) -> None:
         for g in self.lists:

@@ -46,43 +46,7 @@ def timeline(plan: Plan, events, prefix: str = "") -> dict:
     an optimizer step. `prefix` keeps the patterns of two drawings on one page apart."""
     span = max((e.end for e in events), default=0.0) or 1.0
     scale = PLOT_W / span
-    boxes, marks = [], []
-    for e in events:
-        x = LABEL_W + e.start * scale
-        y = AXIS_H + e.gpu * ROW_H
-        if e.kind == "S":
-            marks.append(
-                {
-                    "x": round(x, 2),
-                    "y1": y + 1,
-                    "y2": y + ROW_H - 1,
-                    "title": f"stage {e.stage} optimizer step {e.mb} at {e.start:.4f} s",
-                }
-            )
-            continue
-        fill = {
-            "F": stage_colour(e.stage),
-            "B": f"url(#hatch{prefix}{e.stage})",
-            "R": f"url(#dark{prefix}{e.stage})",
-            "W": stage_colour(e.stage, "light"),
-        }[e.kind]
-        what = {
-            "F": "forward",
-            "B": "backward",
-            "R": "recompute + backward",
-            "W": "weight gradients",
-        }[e.kind]
-        boxes.append(
-            {
-                "x": round(x, 2),
-                "y": y + 3,
-                "w": round(max((e.end - e.start) * scale, 0.4), 2),
-                "h": ROW_H - 6,
-                "fill": fill,
-                "kind": e.kind,
-                "title": f"stage {e.stage} {what}, micro-batch {e.mb}: {e.start:.4f}-{e.end:.4f} s",
-            }
-        )
+    boxes, marks = _boxes(events, scale, prefix)
     stages = sorted({s.id for s in plan.stages})
     return {
         "width": LABEL_W + PLOT_W + 16,
@@ -114,6 +78,40 @@ def timeline(plan: Plan, events, prefix: str = "") -> dict:
         "right": LABEL_W + PLOT_W,
         "bottom": AXIS_H + plan.gpus * ROW_H,
     }
+
+
+_WHAT = {"F": "forward", "B": "backward", "R": "recompute + backward", "W": "weight gradients"}
+
+
+def _boxes(events, scale: float, prefix: str) -> tuple[list[dict], list[dict]]:
+    """A box per action and a tick per optimizer step, in SVG coordinates."""
+    boxes, marks = [], []
+    for e in events:
+        x = LABEL_W + e.start * scale
+        y = AXIS_H + e.gpu * ROW_H
+        if e.kind == "S":
+            title = f"stage {e.stage} optimizer step {e.mb} at {e.start:.4f} s"
+            marks.append({"x": round(x, 2), "y1": y + 1, "y2": y + ROW_H - 1, "title": title})
+            continue
+        fill = {
+            "F": stage_colour(e.stage),
+            "B": f"url(#hatch{prefix}{e.stage})",
+            "R": f"url(#dark{prefix}{e.stage})",
+            "W": stage_colour(e.stage, "light"),
+        }[e.kind]
+        boxes.append(
+            {
+                "x": round(x, 2),
+                "y": y + 3,
+                "w": round(max((e.end - e.start) * scale, 0.4), 2),
+                "h": ROW_H - 6,
+                "fill": fill,
+                "kind": e.kind,
+                "title": f"stage {e.stage} {_WHAT[e.kind]}, micro-batch {e.mb}: "
+                f"{e.start:.4f}-{e.end:.4f} s",
+            }
+        )
+    return boxes, marks
 
 
 def memory_chart(plan: Plan, result: SimResult) -> dict:

@@ -104,7 +104,13 @@ def simulate(
         plan, lists, groups, m * run_steps, min(steps, TIMELINE_STEPS), m, versions, weights_once
     )
     run.go()
+    return _result(plan, run, name, m, steps, run_steps)
 
+
+def _result(plan: Plan, run: EventLoop, name: str, m: int, steps: int, run_steps: int):
+    """The figures of a finished run: step time over the second half of the steps (the
+    first half warms the pipeline up), busy fractions and peak memory per GPU."""
+    lists = run.lists
     ends = [max(run.step_end[g].get(k, 0.0) for g in lists) for k in range(steps)]
     n = steps // 2
     window = (ends[-1 - n], ends[-1]) if n else (0.0, ends[0])

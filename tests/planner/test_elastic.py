@@ -11,14 +11,8 @@ from ftpipe_compiler.costs.cluster import get_cluster
 from ftpipe_compiler.costs.hardware import get_hardware
 from ftpipe_compiler.graph.exported import WRAPPER_PREFIX
 from ftpipe_compiler.graph.trace import trace_model
-from ftpipe_compiler.planner.elastic import (
-    CacheOptions,
-    FreezeRun,
-    cached_graph,
-    frozen_graph,
-    graph_units,
-    simulate_freezing,
-)
+from ftpipe_compiler.planner.elastic import CacheOptions, FreezeRun, simulate_freezing
+from ftpipe_compiler.planner.frozen_graphs import cached_graph, frozen_graph, graph_units
 
 HW = get_hardware("rtx2080ti")
 
