@@ -7,7 +7,7 @@ from ftpipe_compiler.cli import cli
 from ftpipe_compiler.codegen import check_package
 from ftpipe_compiler.partition import PARTITIONERS
 from ftpipe_compiler.plan import Plan
-from ftpipe_compiler.plan_search import schedule_names
+from ftpipe_compiler.planner.matrix import schedule_names
 
 SCHEDULES = tuple(schedule_names("auto"))
 SYNC = tuple(schedule_names("sync"))

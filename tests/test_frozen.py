@@ -13,7 +13,8 @@ import pytest
 from ftpipe_runtime.models.lora import LoraSpec
 
 from ftpipe_compiler.costs.profilers import costed_graph
-from ftpipe_compiler.partition import Plan, build_plan, problem_from_graph
+from ftpipe_compiler.partition import build_plan, problem_from_graph
+from ftpipe_compiler.plan import Plan
 
 FREEZE = r"transformer.(wte|wpe|h.0\.)"
 

@@ -141,7 +141,7 @@ def test_refusals_come_before_any_work(tmp_path, monkeypatch, read_only_dir):
     def no_compiling(*args, **kwargs):
         raise AssertionError("compiled before refusing")
 
-    monkeypatch.setattr("ftpipe_compiler.cli_compile.costed_graph", no_compiling)
+    monkeypatch.setattr("ftpipe_compiler.cli.compile_phases.costed_graph", no_compiling)
     for argv, code, message in cases:
         r = CliRunner().invoke(cli, ["compile", "-m", "gpt2-tiny", "--gpus", "2", *argv])
         assert r.exit_code == code, (argv, r.output)

@@ -6,7 +6,7 @@
    WikiText-2 shapes: full fine-tuning (bf16 with fp32 masters, and bf16-pure) against LoRA
    r=16 on q_proj,v_proj over a frozen bf16 base (no gradient, master or optimizer state for
    the base). Each row: the fastest plan that fits among the synchronous schedules x the quick
-   partitioners (`plan_search.best_plan`), its peak memory per GPU and simulated samples/s; a
+   partitioners (`planner.matrix.search_matrix`), its peak memory per GPU and simulated samples/s; a
    row with no plan that fits gives the bytes of weights, gradients and optimizer state alone
    per GPU (a floor no partition goes below).
 2. GPT2-XL on 4 x rtx2080ti with the embeddings and the first 24 of its 48 blocks frozen
@@ -21,7 +21,7 @@ import time
 from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.errors import InfeasibleError
 from ftpipe_compiler.partition import problem_from_graph
-from ftpipe_compiler.plan_search import CHEAP, best_plan
+from ftpipe_compiler.planner.matrix import CHEAP, search_matrix
 
 ALONE = False  # it only computes: it may share the machine (benchmarks.sections)
 
@@ -44,7 +44,7 @@ def _plan_row(graph, hardware: str, gpus: int) -> dict:
     row = {"trainable_params": graph.num_parameters, "trainable_bytes": trainable,
            "static_floor_bytes_per_gpu": static, "memory_bytes": problem.memory}  # fmt: skip
     try:
-        best, _ = best_plan(problem, SCHEDULES, list(CHEAP), steps=10, progress=False)
+        best, _ = search_matrix(problem, SCHEDULES, list(CHEAP), steps=10, progress=False)
     except InfeasibleError:
         return {**row, "feasible": False}
     plan, sim = best.plan, best.sim

@@ -12,7 +12,7 @@ a. Runtime, 2 CPU ranks (gloo), GPT-2 bench model: our zero-bubble and interleav
    GPipe and 1F1B against ScheduleGPipe / Schedule1F1B on the same even split are section
    `runtime`'s (measured there, not twice: it keeps `make bench` within its time).
 b. Simulated, 8 GPUs: T5-3B, GPT2-XL and Llama-3.1-8B; every partitioner under every
-   schedule (`plan_search.best_plan`, nothing left unsearched), the best plan overall and
+   schedule (`planner.matrix.search_matrix`, nothing left unsearched), the best plan overall and
    the best synchronous one against the best sequential partition (pipedream, acyclic,
    gpipe, params) under 1F1B.
 """
@@ -34,7 +34,7 @@ from benchmarks.harness.stats import run_rounds
 from benchmarks.runtime.bench import ROUNDS, SEED, TIMED, Bench, ungroup  # the same steps
 from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.partition import problem_from_graph
-from ftpipe_compiler.plan_search import best_plan, schedule_names
+from ftpipe_compiler.planner.matrix import schedule_names, search_matrix
 
 MODEL = "gpt2-bench"
 RUNTIME = ("zb1p", "interleaved", "zbv")  # pipelining has each; gpipe and 1f1b: section runtime
@@ -113,7 +113,7 @@ def simulated() -> dict:
             graph, SIM_GPUS, hardware, "1f1b", task.optimizer, task.micro_batches, 0
         )
         names = schedule_names("auto")
-        winner, matrix = best_plan(problem, names, width=len(names), progress=False)
+        winner, matrix = search_matrix(problem, names, width=len(names), progress=False)
         rows = [c.to_json() for c in matrix]
         ok = [r for r in rows if r["status"] == "ok"]
         cases.append(

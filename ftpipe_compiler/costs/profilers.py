@@ -17,6 +17,7 @@ from ..model.tasks import Task, resolve_task
 from ..model.zoo import ModelSpec, resolve_model
 from .analytic import analytic_costs
 from .hardware import get_hardware
+from .measured import measured_costs
 
 GRANULARITIES = ("op", "layer")
 PROFILERS = ("analytic", "measured")
@@ -54,8 +55,6 @@ def costed_graph(
         raise FtpipeError(f"unknown precision {precision!r}; choose from {', '.join(PRECISIONS)}")
     traced = trace_model(spec, t, t.micro_batch, precision=precision)
     if profile == "measured":
-        from .measured import measured_costs
-
         graph = measured_costs(traced, spec, granularity=granularity, **measured_options)
     else:
         graph = analytic_costs(traced, hw, granularity)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from ..costs.formulas import PRECISIONS
+from ..costs.hardware import get_hardware
 from ..errors import FtpipeError, InfeasibleError, unknown
 from ..plan import Plan
 
@@ -32,7 +33,6 @@ from .problem import Problem
 __all__ = [
     "PARTITIONERS",
     "PATTERNED",
-    "Plan",
     "Problem",
     "Result",
     "build_plan",
@@ -65,8 +65,6 @@ def problem_from_graph(
 ) -> Problem:
     """A Problem with the graph's defaults: its hardware, the task's optimizer, and the task's
     batch / micro-batch as micro-batches per step."""
-    from ..costs.hardware import get_hardware
-
     meta = graph.meta or {}
     if micro_batches is None:
         mb, batch = meta.get("micro_batch"), meta.get("batch")
@@ -149,7 +147,13 @@ def run_partitioners(problem: Problem, names=None, progress: bool = True) -> lis
     for n in names:
         get_partitioner(n)  # unknown names fail before any work
     out = []
-    bar = tqdm(names, desc="partitioning", file=sys.stderr, disable=not progress, leave=False)
+    bar = tqdm(
+        names,
+        desc="partitioning",
+        file=sys.stderr,
+        disable=None if progress else True,  # None: only on a terminal
+        leave=False,
+    )
     for n in bar:
         bar.set_postfix_str(n)
         out.append(run_partitioner(problem, n))

@@ -7,13 +7,14 @@ Every partitioner ends here, so the figures of competing plans are computed one 
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import networkx as nx
 from ftpipe_runtime.schedules import StageInfo, with_chunks
 
 from ..costs.formulas import optimizer_step_s
 from ..errors import FtpipeError
+from ..graph.opgraph import OpGraph
 from ..plan import Plan, PlanParam, Stage, Transfer
 from .problem import Problem
 from .remat import rematerialised
@@ -31,6 +32,61 @@ def build_plan(
     missing = [n.id for n in graph.nodes if n.id not in stage_of]
     if missing:
         raise FtpipeError(f"{partitioner}: {len(missing)} nodes have no stage (e.g. {missing[0]})")
+    cut = _cut(problem, stage_of, gpu_of, partitioner)
+    transfers = _transfers(cut)
+    stages = _forward_only(_stages(problem, cut), transfers, graph, cut.loss_stage)
+    return Plan(
+        partitioner=partitioner,
+        remat_saved_bytes=_remat_saved(cut),
+        gpus=problem.gpus,
+        schedule=problem.schedule,
+        micro_batches=problem.micro_batches,
+        optimizer=problem.optimizer,
+        bandwidth=problem.bandwidth,
+        latency_s=problem.hardware.link_latency_s,
+        memory_bytes=problem.memory,
+        stages=tuple(stages),
+        transfers=transfers,
+        params=_params(problem, cut),
+        loss_stage=cut.loss_stage,
+        lower_bound_s=problem.lower_bound(),
+        search_seconds=search_seconds,
+        model={
+            **graph.meta,
+            "spec": graph.model,
+            "hardware": problem.hardware.name,
+            "granularity": graph.granularity,
+            "profile": graph.profile,
+            "inputs": {i.name: [list(i.shape), i.dtype] for i in graph.inputs},
+        },
+    )
+
+
+@dataclass
+class _Cut:
+    """The assignment with stages renumbered topologically and what crosses between them."""
+
+    graph: OpGraph
+    sid: dict[str, int]  # node -> stage (renumbered)
+    gpu: dict[int, int]  # stage -> GPU
+    depth: dict[int, int]  # stage -> longest path to a last stage
+    loss_stage: int
+    copies: dict[int, list[str]]  # stage -> nodes it recomputes instead of receiving
+    readers: dict[str, list[int]]  # parameter -> stages reading it, the owner first
+    consumers: dict[str, set[int]]  # node -> other stages it is sent to
+    readers_of: dict[str, set[int]]  # the same, counting the stages that recompute it
+    shared: list  # parameters read by several stages: sent by the owner
+
+    @property
+    def members(self) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {s: [] for s in self.gpu}
+        for n in self.graph.nodes:
+            out[self.sid[n.id]].append(n.id)
+        return out
+
+
+def _cut(problem: Problem, stage_of, gpu_of, partitioner: str) -> _Cut:
+    graph = problem.graph
     # Cheap tensors computed from inputs and weights alone: recomputed where read, not sent.
     copied = rematerialised(graph, stage_of, problem.bandwidth) if problem.rematerialise else {}
     # Stage graph and a deterministic topological numbering. Ties keep the caller's order, so
@@ -47,8 +103,36 @@ def build_plan(
     renum = {old: new for new, old in enumerate(order)}
     sid = {n: renum[s] for n, s in stage_of.items()}
     copies = {renum[s]: sorted(ids, key=graph.index.get) for s, ids in copied.items()}
-    loss_stage = sid[graph.output]
-    readers: dict[str, list[int]] = {}  # parameter -> stages reading it, the owner first
+    readers = _param_readers(graph, sid, copies)
+    rg = nx.relabel_nodes(sg, renum)
+    rg.add_edges_from((r[0], x) for r in readers.values() for x in r[1:])
+    depth = {s: 0 for s in rg}
+    for s in reversed(list(nx.topological_sort(rg))):
+        depth[s] = max((depth[t] + 1 for t in rg.successors(s)), default=0)
+    consumers: dict[str, set[int]] = {}
+    readers_of: dict[str, set[int]] = {}
+    for e in graph.edges:
+        if sid[e.src] != sid[e.dst]:
+            readers_of.setdefault(e.src, set()).add(sid[e.dst])
+            if e.src not in copied.get(stage_of[e.dst], ()):
+                consumers.setdefault(e.src, set()).add(sid[e.dst])
+    return _Cut(
+        graph=graph,
+        sid=sid,
+        gpu={s: gpu_of[order[s]] for s in range(len(order))},
+        depth=depth,
+        loss_stage=sid[graph.output],
+        copies=copies,
+        readers=readers,
+        consumers=consumers,
+        readers_of=readers_of,
+        shared=[p for p in graph.params if len(readers.get(p.name, ())) > 1],
+    )
+
+
+def _param_readers(graph: OpGraph, sid, copies) -> dict[str, list[int]]:
+    """Parameter -> the stages reading it (recomputed copies too), sorted: the owner first."""
+    readers: dict[str, list[int]] = {}
     runs = [(sid[n.id], n) for n in graph.nodes]
     runs += [(s, graph.node[i]) for s, ids in copies.items() for i in ids]
     for s, n in runs:
@@ -58,60 +142,46 @@ def build_plan(
                 readers[p].append(s)
     for r in readers.values():
         r.sort()
-    rg = nx.relabel_nodes(sg, renum)
-    rg.add_edges_from((r[0], x) for r in readers.values() for x in r[1:])
-    depth = {s: 0 for s in rg}
-    for s in reversed(list(nx.topological_sort(rg))):
-        depth[s] = max((depth[t] + 1 for t in rg.successors(s)), default=0)
+    return readers
+
+
+def _stages(problem: Problem, cut: _Cut) -> list[Stage]:
+    graph, readers = cut.graph, cut.readers
     infos = with_chunks(
-        StageInfo(s, gpu_of[order[s]], depth[s], s == loss_stage) for s in range(len(order))
+        StageInfo(s, cut.gpu[s], cut.depth[s], s == cut.loss_stage) for s in range(len(cut.gpu))
     )
-
-    members: dict[int, list[str]] = {s: [] for s in range(len(order))}
-    for n in graph.nodes:
-        members[sid[n.id]].append(n.id)
-    consumers: dict[str, set[int]] = {}
-    readers_of: dict[str, set[int]] = {}  # the same, counting the stages that recompute it
-    for e in graph.edges:
-        if sid[e.src] != sid[e.dst]:
-            readers_of.setdefault(e.src, set()).add(sid[e.dst])
-            if e.src not in copied.get(stage_of[e.dst], ()):
-                consumers.setdefault(e.src, set()).add(sid[e.dst])
     input_bytes = {i.name: i.bytes for i in graph.inputs}
-    shared = [p for p in graph.params if len(readers.get(p.name, ())) > 1]  # sent by the owner
-
     trainable = {p.name: p.trainable and not p.frozen for p in graph.params}  # stepped
-    owned = {s: [p for p, r in readers.items() if r[0] == s] for s in members}
     stages = []
-    for s, ids in members.items():
-        mine = copies.get(s, [])
+    for s, ids in cut.members.items():
+        mine = cut.copies.get(s, [])
         local = set(ids) | set(mine)
         nodes = [graph.node[i] for i in (*ids, *mine)]
         ins = sorted(
             {p for i in ids for p in graph.preds[i] if p not in local}, key=graph.index.get
         )
-        got = [p for p in shared if s in readers[p.name][1:]]
+        got = [p for p in cut.shared if s in readers[p.name][1:]]
         model_inputs = tuple(dict.fromkeys(x for n in nodes for x in n.inputs))
+        params = tuple(
+            p for p in dict.fromkeys(p for n in nodes for p in n.params) if readers[p][0] == s
+        )
+        owned = [p for p, r in readers.items() if r[0] == s]
         stages.append(
             Stage(
                 id=s,
-                gpu=gpu_of[order[s]],
+                gpu=cut.gpu[s],
                 nodes=tuple(ids),
                 fwd_s=sum(n.fwd_s for n in nodes),
                 bwd_s=sum(n.bwd_s for n in nodes),
                 wgrad_s=sum(n.wgrad_s for n in nodes),
                 recompute_s=sum(n.recompute_s for n in nodes),
                 recompute=problem.policy(infos[s]).recompute,
-                depth=depth[s],
-                params=tuple(
-                    p
-                    for p in dict.fromkeys(p for n in nodes for p in n.params)
-                    if readers[p][0] == s
-                ),
+                depth=cut.depth[s],
+                params=params,
                 inputs=(*ins, *(p.name for p in got)),
                 outputs=(
-                    *(i for i in ids if i in consumers),
-                    *(p.name for p in shared if readers[p.name][0] == s),
+                    *(i for i in ids if i in cut.consumers),
+                    *(p.name for p in cut.shared if readers[p.name][0] == s),
                 ),
                 model_inputs=model_inputs,
                 input_bytes=sum(graph.node[i].out_bytes for i in ins)
@@ -120,22 +190,29 @@ def build_plan(
                 act_bytes=sum(n.act_bytes for n in nodes),
                 copies=tuple(mine),
                 step_s=optimizer_step_s(
-                    (problem.static_bytes[p] for p in owned[s] if trainable[p]), problem.hardware
+                    (problem.static_bytes[p] for p in owned if trainable[p]), problem.hardware
                 ),
             )
         )
-    transfers = tuple(
+    return stages
+
+
+def _transfers(cut: _Cut) -> tuple[Transfer, ...]:
+    """Activations to the stages that read them, then shared parameters from their owner."""
+    graph, readers = cut.graph, cut.readers
+    activations = tuple(
         Transfer(
             tensor=t,
-            producer=sid[t],
+            producer=cut.sid[t],
             consumers=tuple(sorted(c)),
             shape=graph.node[t].shape,
             dtype=graph.node[t].dtype,
             bytes=graph.node[t].out_bytes,
             requires_grad=graph.node[t].requires_grad,
         )
-        for t, c in sorted(consumers.items(), key=lambda kv: graph.index[kv[0]])
-    ) + tuple(
+        for t, c in sorted(cut.consumers.items(), key=lambda kv: graph.index[kv[0]])
+    )
+    weights = tuple(
         Transfer(
             tensor=p.name,
             producer=readers[p.name][0],
@@ -145,9 +222,13 @@ def build_plan(
             bytes=p.bytes,
             requires_grad=p.trainable,
         )
-        for p in shared
+        for p in cut.shared
     )
-    params = tuple(
+    return activations + weights
+
+
+def _params(problem: Problem, cut: _Cut) -> tuple[PlanParam, ...]:
+    return tuple(
         PlanParam(
             name=p.name,
             shape=p.shape,
@@ -156,43 +237,23 @@ def build_plan(
             static_bytes=problem.static_bytes[p.name],
             trainable=p.trainable,
             aliases=p.aliases,
-            stages=tuple(readers.get(p.name, ())[:1]),
+            stages=tuple(cut.readers.get(p.name, ())[:1]),
             frozen=p.frozen,
         )
-        for p in graph.params
+        for p in cut.graph.params
     )
-    stages = _forward_only(stages, transfers, graph, loss_stage)
-    gpu = {s: gpu_of[order[s]] for s in range(len(order))}
-    saved = 0  # per micro-batch: what no longer crosses to a GPU (and its gradient back)
-    for t, cs in readers_of.items():
-        n = graph.node[t]
-        gone = {gpu[c] for c in cs} - {gpu[c] for c in consumers.get(t, ())} - {gpu[sid[t]]}
+
+
+def _remat_saved(cut: _Cut) -> int:
+    """Per micro-batch: what no longer crosses to a GPU (and its gradient back)."""
+    saved = 0
+    gpu = cut.gpu
+    for t, cs in cut.readers_of.items():
+        n = cut.graph.node[t]
+        gone = {gpu[c] for c in cs} - {gpu[c] for c in cut.consumers.get(t, ())}
+        gone -= {gpu[cut.sid[t]]}
         saved += n.out_bytes * (2 if n.requires_grad else 1) * len(gone)
-    return Plan(
-        partitioner=partitioner,
-        remat_saved_bytes=saved,
-        gpus=problem.gpus,
-        schedule=problem.schedule,
-        micro_batches=problem.micro_batches,
-        optimizer=problem.optimizer,
-        bandwidth=problem.bandwidth,
-        latency_s=problem.hardware.link_latency_s,
-        memory_bytes=problem.memory,
-        stages=tuple(stages),
-        transfers=transfers,
-        params=params,
-        loss_stage=loss_stage,
-        lower_bound_s=problem.lower_bound(),
-        search_seconds=search_seconds,
-        model={
-            **graph.meta,
-            "spec": graph.model,
-            "hardware": problem.hardware.name,
-            "granularity": graph.granularity,
-            "profile": graph.profile,
-            "inputs": {i.name: [list(i.shape), i.dtype] for i in graph.inputs},
-        },
-    )
+    return saved
 
 
 def _forward_only(stages: list, transfers, graph, loss_stage: int) -> list:

@@ -15,6 +15,7 @@ import time
 from ..costs.formulas import gpu_memory_bytes, stage_memory
 from ..graph.granularity import layer_key, sublayer_key
 from ..plan import Plan
+from ..simulate import simulate
 from .assignment import Assignment
 from .build import build_plan
 from .coarsen import Coarse, atoms, by_scope, grow_centers
@@ -68,8 +69,6 @@ def mixed(problem) -> Plan:
 def _judge(plan: Plan) -> tuple[float, float, int, int]:
     """Simulated step time first (FTPipe §4.1 picks L by "the best pipeline throughput"): a
     deeper pipeline may match another's period yet stall on its longer round trip."""
-    from ..simulate import simulate  # the simulator imports plans: import it late
-
     return (
         round(simulate(plan, steps=JUDGE_STEPS).step_time_s, 9),
         round(plan.period_s, 12),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..graph.opgraph import OpGraph
 
-__all__ = ["MAX_COPY_NODES", "describe", "rematerialised"]
+__all__ = ["MAX_COPY_NODES", "rematerialised"]
 
 MAX_COPY_NODES = 256  # a subgraph larger than this is not looked at further (cost and time)
 _RANDOM = ("dropout", "rand", "bernoulli", "normal", "uniform", "multinomial", "exponential")
@@ -72,16 +72,3 @@ def _closure(t: str, preds, node, budget: float) -> set[str] | None:
                 seen.add(p)
                 todo.append(p)
     return seen
-
-
-def describe(plan) -> str:
-    """One line for people: which stages recompute how many nodes, and the bytes saved; ""
-    when no stage recomputes anything."""
-    copies = {s.id: len(s.copies) for s in plan.stages if s.copies}
-    if not copies:
-        return ""
-    where = ", ".join(f"{n} in stage {s}" for s, n in copies.items())
-    return (
-        f"recomputed instead of sent: {sum(copies.values())} nodes ({where}); "
-        f"{plan.remat_saved_bytes / 1e6:.2f} MB per micro-batch no longer crosses between GPUs"
-    )

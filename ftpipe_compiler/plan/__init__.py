@@ -2,8 +2,13 @@
 
 from ftpipe_compiler.plan import Plan
 plan = Plan.load("out/t5-3b/plan.json")
+
+plan.py holds `Plan` (figures and JSON), parts.py its `Stage`, `Transfer` and `PlanParam`,
+checks.py what a runnable plan must satisfy (`Plan.validate`).
 """
 
-from .plan import Plan, PlanParam, Stage, Transfer
+from .checks import check_plan
+from .parts import PlanParam, Stage, Transfer
+from .plan import Plan, describe_remat
 
-__all__ = ["Plan", "PlanParam", "Stage", "Transfer"]
+__all__ = ["Plan", "PlanParam", "Stage", "Transfer", "check_plan", "describe_remat"]

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
-import networkx as nx
 from ftpipe_runtime.atomic import write_atomic
 from ftpipe_runtime.schedules import (
     ScheduleError,
@@ -34,63 +32,11 @@ from ftpipe_runtime.schedules import (
 
 from ..costs.cluster import Cluster
 from ..costs.formulas import gpu_memory_bytes, period_s, stage_memory
-from ..errors import FtpipeError, PlanFormatError, unknown
+from ..errors import FtpipeError, PlanFormatError
 from ..graph.opgraph import _typed, read_json
 from ..version import PLAN_FORMAT, READABLE_FORMATS, __version__
-
-
-@dataclass(frozen=True)
-class Stage:
-    id: int
-    gpu: int
-    nodes: tuple[str, ...]  # graph node ids, in execution order
-    fwd_s: float
-    bwd_s: float  # the whole backward: input and weight gradients
-    recompute_s: float
-    recompute: bool  # does this stage recompute under the plan's schedule?
-    depth: int  # stages on the longest path from here to the loss stage
-    params: tuple[str, ...]  # canonical names of the parameters it owns
-    inputs: tuple[str, ...]  # transfers received (producer node ids, or parameter names)
-    outputs: tuple[str, ...]  # transfers sent (its nodes, or parameters it owns)
-    model_inputs: tuple[str, ...]  # model inputs read straight from the data
-    input_bytes: int  # per micro-batch: transfers received + model inputs
-    act_bytes: int  # per micro-batch: activations kept for backward without recompute
-    wgrad_s: float = 0.0  # the part of bwd_s a split backward's W runs (weight gradients)
-    # Nodes of other stages it recomputes instead of receiving their outputs (partition/remat;
-    # their costs are in the figures above), in graph order.
-    copies: tuple[str, ...] = ()
-    # Nothing trainable in it or before it: no backward, nothing kept (ftpipe_runtime.frozen).
-    forward_only: bool = False
-    # Its optimizer step (formulas.optimizer_step_s of the parameters it owns; 0: free).
-    step_s: float = 0.0
-
-    @property
-    def compute_s(self) -> float:
-        return self.fwd_s + self.bwd_s + (self.recompute_s if self.recompute else 0.0)
-
-
-@dataclass(frozen=True)
-class Transfer:
-    tensor: str  # producing node id, or a parameter's canonical name (sent by its owner)
-    producer: int  # stage
-    consumers: tuple[int, ...]  # stages
-    shape: tuple[int, ...]
-    dtype: str
-    bytes: int
-    requires_grad: bool  # a gradient flows back along it
-
-
-@dataclass(frozen=True)
-class PlanParam:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    bytes: int
-    static_bytes: int  # weights + gradients + optimizer state
-    trainable: bool
-    aliases: tuple[str, ...]
-    stages: tuple[int, ...]  # (owner,): the one stage holding it; () when nothing reads it
-    frozen: bool = False  # a weight of the model that does not train (not a buffer)
+from .checks import check_plan
+from .parts import PlanParam, Stage, Transfer
 
 
 @dataclass(frozen=True)
@@ -250,78 +196,8 @@ class Plan:
         """Every node in one stage, stages numbered 0..n-1 on existing GPUs, transfers and
         parameters between existing stages, stage graph acyclic, stages placed as the schedule
         needs; with `memory`, every GPU within its memory. A plan read from a file is checked
-        without memory."""
-        from ftpipe_runtime.schedules import SCHEDULES
-
-        if self.schedule not in SCHEDULES:
-            raise unknown("schedule", self.schedule, SCHEDULES)
-        if self.gpus < 1 or self.micro_batches < 1 or self.bandwidth <= 0:
-            raise FtpipeError("gpus and micro_batches must be at least 1 and bandwidth positive")
-        if [s.id for s in self.stages] != list(range(len(self.stages))) or not self.stages:
-            raise FtpipeError("stages must be numbered 0, 1, 2, ... in order")
-        if not 0 <= self.loss_stage < len(self.stages):
-            raise FtpipeError(f"the loss stage {self.loss_stage} is not a stage of the plan")
-        seen: set[str] = set()
-        for s in self.stages:
-            dup = seen.intersection(s.nodes)
-            if dup:
-                raise FtpipeError(f"nodes {sorted(dup)[:3]} are in two stages")
-            seen.update(s.nodes)
-            if not 0 <= s.gpu < self.gpus:
-                raise FtpipeError(f"stage {s.id} is on GPU {s.gpu}, outside 0..{self.gpus - 1}")
-            if not all(math.isfinite(x) and x >= 0 for x in (s.fwd_s, s.bwd_s, s.recompute_s)):
-                raise FtpipeError(f"stage {s.id} has a negative or non-finite time")
-            if not 0 <= s.wgrad_s <= s.bwd_s * (1 + 1e-9):
-                raise FtpipeError(
-                    f"stage {s.id}: its weight-gradient time {s.wgrad_s} is not part of its "
-                    f"backward time {s.bwd_s}"
-                )
-        g = nx.DiGraph()
-        g.add_nodes_from(s.id for s in self.stages)
-        for t in self.transfers:
-            if not {t.producer, *t.consumers} <= set(g):
-                raise FtpipeError(f"transfer {t.tensor} names a stage the plan does not have")
-            for c in t.consumers:
-                if c <= t.producer:
-                    raise FtpipeError(f"stage {c} receives from a later stage {t.producer}")
-                g.add_edge(t.producer, c)
-        if any(not set(p.stages) <= set(g) for p in self.params):
-            raise FtpipeError("a parameter is owned by a stage the plan does not have")
-        if not nx.is_directed_acyclic_graph(g):
-            raise FtpipeError("the stage graph has a cycle")
-        for gpu in range(self.gpus):
-            ids = [s.id for s in self.stages_on(gpu)]
-            if ids != sorted(ids):
-                raise FtpipeError(f"stages on GPU {gpu} are not in topological order")
-        try:
-            resolve_schedule(self.schedule, self.recompute).check(
-                self.stage_infos(), self.micro_batches
-            )
-        except ScheduleError as e:
-            raise FtpipeError(str(e)) from None
-        self._validate_placement()
-        if not memory:
-            return
-        over = [g for g in range(self.gpus) if self.gpu_memory(g) > self.memory_bytes]
-        if over:
-            raise FtpipeError(
-                f"GPU {over[0]} needs {self.gpu_memory(over[0]) / 2**30:.1f} GiB, more than its "
-                f"{self.memory_bytes / 2**30:.1f} GiB"
-            )
-
-    def _validate_placement(self) -> None:
-        if self.replicas < 1:
-            raise FtpipeError(f"a plan needs at least 1 replica, not {self.replicas}")
-        want = sorted((r, g) for r in range(self.replicas) for g in range(self.gpus))
-        if sorted(self.placed()) != want:
-            raise FtpipeError(
-                f"the placement must give each of the {self.replicas} replicas' {self.gpus} GPUs "
-                "one rank"
-            )
-        if self.cluster is not None and self.cluster.gpus != self.world:
-            raise FtpipeError(
-                f"the plan runs on {self.world} GPUs but its cluster has {self.cluster.gpus}"
-            )
+        without memory. Raises FtpipeError naming the first thing wrong (plan/checks.py)."""
+        check_plan(self, memory=memory)
 
     # --- serialisation ---
     def to_json(self) -> dict:
@@ -390,3 +266,16 @@ class Plan:
 
     def with_(self, **changes) -> Plan:
         return replace(self, **changes)
+
+
+def describe_remat(plan: Plan) -> str:
+    """One line for people: which stages recompute how many nodes, and the bytes saved; ""
+    when no stage recomputes anything."""
+    copies = {s.id: len(s.copies) for s in plan.stages if s.copies}
+    if not copies:
+        return ""
+    where = ", ".join(f"{n} in stage {s}" for s, n in copies.items())
+    return (
+        f"recomputed instead of sent: {sum(copies.values())} nodes ({where}); "
+        f"{plan.remat_saved_bytes / 1e6:.2f} MB per micro-batch no longer crosses between GPUs"
+    )

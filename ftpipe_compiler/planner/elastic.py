@@ -12,8 +12,8 @@ the most freezing alpha allows, the best case for speed. For each interval:
 - AutoPipe / AutoDP (§3.2-3.3): the graph with the frozen prefix (`frozen_graph`: frozen
   parameters have no gradient or optimizer state, frozen ops no backward and keep no
   activations) is planned on pipelines of K, K/2, K/4 ... GPUs, the freed GPUs running
-  data-parallel replicas (`best_plan`: every partitioner, every orientation, simulated with
-  the replicas' all-reduce); the fastest that fits is taken. Each replica keeps `batch`
+  data-parallel replicas (`best_for_candidate`: every partitioner, every orientation,
+  simulated with the replicas' all-reduce); the fastest that fits is taken. Each replica keeps `batch`
   sequences per step, as PipeTransformer's pipelines keep theirs when AutoDP adds replicas.
   The frozen prefix runs forward only where the partitioner puts it, always at the head of
   the chain (PipeTransformer pins it to the first GPU).
@@ -44,7 +44,7 @@ from ..graph.granularity import collapse
 from ..graph.opgraph import OpGraph
 from ..partition import Problem
 from .frozen_graphs import boundary_bytes, cached_graph, frozen_graph, graph_units
-from .search import Candidate, Space, best_plan
+from .search import Candidate, Space, best_for_candidate
 
 __all__ = [
     "CacheOptions",
@@ -211,7 +211,7 @@ def _fastest_at(g: OpGraph, depth: int, cluster: Cluster, run: FreezeRun, micro:
                           rematerialise=True, precision=precision)  # fmt: skip
     except FtpipeError:
         return None
-    got, _ = best_plan(problem, c, cluster, space)
+    got, _ = best_for_candidate(problem, c, cluster, space)
     if not got:
         return None
     plan, sim, _ = got

@@ -6,9 +6,10 @@
 A candidate is one point of the search space: d replicas of a p-GPU pipeline (d x p = the
 cluster's GPUs), micro-batches of b sequences, m of them per replica and step (d x b x m =
 the global batch, kept fixed so every candidate trains the same way), a schedule, and
-recompute or not. Each is judged like `ftpipe compile` judges one pipeline, by `best_plan`:
-every competing partitioner cuts the pipeline, every cut is placed in each orientation the
-cluster allows and simulated with its replicas, the most samples/s that fit win.
+recompute or not. Each is judged by `best_for_candidate` (as `ftpipe compile` judges one
+pipeline): every competing partitioner cuts the pipeline, every cut is placed in each
+orientation the cluster allows and simulated with its replicas, the most samples/s that fit
+win.
 
 Candidates are taken best bound first (`bounds.throughput_bound`); one whose bound is not
 above the best plan found so far by more than the `gap` is pruned, with its bound in the
@@ -41,7 +42,15 @@ from ..simulate import SimResult, simulate
 from .bounds import throughput_bound
 from .shapes import depths, orientations, placement
 
-__all__ = ["Candidate", "Found", "Row", "Space", "best_plan", "effective_speedup", "plan_shape"]
+__all__ = [
+    "Candidate",
+    "Found",
+    "Row",
+    "Space",
+    "best_for_candidate",
+    "effective_speedup",
+    "plan_shape",
+]
 
 
 @dataclass(frozen=True)
@@ -143,7 +152,7 @@ def effective_speedup(plan: Plan, sim: SimResult, useful: bool = False) -> float
     return sim.samples_per_s * work / size if work > 0 else 0.0
 
 
-def best_plan(problem: Problem, candidate: Candidate, cluster: Cluster, space: Space):
+def best_for_candidate(problem: Problem, candidate: Candidate, cluster: Cluster, space: Space):
     """The fastest fitting (plan, simulation, partitioner rows) of one candidate: every
     partitioner's cut, replicated and placed in each orientation, simulated. None: no fit.
 
@@ -236,14 +245,15 @@ def plan_shape(graph_for: Callable[[int], object], cluster: Cluster, space: Spac
         key=lambda x: (-x[0], x[1].gpus, -x[1].micro_batch, x[1].schedule, not x[1].recompute)
     )
     best = None
-    bar = tqdm(todo, desc="planning", file=sys.stderr, disable=not progress, leave=False)
+    bar = tqdm(todo, desc="planning", file=sys.stderr, disable=None if progress else True,
+               leave=False)  # fmt: skip
     for bound, c, problem in bar:
         if best is not None and bound <= best[1].samples_per_s * (1 + space.gap):
             rows.append(Row(c, bound, "pruned"))
             continue
         bar.set_postfix_str(c.label)
         t = time.perf_counter()
-        got, competitors = best_plan(problem, c, cluster, space)
+        got, competitors = best_for_candidate(problem, c, cluster, space)
         seconds = time.perf_counter() - t
         if got is None:
             why = (

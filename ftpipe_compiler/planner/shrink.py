@@ -30,6 +30,7 @@ from ..graph.opgraph import OpGraph
 from ..partition import problem_from_graph
 from ..plan import Plan
 from .frozen_graphs import frozen_graph, graph_units
+from .matrix import search_matrix
 
 __all__ = ["Shrink", "shrink_plans", "index_of"]
 
@@ -53,8 +54,6 @@ def shrink_plans(
 ) -> tuple[Shrink, ...]:
     """The pipelines of plan.gpus / 2, / 4 ... GPUs (as long as the micro-batches halve
     too), each the fastest simulated plan under the main plan's schedule."""
-    from ..plan_search import best_plan  # plan_search imports the planner package
-
     units = graph_units(graph)
     if len(units) < 2:
         raise FtpipeError("--freeze-training needs a model of numbered layers; this has none")
@@ -66,7 +65,7 @@ def shrink_plans(
         g = frozen_graph(graph, frozenset(p for u in units[:frozen] for p in u))
         problem = problem_from_graph(g, depth, hardware, plan.schedule, plan.optimizer, m, seed)
         try:
-            best, _ = best_plan(problem, [plan.schedule], partitioners, steps=steps,
+            best, _ = search_matrix(problem, [plan.schedule], partitioners, steps=steps,
                                 progress=False)  # fmt: skip
         except InfeasibleError:
             break

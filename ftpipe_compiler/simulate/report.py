@@ -15,8 +15,7 @@ import jinja2
 from ftpipe_runtime.atomic import write_atomic
 
 from .. import resources
-from ..partition.remat import describe as describe_remat
-from ..plan import Plan
+from ..plan import Plan, describe_remat
 from ..version import __version__
 from .result import SimResult
 

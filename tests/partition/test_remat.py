@@ -15,8 +15,8 @@ from ftpipe_compiler.costs.hardware import get_hardware  # noqa: E402
 from ftpipe_compiler.costs.profilers import costed_graph  # noqa: E402
 from ftpipe_compiler.partition import build_plan  # noqa: E402
 from ftpipe_compiler.partition.problem import Problem  # noqa: E402
-from ftpipe_compiler.partition.remat import describe  # noqa: E402
 from ftpipe_compiler.plan import Plan  # noqa: E402
+from ftpipe_compiler.plan import describe_remat as describe  # noqa: E402
 
 GPU_OF = {0: 0, 1: 1, 2: 0, 3: 1}
 SLOW = 1e3  # bytes/s: every tensor made from inputs and weights alone is worth recomputing

@@ -9,7 +9,13 @@ import pytest
 
 from ftpipe_compiler.errors import FtpipeError
 from ftpipe_compiler.partition import PARTITIONERS, problem_from_graph
-from ftpipe_compiler.plan_search import CHEAP, best_plan, evaluate, schedule_names, update_rule
+from ftpipe_compiler.planner.matrix import (
+    CHEAP,
+    evaluate,
+    schedule_names,
+    search_matrix,
+    update_rule,
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +36,7 @@ def test_the_winner_is_the_exhaustive_optimum(problem):
     """Every partitioner under every schedule, nothing skipped: the search's winner (pruned
     by the lower bound only) simulates as fast as the best of all cells."""
     schedules = schedule_names("auto")
-    winner, matrix = best_plan(problem, schedules, width=len(schedules), progress=False)
+    winner, matrix = search_matrix(problem, schedules, width=len(schedules), progress=False)
     every = {}
     for s in schedules:
         cell = next(c for c in matrix if c.schedule == s)
@@ -54,7 +60,7 @@ def test_the_winner_is_the_exhaustive_optimum(problem):
 
 def test_the_slow_partitioners_run_under_the_fastest_schedules_only(problem):
     schedules = ["gpipe", "1f1b", "zb1p", "interleaved"]
-    winner, matrix = best_plan(problem, schedules, width=1, progress=False)
+    winner, matrix = search_matrix(problem, schedules, width=1, progress=False)
     cells = {(c.schedule, c.partitioner): c for c in matrix}
     quick = {
         s: min(cells[(s, p)].step_s for p in CHEAP)
@@ -71,7 +77,7 @@ def test_the_slow_partitioners_run_under_the_fastest_schedules_only(problem):
             assert c.status == "not searched" and f"({quick[s]:.4g} s)" in c.note
     assert winner.step_s == min(c.step_s for c in matrix)
     # Deterministic: the same problem gives the same matrix.
-    again = best_plan(problem, schedules, width=1, progress=False)[1]
+    again = search_matrix(problem, schedules, width=1, progress=False)[1]
     strip = lambda c: {k: v for k, v in c.to_json().items() if k != "search_seconds"}  # noqa: E731
     assert [strip(c) for c in again] == [strip(c) for c in matrix]
 
@@ -79,4 +85,4 @@ def test_the_slow_partitioners_run_under_the_fastest_schedules_only(problem):
 def test_nothing_fits(problem):
     tiny = replace(problem, memory_bytes=1000)
     with pytest.raises(FtpipeError, match="no schedule and partitioner give a plan that fits"):
-        best_plan(tiny, ["1f1b", "zb1p"], progress=False)
+        search_matrix(tiny, ["1f1b", "zb1p"], progress=False)

@@ -1,7 +1,7 @@
 """The partition and the schedule chosen together: every partitioner under every schedule,
 each plan simulated, and the fastest that fits wins.
 
-    winner, matrix = best_plan(problem, schedules=["1f1b", "zb1p", "zbv"])
+    winner, matrix = search_matrix(problem, schedules=["1f1b", "zb1p", "zbv"])
     winner.plan, winner.sim              # the winning plan (for its schedule), its simulation
     [cell.to_json() for cell in matrix]  # one row per (schedule, partitioner)
     schedule_names("sync")               # the schedules whose update is plain mini-batch SGD
@@ -38,11 +38,12 @@ from dataclasses import dataclass, replace
 from ftpipe_runtime.schedules import SCHEDULES, StageInfo, get_schedule
 from tqdm import tqdm
 
-from .errors import FtpipeError, InfeasibleError, unknown
-from .partition import PARTITIONERS, PATTERNED, Plan, Problem, run_partitioner
-from .simulate import SimResult, simulate
+from ..errors import FtpipeError, InfeasibleError, unknown
+from ..partition import PARTITIONERS, PATTERNED, Problem, run_partitioner
+from ..plan import Plan
+from ..simulate import SimResult, simulate
 
-__all__ = ["CHEAP", "GROUPS", "Cell", "best_plan", "evaluate", "schedule_names", "update_rule"]
+__all__ = ["CHEAP", "GROUPS", "Cell", "search_matrix", "evaluate", "schedule_names", "update_rule"]
 
 CHEAP = ("even-layers", "params", "pipedream")  # a second or less each, even on T5-3B
 GROUPS = {
@@ -112,7 +113,7 @@ class Cell:
         }
 
 
-def best_plan(
+def search_matrix(
     problem: Problem,
     schedules: list[str] | None = None,
     partitioners: list[str] | None = None,
@@ -128,16 +129,7 @@ def best_plan(
         if n not in PARTITIONERS:
             raise unknown("partitioner", n, PARTITIONERS)
     cells: dict[tuple[str, str], Cell] = {}
-    problems: dict[str, Problem] = {}
-    bound: dict[str, float] = {}
-    for s in schedules:
-        try:
-            problems[s] = replace(problem, schedule=s)
-        except FtpipeError as e:  # e.g. too few micro-batches for its pattern
-            for p in names:
-                cells[(s, p)] = Cell(s, p, "n/a", note=str(e))
-            continue
-        bound[s] = problems[s].micro_batches * problems[s].lower_bound()
+    problems, bound = _per_schedule(problem, schedules, names, cells)
     cheap = [p for p in names if p in CHEAP]
     costly = [p for p in names if p not in CHEAP]
     bar = tqdm(
@@ -176,22 +168,46 @@ def best_plan(
     ):
         visit(s, p)
     bar.close()
-    for s in problems:
+    for s in problems:  # the costly cells of the schedules ranked out
         for p in costly:
             if (s, p) not in cells:
-                why = f"{fastest[s]:.4g} s" if fastest[s] < math.inf else "none fits"
-                note = (
-                    f"its best quick plan ({why}) is not among the {width} fastest "
-                    "free-placement schedules' (--search-width)"
-                )
-                cells[(s, p)] = Cell(s, p, "not searched", bound[s], note=note)
+                cells[(s, p)] = _not_searched(s, p, bound[s], fastest[s], width)
     matrix = [cells[(s, p)] for s in schedules for p in names]
+    return _winner(matrix), matrix
+
+
+def _winner(matrix: list[Cell]) -> Cell:
+    """The fastest step that fits; less traffic, then the matrix order, break ties."""
     ok = [i for i, c in enumerate(matrix) if c.status == "ok"]
     if not ok:
         why = "; ".join(dict.fromkeys(c.note for c in matrix if c.note))
         raise InfeasibleError(f"no schedule and partitioner give a plan that fits: {why}")
-    best_at = min(ok, key=lambda i: (matrix[i].step_s, matrix[i].plan.comm_bytes, i))
-    return matrix[best_at], matrix
+    return matrix[min(ok, key=lambda i: (matrix[i].step_s, matrix[i].plan.comm_bytes, i))]
+
+
+def _per_schedule(problem: Problem, schedules, names, cells) -> tuple[dict, dict]:
+    """Each schedule's problem and its lower bound on the step; a schedule whose problem
+    cannot be made (e.g. too few micro-batches for its pattern) fills its cells as n/a."""
+    problems: dict[str, Problem] = {}
+    bound: dict[str, float] = {}
+    for s in schedules:
+        try:
+            problems[s] = replace(problem, schedule=s)
+        except FtpipeError as e:
+            for p in names:
+                cells[(s, p)] = Cell(s, p, "n/a", note=str(e))
+            continue
+        bound[s] = problems[s].micro_batches * problems[s].lower_bound()
+    return problems, bound
+
+
+def _not_searched(s: str, p: str, bound: float, fastest: float, width: int) -> Cell:
+    why = f"{fastest:.4g} s" if fastest < math.inf else "none fits"
+    note = (
+        f"its best quick plan ({why}) is not among the {width} fastest "
+        "free-placement schedules' (--search-width)"
+    )
+    return Cell(s, p, "not searched", bound, note=note)
 
 
 def evaluate(problem: Problem, partitioner: str, bound: float, steps: int) -> Cell:

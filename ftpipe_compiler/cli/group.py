@@ -1,16 +1,13 @@
-"""The `ftpipe` command line. Every command's errors arrive here as FtpipeError, once."""
+"""The `ftpipe` click group. Every command's errors arrive here as FtpipeError, once; the
+commands are added in `cli/__init__.py`, one module each."""
 
 from __future__ import annotations
-
-import json
-import shlex
-import sys
 
 import click
 from ftpipe_runtime.errors import WriteFailed
 
-from .errors import FtpipeError
-from .version import __version__
+from ..errors import FtpipeError
+from ..version import __version__
 
 
 class _Group(click.Group):
@@ -48,29 +45,3 @@ def cli(ctx, debug):
     torchrun --nproc_per_node 8 -m t5_3b_pipeline
     """
     ctx.obj = {"debug": debug}
-
-
-def command_line() -> str:
-    """The command that is running, for the headers of generated files."""
-    ctx = click.get_current_context(silent=True)
-    argv = ctx.meta.get("ftpipe.argv") if ctx else None
-    return shlex.join(["ftpipe", *(sys.argv[1:] if argv is None else argv)])
-
-
-def echo_json(obj) -> None:
-    click.echo(json.dumps(obj, indent=2, sort_keys=False))
-
-
-def main(argv=None) -> None:
-    cli.main(args=argv, prog_name="ftpipe")
-
-
-# Commands register themselves on `cli`; imported last because they import it.
-from . import cli_commands  # noqa: E402, F401
-
-for _optional in ("cli_partition", "cli_simulate", "cli_compile"):
-    try:
-        __import__(f"{__package__}.{_optional}")
-    except ModuleNotFoundError as _e:
-        if _e.name != f"{__package__}.{_optional}":
-            raise

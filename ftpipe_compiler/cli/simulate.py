@@ -12,15 +12,15 @@ import click
 from ftpipe_runtime.atomic import check_writable_file
 from ftpipe_runtime.schedules import SCHEDULES
 
-from .cli import cli, echo_json
-from .partition import remat
-from .plan import Plan
-from .simulate import compare, simulate, table
-from .simulate.measured import load_measured
-from .simulate.report import compare_line, write_report
+from ..plan import Plan, describe_remat
+from ..simulate import compare, simulate, table
+from ..simulate.measured import load_measured
+from ..simulate.report import compare_line, write_report
+from .echo import echo_json, echo_lines
+from .options import json_option, micro_batches_option, steps_option
 
 
-@cli.command("simulate")
+@click.command("simulate")
 @click.argument("plan_files", metavar="PLAN.json", nargs=-1, type=click.Path(dir_okay=False))
 @click.option(
     "--schedule",
@@ -28,20 +28,8 @@ from .simulate.report import compare_line, write_report
     help=f"Pipeline schedule: {', '.join(SCHEDULES)}, or a .csv of per-GPU actions; "
     "several, comma-separated, to compare them (default: each plan's).",
 )
-@click.option(
-    "--micro-batches",
-    "-M",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Micro-batches per optimizer step (default: the plan's).",
-)
-@click.option(
-    "--steps",
-    type=click.IntRange(min=1),
-    default=10,
-    show_default=True,
-    help="Optimizer steps to simulate; the last half is the steady state.",
-)
+@micro_batches_option("Micro-batches per optimizer step (default: the plan's).", "-M")
+@steps_option(10, 1, "Optimizer steps to simulate; the last half is the steady state.")
 @click.option(
     "--report",
     type=click.Path(dir_okay=False),
@@ -56,32 +44,27 @@ from .simulate.report import compare_line, write_report
     help="A run's trace (the package's --trace FILE): its measured step time and timeline "
     "beside the simulated ones (its schedule and micro-batches unless given).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@json_option("Print machine-readable JSON.")
 def simulate_command(plan_files, schedule, micro_batches, steps, report, trace, as_json):
     """Simulate a plan: step time, samples/s, bubble, and per GPU busy time and memory.
 
     With several plans or schedules, print them side by side instead."""
     if not plan_files:
         raise click.UsageError("give a plan file (from ftpipe compile or ftpipe partition)")
-    names = [n.strip() for n in schedule.split(",") if n.strip()] if schedule else [None]
-    for name in names:
-        if name is not None and name not in SCHEDULES and not name.lower().endswith(".csv"):
-            raise click.BadParameter(
-                f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)} or give a .csv",
-                param_hint="'--schedule'",
-            )
+    names = _schedule_names(schedule)
+    one = len(plan_files) == 1 and len(names) == 1
     if report:
-        if len(plan_files) > 1 or len(names) > 1:
+        if not one:
             raise click.UsageError("--report draws one plan under one schedule; give one of each")
         check_writable_file(report, "the report")  # before the simulation, not after
-    if trace and (len(plan_files) > 1 or len(names) > 1):
+    if trace and not one:
         raise click.UsageError("--compare sets one run beside one plan under one schedule")
     plans = [(f, Plan.load(f)) for f in plan_files]
     run = load_measured(trace, plans[0][1].gpus) if trace else None
     if run is not None:  # simulate what ran
         names = [names[0] or run.schedule or None]
         micro_batches = micro_batches or run.micro_batches
-    if len(plans) > 1 or len(names) > 1:
+    if not one:
         runs = [(f, plan, name or plan.schedule) for f, plan in plans for name in names]
         rows = compare(runs, steps, micro_batches)
         if as_json:
@@ -104,33 +87,49 @@ def simulate_command(plan_files, schedule, micro_batches, steps, report, trace, 
         extra = {"measured": run.summary(), "error": run.error(result)} if run else {}
         echo_json({**result.summary(), "remat_saved_bytes": plan.remat_saved_bytes, **extra})
         return
+    echo_lines(_lines(plan, result, steps, run))
+    if report:
+        click.echo(f"\nreport: {report}")
+
+
+def _schedule_names(schedule: str | None) -> list[str | None]:
+    """--schedule as names ([None]: each plan's own), each a schedule or a .csv file."""
+    names = [n.strip() for n in schedule.split(",") if n.strip()] if schedule else [None]
+    for name in names:
+        if name is not None and name not in SCHEDULES and not name.lower().endswith(".csv"):
+            raise click.BadParameter(
+                f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)} or give a .csv",
+                param_hint="'--schedule'",
+            )
+    return names
+
+
+def _lines(plan: Plan, result, steps: int, run) -> list[str]:
+    """One plan's simulation for people: the step, then each GPU's busy time and memory."""
     model = plan.model.get("spec") or plan.model.get("name") or "plan"
     hardware = plan.model.get("hardware") or "GPUs"
     width = f"{plan.replicas} replicas of " if plan.replicas > 1 else ""
-    click.echo(
+    sent = sum(g.bytes_sent for g in result.gpus)
+    lines = [
         f"{model} on {width}{plan.gpus} x {hardware}: {result.schedule} schedule, "
         f"{result.micro_batches} micro-batches of {result.micro_batch_size} per step, "
-        f"{len(plan.stages)} stages, {steps} steps simulated"
-    )
-    click.echo(
+        f"{len(plan.stages)} stages, {steps} steps simulated",
         f"  step time   {result.step_time_s:10.4f} s   (plan estimate "
-        f"{plan.period_s * result.micro_batches:.4f} s)"
-    )
-    click.echo(f"  samples/s   {result.samples_per_s:10.2f}")
-    click.echo(f"  bubble      {100 * result.bubble_fraction:10.1f} %")
-    sent = sum(g.bytes_sent for g in result.gpus)
-    click.echo(f"  sent        {sent / 1e6:10.2f} MB per step (all GPUs)")
-    if remat.describe(plan):
-        click.echo(f"  {remat.describe(plan)}")
+        f"{plan.period_s * result.micro_batches:.4f} s)",
+        f"  samples/s   {result.samples_per_s:10.2f}",
+        f"  bubble      {100 * result.bubble_fraction:10.1f} %",
+        f"  sent        {sent / 1e6:10.2f} MB per step (all GPUs)",
+    ]
+    if describe_remat(plan):
+        lines.append(f"  {describe_remat(plan)}")
     if run is not None:
-        click.echo(f"  {compare_line(run, result)}")
-    click.echo("\n  GPU   busy   memory GiB / capacity   stages")
+        lines.append(f"  {compare_line(run, result)}")
+    lines.append("\n  GPU   busy   memory GiB / capacity   stages")
     for g in result.gpus:
         flag = "  over capacity" if not g.fits else ""
         stages = ", ".join(map(str, g.stages)) or "-"
-        click.echo(
+        lines.append(
             f"  {g.gpu:>3} {100 * g.busy_fraction:5.1f} %   {g.peak_memory_bytes / 2**30:7.2f} / "
             f"{g.memory_bytes / 2**30:<7.2f}      {stages}{flag}"
         )
-    if report:
-        click.echo(f"\nreport: {report}")
+    return lines

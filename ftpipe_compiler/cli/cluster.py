@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import click
 
-from .costs.cluster import Cluster, get_cluster, load_cluster
-from .costs.profilers import costed_graph
-from .planner import Space, orientation_of, plan_shape
-from .planner.search import Found
+from ..costs.cluster import Cluster, get_cluster, load_cluster
+from ..costs.profilers import costed_graph
+from ..planner import Space, orientation_of, plan_shape
+from ..planner.search import Found
 
 __all__ = ["cluster_of", "describe_shapes", "plan_on_cluster"]
 

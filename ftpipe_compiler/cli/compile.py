@@ -1,0 +1,141 @@
+"""`ftpipe compile`: trace, profile, plan under every partitioner x schedule, simulate each,
+generate the winner (the search: `planner.matrix.search_matrix`; the phases and what it
+prints: compile_phases.py).
+
+ftpipe compile --model t5-3b --gpus 8 -o out/t5-3b                 # --schedule auto
+ftpipe compile --model t5-3b --gpus 8 --schedule sync              # plain mini-batch SGD only
+ftpipe compile --model t5-3b --gpus 8 --schedule 1f1b,zb1p,zbv
+# out/t5-3b/{plan.json, report.html, t5_3b_pipeline/}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from ftpipe_runtime.schedules import SCHEDULES
+
+from ..errors import FtpipeError
+from ..output import check_writable
+from ..planner.matrix import GROUPS, schedule_names
+from .cluster import cluster_of
+from .compile_phases import Job, pipeline_for
+from .driver import drive
+from .echo import command_line
+from .options import (
+    json_option,
+    micro_batches_option,
+    names,
+    optimizer_option,
+    partitioners_option,
+    seed_option,
+    steps_option,
+    traced_options,
+)
+
+
+def _schedules(ctx, param, value: str) -> list[str]:
+    try:
+        return schedule_names(value)
+    except FtpipeError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+@click.command("compile")
+@traced_options
+@click.option(
+    "--gpus", "-g", type=click.IntRange(min=1), required=True, help="GPUs in the pipeline."
+)
+@click.option(
+    "--schedule",
+    default="auto",
+    show_default=True,
+    callback=_schedules,
+    help=f"Schedules to plan for, the fastest simulated wins: {GROUPS['auto']} (auto), "
+    f"{GROUPS['sync']} (sync), or a comma-separated list of {', '.join(SCHEDULES)}.",
+)
+@click.option(
+    "--search-width",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Schedules (fastest by the quick partitioners' plans) under which the slower "
+    "partitioners (mixed, acyclic, metis) also run.",
+)
+@partitioners_option
+@optimizer_option
+@micro_batches_option("Micro-batches per step.")
+@steps_option(20, 2, "Simulated steps per plan.")
+@seed_option
+@click.option(
+    "--gpus-per-node",
+    type=click.IntRange(min=1),
+    default=None,
+    help="GPUs in each node (default: the hardware file's node); the planner then chooses "
+    "replicas x pipeline depth over the nodes.",
+)
+@click.option(
+    "--cluster",
+    "cluster_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="A cluster description (JSON: gpu, gpus_per_node, intra_node, inter_node) to plan for.",
+)
+@click.option(
+    "--replicas",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Data-parallel copies of the pipeline (default: 1, or the planner's choice with "
+    "--gpus-per-node or --cluster).",
+)
+@click.option(
+    "--freeze-training",
+    "freeze_alpha",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    default=None,
+    metavar="ALPHA",
+    help="Also write the plans a freeze-training run (PipeTransformer; run it with "
+    "--freeze-alpha or --freeze-at) switches to as it freezes layers: the active layers on "
+    "GPUS/2, GPUS/4 ... GPUs, the freed GPUs as data-parallel replicas, one halving per "
+    "decision of the freeze rule with this alpha at its fastest (<package>/elastic/).",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Output folder (default out/<model>).",
+)
+@click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
+@json_option()
+def compile_command(*, model, hardware, gpus, schedule, search_width, partitioners, optimizer,
+                    micro_batches, steps, seed, gpus_per_node, cluster_file, replicas,
+                    freeze_alpha, output, force, as_json, **cost_options):  # fmt: skip
+    """Compile a model into a pipeline package: the plan, a report and the package to torchrun."""
+    out = Path(output or Path("out") / model.replace("/", "_").replace(":", "_"))
+    check_writable(out, force)  # before minutes of work, not after
+    planned = gpus_per_node or cluster_file or replicas
+    cluster = cluster_of(hardware, gpus, gpus_per_node, cluster_file, replicas) if planned else None
+    if cluster_file:
+        hardware = cluster.gpu.name  # the cluster's GPU is the one to cost
+    # cost_options: task, shapes, granularity, profiler and the measured profiler's options
+    cost_options["profile"] = cost_options.pop("profiler")
+    job = Job(
+        out=out,
+        force=force,
+        command=command_line(),
+        cost_args=dict(model=model, hardware=hardware, **cost_options),
+        gpus=gpus,
+        schedules=schedule,
+        search_width=search_width,
+        partitioners=names(partitioners),
+        optimizer=optimizer,
+        micro_batches=micro_batches,
+        replicas=replicas,
+        steps=steps,
+        seed=seed,
+        freeze_alpha=freeze_alpha,
+        cluster=cluster,
+        progress=not as_json,
+    )
+    drive(pipeline_for(job), job, as_json=as_json)

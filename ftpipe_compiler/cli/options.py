@@ -1,0 +1,215 @@
+"""Options more than one command takes, each written once.
+
+`traced_options` (profile, compile) is what to trace and how to cost it, in three groups:
+the model and its shapes, the costs, the measured profiler. `head`, `target_len` and
+`batch`, and the measured profiler's `device`, `memory_limit_gb`, `repeats` and `cache`,
+arrive as keywords for `costed_graph` (which hands the last four to `measured_costs`).
+"""
+
+from __future__ import annotations
+
+import click
+from ftpipe_runtime.models import HEADS
+from ftpipe_runtime.models.lora import LoraSpec
+from ftpipe_runtime.precision import PRECISIONS
+
+from ..costs.measured import DEVICES
+from ..costs.profilers import GRANULARITIES, PROFILERS
+from ..partition import PARTITIONERS
+
+__all__ = [
+    "json_option",
+    "micro_batches_option",
+    "names",
+    "optimizer_option",
+    "output_file_option",
+    "partitioners_option",
+    "seed_option",
+    "steps_option",
+    "traced_options",
+]
+
+
+def _all(*options):
+    """One decorator applying `options` in the order listed (as --help shows them)."""
+
+    def apply(f):
+        for o in reversed(options):
+            f = o(f)
+        return f
+
+    return apply
+
+
+def names(value: str | None) -> list[str] | None:
+    """A comma-separated option as a list of names; None when not given."""
+    if not value:
+        return None
+    return [n.strip() for n in value.split(",") if n.strip()] or None
+
+
+def json_option(help: str = "Print machine-readable results."):
+    return click.option("--json", "as_json", is_flag=True, help=help)
+
+
+seed_option = click.option("--seed", type=int, default=0, show_default=True)
+optimizer_option = click.option(
+    "--optimizer",
+    default=None,
+    help="Optimizer whose state counts in memory (default: the task's).",
+)
+partitioners_option = click.option(
+    "--partitioners",
+    "-p",
+    default=None,
+    help=f"Comma-separated subset of {', '.join(PARTITIONERS)}.",
+)
+
+
+def micro_batches_option(help: str, *short: str):
+    return click.option(
+        "--micro-batches", *short, type=click.IntRange(min=1), default=None, help=help
+    )
+
+
+def steps_option(default: int, minimum: int, help: str):
+    return click.option(
+        "--steps", type=click.IntRange(min=minimum), default=default, show_default=True, help=help
+    )
+
+
+def output_file_option(help: str):
+    return click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help=help)
+
+
+def _lora_checked(ctx, param, value: str | None) -> str | None:
+    """--lora's text, refused as a usage error when it does not parse."""
+    if value:
+        try:
+            LoraSpec.parse(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+    return value
+
+
+_model = _all(
+    click.option(
+        "--model",
+        "-m",
+        required=True,
+        help="Shipped name or its hub id (ftpipe models), a local HuggingFace folder, a hub "
+        "id in the local HuggingFace cache, or module:function.",
+    ),
+    click.option(
+        "--head",
+        type=click.Choice(list(HEADS)),
+        default=None,
+        help="The model's head (default: the class in the config's architectures).",
+    ),
+    click.option(
+        "--task",
+        "-t",
+        default=None,
+        help="Task preset whose shapes to trace (default: the model's; ftpipe models).",
+    ),
+    click.option(
+        "--seq-len",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Tokens per sequence (encoder side).",
+    ),
+    click.option(
+        "--target-len",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Decoder tokens of a seq2seq LM.",
+    ),
+    click.option(
+        "--micro-batch",
+        "-b",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Sequences per micro-batch (default: the task's).",
+    ),
+    click.option(
+        "--batch",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Sequences per optimizer step (default: the task's micro-batches).",
+    ),
+)
+
+_costs = _all(
+    click.option(
+        "--hardware", default="rtx2080ti", show_default=True, help="GPU spec for the costs."
+    ),
+    click.option(
+        "--dtype",
+        "precision",
+        type=click.Choice(list(PRECISIONS)),
+        default="fp32",
+        show_default=True,
+        help="Training precision: bf16 and fp16 compute in 16 bits with fp32 master weights "
+        "and optimizer state (fp16 with loss scaling); bf16-pure keeps everything in bf16.",
+    ),
+    click.option(
+        "--freeze",
+        default=None,
+        metavar="REGEX",
+        help="Freeze the parameters whose names match REGEX from their start (e.g. "
+        "'encoder.block.[0-9]\\.'): no gradient, no optimizer state; stages with nothing "
+        "trainable before them run forwards only. A module:function model's own "
+        "requires_grad counts too.",
+    ),
+    click.option(
+        "--lora",
+        default=None,
+        metavar="SPEC",
+        callback=_lora_checked,
+        help="Train LoRA adapters (peft) on a frozen base: r=16,alpha=32,targets=q_proj,"
+        "v_proj[,dropout=0.05]; export writes peft's adapter folder.",
+    ),
+    click.option(
+        "--granularity", type=click.Choice(GRANULARITIES), default="op", show_default=True
+    ),
+    click.option(
+        "--profile",
+        "profiler",
+        type=click.Choice(PROFILERS),
+        default="analytic",
+        show_default=True,
+        help="analytic: FLOPs and bytes on a roofline; measured: time every block.",
+    ),
+)
+
+_measured = _all(
+    click.option(
+        "--device",
+        type=click.Choice(sorted(DEVICES)),
+        default="cpu",
+        show_default=True,
+        help="Where --profile measured times the blocks.",
+    ),
+    click.option(
+        "--memory-limit",
+        "memory_limit_gb",
+        type=click.FloatRange(min=0, min_open=True),
+        default=None,
+        help="GB a measured block may use on the device; a bigger block is an error.",
+    ),
+    click.option(
+        "--repeats",
+        type=click.IntRange(min=1),
+        default=3,
+        show_default=True,
+        help="Timed runs per block (median, after one warm-up).",
+    ),
+    click.option(
+        "--cache/--no-cache",
+        default=True,
+        show_default=True,
+        help="Reuse a cached measured profile; --no-cache profiles again.",
+    ),
+)
+
+traced_options = _all(_model, _costs, _measured)
