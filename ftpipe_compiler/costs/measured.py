@@ -147,24 +147,10 @@ def measured_costs(
     timed = {b: dict(fwd_s=t.fwd_s, bwd_s=t.bwd_s, wgrad_s=t.wgrad_s, recompute_s=t.recompute_s,
                      act_bytes=t.act_bytes) for b, t in run["timings"].items()}  # fmt: skip
     nodes = [replace(n, **timed[n.id]) for n in reference.nodes]
-    big = max(blocks, key=lambda b: b.nbytes)
-    figures = {
-        "device": clock.identity,
-        "repeats": repeats,
-        "seed": seed,
-        "weights": weights.source,
-        "memory_limit_bytes": None if memory_limit_gb is None else int(memory_limit_gb * GB),
-        "largest_block": {"id": big.id, "scope": reference.node[big.id].scope, "bytes": big.nbytes},
-        "rss_before_bytes": rss_before,
-        # Peak RSS of the process on CPU; on CUDA max_memory_allocated of the biggest block.
-        "peak_bytes": max(t.peak_bytes for t in run["timings"].values()),
-        "block_peak_bytes": {
-            b: t.peak_bytes for b, t in run["timings"].items() if clock.per_block_peak
-        },
-        "loss": run["loss"],
-        "seconds": time.perf_counter() - t0,
-        "cache": "miss",
-    }
+    figures = _figures(
+        clock, blocks, reference, run, weights.source, memory_limit_gb, repeats, seed
+    )
+    figures.update(rss_before_bytes=rss_before, seconds=time.perf_counter() - t0, cache="miss")
     meta = {**reference.meta, "measured": figures}
     graph = reference.with_nodes(nodes, profile="measured", hardware=clock.name, meta=meta)
     if cache:
@@ -173,6 +159,25 @@ def measured_costs(
         except WriteFailed as e:  # the profile itself is good: keep it, say why it is not cached
             print(f"warning: {e} (the profile is not cached)", file=sys.stderr)
     return graph
+
+
+def _figures(clock, blocks, reference, run, weights, memory_limit_gb, repeats, seed) -> dict:
+    """What a measured profile records of how it was taken (graph.meta["measured"])."""
+    big = max(blocks, key=lambda b: b.nbytes)
+    return {
+        "device": clock.identity,
+        "repeats": repeats,
+        "seed": seed,
+        "weights": weights,
+        "memory_limit_bytes": None if memory_limit_gb is None else int(memory_limit_gb * GB),
+        "largest_block": {"id": big.id, "scope": reference.node[big.id].scope, "bytes": big.nbytes},
+        # Peak RSS of the process on CPU; on CUDA max_memory_allocated of the biggest block.
+        "peak_bytes": max(t.peak_bytes for t in run["timings"].values()),
+        "block_peak_bytes": {
+            b: t.peak_bytes for b, t in run["timings"].items() if clock.per_block_peak
+        },
+        "loss": run["loss"],
+    }
 
 
 def measure_stages(traced: Traced, spec, stages, device="cpu", repeats=3, seed=0) -> dict:
