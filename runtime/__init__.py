@@ -1,6 +1,20 @@
 """ftpipe's pipeline runtime: schedules and the torch.distributed executor.
 
-Generated packages import this and torch, never the compiler.
+Generated packages import this and torch, never the compiler. The modules, in the order a
+run meets them:
+
+- entry: `cli` (a package's command line), `options` (its arguments), `run` (the run in
+  phases), `ranks` (where this rank runs, how the ranks meet), `mode` (freeze training and
+  the shorter plans it switches to: `freezing`, `elastic`).
+- the plan and the stages: `topology`, `stage_api` (what generated stages build on),
+  `weights` (initial values, checkpoint keys, the traced wrapper's prefix), `stages`,
+  `frozen`, `precision`, `models/` (heads, synthetic inputs, HuggingFace, LoRA).
+- data: `finetune` (opens --data / --eval-data), `data`, `token_files`, `text_data`,
+  `replicas` (each replica's share, gradient sums).
+- executing: `schedules/` (schedules as data), `dataflow`, `comm`, `outputs`, `executor`,
+  `split_backward`, `stepping`, `optim`, `evaluate`, `assemble` (wiring them), `trace`.
+- state and output: `prepare`, `checkpoint`, `checkpoint_files`, `saver`, `export`,
+  `report`, `runlog`, `summary`, `atomic`, `check` (a package's --check), `errors`.
 """
 
 from .errors import PeerFailure, PipelineConfigError, ScheduleError

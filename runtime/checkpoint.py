@@ -29,9 +29,7 @@ learning-rate settings) is refused, naming the difference. After each save only 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
-import re
 import shutil
 import zlib
 from pathlib import Path
@@ -39,11 +37,23 @@ from pathlib import Path
 import torch
 
 from .atomic import atomic_open, write_atomic
+from .checkpoint_files import (
+    FORMAT,
+    STEP_DIR,
+    Summing,
+    default_dir,
+    difference,
+    on_host,
+    plan_hash,
+    read_tensors,
+    run_identity,
+    step_dir,
+    tensor_bytes,
+)
 from .errors import PipelineConfigError
 
 __all__ = [
     "Checkpoints",
-    "Saver",
     "default_dir",
     "plan_hash",
     "read_tensors",
@@ -51,103 +61,6 @@ __all__ = [
     "step_dir",
     "tensor_bytes",
 ]
-
-FORMAT = 2  # 2: stage weights in safetensors
-_STEP_DIR = re.compile(r"step-(\d+)$")
-# What makes a plan's stages what they are; its costs and the command that made it do not.
-_PLAN_KEYS = ("gpus", "loss_stage", "stages", "transfers", "params")
-
-
-def step_dir(root, step: int) -> Path:
-    return Path(root) / f"step-{step:06d}"
-
-
-def plan_hash(plan: dict) -> str:
-    core = {k: plan.get(k) for k in _PLAN_KEYS} | {"inputs": plan.get("model", {}).get("inputs")}
-    return hashlib.sha256(json.dumps(core, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def default_dir(plan: dict) -> str:
-    """`checkpoints/<model>-<plan hash>`: packages run from one folder never share one."""
-    name = re.sub(r"\W+", "_", str(plan.get("model", {}).get("model_name") or "pipeline"))
-    return str(Path("checkpoints") / f"{name.strip('_') or 'pipeline'}-{plan_hash(plan)[:8]}")
-
-
-_TEXT_OPTIONS = ("text_field", "prompt_field", "target_field", "tokenizer", "pack", "truncate")
-
-
-def run_identity(plan: dict, args, schedule: str, micro_batches: int) -> dict:
-    """What a resumed run must share with the one that saved: else it is another run."""
-    data = args.data or "synthetic"
-    if Path(data).is_file():
-        data = f"{Path(data).name} ({Path(data).stat().st_size} bytes)"
-    text = {k: getattr(args, k, None) for k in _TEXT_OPTIONS if getattr(args, k, None)}
-    if getattr(args, "shuffle_seed", None) is not None:
-        text["shuffle_seed"] = args.shuffle_seed
-    return text | {
-        "plan": plan_hash(plan),
-        "dtype": getattr(args, "dtype", "fp32"),
-        "schedule": schedule,
-        "micro_batches": micro_batches,
-        "seed": args.seed,
-        "data": data,
-        "optimizer": args.optimizer,
-        "lr": args.lr,
-        "warmup": args.warmup,
-        "decay": args.decay,
-        "clip": args.clip,
-    }
-
-
-def tensor_bytes(tensors: dict) -> bytes:
-    """A dict of tensors in the safetensors format."""
-    from safetensors.torch import save
-
-    return save(tensors, metadata={"format": "pt"})
-
-
-def read_tensors(path, device="cpu") -> dict:
-    """The tensors of a safetensors file (FileNotFoundError when absent)."""
-    from safetensors.torch import load_file
-
-    if not Path(path).is_file():
-        raise FileNotFoundError(path)
-    try:
-        return load_file(str(path), device=str(device))
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own types on damage
-        raise ValueError(f"not a safetensors file: {e}") from None
-
-
-def _difference(saved: dict, mine: dict) -> str | None:
-    for key in mine:
-        if saved.get(key) != mine[key]:
-            return f"{key} {saved.get(key)!r} there, {mine[key]!r} here"
-    return None
-
-
-class _Summing:
-    """A file wrapper that counts and CRCs what goes through it."""
-
-    def __init__(self, f):
-        self.f, self.size, self.crc = f, 0, 0
-
-    def write(self, data) -> int:
-        self.size += len(data)
-        self.crc = zlib.crc32(data, self.crc)
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def _cpu(state):
-    if isinstance(state, torch.Tensor):
-        return state.detach().cpu().clone()
-    if isinstance(state, dict):
-        return {k: _cpu(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_cpu(v) for v in state)
-    return state
 
 
 class Checkpoints:
@@ -165,7 +78,7 @@ class Checkpoints:
             (folder / f"rank-{self.rank}.json").unlink(missing_ok=True)
             self._files[step] = {}
         with atomic_open(folder / name, "wb") as f:
-            summed = _Summing(f)
+            summed = Summing(f)
             if name.endswith(".safetensors"):
                 summed.write(tensor_bytes(obj))
             else:
@@ -182,7 +95,7 @@ class Checkpoints:
         }
         self._save(step, f"stage-{stage}.safetensors", copies)
         if optimizer is not None:
-            self._save(step, f"stage-{stage}.optimizer.pt", _cpu(optimizer.state_dict()))
+            self._save(step, f"stage-{stage}.optimizer.pt", on_host(optimizer.state_dict()))
 
     def finish_rank(
         self,
@@ -233,7 +146,7 @@ class Checkpoints:
         found = []
         if self.root.is_dir():
             for d in self.root.iterdir():
-                m = _STEP_DIR.fullmatch(d.name)
+                m = STEP_DIR.fullmatch(d.name)
                 if m and d.is_dir():
                     found.append(int(m.group(1)))
         return sorted(found, reverse=True)
@@ -330,7 +243,7 @@ class Checkpoints:
     def _foreign(self, manifests: list[dict]) -> str | None:
         """How the run that saved these differs from this one (None: the same run)."""
         run = next((m.get("run") for m in manifests if "run" in m), None)
-        return _difference(run, self.run) if isinstance(run, dict) else None
+        return difference(run, self.run) if isinstance(run, dict) else None
 
     def load_stage(self, step: int, stage: int, module, optimizer, device, load=None) -> None:
         """Stage tensors into `module` (or through `load(tensors)`), then its optimizer state."""
@@ -387,35 +300,3 @@ class Checkpoints:
                 with contextlib.suppress(OSError):
                     manifest.unlink()
             shutil.rmtree(folder, ignore_errors=True)
-
-
-class Saver:
-    """The step hook that checkpoints every `every` steps and after the last one."""
-
-    def __init__(
-        self, ckpt: Checkpoints, every: int, steps: int, micro_batches: int, stages: bool = True
-    ):
-        self.ckpt, self.every, self.steps, self.m = ckpt, every, steps, micro_batches
-        self.stages = stages  # False: a replica other than the first; its stages are the same
-        self.modules: dict = {}
-        self.optimizers: dict = {}
-        self.precision = None  # a MixedPrecision: its fp32 masters are the weights saved
-        self.versions = lambda stage, step: {}  # kept weight versions a resume at step needs
-        self.drained = False  # whether the schedule drains its pipeline at checkpoints
-        self._saved: dict[int, set] = {}  # step -> stages saved (asynchronous: one at a time)
-
-    def __call__(self, event, step: int) -> None:
-        done = step + 1
-        if done % self.every and done != self.steps:
-            return
-        for s in event.stages if self.stages else ():
-            mixed, module = self.precision, self.modules[s]
-            tensors = mixed.state_dict(s, module) if mixed is not None else None
-            self.ckpt.save_stage(done, s, module, self.optimizers[s], tensors)
-        self._saved.setdefault(done, set()).update(event.stages)
-        if self._saved[done] == set(self.modules):
-            scale = getattr(self.precision, "loss_scale", None)
-            state = {"loss_scale": scale.to_json()} if scale is not None else None
-            kept = {s: self.versions(s, done) for s in self.modules}
-            self.ckpt.finish_rank(done, done * self.m, self.steps, state, kept, self.drained)
-            del self._saved[done]

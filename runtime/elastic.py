@@ -29,10 +29,7 @@ point-to-point sends of only what each new stage needs would not).
 
 from __future__ import annotations
 
-import importlib.util
-import itertools
 import json
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,11 +38,10 @@ import torch
 import torch.distributed as dist
 
 from .errors import PeerFailure, PipelineConfigError
+from .stages import import_package
 from .topology import read_plan
 
 __all__ = ["Carried", "Shrinks", "hand_over", "load_carried", "segment_end"]
-
-_loaded = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -95,14 +91,7 @@ class Shrinks:
         """(its plan, its stage classes by stage number), imported from its folder."""
         where = self.folder / entry.name
         plan = read_plan(where / "plan.json")
-        name = f"_ftpipe_elastic_{next(_loaded)}_{entry.name}"
-        spec = importlib.util.spec_from_file_location(
-            name, where / "__init__.py", submodule_search_locations=[str(where)]
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        return plan, module.STAGES
+        return plan, import_package(where, "_ftpipe_elastic").STAGES
 
 
 def segment_end(first: int, steps: int, decides: Callable[[int], bool], pending: bool) -> int:

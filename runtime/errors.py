@@ -18,3 +18,12 @@ class PeerFailure(RuntimeError):
 
 class WriteFailed(OSError):
     """A file could not be written (full disk, no permission); the previous one is intact."""
+
+
+def pick(table: dict, name: str, kind: str, error: type = PipelineConfigError, more: str = ""):
+    """`table[name]`, or the registries' one unknown-name error: "unknown schedule 'x';
+    choose from gpipe, 1f1b, ..." (the choices in the table's order, then `more`)."""
+    try:
+        return table[name]
+    except KeyError:
+        raise error(f"unknown {kind} {name!r}; choose from {', '.join(table)}{more}") from None

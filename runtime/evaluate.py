@@ -6,6 +6,7 @@
     evaluator = Evaluator(topo, rank, modules, comm, eval_data, device, tag_base=steps)
     executor.handlers["E"] = evaluator.forward                 # the handler of kind E
     loss_messages(loss_rank_actions, topo.loss_stage, m, n)    # what rank 0 receives, in order
+    listener = listen_for_losses(run)                          # rank 0: those, in a thread
 
 Actions stream by (`schedules.Timeline`), so rounds are spliced into one GPU's actions as
 they pass, and the messages rank 0 receives are made as they are needed; micro-batches are
@@ -31,12 +32,14 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from .executor import Outputs
+from .outputs import Outputs
+from .replicas import LossGather
 from .schedules import Action
 
 __all__ = [
     "Evaluator",
     "eval_points",
+    "listen_for_losses",
     "loss_messages",
     "perplexity",
     "reporter",
@@ -120,6 +123,37 @@ def loss_messages(
         if counts[key] == (micro_batches if a.kind == "F" else batches):
             del counts[key]
             yield key
+
+
+def listen_for_losses(run):
+    """Rank 0's thread receiving the losses (and evaluation results) of the loss stage's
+    ranks, or None when rank 0 holds the only loss stage. `run`: the run's state
+    (`run._Run`: topo, flow, comm, executor, progress, on_eval, sources, place, m, args)."""
+    topo, flow, comm, m = run.topo, run.flow, run.comm, run.m
+    reps, loss_rank = run.place.reps, topo.rank_of[topo.loss_stage]
+    if reps.count > 1:  # every replica's losses, one step's together
+        heads = [reps.rank(r, loss_rank) for r in range(reps.count)]
+        gather = LossGather(heads, run.progress.loss)
+        run.executor.on_loss = lambda k, msg: gather.add(k, 0, msg)
+        messages = (  # made as the listener needs them, from the loss rank's actions
+            (src, k, m + 1, lambda msg, k=k, src=src: gather.add(k, src, msg))
+            for _, k in loss_messages(flow.listed(loss_rank), topo.loss_stage, m, 1)
+            for src in heads
+            if src != 0
+        )
+        return comm.listen_losses(messages)
+    if loss_rank == 0:
+        return None
+    evals = run.sources.eval
+    n = evals.micro_batches if evals is not None else 1
+    steps, on_loss, on_eval = run.args.steps, run.progress.loss, run.on_eval
+    messages = (  # made as the listener needs them, from the loss rank's actions
+        (loss_rank, k, m + 1, lambda msg, k=k: on_loss(k, msg))
+        if kind == "loss"
+        else (loss_rank, steps + k, 3, lambda msg, k=k: on_eval(k, msg))
+        for kind, k in loss_messages(flow.listed(loss_rank), topo.loss_stage, m, n)
+    )
+    return comm.listen_losses(messages)
 
 
 def perplexity(head: str, loss: float) -> float | None:

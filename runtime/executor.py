@@ -1,6 +1,7 @@
 """Executes one rank's actions: forwards, backwards (with recompute) and steps.
 
-    ex = Executor(topo, rank, modules, flow, comm, data, stepper, micro_batches, device, seed=0)
+    ex = Executor(topo, rank, modules, flow, comm, data=data, stepper=stepper,
+                  micro_batches=m, device=device, seed=0)
     ex.run(flow.actions(rank), after=callback)   # callback(index, planned) after each action
 
 Stage inputs are detached leaves whatever their source (the same rank or a message), so
@@ -26,7 +27,7 @@ first steps need from the checkpoint (`restore_versions`).
 
 Frozen weights (`frozen`): a stage with nothing trainable and no gradient crossing its
 borders is forward-only: its forwards run without autograd and keep nothing, its B and W
-are no-ops (`forward_only`; `refresh_frozen` derives it again, e.g. after a new plan).
+are no-ops (`forward_only`).
 
 Random numbers (dropout): a forward of micro-batch mb on stage s draws from a generator
 seeded by (seed, s, mb), and its recompute from the same seed, so the masks do not depend on
@@ -42,6 +43,7 @@ import torch
 
 from .errors import PipelineConfigError
 from .frozen import forward_only_stages
+from .outputs import Outputs
 from .schedules import Versions
 from .split_backward import backward_input, backward_weight
 from .trace import Tracer
@@ -55,9 +57,10 @@ class Executor:
         modules,
         flow,
         comm,
+        *,
         data,
         stepper,
-        micro_batches,
+        micro_batches: int,
         device,
         on_loss=None,
         seed: int = 0,
@@ -219,11 +222,6 @@ class Executor:
         if sync is not None:
             sync.after_backward(a.stage, a.mb)
 
-    def refresh_frozen(self) -> None:
-        """Which stages are forward-only, again (after weights were frozen and the topology's
-        transfers changed with a new plan); between steps, no backward of this rank pending."""
-        self.forward_only = forward_only_stages(self.topo, self.modules)
-
     def _collect(self, s: int, params) -> None:
         """A set-aside version's gradients are the stage's: add them to its parameters'."""
         if params is None:
@@ -305,56 +303,3 @@ class Executor:
         with torch.random.fork_rng(devices=cuda):
             torch.manual_seed(((self.seed * 1_000_003 + stage) * 1_000_033 + mb) % 2**63)
             yield
-
-
-class Outputs:
-    """Stage outputs of one kind of forward ("act": training, "eval": evaluation), by (tensor,
-    micro-batch): kept for this rank's consumers until their last use, and sent once to
-    every other rank that consumes them. With `flow` (training), a weight is kept and sent
-    once per version, under `flow.slot`."""
-
-    def __init__(self, topo, rank: int, comm, kind: str, flow=None):
-        self.topo, self.rank, self.comm, self.kind, self.flow = topo, rank, comm, kind, flow
-        self.held: dict[tuple[str, int], list] = {}  # slot -> [value, uses left]
-        self.put_last: dict[str, tuple] = {}  # tensor -> the slot it was last put under
-
-    def _slot(self, t: str, m: int) -> tuple[tuple, tuple, int]:
-        """(slot, message key, uses on this rank) of tensor t's value for micro-batch m."""
-        flow = self.flow
-        if flow is not None and flow.shared(t):
-            key = ("weight", t, flow.version(t, m))
-            return flow.slot(t, m), key, flow.uses(t, self.rank, m)
-        return (t, m), (self.kind, t, m), len(self.topo.local_consumers(t, self.rank))
-
-    def put(self, t: str, m: int, value: torch.Tensor) -> None:
-        slot, key, uses = self._slot(t, m)
-        if self.put_last.get(t) == slot:  # a weight already sent in this version
-            return
-        self.put_last[t] = slot
-        value = value.detach()
-        if self.topo.transfers[t].weight and not self._settled():
-            value = value.clone()  # the parameter itself: a step could change it meanwhile
-        if uses:
-            self.held[slot] = [value, uses]
-        for dst in self.topo.remote_ranks(t):
-            self.comm.send(dst, key, value)
-
-    def _settled(self) -> bool:
-        """Is every use of a weight sent now over before its owner steps again? Under a
-        synchronous schedule yes: the owner's next step comes after its last backward of
-        the step, which waits for every reader's gradient, so every reader has received
-        the weight and run its forwards by then (no copy needed for the messages or the
-        local readers). Otherwise a reader may run after the owner's step: send a copy."""
-        return self.flow is not None and self.flow.timeline.schedule.synchronous
-
-    def take(self, t: str, m: int) -> torch.Tensor:
-        slot, key, uses = self._slot(t, m)
-        entry = self.held.get(slot)
-        if entry is None:
-            src = self.topo.rank_of[self.topo.transfers[t].producer]
-            value = self.comm.recv(src, key)
-            entry = self.held[slot] = [value, uses]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self.held[slot]
-        return entry[0]

@@ -29,6 +29,7 @@ from .atomic import new_folder
 from .checkpoint import Checkpoints, default_dir, plan_hash, read_tensors, step_dir
 from .errors import PeerFailure, PipelineConfigError, WriteFailed
 from .topology import read_plan
+from .weights import initial_value
 
 __all__ = ["export_checkpoint", "gather_tensors", "main", "write_hf_folder"]
 
@@ -182,8 +183,7 @@ def _from_folder(plan: dict, keys: dict[str, str]) -> dict:
 
 def _initial_frozen(plan: dict, keys: dict[str, str]) -> dict:
     """Frozen weights of a model compiled without weights: the stages' seeded initial values
-    (`stage_api.initial_value`; a run started with --init had others: export it at its end)."""
-    from .stage_api import initial_value
+    (`weights.initial_value`; a run started with --init had others: export it at its end)."""
 
     params = {p["name"]: p for p in plan["params"] if p.get("frozen")}
     found = {}

@@ -16,25 +16,29 @@ import torch
 
 from .comm import POST_AHEAD_BYTES
 from .data import SOURCES
+from .errors import ScheduleError
 from .export import MERGE_HELP
 from .freezing import parse_freeze_at
 from .optim import DECAYS, OPTIMIZERS
 from .precision import PRECISIONS
-from .schedules import SCHEDULES
+from .schedules import SCHEDULES, get_schedule
 from .text_data import TEXT_FORMATS
 
 
 def _schedule(text: str) -> str:
     """A schedule's name, or a .csv file of per-GPU actions (read and checked by `run`)."""
-    if text in SCHEDULES or text.lower().endswith(".csv"):
+    if text.lower().endswith(".csv"):
         return text
-    raise argparse.ArgumentTypeError(
-        f"unknown schedule {text!r}; choose from {', '.join(SCHEDULES)} or give a .csv file"
-    )
+    try:
+        get_schedule(text)
+    except ScheduleError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
-def number(kind, low, above: bool = False):
-    """An argparse type: an int or a finite float, at least `low` (greater with `above`)."""
+def number(kind, low, above: bool = False, below=None):
+    """An argparse type: an int or a finite float, at least `low` (greater with `above`) and
+    less than `below` when given."""
 
     def parse(text: str):
         try:
@@ -49,14 +53,23 @@ def number(kind, low, above: bool = False):
             raise argparse.ArgumentTypeError(
                 f"{text} must be {'above' if above else 'at least'} {low}"
             )
+        if below is not None and value >= below:
+            raise argparse.ArgumentTypeError(f"{text} must be below {below}")
         return value
 
     return parse
 
 
 def parse_args(argv, plan: dict) -> argparse.Namespace:
-    model = plan.get("model", {})
     p = argparse.ArgumentParser(prog="python -m <package>", description="Fine-tune the pipeline.")
+    for group in (_training, _data, _checkpoints, _running, _outputs, _freezing):
+        group(p, plan)
+    return p.parse_args(argv)
+
+
+def _training(p, plan: dict) -> None:
+    """How long, on which schedule, with which update rule."""
+    model = plan.get("model", {})
     length = p.add_mutually_exclusive_group()
     length.add_argument(
         "--steps",
@@ -74,8 +87,8 @@ def parse_args(argv, plan: dict) -> argparse.Namespace:
         "--schedule",
         type=_schedule,
         default=None,
-        help=f"override the plan's schedule ({plan.get('schedule')}): {', '.join(SCHEDULES)}, "
-        "or a .csv file of per-GPU actions",
+        help=f"override the plan's schedule ({plan.get('schedule')}): "
+        f"{', '.join(SCHEDULES)}, or a .csv file of per-GPU actions",
     )
     p.add_argument(
         "--micro-batches",
@@ -84,18 +97,15 @@ def parse_args(argv, plan: dict) -> argparse.Namespace:
         help=f"per optimizer step (plan: {plan.get('micro_batches')})",
     )
     p.add_argument("--lr", type=number(float, 0), default=float(model.get("lr") or 1e-3))
+    compiled = model.get("precision") or "fp32"
     p.add_argument(
         "--dtype",
         choices=list(PRECISIONS),
-        default=model.get("precision") or "fp32",
-        help=f"training precision (compiled: {model.get('precision') or 'fp32'}); "
-        "fp32 runs any package",
+        default=compiled,
+        help=f"training precision (compiled: {compiled}); fp32 runs any package",
     )
-    p.add_argument(
-        "--optimizer",
-        choices=sorted(OPTIMIZERS),
-        default=str(plan.get("optimizer") or model.get("optimizer") or "adamw").lower(),
-    )
+    optimizer = str(plan.get("optimizer") or model.get("optimizer") or "adamw").lower()
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=optimizer)
     p.add_argument(
         "--warmup", type=number(int, 0), default=0, help="steps of linear learning-rate warm-up"
     )
@@ -104,12 +114,17 @@ def parse_args(argv, plan: dict) -> argparse.Namespace:
         "--clip", type=number(float, 0), default=1.0, help="max gradient norm; 0: no clipping"
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", default=None, help="a .pt state dict to start from (by name)")
+    p.add_argument("--log-every", type=number(int, 1), default=1)
+
+
+def _data(p, plan: dict) -> None:
     data = p.add_argument_group("data (README: fine-tuning)")
     data.add_argument(
         "--data",
         default=None,
-        help=f"{' | '.join(SOURCES)} (default synthetic), a .pt / .jsonl of token ids, or text: "
-        f"{' / '.join(TEXT_FORMATS)}",
+        help=f"{' | '.join(SOURCES)} (default synthetic), a .pt / .jsonl of token "
+        f"ids, or text: {' / '.join(TEXT_FORMATS)}",
     )
     data.add_argument("--eval-data", default=None, help="a file like --data, evaluated in order")
     data.add_argument(
@@ -133,65 +148,79 @@ def parse_args(argv, plan: dict) -> argparse.Namespace:
     data.add_argument(
         "--shuffle-seed", type=int, default=None, help="order of the samples (default --seed)"
     )
-    p.add_argument("--init", default=None, help="a .pt state dict to start from (by name)")
-    p.add_argument(
+
+
+def _checkpoints(p, plan: dict) -> None:
+    ckpt = p.add_argument_group("checkpoints")
+    ckpt.add_argument(
         "--save-every", type=number(int, 0), default=0, help="checkpoint every N steps (0: never)"
     )
-    p.add_argument(
+    ckpt.add_argument(
         "--checkpoint-dir",
         default=None,
         help="where checkpoints go (default checkpoints/<model>-<plan hash>: one per plan)",
     )
-    p.add_argument(
+    ckpt.add_argument(
         "--keep-checkpoints",
         type=number(int, 0),
         default=3,
         help="complete checkpoints kept, the newest (default 3; 0: all)",
     )
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-    p.add_argument(
+    ckpt.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+
+
+def _running(p, plan: dict) -> None:
+    """Where the ranks run and how they meet and talk."""
+    run = p.add_argument_group("processes")
+    run.add_argument(
         "--timeout",
         type=number(float, 0, above=True),
         default=60.0,
         help="seconds to wait for a peer before giving up (default 60)",
     )
-    p.add_argument(
+    run.add_argument(
         "--post-ahead",
         type=number(float, 0),
         default=POST_AHEAD_BYTES / 2**20,
-        help="MB of receive buffers posted ahead of need per peer, at most 64 messages "
-        "(default %(default)g; 0: on demand)",
+        help="MB of receive buffers posted ahead of need per peer, at most 64 "
+        "messages (default %(default)g; 0: on demand)",
     )
-    p.add_argument(
+    run.add_argument(
         "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"
     )
-    p.add_argument("--init-method", default="env://", help="torch.distributed rendezvous")
-    p.add_argument("--log-json", default=None, help="write losses and checksums here (rank 0)")
-    p.add_argument(
+    run.add_argument("--init-method", default="env://", help="torch.distributed rendezvous")
+
+
+def _outputs(p, plan: dict) -> None:
+    out = p.add_argument_group("outputs")
+    out.add_argument("--log-json", default=None, help="write losses and checksums here (rank 0)")
+    out.add_argument(
         "--trace",
         default=None,
-        help="write every rank's action start and end times here (rank 0; JSON for "
-        "`ftpipe simulate plan.json --compare`)",
+        help="write every rank's action start and end times here (rank 0; JSON "
+        "for `ftpipe simulate plan.json --compare`)",
     )
-    p.add_argument(
+    out.add_argument(
         "--log-dir", default=None, help="log.jsonl and TensorBoard scalars (where installed)"
     )
-    p.add_argument(
+    out.add_argument(
         "--save-hf",
         default=None,
         help="write the trained model here as a HuggingFace folder (LoRA: peft's adapter folder)",
     )
-    p.add_argument("--merge-lora", action="store_true", help=MERGE_HELP)
-    p.add_argument(
+    out.add_argument("--merge-lora", action="store_true", help=MERGE_HELP)
+    out.add_argument(
         "--save-hf-every-checkpoint",
         action="store_true",
         help="also write each complete checkpoint as <save-hf>/step-N",
     )
-    p.add_argument("--log-every", type=number(int, 1), default=1)
+
+
+def _freezing(p, plan: dict) -> None:
     freeze = p.add_argument_group("freeze training (PipeTransformer §3.1; ftpipe_runtime.freezing)")
     freeze.add_argument(
         "--freeze-alpha",
-        type=number(float, 0, above=True),
+        type=number(float, 0, above=True, below=1),
         default=None,
         help="freeze bottom layers by the gradient-norm rule with this alpha (0 < alpha < 1)",
     )
@@ -214,10 +243,6 @@ def parse_args(argv, plan: dict) -> argparse.Namespace:
         action="store_true",
         help="freeze, but keep training on this plan (leave the shorter ones in elastic/ unused)",
     )
-    args = p.parse_args(argv)
-    if args.freeze_alpha is not None and args.freeze_alpha >= 1:
-        p.error(f"argument --freeze-alpha: {args.freeze_alpha} must be below 1")
-    return args
 
 
 def _freeze_at(text: str) -> tuple[int, int]:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import PipelineConfigError
+from .errors import PipelineConfigError, pick
 
 __all__ = [
     "PRECISIONS",
@@ -85,12 +85,7 @@ PRECISIONS = {
 
 
 def get_precision(name: str) -> Precision:
-    try:
-        return PRECISIONS[name]
-    except KeyError:
-        raise PipelineConfigError(
-            f"unknown precision {name!r}; choose from {', '.join(PRECISIONS)}"
-        ) from None
+    return pick(PRECISIONS, name, "precision")
 
 
 def runnable(precision: Precision, traced: str) -> str | None:

@@ -3,6 +3,9 @@
 progress = Progress(enabled=rank == 0, steps=100, first=0, samples_per_step=32)
 progress.loss(step, per_micro_batch_losses)   # logs "step 3/100  loss 4.1234  812 samples/s"
 progress.close()
+
+A progress bar only when stderr is a terminal; otherwise (a log file, a CI job, torchrun's
+captured output) a plain line every `log_every` steps and nothing else.
 """
 
 from __future__ import annotations
@@ -11,11 +14,7 @@ import resource
 import sys
 
 import torch
-
-try:  # optional: a plain line per step without it
-    from tqdm import tqdm
-except ImportError:  # pragma: no cover - tqdm is in the test environment
-    tqdm = None
+from tqdm import tqdm
 
 
 class Progress:
@@ -30,7 +29,7 @@ class Progress:
         self.evals: dict[int, dict] = {}  # step -> {"loss", "perplexity", "samples"}
         self.times: dict[int, float] = {}  # seconds from the start to each step's end
         self.bar = None
-        if enabled and tqdm is not None:
+        if enabled and sys.stderr.isatty():
             self.bar = tqdm(
                 total=steps - first,
                 desc="steps",
@@ -38,7 +37,6 @@ class Progress:
                 file=sys.stderr,
                 dynamic_ncols=True,
                 leave=False,
-                disable=None,  # no bar when stderr is not a terminal: log lines only
             )
 
     def loss(self, step: int, message: torch.Tensor) -> None:

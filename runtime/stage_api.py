@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import zlib
 from pathlib import Path
 
 import torch
@@ -18,9 +17,9 @@ from torch import nn
 
 from .errors import PipelineConfigError
 from .models.lora import is_adapter
+from .weights import checkpoint_keys, initial_value
 
 WEIGHTS_ENV = "FTPIPE_WEIGHTS"  # a folder of *.safetensors that overrides the compiled-in one
-INIT_STD = 0.02
 
 
 class Scope(nn.Module):
@@ -118,7 +117,7 @@ class StageModule(nn.Module):
         from safetensors import safe_open
 
         tensors = self.named_tensors()
-        wanted = {name: _candidates(name, aliases) for name, _, _, _, aliases in self.PARAMS}
+        wanted = {name: checkpoint_keys(name, aliases) for name, _, _, _, aliases in self.PARAMS}
         found: dict[str, str] = {}
         for path in weight_files(folder):
             with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -145,17 +144,6 @@ class StageModule(nn.Module):
         return sorted(found)
 
 
-def initial_value(name: str, shape, dtype, seed: int = 0) -> torch.Tensor:
-    """Biases 0, 1-d weights (norm scales) 1, other weights N(0, 0.02), seeded by the name;
-    a LoRA adapter's B 0 (as peft starts it: the wrapped model starts as its base)."""
-    if name.endswith("bias") or ".lora_B." in name:
-        return torch.zeros(shape, dtype=dtype)
-    if len(shape) == 1 and name.endswith("weight"):
-        return torch.ones(shape, dtype=dtype)
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return (torch.randn(shape, generator=gen) * INIT_STD).to(dtype)
-
-
 def weights_folder(stage) -> str:
     """Where a stage's checkpoint is: $FTPIPE_WEIGHTS, else the model folder it was compiled from."""
     return os.environ.get(WEIGHTS_ENV) or stage.WEIGHTS_DIR
@@ -163,13 +151,6 @@ def weights_folder(stage) -> str:
 
 def weight_files(folder) -> list[Path]:
     return sorted(Path(folder).glob("*.safetensors")) if folder else []
-
-
-def _candidates(name: str, aliases) -> list[str]:
-    """Checkpoint keys that may hold `name`: itself, its tied aliases, and the same names
-    without the head model's prefix (GPT-2 checkpoints say `h.0...`, not `transformer.h.0...`)."""
-    names = [name, *aliases]
-    return names + [n.split(".", 1)[1] for n in names if "." in n]
 
 
 _BUFFER_CACHE: dict[str, dict] = {}

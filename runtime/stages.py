@@ -2,14 +2,39 @@
 
 modules = build_stages(topo, {0: Stage0, 1: Stage1}, rank, device)   # only this rank's
 load_init(modules, "weights.pt", plan)     # optional: a state dict by canonical name
+package = import_package("out/t5_tiny_pipeline")   # a generated package, by its folder
 """
 
 from __future__ import annotations
+
+import importlib.util
+import itertools
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from .errors import PipelineConfigError
+
+__all__ = ["build_stages", "import_package", "load_init"]
+
+_loaded = itertools.count()
+
+
+def import_package(folder, prefix: str = "_ftpipe_generated") -> ModuleType:
+    """Import a generated package from its folder under a unique module name, so that several
+    packages of the same name (one per test, the elastic plans of one run) live in one process."""
+    folder = Path(folder).resolve()
+    name = f"{prefix}_{next(_loaded)}_{folder.name}"
+    spec = importlib.util.spec_from_file_location(
+        name, folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def build_stages(topo, classes: dict, rank: int, device, dtype=None) -> dict[int, nn.Module]:

@@ -1,6 +1,6 @@
 """Optimizer steps of this rank's stages, at the points the dataflow chose.
 
-    stepper = Stepper(topo, rank, modules, optimizers, comm, lr_of, clip, on_stepped)
+    stepper = Stepper(topo, rank, modules, optimizers, comm, lr_of=lr_of, clip=clip)
     stepper.on_step(action, event)    # at every S action; the event (if any) is applied now
 
 At a step: with replicas, wait for the stage's gradients summed with its replicas' (each
@@ -30,8 +30,9 @@ class Stepper:
         modules,
         optimizers,
         comm,
+        *,
         lr_of,
-        clip,
+        clip: float = 0.0,
         on_stepped=None,
         precision=None,
     ):

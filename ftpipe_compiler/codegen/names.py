@@ -15,9 +15,9 @@ import builtins
 import keyword
 import re
 
+from ftpipe_runtime.weights import WRAPPER_PREFIX
 from torch import fx
 
-from ..graph.exported import WRAPPER_PREFIX
 
 # Whole-part abbreviations; every other part is lower-cased and kept.
 ABBREVIATIONS = {

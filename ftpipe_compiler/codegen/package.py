@@ -9,7 +9,6 @@ the end (`output_folder`), so a failure never leaves half a package behind.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import keyword
 import math
@@ -18,6 +17,7 @@ from pathlib import Path
 import jinja2
 import torch
 from ftpipe_runtime.atomic import atomic_open, write_atomic
+from ftpipe_runtime.weights import WRAPPER_PREFIX, parameters_on_meta
 from torch import nn
 from tqdm import tqdm
 
@@ -214,7 +214,7 @@ def _buffer_values(traced: Traced, spec: ModelSpec, names: list[str]) -> dict[st
             found[canonical] = value.detach().cpu().clone()
     missing = [n for n in names if n not in found]
     if missing:
-        with _parameters_on_meta():
+        with parameters_on_meta():
             model = spec.build("cpu", dropout=0.0)
         held = _tensors(model)
         _initialise_frozen(model, [n for n in missing if n in held and held[n].is_meta])
@@ -242,22 +242,6 @@ def _initialise_frozen(model: nn.Module, names: list[str]) -> None:
         if init is not None:
             owner.to_empty(device="cpu", recurse=False)
             init(owner)
-
-
-@contextlib.contextmanager
-def _parameters_on_meta():
-    original = nn.Module.register_parameter
-
-    def register(self, name, param):
-        if param is not None:
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        original(self, name, param)
-
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
 
 
 def _write_atomically(final: Path, files: dict[str, str], buffers: dict, generated_by: str):

@@ -51,8 +51,9 @@ from ..graph.opgraph import OpGraph
 from ..graph.trace import Traced
 from .analytic import analytic_costs
 from .blocks import Block, plan_blocks, run_blocks
-from .cache import Weights, load_profile, profile_key, save_profile
+from .cache import load_profile, profile_key, save_profile
 from .hardware import get_hardware
+from .weights import Weights
 
 GB = 1e9
 

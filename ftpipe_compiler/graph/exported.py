@@ -8,13 +8,13 @@ bytes and the parameters it reads (what `trace.trace_model` returns as `Traced.g
 from __future__ import annotations
 
 import torch
+from ftpipe_runtime.weights import WRAPPER_PREFIX
 from torch import fx
 
 from ..model.tasks import Task
 from ..model.zoo import ModelSpec
 from .opgraph import Edge, ModelInput, Node, OpGraph, Param
 
-WRAPPER_PREFIX = "m."  # the wrapper module holding a function model (model/zoo.py)
 # Tracing artefacts with no effect on the computation.
 _DROP = {
     "aten._assert_tensor_metadata.default",

@@ -17,12 +17,11 @@ from __future__ import annotations
 import re
 
 from ftpipe_runtime.models.lora import LoraSpec, is_adapter, wrap
+from ftpipe_runtime.weights import WRAPPER_PREFIX
 
 from ..errors import FtpipeError
 
 __all__ = ["adapted", "base_names", "describe_frozen", "freeze_matching", "parse_lora"]
-
-WRAPPER = "m."
 
 
 def parse_lora(text: str | None) -> dict | None:
@@ -61,12 +60,12 @@ def freeze_matching(model, pattern: str) -> list[str]:
         raise FtpipeError(f"--freeze {pattern!r} is not a regular expression ({e})") from None
     frozen = []
     for name, p in model.named_parameters(remove_duplicate=False):
-        name = name.removeprefix(WRAPPER)
+        name = name.removeprefix(WRAPPER_PREFIX)
         if found.match(name) and p.requires_grad:
             p.requires_grad_(False)
             frozen.append(name)
     if not frozen:
-        names = [n.removeprefix(WRAPPER) for n, _ in model.named_parameters()]
+        names = [n.removeprefix(WRAPPER_PREFIX) for n, _ in model.named_parameters()]
         raise FtpipeError(
             f"--freeze {pattern!r} matches no parameter (matched from the start of the name); "
             f"the model's parameters are named like {', '.join(names[:3])}"

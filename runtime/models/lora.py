@@ -2,7 +2,7 @@
 
     spec = LoraSpec.parse("r=16,alpha=32,targets=q_proj,v_proj,dropout=0.05")
     net = wrap(net, spec)                     # peft.get_peft_model: base frozen, adapters train
-    save_adapter(net, "out/adapter")          # adapter_config.json + adapter_model.safetensors
+    net.save_pretrained("out/adapter")        # peft: adapter_config.json + adapter_model.safetensors
 
 Nothing of LoRA is written here: peft builds the adapters, freezes the base and writes and
 reads its folders. A plan records the spec (`plan["model"]["lora"]`), so the runtime builds
@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["LoraSpec", "is_adapter", "save_adapter", "wrap"]
+__all__ = ["LoraSpec", "is_adapter", "wrap"]
 
 ADAPTER = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
 _KEYS = ("r", "alpha", "targets", "dropout")
@@ -114,8 +114,3 @@ def _linear(m) -> bool:
 def is_adapter(name: str) -> bool:
     """Is `name` (a parameter of a wrapped model) a LoRA adapter weight?"""
     return bool(ADAPTER.search(name))
-
-
-def save_adapter(net, out) -> None:
-    """peft's adapter folder of a wrapped model (its `save_pretrained`)."""
-    net.save_pretrained(str(out))

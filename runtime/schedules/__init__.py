@@ -17,7 +17,7 @@ A new schedule is one file in this folder defining `SCHEDULE = Schedule(...)` (s
 
 from __future__ import annotations
 
-from ..errors import ScheduleError
+from ..errors import ScheduleError, pick
 from . import ftpipe, gpipe, interleaved, one_f_one_b, pipedream_2bw, wpipe, zb1p, zb2p, zbv
 from .actions import KINDS, Action, Kind
 from .base import FREE, V_SHAPE, Placement, Schedule, StageInfo, StagePolicy, looped, with_chunks
@@ -75,12 +75,7 @@ __all__ = [
 
 
 def get_schedule(name: str) -> Schedule:
-    try:
-        return SCHEDULES[name]
-    except KeyError:
-        raise ScheduleError(
-            f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)} or give a .csv file"
-        ) from None
+    return pick(SCHEDULES, name, "schedule", ScheduleError, " or give a .csv file")
 
 
 def resolve_schedule(name: str, recompute: bool = True) -> Schedule:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from ..errors import ScheduleError
 from .actions import Action
+from .merge import backward_first, interleave
 
 
 @dataclass(frozen=True)
@@ -126,15 +127,6 @@ def _vee(position: int, gpus: int) -> int:
 V_SHAPE = Placement("in a V (position p on GPU p, then 2P - 1 - p on the way back)", 2, _vee)
 
 
-_RANK = {"B": 0, "F": 1, "W": 2}  # W last: it is what fills a GPU's idle time
-
-
-def backward_first(a: Action, st: StageInfo) -> tuple:
-    """Merge priority: backwards (they free memory and unblock upstream), then forwards, then
-    weight-gradient passes; then the oldest micro-batch, then the lower stage."""
-    return (_RANK.get(a.kind, 1), a.mb, st.id)
-
-
 Stream = Callable[[StageInfo, StagePolicy, int, int], list[Action]]
 PolicyFn = Callable[[StageInfo, int, int], StagePolicy]
 
@@ -220,8 +212,6 @@ class Schedule:
         self, stages: list[StageInfo], micro_batches: int, steps: int = 1
     ) -> dict[int, list[Action]]:
         """The ordered action list of every GPU: each stage's stream, merged per GPU."""
-        from .merge import interleave  # merge imports this module
-
         if micro_batches < 1 or steps < 1:
             raise ValueError(
                 f"need micro_batches >= 1 and steps >= 1, not {micro_batches}, {steps}"

@@ -61,8 +61,8 @@ def listed_schedule(lists: dict[int, list[Action]], name: str = "listed") -> Sch
     m = 1 + max((a.mb for a in acts if a.spec.per_micro_batch), default=0)
     split = {a.stage for a in acts if a.kind == "W"}
     recompute: dict[int, set[bool]] = {}
-    held: dict[int, int] = {}
-    peak: dict[int, int] = {}
+    in_flight: dict[int, int] = {}
+    most: dict[int, int] = {}  # stage -> most micro-batches in flight at once
     waiting: dict[int, int] = {}
     deferred: dict[int, int] = {}
     for a in acts:
@@ -75,8 +75,8 @@ def listed_schedule(lists: dict[int, list[Action]], name: str = "listed") -> Sch
             continue
         if a.kind == "W":
             waiting[s] = waiting.get(s, 0) - 1
-        held[s] = held.get(s, 0) + a.spec.holds
-        peak[s] = max(peak.get(s, 0), held[s])
+        in_flight[s] = in_flight.get(s, 0) + a.spec.holds
+        most[s] = max(most.get(s, 0), in_flight[s])
     mixed = [s for s, flags in recompute.items() if len(flags) > 1]
     if mixed:
         raise ScheduleError(
@@ -87,7 +87,7 @@ def listed_schedule(lists: dict[int, list[Action]], name: str = "listed") -> Sch
     def policy(st: StageInfo, micro_batches: int, gpus: int) -> StagePolicy:
         return StagePolicy(
             recompute=True in recompute.get(st.id, ()),
-            in_flight=peak.get(st.id, 0),
+            in_flight=most.get(st.id, 0),
             split=st.id in split,
             deferred=deferred.get(st.id, 0),
         )

@@ -13,14 +13,28 @@ run ends first is kept (ties: the first offered), still a pure function of the s
 from __future__ import annotations
 
 import heapq
+from typing import TYPE_CHECKING
 
 from ..errors import ScheduleError
 from .actions import Action
-from .base import StageInfo, backward_first
+
+if TYPE_CHECKING:  # base.py imports this module: a Schedule's default priority is here
+    from .base import StageInfo
+
+__all__ = ["assumed_edges", "backward_first", "duration", "interleave"]
 
 # Idealised durations for ordering only: a backward costs about two forwards, recompute one
 # more; split in two (zero-bubble), B and W one each.
 _UNIT = {"F": 1, "B": 2, "W": 1, "S": 0}
+
+
+_RANK = {"B": 0, "F": 1, "W": 2}  # W last: it is what fills a GPU's idle time
+
+
+def backward_first(a: Action, st: StageInfo) -> tuple:
+    """Merge priority: backwards (they free memory and unblock upstream), then forwards, then
+    weight-gradient passes; then the oldest micro-batch, then the lower stage."""
+    return (_RANK.get(a.kind, 1), a.mb, st.id)
 
 
 def _reduced(deps: dict[int, set[int]]) -> dict[int, list[int]]:
@@ -68,69 +82,96 @@ def _merge(stages, per_stage, sync, priority) -> tuple[dict[int, list[Action]], 
     key on all its GPUs, so the per-GPU orders follow one global order; executing them in
     order with any durations always finds the globally first pending action runnable.
     """
-    info = {s.id: s for s in stages}
-    split = {s for s, acts in per_stage.items() if any(a.kind == "W" for a in acts)}
-    producers, consumers = assumed_edges(stages)
-    on_gpu: dict[int, list[int]] = {}
-    for s in stages:
-        on_gpu.setdefault(s.gpu, []).append(s.id)
-    group_of = {s: tuple(g) for g in sync for s in g}
-    end = {k: {s: {} for s in info} for k in "FBW"}  # kind -> stage -> mb -> end time
-    pos = dict.fromkeys(info, 0)
-    gpu_free = dict.fromkeys(on_gpu, 0)
-    arrived: dict[tuple, set[int]] = {}  # (group, step) -> stages waiting at that step
-    keyed: dict[int, list[tuple]] = {g: [] for g in on_gpu}
-    left = sum(len(v) for v in per_stage.values())
-    times, t = [], 0
+    run = _Ideal(stages, per_stage, sync, priority)
+    while run.left:
+        run.take_steps()
+        run.dispatch()
+        run.advance()
+    lists = {
+        g: [row[-1] for row in sorted(rows, key=lambda r: r[:5])]
+        for g, rows in sorted(run.keyed.items())
+    }
+    return lists, max(run.gpu_free.values(), default=0)
 
-    def head(s: int) -> Action | None:
-        return per_stage[s][pos[s]] if pos[s] < len(per_stage[s]) else None
 
-    def ready(s: int, a: Action) -> bool:
+class _Ideal:
+    """The state of one idealised run (`_merge`): time `t`, each stage's next action, when
+    each action ended, and each GPU's actions keyed by their start."""
+
+    def __init__(self, stages, per_stage, sync, priority):
+        self.info = {s.id: s for s in stages}
+        self.per_stage, self.priority = per_stage, priority
+        self.split = {s for s, acts in per_stage.items() if any(a.kind == "W" for a in acts)}
+        self.producers, self.consumers = assumed_edges(stages)
+        self.on_gpu: dict[int, list[int]] = {}
+        for s in stages:
+            self.on_gpu.setdefault(s.gpu, []).append(s.id)
+        self.group_of = {s: tuple(g) for g in sync for s in g}
+        self.end = {k: {s: {} for s in self.info} for k in "FBW"}  # kind -> stage -> mb -> end
+        self.pos = dict.fromkeys(self.info, 0)
+        self.gpu_free = dict.fromkeys(self.on_gpu, 0)
+        self.arrived: dict[tuple, set[int]] = {}  # (group, step) -> stages waiting at that step
+        self.keyed: dict[int, list[tuple]] = {g: [] for g in self.on_gpu}
+        self.left = sum(len(v) for v in per_stage.values())
+        self.times: list[int] = []
+        self.t = 0
+
+    def head(self, s: int) -> Action | None:
+        acts = self.per_stage[s]
+        return acts[self.pos[s]] if self.pos[s] < len(acts) else None
+
+    def ready(self, s: int, a: Action) -> bool:
+        end, later = self.end, self.t + 1
         if a.kind == "W":
-            return end["B"][s].get(a.mb, t + 1) <= t
-        if a.kind == "B" and end["F"][s].get(a.mb, t + 1) > t:
+            return end["B"][s].get(a.mb, later) <= self.t
+        if a.kind == "B" and end["F"][s].get(a.mb, later) > self.t:
             return False
         done = end[a.kind]
-        needed = producers[s] if a.kind == "F" else consumers[s]
-        return all(done[d].get(a.mb, t + 1) <= t for d in needed)
+        needed = self.producers[s] if a.kind == "F" else self.consumers[s]
+        return all(done[d].get(a.mb, later) <= self.t for d in needed)
 
-    while left:
-        for s in info:  # steps cost no time; a synchronised one waits for its whole group
-            a = head(s)
-            if a is not None and a.kind == "S" and gpu_free[info[s].gpu] <= t:
-                group = group_of.get(s, (s,))
-                waiting = arrived.setdefault((group, a.mb), set())
-                waiting.add(s)
-                if len(waiting) == len(group):
-                    for member in group:
-                        keyed[info[member].gpu].append((t, 0, group[0], a.mb, member, head(member)))
-                        pos[member] += 1
-                    left -= len(group)
-        for g, ids in on_gpu.items():
-            if gpu_free[g] > t:
+    def take_steps(self) -> None:
+        """Steps cost no time; a synchronised one waits for its whole group."""
+        for s in self.info:
+            a = self.head(s)
+            if a is None or a.kind != "S" or self.gpu_free[self.info[s].gpu] > self.t:
+                continue
+            group = self.group_of.get(s, (s,))
+            waiting = self.arrived.setdefault((group, a.mb), set())
+            waiting.add(s)
+            if len(waiting) == len(group):
+                for member in group:
+                    row = (self.t, 0, group[0], a.mb, member, self.head(member))
+                    self.keyed[self.info[member].gpu].append(row)
+                    self.pos[member] += 1
+                self.left -= len(group)
+
+    def dispatch(self) -> None:
+        """Every idle GPU starts the ready head action its priority ranks first."""
+        for g, ids in self.on_gpu.items():
+            if self.gpu_free[g] > self.t:
                 continue
             todo = [
-                (priority(a, info[s]), s, a)
+                (self.priority(a, self.info[s]), s, a)
                 for s in ids
-                if (a := head(s)) is not None and a.kind != "S" and ready(s, a)
+                if (a := self.head(s)) is not None and a.kind != "S" and self.ready(s, a)
             ]
             if todo:
                 _, s, a = min(todo)
-                gpu_free[g] = end[a.kind][s][a.mb] = t + duration(a, s in split)
-                keyed[g].append((t, 1, s, a.mb, s, a))
-                pos[s] += 1
-                left -= 1
-                heapq.heappush(times, gpu_free[g])
-        while times and times[0] <= t:
+                done = self.t + duration(a, s in self.split)
+                self.gpu_free[g] = self.end[a.kind][s][a.mb] = done
+                self.keyed[g].append((self.t, 1, s, a.mb, s, a))
+                self.pos[s] += 1
+                self.left -= 1
+                heapq.heappush(self.times, done)
+
+    def advance(self) -> None:
+        """To the next time an action ends; nothing running with actions left: a deadlock."""
+        times = self.times
+        while times and times[0] <= self.t:
             heapq.heappop(times)
-        if left and not times:
-            stuck = [str(head(s)) for s in info if head(s) is not None]
+        if self.left and not times:
+            stuck = [str(self.head(s)) for s in self.info if self.head(s) is not None]
             raise ScheduleError(f"the schedule deadlocks: {', '.join(stuck)} all wait")
         if times:
-            t = times[0]
-    lists = {
-        g: [row[-1] for row in sorted(rows, key=lambda r: r[:5])]
-        for g, rows in sorted(keyed.items())
-    }
-    return lists, max(gpu_free.values(), default=0)
+            self.t = times[0]

@@ -2,7 +2,7 @@
 repeated every step with a flush, and the memory statement counted from that order.
 
     given = per_step(order, policy)        # Schedule(given=...)
-    held = peaks(order, gpus, m)           # {position: (in flight, deferred)}
+    peaks = _peaks(order, gpus, m)         # {position: (in flight, deferred)}
 
 `order(gpus, m)` returns one step's actions per GPU as (kind, chain position, micro-batch)
 triples, micro-batches 0..m-1, chain positions being the stage ids of the schedule's
@@ -59,15 +59,15 @@ def _peaks(order: Order, gpus: int, m: int) -> dict[int, tuple[int, int]]:
                 live[s] -= 1
                 if kind == "W":
                     waiting[s] -= 1
-            held, wait = out.get(s, (0, 0))
-            out[s] = (max(held, live.get(s, 0)), max(wait, waiting.get(s, 0)))
+            in_flight, wait = out.get(s, (0, 0))
+            out[s] = (max(in_flight, live.get(s, 0)), max(wait, waiting.get(s, 0)))
     return out
 
 
 def counted_policy(order: Order, st: StageInfo, m: int, gpus: int, split: bool) -> StagePolicy:
     """The policy a schedule given by `order` states: recompute everywhere but the loss stage
-    (as 1F1B), micro-batches held as the order holds them (counted, not guessed)."""
-    held, wait = _peaks(order, gpus, m).get(st.id, (1, 0))
+    (as 1F1B), micro-batches in flight as the order holds them (counted, not guessed)."""
+    in_flight, wait = _peaks(order, gpus, m).get(st.id, (1, 0))
     return StagePolicy(
-        recompute=not st.is_last, in_flight=held, split=split, deferred=wait if split else 0
+        recompute=not st.is_last, in_flight=in_flight, split=split, deferred=wait if split else 0
     )

@@ -31,17 +31,6 @@ class StageGraph:
         stages = tuple(with_chunks(stages))
         return cls(stages, {s.id: tuple(sorted(consumers.get(s.id, ()))) for s in stages})
 
-    @classmethod
-    def assumed(cls, stages) -> StageGraph:
-        """Edges unknown: every lower-id stage of greater depth feeds every later one."""
-        return cls.of(
-            stages,
-            {
-                s.id: tuple(c.id for c in stages if c.id > s.id and c.depth < s.depth)
-                for s in stages
-            },
-        )
-
     def related(self, relation: str, stage: int) -> tuple[int, ...]:
         if relation == "self":
             return (stage,)
@@ -118,70 +107,91 @@ def _check_members(lists, stages: dict[int, StageInfo], policies, m: int, steps:
 
 def _check_stage_order(g: int, acts: list[Action], policies: dict[int, StagePolicy], m: int):
     """Per stage: forward before backward before W, a step after exactly its own backwards
-    (W's when split), the recompute flag and the micro-batches held (until W when split, and
-    between B and W) as the schedule's policy states."""
-    forward_at: dict[tuple[int, int], int] = {}
-    backward_done: set[tuple[int, int]] = set()
-    steps: dict[int, int] = {}
-    backwards: dict[int, list[int]] = {}  # stage -> micro-batches since its last step
-    held: dict[int, int] = {}
-    waiting: dict[int, int] = {}  # stage -> micro-batches whose B ran and W has not
+    (W's when split), the recompute flag and the micro-batches in flight (until W when
+    split, and between B and W) as the schedule's policy states."""
+    order = _StageOrder(g, acts, policies, m)
+    check = {"F": order.forward, "B": order.backward, "W": order.weight, "S": order.step}
     for i, a in enumerate(acts):
-        s, pol = a.stage, policies[a.stage]
-        if a.kind == "F":
-            forward_at[(s, a.mb)] = i
-            held[s] = held.get(s, 0) + 1
-            if held[s] > pol.in_flight:
+        if a.kind in check:
+            check[a.kind](i, a)
+
+
+class _StageOrder:
+    """What one GPU's list has done so far, per stage (`_check_stage_order`)."""
+
+    def __init__(self, g: int, acts: list[Action], policies: dict[int, StagePolicy], m: int):
+        self.g, self.acts, self.policies, self.m = g, acts, policies, m
+        self.forward_at: dict[tuple[int, int], int] = {}
+        self.backward_done: set[tuple[int, int]] = set()
+        self.steps: dict[int, int] = {}
+        self.backwards: dict[int, list[int]] = {}  # stage -> micro-batches since its last step
+        self.in_flight: dict[int, int] = {}  # stage -> micro-batches forwarded, not yet done
+        self.waiting: dict[int, int] = {}  # stage -> micro-batches whose B ran and W has not
+
+    def forward(self, i: int, a: Action) -> None:
+        s, allowed = a.stage, self.policies[a.stage].in_flight
+        self.forward_at[(s, a.mb)] = i
+        self.in_flight[s] = self.in_flight.get(s, 0) + 1
+        if self.in_flight[s] > allowed:
+            raise ScheduleError(
+                f"{a} on GPU {self.g}: stage {s} would hold {self.in_flight[s]} micro-batches, "
+                f"the schedule's memory model allows {allowed}"
+            )
+
+    def backward(self, i: int, a: Action) -> None:
+        s, pol, g = a.stage, self.policies[a.stage], self.g
+        if (s, a.mb) not in self.forward_at:
+            raise ScheduleError(f"{a} comes before {s}F{a.mb} on GPU {g}")
+        if a.recompute != pol.recompute:
+            how = "recomputes" if pol.recompute else "keeps its activations"
+            raise ScheduleError(f"{a} on GPU {g}: stage {s} {how} under this schedule")
+        if a.mb // self.m != self.steps.get(s, 0):
+            raise ScheduleError(
+                f"{a} on GPU {g} belongs to step {a.mb // self.m}, but stage {s} is "
+                f"accumulating step {self.steps.get(s, 0)}"
+            )
+        if pol.weight_delay is None and not a.recompute:
+            between = self.acts[self.forward_at[(s, a.mb)] : i]
+            if any(b.kind == "S" and b.stage == s for b in between):
                 raise ScheduleError(
-                    f"{a} on GPU {g}: stage {s} would hold {held[s]} micro-batches, the "
-                    f"schedule's memory model allows {pol.in_flight}"
+                    f"stage {s} steps between {s}F{a.mb} and {a} without recomputing on "
+                    f"GPU {g}; the activations it kept would be stale"
                 )
-        elif a.kind == "B":
-            if (s, a.mb) not in forward_at:
-                raise ScheduleError(f"{a} comes before {s}F{a.mb} on GPU {g}")
-            if a.recompute != pol.recompute:
-                how = "recomputes" if pol.recompute else "keeps its activations"
-                raise ScheduleError(f"{a} on GPU {g}: stage {s} {how} under this schedule")
-            if a.mb // m != steps.get(s, 0):
-                raise ScheduleError(
-                    f"{a} on GPU {g} belongs to step {a.mb // m}, but stage {s} is "
-                    f"accumulating step {steps.get(s, 0)}"
-                )
-            if pol.weight_delay is None and not a.recompute:
-                between = [b for b in acts[forward_at[(s, a.mb)] : i] if b.kind == "S"]
-                if any(b.stage == s for b in between):
-                    raise ScheduleError(
-                        f"stage {s} steps between {s}F{a.mb} and {a} without recomputing on "
-                        f"GPU {g}; the activations it kept would be stale"
-                    )
-            if pol.split:
-                backward_done.add((s, a.mb))
-                waiting[s] = waiting.get(s, 0) + 1
-                if pol.recompute and waiting[s] > pol.deferred:
-                    raise ScheduleError(
-                        f"{a} on GPU {g}: stage {s} would keep the activations of "
-                        f"{waiting[s]} micro-batches until their W, the schedule's memory "
-                        f"model allows {pol.deferred}"
-                    )
-                continue
-            held[s] -= 1
-            backwards.setdefault(s, []).append(a.mb)
-        elif a.kind == "W":
-            if (s, a.mb) not in backward_done:
-                raise ScheduleError(f"{a} comes before {s}B{a.mb} on GPU {g}")
-            backward_done.discard((s, a.mb))
-            waiting[s] -= 1
-            held[s] -= 1
-            backwards.setdefault(s, []).append(a.mb)
-        elif a.kind == "S":
-            want = list(range(a.mb * m, a.mb * m + m))
-            if a.mb != steps.get(s, 0) or sorted(backwards.get(s, [])) != want:
-                raise ScheduleError(
-                    f"{a} on GPU {g} does not follow exactly the {m} backwards of step "
-                    f"{a.mb} of stage {s}"
-                )
-            steps[s] = a.mb + 1
-            backwards[s] = []
+        if not pol.split:
+            self._done(a)
+            return
+        self.backward_done.add((s, a.mb))
+        self.waiting[s] = self.waiting.get(s, 0) + 1
+        if pol.recompute and self.waiting[s] > pol.deferred:
+            raise ScheduleError(
+                f"{a} on GPU {g}: stage {s} would keep the activations of "
+                f"{self.waiting[s]} micro-batches until their W, the schedule's memory "
+                f"model allows {pol.deferred}"
+            )
+
+    def weight(self, i: int, a: Action) -> None:
+        s = a.stage
+        if (s, a.mb) not in self.backward_done:
+            raise ScheduleError(f"{a} comes before {s}B{a.mb} on GPU {self.g}")
+        self.backward_done.discard((s, a.mb))
+        self.waiting[s] -= 1
+        self._done(a)
+
+    def _done(self, a: Action) -> None:
+        """The micro-batch's last pass on the stage: no longer in flight, counts for the step."""
+        self.in_flight[a.stage] -= 1
+        self.backwards.setdefault(a.stage, []).append(a.mb)
+
+    def step(self, i: int, a: Action) -> None:
+        s, m = a.stage, self.m
+        want = list(range(a.mb * m, a.mb * m + m))
+        if a.mb != self.steps.get(s, 0) or sorted(self.backwards.get(s, [])) != want:
+            raise ScheduleError(
+                f"{a} on GPU {self.g} does not follow exactly the {m} backwards of step "
+                f"{a.mb} of stage {s}"
+            )
+        self.steps[s] = a.mb + 1
+        self.backwards[s] = []
 
 
 def _check_flush(lists, m: int) -> None:

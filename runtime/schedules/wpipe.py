@@ -36,81 +36,100 @@ def policy(st: StageInfo, m: int, gpus: int) -> StagePolicy:
 
 def order(stages: list[StageInfo], m: int, steps: int) -> dict[int, list[Action]]:
     """Per-GPU lists: G1's 1F1B stream and G0's forwards and backwards, alternated."""
-    stages = with_chunks(stages)
-    gpus = max(s.gpu for s in stages) + 1
-    pol = {s.id: policy(s, m, gpus) for s in stages}
-    g0 = {s.gpu: s for s in stages if s.chunk == 0}
-    g1 = {s.gpu: s for s in stages if s.chunk == 1}
-    stream = {g: flushed(st, pol[st.id], m, steps) for g, st in g1.items()}
-    producers, consumers = assumed_edges(stages)
-    end: dict[tuple[str, int, int], int] = {}  # (kind, stage, mb) -> idealised end
-    pos = dict.fromkeys(g1, 0)  # G1: next action of its stream
-    nxt_f, nxt_b, stepped = dict.fromkeys(g0, 0), dict.fromkeys(g0, 0), dict.fromkeys(g0, 0)
-    lists: dict[int, list[Action]] = {g: [] for g in sorted(g0)}
-    turn, free = dict.fromkeys(g0, 0), dict.fromkeys(g0, 0)
-    total, times, t = m * steps, [0], 0
+    run = _Alternation(with_chunks(stages), m, steps)
+    expected = left = (2 * m * steps + steps) * len(run.stages)
+    while left:
+        run.dispatch()
+        left = expected - sum(map(len, run.lists.values()))
+        if not run.advance(left):
+            raise ScheduleError(f"wpipe: no order found for {run.gpus} GPUs and {m} micro-batches")
+    return run.lists
 
-    def done(kind: str, stages_, mb: int) -> bool:
-        return all(end.get((kind, s, mb), t + 1) <= t for s in stages_)
 
-    def g1_ready(g: int) -> Action | None:
-        while pos[g] < len(stream[g]) and stream[g][pos[g]].kind == "S":
-            lists[g].append(stream[g][pos[g]])  # a step takes no time: emit it at once
+class _Alternation:
+    """One idealised run of `order`: time `t`, each GPU's list so far, G1's position in its
+    stream, G0's next forward and backward and its steps taken."""
+
+    def __init__(self, stages: list[StageInfo], m: int, steps: int):
+        self.stages, self.m, self.total = stages, m, m * steps
+        self.gpus = max(s.gpu for s in stages) + 1
+        self.pol = {s.id: policy(s, m, self.gpus) for s in stages}
+        self.g0 = g0 = {s.gpu: s for s in stages if s.chunk == 0}
+        g1 = {s.gpu: s for s in stages if s.chunk == 1}
+        self.stream = {g: flushed(st, self.pol[st.id], m, steps) for g, st in g1.items()}
+        self.producers, self.consumers = assumed_edges(stages)
+        self.end: dict[tuple[str, int, int], int] = {}  # (kind, stage, mb) -> idealised end
+        self.pos = dict.fromkeys(g1, 0)  # G1: next action of its stream
+        self.nxt_f, self.nxt_b = dict.fromkeys(g0, 0), dict.fromkeys(g0, 0)
+        self.stepped = dict.fromkeys(g0, 0)
+        self.lists: dict[int, list[Action]] = {g: [] for g in sorted(g0)}
+        self.turn, self.free = dict.fromkeys(g0, 0), dict.fromkeys(g0, 0)
+        self.times, self.t = [0], 0
+
+    def done(self, kind: str, stages, mb: int) -> bool:
+        return all(self.end.get((kind, s, mb), self.t + 1) <= self.t for s in stages)
+
+    def g1_ready(self, g: int) -> Action | None:
+        stream, pos = self.stream[g], self.pos
+        while pos[g] < len(stream) and stream[pos[g]].kind == "S":
+            self.lists[g].append(stream[pos[g]])  # a step takes no time: emit it at once
             pos[g] += 1
-        if pos[g] == len(stream[g]):
+        if pos[g] == len(stream):
             return None
-        a = stream[g][pos[g]]
-        need = producers[a.stage] if a.kind == "F" else consumers[a.stage]
-        return a if done(a.kind, need, a.mb) else None
+        a = stream[pos[g]]
+        need = self.producers[a.stage] if a.kind == "F" else self.consumers[a.stage]
+        return a if self.done(a.kind, need, a.mb) else None
 
-    def g0_ready(g: int) -> Action | None:
-        s, p, f = g0[g].id, pol[g0[g].id], nxt_f[g]
+    def g0_ready(self, g: int) -> Action | None:
+        s = self.g0[g].id
+        p, f, b = self.pol[s], self.nxt_f[g], self.nxt_b[g]
         if (
-            f < total
-            and f - nxt_b[g] < p.in_flight
-            and stepped[g] >= p.version(f, m)
-            and done("F", producers[s], f)
+            f < self.total
+            and f - b < p.in_flight
+            and self.stepped[g] >= p.version(f, self.m)
+            and self.done("F", self.producers[s], f)
         ):
             return Action("F", s, f)
-        b = nxt_b[g]
-        if b < f and done("F", (s,), b) and done("B", consumers[s], b):
+        if b < f and self.done("F", (s,), b) and self.done("B", self.consumers[s], b):
             return Action("B", s, b, p.recompute)
         return None
 
-    expected = (2 * total + steps) * len(stages)
-    left = expected
-    while left:
-        for g in lists:
-            if free[g] > t:
+    def dispatch(self) -> None:
+        """Every idle GPU runs the group whose turn it is, or the other when that one waits."""
+        for g in self.lists:
+            if self.free[g] > self.t:
                 continue
-            ready = {0: g0_ready(g), 1: g1_ready(g)}
-            group = turn[g] if ready[turn[g]] else 1 - turn[g]
+            ready = {0: self.g0_ready(g), 1: self.g1_ready(g)}
+            group = self.turn[g] if ready[self.turn[g]] else 1 - self.turn[g]
             a = ready[group]
             if a is None:
                 continue
-            lists[g].append(a)
-            free[g] = end[(a.kind, a.stage, a.mb)] = t + duration(a)
-            heapq.heappush(times, free[g])
-            turn[g] = 1 - group
+            self.lists[g].append(a)
+            self.free[g] = self.end[(a.kind, a.stage, a.mb)] = self.t + duration(a)
+            heapq.heappush(self.times, self.free[g])
+            self.turn[g] = 1 - group
             if group:
-                pos[g] += 1
+                self.pos[g] += 1
             elif a.kind == "F":
-                nxt_f[g] += 1
+                self.nxt_f[g] += 1
             else:
-                nxt_b[g] += 1
-                if nxt_b[g] % m == 0:
-                    lists[g].append(Action("S", a.stage, nxt_b[g] // m - 1))
-                    stepped[g] += 1
-        for g in lists:  # G1's last step, once its last backward was scheduled
-            g1_ready(g)
-        left = expected - sum(map(len, lists.values()))
-        while times and times[0] <= t:
+                self.nxt_b[g] += 1
+                if self.nxt_b[g] % self.m == 0:
+                    self.lists[g].append(Action("S", a.stage, self.nxt_b[g] // self.m - 1))
+                    self.stepped[g] += 1
+        for g in self.lists:  # G1's last step, once its last backward was scheduled
+            self.g1_ready(g)
+
+    def advance(self, left: int) -> bool:
+        """To the next idealised end; False when actions are left and nothing runs."""
+        times = self.times
+        while times and times[0] <= self.t:
             heapq.heappop(times)
         if left and not times:
-            raise ScheduleError(f"wpipe: no order found for {gpus} GPUs and {m} micro-batches")
+            return False
         if times:
-            t = times[0]
-    return lists
+            self.t = times[0]
+        return True
 
 
 SCHEDULE = Schedule(

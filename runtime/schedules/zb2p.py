@@ -27,8 +27,8 @@ import functools
 
 from ..errors import ScheduleError
 from .actions import Action
-from .base import Schedule, StageInfo, StagePolicy, backward_first, with_chunks
-from .merge import interleave
+from .base import Schedule, StageInfo, StagePolicy, with_chunks
+from .merge import backward_first, interleave
 
 
 @functools.lru_cache(maxsize=64)
@@ -63,13 +63,13 @@ def _position(st: StageInfo, gpus: int) -> int:
 
 
 def policy(st: StageInfo, m: int, gpus: int) -> StagePolicy:
-    held = wait = most_held = most_wait = 0
+    in_flight = wait = most_in_flight = most_wait = 0
     for kind, _ in chain_order(gpus, m)[_position(st, gpus)]:
-        held += (kind == "F") - (kind == "W")
+        in_flight += (kind == "F") - (kind == "W")
         wait += (kind == "B") - (kind == "W")
-        most_held, most_wait = max(most_held, held), max(most_wait, wait)
+        most_in_flight, most_wait = max(most_in_flight, in_flight), max(most_wait, wait)
     return StagePolicy(
-        recompute=not st.is_last, in_flight=most_held, split=True, deferred=most_wait
+        recompute=not st.is_last, in_flight=most_in_flight, split=True, deferred=most_wait
     )
 
 

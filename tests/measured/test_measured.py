@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from ftpipe_compiler.costs.analytic import analytic_costs
-from ftpipe_compiler.costs.cache import Weights
 from ftpipe_compiler.costs.hardware import get_hardware
 from ftpipe_compiler.costs.measured import measured_costs
 from ftpipe_compiler.costs.profilers import costed_graph
+from ftpipe_compiler.costs.weights import Weights
 from ftpipe_compiler.errors import FtpipeError, UnknownNameError
 from ftpipe_compiler.graph.trace import trace_model
 from ftpipe_compiler.model.tasks import resolve_task

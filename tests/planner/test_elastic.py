@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 from ftpipe_runtime.freezing import bound_schedule
+from ftpipe_runtime.weights import WRAPPER_PREFIX
 
 from ftpipe_compiler.costs.analytic import analytic_costs
 from ftpipe_compiler.costs.cluster import get_cluster
 from ftpipe_compiler.costs.hardware import get_hardware
-from ftpipe_compiler.graph.exported import WRAPPER_PREFIX
 from ftpipe_compiler.graph.trace import trace_model
 from ftpipe_compiler.planner.elastic import CacheOptions, FreezeRun, simulate_freezing
 from ftpipe_compiler.planner.frozen_graphs import cached_graph, frozen_graph, graph_units

@@ -30,9 +30,20 @@ def _train_once(plan, classes, recompute: bool, seed: int) -> dict:
     modules = {s: classes[s]() for s in range(4)}
     opts = {s: make_optimizer("sgd", mod.parameters(), 0.1) for s, mod in modules.items()}
     comm = Comm(0, 1, "cpu", 5, flow, None)
-    stepper = Stepper(topo, 0, modules, opts, comm, lambda k: 0.1, 0.0)
+    stepper = Stepper(topo, 0, modules, opts, comm, lr_of=lambda k: 0.1, clip=0.0)
     data = make_data(plan["model"], None, 0)
-    ex = Executor(topo, 0, modules, flow, comm, data, stepper, m, "cpu", seed=seed)
+    ex = Executor(
+        topo,
+        0,
+        modules,
+        flow,
+        comm,
+        data=data,
+        stepper=stepper,
+        micro_batches=m,
+        device="cpu",
+        seed=seed,
+    )
     ex.run(flow.actions(0))
     return {n: p.detach().clone() for s in modules.values() for n, p in s.named_parameters()}
 

@@ -35,7 +35,7 @@ from click.testing import CliRunner  # noqa: E402
 from demo_text import write_model  # noqa: E402
 from ftpipe_runtime.data import TextOptions  # noqa: E402
 from ftpipe_runtime.models.lora import wrap  # noqa: E402
-from ftpipe_runtime.stage_api import initial_value  # noqa: E402
+from ftpipe_runtime.weights import initial_value  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from ftpipe_compiler.cli import cli  # noqa: E402

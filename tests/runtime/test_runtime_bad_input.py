@@ -94,9 +94,11 @@ CASES = [
     ("--eval-every without eval data", {}, ["--eval-every", "2"], 1, "--eval-every needs an evaluation set: pass --eval-data FILE"),
     ("--epochs and --steps", {}, ["--epochs", "1"], 2, "argument --epochs: not allowed with argument --steps"),
     ("--epochs 0", {}, ["--epochs", "0"], 2, "argument --epochs: 0 must be above 0"),
+    ("--freeze-alpha 1", {}, ["--freeze-alpha", "1"], 2, "argument --freeze-alpha: 1 must be below 1"),
     ("--save-hf of a function model", {}, ["--save-hf", "out"], 1, "a HuggingFace folder needs a HuggingFace model"),
     ("--dtype unknown", {}, ["--dtype", "fp8"], 2, "argument --dtype: invalid choice: 'fp8'"),
     ("--dtype bf16 of an fp32 package", {}, ["--dtype", "bf16"], 1, "--dtype bf16: it was compiled in fp32; compile it with --dtype bf16 to train so"),
+    ("freeze training under an asynchronous schedule", {}, ["--schedule", "ftpipe", "--freeze-at", "1:1"], 1, "freeze training needs a synchronous schedule, not ftpipe; pick gpipe or 1f1b"),
 ]  # fmt: skip
 
 

@@ -1,0 +1,107 @@
+"""Where this process runs and how the ranks meet: the rank's place, the small collectives
+the run needs outside the schedule (gather, barrier, agreeing to start), and how a rank stops.
+
+    place = Place.of(plan, args.device, rank)    # replica, pipeline GPU, torch device
+    agree_to_start(failure, rank, world)         # every rank learns who could not start
+    first = all_gather(value, world)             # a small picklable value from every rank
+
+A collective whose peer died raises `PeerFailure` naming what the rank waited for; `die`
+ends the process at once (a process group with a dead member cannot be shut down cleanly).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .errors import PeerFailure, PipelineConfigError
+from .replicas import Replicas, launch_hint
+
+__all__ = ["Place", "agree_to_start", "all_gather", "barrier", "die", "fault_of"]
+
+
+@dataclass(frozen=True)
+class Place:
+    """This rank in the run: its replica, the pipeline GPU it runs, its torch device."""
+
+    rank: int
+    world: int
+    replica: int
+    gpu: int
+    device: torch.device
+    reps: Replicas
+
+    @classmethod
+    def of(cls, plan: dict, device: str, rank: int) -> Place:
+        """Checks the process count against the plan and picks (and sets up) the device."""
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        reps = Replicas.of(plan)
+        if world != reps.world:
+            raise PipelineConfigError(
+                f"the plan is for {reps.world} GPUs but {world} processes started; run "
+                f"torchrun {launch_hint(plan)} ..."
+            )
+        replica, gpu = reps.where(rank)
+        if device == "cuda" and not torch.cuda.is_available():
+            raise PipelineConfigError("--device cuda, but torch sees no GPU here; use --device cpu")
+        where = torch.device(f"cuda:{local_rank}" if device == "cuda" else "cpu")
+        if where.type == "cuda":
+            torch.cuda.set_device(where)
+        elif "OMP_NUM_THREADS" not in os.environ:  # the node's cores shared by its ranks
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+        return cls(rank, world, replica, gpu, where, reps)
+
+
+def die(message: str, code: int):
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def agree_to_start(failure: Exception | None, rank: int, world: int) -> None:
+    """Every rank learns whether every other could start; the first that could not is named."""
+    said = None if failure is None else str(failure) or type(failure).__name__
+    if world > 1:
+        said = next(((r, w) for r, w in enumerate(all_gather(said, world)) if w), None)
+    elif said is not None:
+        said = (rank, said)
+    if failure is not None:
+        raise failure
+    if said is not None:
+        raise PipelineConfigError(f"rank {said[0]} could not start: {said[1]}")
+
+
+def all_gather(value, world: int, what: str = "choosing a checkpoint") -> list:
+    """Every rank's `value` (a small picklable object), in rank order."""
+    if world == 1:
+        return [value]
+    out = [None] * world
+    try:
+        dist.all_gather_object(out, value)
+    except Exception as e:  # noqa: BLE001
+        raise PeerFailure(f"a rank vanished while {what} ({e})") from e
+    return out
+
+
+def barrier(world: int, what: str) -> None:
+    if world > 1:
+        try:
+            dist.barrier()
+        except Exception as e:  # noqa: BLE001
+            raise PeerFailure(f"a rank never arrived while {what} ({e})") from e
+
+
+def fault_of(rank: int):
+    """(step, mode) from FTPIPE_FAULT=rank:step:mode: stop after this rank's last S of step
+    (for the tests of a peer that exits or hangs)."""
+    text = os.environ.get("FTPIPE_FAULT", "")
+    if not text:
+        return None
+    r, step, mode = text.split(":")
+    return (int(step), mode) if int(r) == rank else None
