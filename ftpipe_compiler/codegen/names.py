@@ -18,7 +18,6 @@ import re
 from ftpipe_runtime.weights import WRAPPER_PREFIX
 from torch import fx
 
-
 # Whole-part abbreviations; every other part is lower-cased and kept.
 ABBREVIATIONS = {
     "encoder": "enc",

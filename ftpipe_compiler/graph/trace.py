@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 from ftpipe_runtime.precision import get_precision
-from ftpipe_runtime.weights import WRAPPER_PREFIX
 from torch import fx
 
 from ..errors import TraceError
