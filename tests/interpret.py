@@ -10,9 +10,10 @@ misordered by tracing or collapsing shows up as a wrong loss or a missing value.
 from __future__ import annotations
 
 import torch
+from ftpipe_runtime.weights import WRAPPER_PREFIX
 from torch import fx
 
-from ftpipe_compiler.graph.exported import WRAPPER_PREFIX, retarget
+from ftpipe_compiler.graph.exported import retarget
 from ftpipe_compiler.graph.opgraph import OpGraph
 from ftpipe_compiler.graph.trace import Traced
 

@@ -22,7 +22,6 @@ from torch import nn
 from tqdm import tqdm
 
 from ..errors import FtpipeError, OutputExistsError
-from ..graph.exported import WRAPPER_PREFIX
 from ..graph.opgraph import OpGraph
 from ..graph.trace import Traced
 from ..model.zoo import ModelSpec

@@ -10,9 +10,9 @@ import statistics
 import pytest
 
 from ftpipe_compiler.costs.blocks import plan_blocks, run_blocks
-from ftpipe_compiler.costs.cache import Weights
 from ftpipe_compiler.costs.measured import clock_for, measure_stages, measured_costs
 from ftpipe_compiler.costs.profilers import costed_graph
+from ftpipe_compiler.costs.weights import Weights
 
 
 def measure_step(traced, spec, device="cpu", repeats=3, seed=0):
