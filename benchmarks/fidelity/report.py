@@ -50,7 +50,7 @@ def _cores(cores) -> str:
 def _table(cases: list[dict]) -> list[str]:
     lines = [
         "| plan | stages (stage→rank) | simulated s/step | with the link measured now | "
-        "ops timed apart | measured s/step | error | other load |",
+        "stages timed whole | measured s/step | error | other load |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cases:
@@ -59,7 +59,7 @@ def _table(cases: list[dict]) -> list[str]:
         mark = "" if abs(c["error"]) <= TARGET else " ✗"
         lines.append(
             f"| {c['label']} | {stages} | {c['simulated_step_s']:.3f} | "
-            f"{c['simulated_step_s_link_now']:.3f} | {c.get('simulated_step_s_ops', 0):.3f} | "
+            f"{c['simulated_step_s_link_now']:.3f} | {c.get('simulated_step_s_stages', 0):.3f} | "
             f"{m['step_s']:.3f} ± "
             f"{m['step_std_s']:.3f} | {c['error']:+.1%}{mark} | {_cores(m.get('other_cores'))} |"
         )
@@ -167,9 +167,10 @@ def markdown(d: dict) -> str:
         "",
         f"`{d['model']}` plans compiled with a measured profile taken on one thread "
         "(`--profile measured --hardware cpu`, OMP_NUM_THREADS=1), simulated under their "
-        "schedule with each stage's times measured on the stage as a whole (one thread, "
-        "alone, before the run: `benchmarks/fidelity/stage_times.py`; *ops timed apart*: the same "
-        "plan simulated with its op profile summed per stage, which the partitioners use), "
+        "schedule from that profile, each stage's times its ops' summed (what `ftpipe compile` "
+        "simulates to choose a plan; *stages timed whole*: the same plan simulated with each "
+        "stage timed as one block instead, one thread, alone, before the run: "
+        "`benchmarks/fidelity/stage_times.py`), "
         "then trained on 2 one-thread ranks (gloo) with the package's defaults: "
         f"{d['warmup_steps']} set-up step, {d['timed_steps']} timed steps and a final untimed "
         "one. *Other load*: CPU that processes other than the benchmark's used during the "
