@@ -78,7 +78,7 @@ def markdown(data: dict) -> str:
         "FTPipe eq. 1 (the slowest GPU's compute plus unhidden transfers, per micro-batch); "
         "*expected speedup* = total compute / period; throughput is the simulator's steady "
         "state under the asynchronous `ftpipe` schedule. Mixed vs best sequential compares "
-        "simulated samples/s with the best of pipedream, acyclic, gpipe and params.",
+        "simulated samples/s with the best of pipedream, acyclic, even-layers and params.",
         "",
     ]
     for c in data["cases"]:

@@ -14,7 +14,7 @@ a. Runtime, 2 CPU ranks (gloo), GPT-2 bench model: our zero-bubble and interleav
 b. Simulated, 8 GPUs: T5-3B, GPT2-XL and Llama-3.1-8B; every partitioner under every
    schedule (`planner.matrix.search_matrix`, nothing left unsearched), the best plan overall and
    the best synchronous one against the best sequential partition (pipedream, acyclic,
-   gpipe, params) under 1F1B.
+   even-layers, params) under 1F1B.
 """
 
 from __future__ import annotations
