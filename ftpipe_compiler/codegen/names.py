@@ -15,8 +15,9 @@ import builtins
 import keyword
 import re
 
-from ftpipe_runtime.weights import WRAPPER_PREFIX
 from torch import fx
+
+from ..graph.exported import scope_of
 
 # Whole-part abbreviations; every other part is lower-cased and kept.
 ABBREVIATIONS = {
@@ -43,13 +44,6 @@ ABBREVIATIONS = {
 DROPPED = {"m", "transformer", "bert", "model", "self", "roberta", "base_model"}
 # Names generated code uses for itself.
 RESERVED = {"self", "tensors", "device", "torch", "aten", "operator", "nn"}
-
-
-def scope_of(path: str) -> str:
-    """'m.encoder.block.3' -> 'encoder.block.3' (the wrapper module's prefix removed)."""
-    if path == WRAPPER_PREFIX.rstrip("."):
-        return ""
-    return path.removeprefix(WRAPPER_PREFIX)
 
 
 def module_stack(n: fx.Node) -> list[tuple[str, str]]:

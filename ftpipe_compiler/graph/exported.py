@@ -237,12 +237,14 @@ def _scope(n: fx.Node) -> tuple[str, str]:
         return "", ""
     path, mtype = list(stack.values())[-1]
     mtype = mtype if isinstance(mtype, str) else getattr(mtype, "__name__", str(mtype))
-    path = (
-        path.removeprefix("m").removeprefix(".")
-        if path in ("m",) or path.startswith(WRAPPER_PREFIX)
-        else path
-    )
-    return path, mtype.rsplit(".", 1)[-1]
+    return scope_of(path), mtype.rsplit(".", 1)[-1]
+
+
+def scope_of(path: str) -> str:
+    """'m.encoder.block.3' -> 'encoder.block.3' (the wrapper module's prefix removed)."""
+    if path == WRAPPER_PREFIX.rstrip("."):
+        return ""
+    return path.removeprefix(WRAPPER_PREFIX)
 
 
 def describe_value(val) -> tuple[tuple[int, ...], str, int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ftpipe_runtime.weights import WRAPPER_PREFIX
 
 from ftpipe_compiler.costs.analytic import analytic_costs
 from ftpipe_compiler.costs.hardware import get_hardware
@@ -21,7 +22,7 @@ def _whole_model_loss(spec, traced, seed=0) -> float:
     weights = Weights(traced, spec, torch.device("cpu"), seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(weights.materialise({"x": name.removeprefix("m.")})["x"])
+            p.copy_(weights.materialise({"x": name.removeprefix(WRAPPER_PREFIX)})["x"])
         return float(model(*weights.model_inputs().values()))
 
 
