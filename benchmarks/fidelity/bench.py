@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ftpipe_runtime.schedules import get_schedule
 from ftpipe_runtime.trace import read_trace
 from tqdm import tqdm
 
@@ -91,8 +92,6 @@ CASES = {
 def measure_case(
     name: str, case: Case, work: Path, link: dict, warmup: int, timed: int, reports: Path
 ) -> dict:
-    from ftpipe_runtime.schedules import get_schedule
-
     info = case.compile(work / name)
     out = Path(info["output"])
     # The plan as compiled: each stage's times its ops' profile summed, what `ftpipe compile`
