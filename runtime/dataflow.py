@@ -21,9 +21,12 @@ optimizer step, so its owner sends it once per version (`ForwardVersions`: under
 synchronous schedule once per step; under FTPipe's whenever the owner stepped since it last
 sent it; under PipeDream-2BW and WPipe once per pinned version), with the first forward of
 the owner that reads that version, after that forward's activations (a 51 MB embedding
-sent first would hold them up on the link); the readers keep it for every forward of
-theirs reading that version. Its gradient comes back once per step, summed over the step's
-micro-batches, after the last of this rank's readers' backwards of the step; the owner adds
+sent first would hold them up on the link); under a synchronous schedule a version made by
+a step goes at once after the owner's rank stepped, so that it crosses while the owner runs
+its next forward instead of after it (the readers' first forward waits for both). The
+readers keep it for every forward of theirs reading that version. Its gradient comes back
+once per step, summed over the step's micro-batches, after the last of this rank's readers'
+backwards of the step (after the activations' gradients, `grad_order`); the owner adds
 it in at its own last backward of the step, which comes after (the readers' backward of a
 micro-batch precedes the owner's, as with any activation), after the rest of that backward
 has run, and steps after that backward whatever the schedule.
@@ -45,7 +48,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .schedules import Action, ForwardVersions, Timeline
+from .schedules import Action, ForwardVersions, ScheduleError, Timeline
 from .topology import Topology
 
 Key = tuple  # ("act" | "grad" | "eval" | "weight" | "wgrad", tensor, micro-batch | version | step)
@@ -147,6 +150,14 @@ class Dataflow:
         outputs = self.topo.outputs[stage]
         return sorted(outputs, key=lambda t: self.shared(t))
 
+    def grad_order(self, stage: int) -> list[str]:
+        """A backward's inputs in the order it sends their gradients: activations' first
+        (the producer's backward waits on them), then weights' (summed over the step, taken
+        at the end of the owner's last backward); a 51 MB weight gradient sent first would
+        hold the activation's up on the link, and with it the owner's whole backward."""
+        inputs = self.topo.inputs[stage]
+        return sorted(inputs, key=lambda t: self.shared(t))
+
     def actions(self, rank: int) -> Iterator[Planned]:
         """Every action of `rank` in order, with its messages and its optimizer step."""
         topo, sync = self.topo, self.timeline.schedule.synchronous
@@ -175,7 +186,7 @@ class Dataflow:
                 yield Planned(a, tuple(out))
             elif a.kind == "B":
                 out = []
-                for t in topo.inputs[a.stage]:
+                for t in self.grad_order(a.stage):
                     tr = topo.transfers[t]
                     src = topo.rank_of[tr.producer]
                     if not tr.grad or src == rank:
@@ -196,13 +207,32 @@ class Dataflow:
                 last = done == len(local)
                 if last:
                     del steps[a.mb]
+                out = []
                 if not sync:
                     event = StepEvent(a.mb, (a.stage,), (rank,), ("stage", (a.stage,), a.mb))
                 elif last:
                     event = StepEvent(a.mb, local, tuple(range(topo.world)), ("step", a.mb))
+                    for t, v in self._made_by_step(local, a.mb):
+                        sent[t] = v
+                        out += [(dst, ("weight", t, v)) for dst in topo.remote_ranks(t)]
                 else:
                     event = None
-                yield Planned(a, (), event, a.mb if last else None)
+                yield Planned(a, tuple(out), event, a.mb if last else None)
+
+    def _made_by_step(self, stages, step: int) -> list[tuple[str, int]]:
+        """(weight, version) of the weights of `stages` that other ranks read, as the
+        synchronous step `step` leaves them, when a later forward reads them: sent at once,
+        so the transfer overlaps the owner's next forward instead of following it."""
+        made = []
+        for s in stages:
+            for t in self.sending_order(s):
+                if not self.shared(t) or not self.topo.remote_ranks(t):
+                    continue
+                try:
+                    made.append((t, self.version(t, (step + 1) * self.micro_batches)))
+                except ScheduleError:  # the run's last step: nobody reads what it makes
+                    pass
+        return made
 
     def listed(self, rank: int) -> Iterator[Action]:
         """The rank's actions alone: the schedule's, with the evaluation rounds spliced in."""

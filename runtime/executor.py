@@ -85,6 +85,7 @@ class Executor:
         self.stash: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (stage, version)
         self.now = None  # the Planned being run
         self.deferred: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> what its W needs
+        self.made: dict[str, torch.Tensor] = {}  # weight read by other ranks -> the parameter
         # One handler per action kind; evaluation's ("E") is added by the run when it has one.
         self.handlers = {"F": self.forward, "B": self.backward, "W": self.weight, "S": self.step}
 
@@ -121,6 +122,8 @@ class Executor:
             self.saved[(s, m)] = (inputs, out if keep_graph else None, params)
         for t in order:
             self.acts.put(t, m, self._checked(t, out))
+            if self.flow.shared(t):
+                self.made[t] = out[t]  # the parameter: the step below sends its next version
         if s == self.topo.loss_stage:
             self._record_loss(m, out["loss"].detach().float())
 
@@ -197,7 +200,7 @@ class Executor:
             self._collect(s, params)
             if sync is not None:
                 sync.after_backward(s, m)
-        for t in self.topo.inputs[s]:
+        for t in self.flow.grad_order(s):
             info = self.topo.transfers[t]
             if not info.grad:
                 continue
@@ -263,6 +266,9 @@ class Executor:
         self.stepper.on_step(a, self.now.event)
         for key in drop:
             self.stash.pop(key, None)
+        next_mb = (a.mb + 1) * self.m
+        for t in dict.fromkeys(key[1] for _, key in self.now.sends):  # weights, new version
+            self.acts.put(t, next_mb, self.made[t])
 
     # --- weight versions ---
     def _version(self, a) -> dict[str, torch.Tensor] | None:

@@ -36,6 +36,7 @@ from benchmarks.fidelity.report import markdown  # noqa: F401 - the section's re
 from benchmarks.harness.actions import load_actions, summarise
 from benchmarks.harness.gloo import measure_link
 from benchmarks.harness.launch import ROOT, compile_plan, run_child, run_package
+from benchmarks.harness.probe import machine_seconds
 from benchmarks.harness.stats import OtherLoad, step_times, summarise_steps
 from ftpipe_compiler.plan import Plan
 from ftpipe_compiler.simulate import simulate
@@ -45,7 +46,7 @@ from ftpipe_compiler.simulate.report import write_report
 ALONE = True  # it times processes: the machine to itself (benchmarks.sections)
 
 MODEL = "gpt2-bench"
-WARMUP, TIMED, COOLDOWN = 1, 4, 1  # steps: set-up, timed, overlapping the shutdown
+WARMUP, TIMED, COOLDOWN = 2, 4, 1  # steps: set-up (the 2nd is still slow), timed, shutdown
 SIM_STEPS = 10
 REPORTS = ROOT / "docs" / "fidelity"  # each plan's simulated and measured timelines
 
@@ -93,6 +94,7 @@ def measure_case(
     name: str, case: Case, work: Path, link: dict, warmup: int, timed: int, reports: Path
 ) -> dict:
     info = case.compile(work / name)
+    at_profile = machine_seconds()  # the compile just profiled the plan's ops
     out = Path(info["output"])
     # The plan as compiled: each stage's times its ops' profile summed, what `ftpipe compile`
     # simulates to choose plans. Beside it, each stage timed as one block (stage_times.py).
@@ -104,10 +106,12 @@ def measure_case(
     now = plan.with_(bandwidth=link["link_bandwidth"], latency_s=link["link_latency_s"])
     sim_now = simulate(now, case.schedule, steps=SIM_STEPS)
     argv = ["--steps", str(warmup + timed + COOLDOWN), "--schedule", case.schedule]
+    before = machine_seconds()
     with OtherLoad() as load:
         result = run_package(
             out, Path(info["package"]).name, argv, work / f"{name}.run.json", actions=True
         )
+    at_run = (before + machine_seconds()) / 2
     samples = plan.micro_batches * int(plan.model.get("micro_batch", 1))
     stats = summarise_steps(step_times(result["step_ends_s"], warmup, COOLDOWN), samples)
     stats["other_cores"] = load.cores
@@ -148,6 +152,9 @@ def measure_case(
         "actions": actions,
         "measured": stats,
         "error": (sim.step_time_s - stats["step_s"]) / stats["step_s"],
+        # The same fixed work's seconds right after the profile and around the run: how
+        # much slower the machine itself was while the run went (benchmarks/harness/probe.py).
+        "machine_s": {"profile": at_profile, "run": at_run},
     }
 
 

@@ -50,8 +50,8 @@ def _cores(cores) -> str:
 def _table(cases: list[dict]) -> list[str]:
     lines = [
         "| plan | stages (stage→rank) | simulated s/step | with the link measured now | "
-        "stages timed whole | measured s/step | error | other load |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "stages timed whole | measured s/step | error | other load | machine, run / profile |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cases:
         m = c["measured"]
@@ -61,9 +61,34 @@ def _table(cases: list[dict]) -> list[str]:
             f"| {c['label']} | {stages} | {c['simulated_step_s']:.3f} | "
             f"{c['simulated_step_s_link_now']:.3f} | {c.get('simulated_step_s_stages', 0):.3f} | "
             f"{m['step_s']:.3f} ± "
-            f"{m['step_std_s']:.3f} | {c['error']:+.1%}{mark} | {_cores(m.get('other_cores'))} |"
+            f"{m['step_std_s']:.3f} | {c['error']:+.1%}{mark} | {_cores(m.get('other_cores'))} | "
+            f"{_slower(c)} |"
         )
     return lines + [""]
+
+
+def _slower(c: dict) -> str:
+    """How much longer the same fixed work took around the run than after the profile."""
+    m = c.get("machine_s")
+    return "?" if not m else f"{m['run'] / m['profile']:.2f}x"
+
+
+def _machine(cases: list[dict]) -> list[str]:
+    """What the probe says about the errors: the machine's own change of speed."""
+    probed = [c for c in cases if c.get("machine_s")]
+    if not probed:
+        return []
+    worst = max(probed, key=lambda c: abs(c["machine_s"]["run"] / c["machine_s"]["profile"] - 1))
+    ratio = worst["machine_s"]["run"] / worst["machine_s"]["profile"]
+    return [
+        "*Machine, run / profile*: one fixed piece of one-thread work (the LM head's forward "
+        "and backward products, `benchmarks/harness/probe.py`) timed right after the compile "
+        "profiled the plan and around the run; above 1, the machine itself was slower during "
+        f"the run (by up to {ratio - 1:+.0%} here, {worst['label']}), which no profile taken "
+        "earlier can foresee. This VM shares its host: one stage's forward, alone on one "
+        "thread, has taken 200 ms and 260 ms seconds apart, no steal time counted.",
+        "",
+    ]
 
 
 def _stage_rows(c: dict) -> list[str]:
@@ -172,12 +197,13 @@ def markdown(d: dict) -> str:
         "stage timed as one block instead, one thread, alone, before the run: "
         "`benchmarks/fidelity/stage_times.py`), "
         "then trained on 2 one-thread ranks (gloo) with the package's defaults: "
-        f"{d['warmup_steps']} set-up step, {d['timed_steps']} timed steps and a final untimed "
-        "one. *Other load*: CPU that processes other than the benchmark's used during the "
+        f"{d['warmup_steps']} set-up steps (a run's second step is still up to 40% slower than "
+        f"later ones), {d['timed_steps']} timed steps and a final untimed one. *Other load*: CPU that processes other than the benchmark's used during the "
         "run (this machine is shared).",
         "",
         *_link(d["link"], cases[0]),
         *_table(cases),
+        *_machine(cases),
     ]
     shown = [c for c in cases if c.get("timelines")]
     if shown:

@@ -94,16 +94,19 @@ class OtherLoad:
 
 def run_rounds(todo: dict, rounds: int, desc: str) -> dict[str, list[dict]]:
     """name -> its result in each round: every configuration runs once per round, the rounds
-    one after the other, so a disturbance from outside (this machine is shared) spreads over
-    all of them instead of spoiling one; each result carries the CPU others used meanwhile."""
+    one after the other, every other one in the reverse order, so a disturbance from outside
+    (this machine is shared) or an order effect spreads over all of them instead of spoiling
+    or favouring one; each result carries the CPU others used meanwhile. A run is called
+    as run(tag, round)."""
     from tqdm import tqdm
 
     raw = {name: [] for name in todo}
     bar = tqdm(total=rounds * len(todo), desc=desc, file=sys.stderr, disable=None)
     for r in range(rounds):
-        for name, run in todo.items():
+        order = list(todo.items())
+        for name, run in reversed(order) if r % 2 else order:
             with OtherLoad() as load:
-                result = run(f"{name}.round{r}")
+                result = run(f"{name}.round{r}", r)
             raw[name].append({**result, "other_cores": load.cores})
             bar.update()
     bar.close()

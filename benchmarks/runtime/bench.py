@@ -12,16 +12,14 @@ starting from one weights file and reading the same micro-batches, one thread pe
   b. ftpipe's compiled plan vs that even split, both in ftpipe's runtime, same schedule;
   c. the unpartitioned model in one process on both cores.
 
-Every configuration runs once per round, the rounds one after the other (with more than
-one, a disturbance from outside spreads over all configurations instead of spoiling one;
-each run says how much CPU others used meanwhile). Each run trains TIMED + 2 steps and
-times TIMED of them, each contender at its best (WINDOWS): the package after one warm-up
-step (its first sets the pipeline up; its second is already steady), its last step untimed
-(an asynchronous schedule's last overlaps nothing); pipelining and the single process after
-two (pipelining's second step is still 10-40 % slower than its later ones), their last step
-timed (it ends before anything is torn down). One round of 5 timed steps costs about 60 %
-of two rounds of 3 (each launch sets a model up and trains 2 untimed steps); with only
-steady steps timed, their spread (the ± figures) is smaller than before, not larger.
+Every configuration runs once per round, the rounds one after the other, the second in the
+reverse order of the first (pipelining's configurations too, which share one launch): a
+disturbance from outside, or an order effect (the first configuration of a launch ran up to
+25 % faster than the later ones), spreads over all configurations instead of favouring one;
+each run says how much CPU others used meanwhile. Each run trains TIMED + 3 steps and times
+TIMED of them, every contender in the same window (WINDOWS): after two warm-up steps (the
+package's second step and pipelining's are still 10-40 % slower than later ones), the last
+one untimed (an asynchronous schedule's last overlaps nothing).
 """
 
 from __future__ import annotations
@@ -43,9 +41,9 @@ from benchmarks.runtime.report import markdown  # noqa: F401 - the section's ren
 ALONE = True  # it times processes: the machine to itself (benchmarks.sections)
 
 MODEL = "gpt2-bench"
-TIMED, ROUNDS = 5, 1  # steady steps: pipelining's slow second one no longer among them
-WINDOWS = {"ftpipe": (1, 1), "pipelining": (2, 0), "single": (2, 0)}  # untimed: first, last
-UNTIMED = 2  # steps of a run besides the timed ones: every window's two
+TIMED, ROUNDS = 3, 2  # steady steps per run; rounds in alternating order
+WINDOWS = {"ftpipe": (2, 1), "pipelining": (2, 1), "single": (2, 1)}  # untimed: first, last
+UNTIMED = 3  # steps of a run besides the timed ones: every window's
 LR, SEED = 1e-4, 0
 TRAINING = ["--lr", str(LR), "--decay", "constant", "--clip", "0", "--seed", str(SEED)]
 
@@ -116,9 +114,12 @@ class Bench:
             result["actions"] = summarise(rows, self.micro_batches, self.timed)
         return {**result, "window": WINDOWS["ftpipe"]}
 
-    def pipelining(self, configs: dict, tag: str) -> dict:
+    def pipelining(self, configs: dict, tag: str, reverse: bool = False) -> dict:
         """Every configuration, name -> (plan, blocks, schedule, recompute), trained in one
-        launch one after the other; returns {"group": name -> its result} (`ungroup`)."""
+        launch one after the other (`reverse`: in the reverse order); returns {"group": name
+        -> its result} (`ungroup`)."""
+        if reverse:
+            configs = dict(reversed(configs.items()))
         runs = [
             {"plan": str(plan), "blocks": blocks, "schedule": schedule, "recompute": recompute,
              "result": str(self.work / f"{name}.{tag}.json")}
@@ -194,20 +195,21 @@ def _configurations(bench: Bench, even: dict, best: dict, even_path: Path, block
     """name -> a run of it: the package on the even split and on its plan, pipelining on
     the even split (with and without recompute), the model in one process."""
     return {
-        "ftpipe-even-gpipe": lambda n: bench.ftpipe(even, "gpipe", n),
-        "ftpipe-even-1f1b": lambda n: bench.ftpipe(even, "1f1b", n),
-        "pipelining": lambda n: bench.pipelining(
+        "ftpipe-even-gpipe": lambda n, _: bench.ftpipe(even, "gpipe", n),
+        "ftpipe-even-1f1b": lambda n, _: bench.ftpipe(even, "1f1b", n),
+        "pipelining": lambda n, r: bench.pipelining(
             {
-                f"pipelining-{s}" + ("-recompute" if r else ""): (even_path, blocks, s, r)
+                f"pipelining-{s}" + ("-recompute" if rec else ""): (even_path, blocks, s, rec)
                 for s in ("gpipe", "1f1b")
-                for r in (False, True)
+                for rec in (False, True)
             },
             n,
+            reverse=r % 2 == 1,
         ),
-        "ftpipe-plan-gpipe": lambda n: bench.ftpipe(best, "gpipe", n),
-        "ftpipe-plan-1f1b": lambda n: bench.ftpipe(best, "1f1b", n),
-        "ftpipe-plan-ftpipe": lambda n: bench.ftpipe(best, "ftpipe", n),
-        "single": lambda n: bench.single(even_path, n),
+        "ftpipe-plan-gpipe": lambda n, _: bench.ftpipe(best, "gpipe", n),
+        "ftpipe-plan-1f1b": lambda n, _: bench.ftpipe(best, "1f1b", n),
+        "ftpipe-plan-ftpipe": lambda n, _: bench.ftpipe(best, "ftpipe", n),
+        "single": lambda n, _: bench.single(even_path, n),
     }
 
 

@@ -160,8 +160,13 @@ def markdown(d: dict) -> str:
         f"{d['micro_batches']} micro-batches; AdamW at a constant {d['lr']:g}, no clipping; "
         "2 ranks of one thread each (gloo), every run from the same weights on the same "
         f"micro-batches. Every configuration ran "
-        + ("once" if d["rounds"] == 1 else f"{d['rounds']} times, the rounds one after the other")
-        + f"; each run timed {d['timed_steps']} steps, each contender at its best ("
+        + (
+            "once"
+            if d["rounds"] == 1
+            else f"{d['rounds']} times, the rounds one after the "
+            "other, every other one in the reverse order (an order effect spreads over all)"
+        )
+        + f"; each run timed {d['timed_steps']} steps ("
         + _windows(d)
         + "), and a figure pools the "
         f"{d['rounds'] * d['timed_steps']} timed steps of its configuration: samples/s = "

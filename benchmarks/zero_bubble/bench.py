@@ -31,7 +31,7 @@ from ftpipe_runtime.atomic import atomic_open
 from benchmarks.harness.launch import ROOT, compile_plan
 from benchmarks.harness.reference import build_model
 from benchmarks.harness.stats import run_rounds
-from benchmarks.runtime.bench import ROUNDS, SEED, TIMED, Bench, ungroup  # the same steps
+from benchmarks.runtime.bench import SEED, Bench, ungroup
 from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.partition import problem_from_graph
 from ftpipe_compiler.planner.matrix import schedule_names, search_matrix
@@ -44,6 +44,7 @@ RUNTIME = ("zb1p", "interleaved", "zbv")  # pipelining has each; gpipe and 1f1b:
 SIM_CASES = [("t5-3b", "rtx2080ti"), ("gpt2-xl", "rtx2080ti"), ("llama-3.1-8b", "a100-40gb")]
 SIM_GPUS = 8
 SEQUENTIAL = ("pipedream", "acyclic", "even-layers", "params")
+TIMED, ROUNDS = 5, 1  # one round (six runs): the runtime section's two would cost 4 min more
 
 
 def stage_blocks(plan: dict) -> list[int]:
@@ -88,10 +89,10 @@ def runtime(work: Path | None = None, rounds: int = ROUNDS) -> dict:
         blocks = ",".join(map(str, stage_blocks(plan)))
         splits[s] = {"blocks": blocks, "gpus": [st["gpu"] for st in plan["stages"]]}
         path = Path(compiled[s]["output"]) / "plan.json"
-        todo[f"ftpipe-{s}"] = lambda n, s=s: bench.ftpipe(compiled[s], s, n)
+        todo[f"ftpipe-{s}"] = lambda n, _, s=s: bench.ftpipe(compiled[s], s, n)
         for rec in (False, True):
             piped[f"pipelining-{s}" + ("-recompute" if rec else "")] = (path, blocks, s, rec)
-    todo["pipelining"] = lambda n: bench.pipelining(piped, n)  # one launch for all six
+    todo["pipelining"] = lambda n, r: bench.pipelining(piped, n, reverse=r % 2 == 1)
     raw = ungroup(run_rounds(todo, rounds, "zero_bubble"))
     runs = {name: bench.merge(results) for name, results in raw.items()}
     for name, stats in runs.items():

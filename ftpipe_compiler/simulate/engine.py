@@ -16,9 +16,9 @@ the micro-batch at W, and its weight gradients (so its all-reduce) come with its
 
 A weight read by other stages goes as the runtime sends it (`ftpipe_runtime.dataflow`):
 once per version of its owner's weights (`versions`, the runtime's `ForwardVersions` of the
-owner), after the activations of the owner's first forward reading that version, arriving
-for every micro-batch
-that reads it; its gradient goes back once per step, summed, after the last backward of the
+owner), after the activations of the owner's first forward reading that version (under a
+synchronous schedule, at once when the owner's GPU has stepped), arriving for every
+micro-batch that reads it; its gradient goes back once per step, summed, after the last backward of the
 step of its readers on a GPU, and only the owner's last backward of the step waits for it.
 """
 
@@ -44,6 +44,7 @@ class EventLoop:
         micro_batches: int,
         versions: dict | None = None,
         weights_once: bool = True,
+        synchronous: bool = False,
     ):
         self.lists, self.cap_steps = lists, timeline_steps
         self.cap_mbs = timeline_steps * micro_batches
@@ -77,6 +78,7 @@ class EventLoop:
         # Owner stage -> its ForwardVersions: a weight goes once per version (from the lists).
         self.versions = versions or {}
         self.sent_version: dict[int, int] = {}  # owner stage -> the version its weights last went
+        self.weights_at_step = synchronous  # a step's new weights go at once (Dataflow)
         self._transfers(plan, total_mbs, weights_once)
         # Step groups: which GPUs meet before stepping.
         self.group_of = {s: grp for grp in groups for s in grp}
@@ -123,6 +125,8 @@ class EventLoop:
                                 waits[mb] += 1
         for sends in self.out.values():  # weights last, as the runtime's sending order
             sends.sort(key=lambda x: x[3])
+        for slots in self.grads.values():  # and their gradients last (`Dataflow.grad_order`)
+            slots.sort(key=lambda x: x[5])
         self.last_b = last_b
 
     def _gpu_state(self, lists, st) -> None:
@@ -226,24 +230,35 @@ class EventLoop:
         self.busy[g].append((start, t))
         self.held[s] += 1
         self.peak[s] = max(self.peak[s], self.held[s])
-        versions = self.versions.get(s)
-        v = versions.version(m) if versions is not None else None
-        first = v is not None and self.sent_version.get(s) != v
-        if first:
-            self.sent_version[s] = v
-            n = versions.forwards(v)
-            # The version's forwards are consecutive micro-batches from this one on.
-            read = range(m, min(m + n, self.total_mbs))
         for nbytes, dst, consumers, per_step in self.out[s]:
-            if per_step and not first:
-                continue  # went with the first forward reading this version
-            arrive = self._send(g, dst, nbytes, t)
-            mbs = read if per_step else (m,)
-            for c in consumers:
-                for i in mbs:
+            if not per_step:
+                arrive = self._send(g, dst, nbytes, t)
+                for c in consumers:
                     self._arrive(
-                        self.fcount[c], self.ftime[c], i, arrive, self.need_f[c], ("F", c, i)
+                        self.fcount[c], self.ftime[c], m, arrive, self.need_f[c], ("F", c, m)
                     )
+        self._send_weights(g, s, m, t)
+
+    def _send_weights(self, g: int, s: int, m: int, t: float) -> None:
+        """Stage s's weights read by other GPUs, in the version its forward of micro-batch m
+        reads, unless that version went already; they arrive for every micro-batch reading
+        it (consecutive ones from m on)."""
+        versions = self.versions.get(s)
+        if versions is None or m >= self.total_mbs:
+            return
+        v = versions.version(m)
+        if self.sent_version.get(s) == v:
+            return
+        self.sent_version[s] = v
+        read = range(m, min(m + versions.forwards(v), self.total_mbs))
+        for nbytes, dst, consumers, per_step in self.out[s]:
+            if per_step:
+                arrive = self._send(g, dst, nbytes, t)
+                for c in consumers:
+                    for i in read:
+                        self._arrive(
+                            self.fcount[c], self.ftime[c], i, arrive, self.need_f[c], ("F", c, i)
+                        )
 
     def _finish_b(self, g: int, a, start: float, t: float) -> None:
         s, m = a.stage, a.mb
@@ -286,6 +301,14 @@ class EventLoop:
 
     def _finish_s(self, g: int, a, start: float, t: float) -> None:
         self.step_end[g][a.mb] = max(self.step_end[g].get(a.mb, 0.0), t)
+        if self.weights_at_step and self._last_s(g, a):  # the GPU's new weights go now
+            for s in self.stages_of[g]:
+                self._send_weights(g, s, (a.mb + 1) * self.m, t)
+
+    def _last_s(self, g: int, a) -> bool:
+        """Is `a`, just finished, the GPU's last S of its step?"""
+        acts, i = self.lists[g], self.pos[g]
+        return i >= len(acts) or acts[i].kind != "S" or acts[i].mb != a.mb
 
     def _arrive(self, count, times, m: int, arrive: float, need: int, key: tuple) -> None:
         count[m] += 1

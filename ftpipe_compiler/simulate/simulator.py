@@ -101,7 +101,15 @@ def simulate(
     gpu = {s.id: s.gpu for s in plan.stages}
     versions = {s: ForwardVersions(lists[gpu[s]], s, policies[s], m) for s in owners}
     run = EventLoop(
-        plan, lists, groups, m * run_steps, min(steps, TIMELINE_STEPS), m, versions, weights_once
+        plan,
+        lists,
+        groups,
+        m * run_steps,
+        min(steps, TIMELINE_STEPS),
+        m,
+        versions,
+        weights_once,
+        synchronous=sched.synchronous,
     )
     run.go()
     return _result(plan, run, name, m, steps, run_steps)

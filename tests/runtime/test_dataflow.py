@@ -218,3 +218,28 @@ def test_forward_versions_follow_the_owners_steps(schedule):
     assert {v: fv.forwards(v) for v in counts} == counts
     with pytest.raises(ScheduleError, match="no forward of micro-batch"):
         fv.version(m * steps)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_synchronous_step_sends_its_new_weights_at_once(schedule):
+    """The version a step makes leaves with that step (crossing while the owner runs its next
+    forward), not after the owner's next forward; the first version goes with the first
+    forward, and the run's last step sends nothing nobody reads. A backward sends the
+    activations' gradients before a weight's, which the owner needs only at its end."""
+    topo, m, steps = Topology(toy_plan("two-ranks")), 2, 3
+    flow = _flow(topo, get_schedule(schedule), m, steps)
+    items = list(flow.actions(0))
+    weights = [(i.action, k) for i in items for _, k in i.sends if k[0] == "weight"]
+    assert [(str(a), k[2]) for a, k in weights] == [("0F0", 0), ("2S0", 1), ("2S1", 2)]
+    assert all(i.event is not None for i in items if i.sends and i.action.kind == "S")
+    for item in flow.actions(1):
+        kinds = [k[0] for _, k in item.sends]
+        if "wgrad" in kinds:
+            assert kinds[-1] == "wgrad" and "grad" in kinds, kinds
+
+
+def test_an_asynchronous_step_leaves_its_weights_to_the_next_forward():
+    topo, m, steps = Topology(toy_plan("two-ranks")), 2, 3
+    flow = _flow(topo, get_schedule("ftpipe"), m, steps)
+    sent_at = {i.action.kind for i in flow.actions(0) for _, k in i.sends if k[0] == "weight"}
+    assert sent_at == {"F"}

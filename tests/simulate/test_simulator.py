@@ -233,3 +233,15 @@ def test_optimizer_steps_and_message_latency_take_their_time(plan_factory):
     assert simulate(stepping, "gpipe", steps=4).step_time_s == pytest.approx(plain + 1.0)
     late = simulate(plan.with_(latency_s=0.25), "gpipe", steps=4)
     assert late.step_time_s == pytest.approx(plain + 2 * 0.25)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_synchronous_step_sends_its_new_weight_at_once(plan_factory, schedule):
+    """As the runtime does (`Dataflow`): the version a step makes leaves when the owner's GPU
+    has stepped, crossing while the owner runs its next forward; the reader's first forward
+    of the step waits for it (2 s on the link) and not for that forward (1 s) as well."""
+    kw = dict(schedule=schedule, micro_batches=2, bandwidth=1000.0)
+    result = simulate(plan_factory([(1.0, 2.0, 1.0)] * 2, tied=[(0, 1)], tied_bytes=2000, **kw))
+    ev = {(e.stage, e.kind, e.mb): e for e in result.timeline}
+    stepped = ev[(0, "S", 0)].end
+    assert ev[(1, "F", 2)].start == pytest.approx(stepped + 2.0, abs=1e-6)
