@@ -84,16 +84,25 @@ def _section_b(d: dict) -> list[str]:
         f"plan has a slowest stage under {ms(head)} ms, so against the even split's "
         f"{ms(even_max)} ms the partition can gain at most {even_max / head:.2f}x by the "
         f"profile ({sim_ratio:.2f}x simulated, with the transfers); measured under 1F1B: "
-        f"{measured:.2f}x. "
-        + (
-            "The issue's 1.3x is reached."
-            if measured >= 1.3
-            else "The issue's 1.3x is out of reach for any pipeline partition of this model "
-            "on two devices: it would need the LM head itself divided (tensor parallelism)."
-        ),
+        f"{measured:.2f}x. " + _best_against_pipelining(runs, even_max / head),
         "",
     ]
     return lines
+
+
+def _best_against_pipelining(runs: dict, cap: float) -> str:
+    """The compiled plan under its fastest schedule against pipelining's fastest run on the
+    even split (issue 18's 1.2x), and what caps it."""
+    ours = max((n for n in runs if n.startswith("ftpipe-plan-")), key=lambda n: rate(runs, n))
+    theirs = max(("pipelining-gpipe", "pipelining-1f1b"), key=lambda n: rate(runs, n))
+    ratio = rate(runs, ours) / rate(runs, theirs)
+    verdict = "at least" if ratio >= 1.2 else "short of"
+    return (
+        f"The plan under its fastest schedule ({ours}) against pipelining's fastest run on the "
+        f"even split ({theirs}): {ratio:.3f}x, {verdict} the 1.2x aimed for; the LM head caps "
+        f"any 2-stage split at {cap:.2f}x by the profile (dividing it would take tensor "
+        "parallelism)."
+    )
 
 
 def _section_c(d: dict) -> list[str]:
