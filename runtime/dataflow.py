@@ -48,7 +48,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .schedules import Action, ForwardVersions, ScheduleError, Timeline
+from .schedules import Action, ForwardVersions, Timeline
 from .topology import Topology
 
 Key = tuple  # ("act" | "grad" | "eval" | "weight" | "wgrad", tensor, micro-batch | version | step)
@@ -147,16 +147,14 @@ class Dataflow:
     def sending_order(self, stage: int) -> list[str]:
         """A forward's outputs in the order it sends them: activations first (the next
         stage's forward can start on them), then weights (once per version)."""
-        outputs = self.topo.outputs[stage]
-        return sorted(outputs, key=lambda t: self.shared(t))
+        return sorted(self.topo.outputs[stage], key=self.shared)
 
     def grad_order(self, stage: int) -> list[str]:
         """A backward's inputs in the order it sends their gradients: activations' first
         (the producer's backward waits on them), then weights' (summed over the step, taken
         at the end of the owner's last backward); a 51 MB weight gradient sent first would
         hold the activation's up on the link, and with it the owner's whole backward."""
-        inputs = self.topo.inputs[stage]
-        return sorted(inputs, key=lambda t: self.shared(t))
+        return sorted(self.topo.inputs[stage], key=self.shared)
 
     def actions(self, rank: int) -> Iterator[Planned]:
         """Every action of `rank` in order, with its messages and its optimizer step."""
@@ -221,18 +219,18 @@ class Dataflow:
 
     def _made_by_step(self, stages, step: int) -> list[tuple[str, int]]:
         """(weight, version) of the weights of `stages` that other ranks read, as the
-        synchronous step `step` leaves them, when a later forward reads them: sent at once,
-        so the transfer overlaps the owner's next forward instead of following it."""
-        made = []
-        for s in stages:
-            for t in self.sending_order(s):
-                if not self.shared(t) or not self.topo.remote_ranks(t):
-                    continue
-                try:
-                    made.append((t, self.version(t, (step + 1) * self.micro_batches)))
-                except ScheduleError:  # the run's last step: nobody reads what it makes
-                    pass
-        return made
+        synchronous step `step` leaves them, read from the next step's first micro-batch on:
+        sent at once, so the transfer overlaps the owner's next forward instead of following
+        it. The run's last step makes nothing anybody reads."""
+        if step + 1 >= self.timeline.steps:
+            return []
+        first_mb = (step + 1) * self.micro_batches
+        return [
+            (t, self.version(t, first_mb))
+            for s in stages
+            for t in self.sending_order(s)
+            if self.shared(t) and self.topo.remote_ranks(t)
+        ]
 
     def listed(self, rank: int) -> Iterator[Action]:
         """The rank's actions alone: the schedule's, with the evaluation rounds spliced in."""

@@ -5,9 +5,9 @@ error from the machine changing speed between the profile and the run.
     ...                             # the run
     slower = machine_seconds() / before   # 1.2: the same work took 20 % longer
 
-This VM shares its host: the same one-thread work takes 200 ms in one second and 260 ms a
-few seconds later, with no other process of ours running and none visible in /proc/stat
-(no steal time). The work is the bench model's heaviest op, the LM head's forward and
+This VM shares its host: one stage's forward, alone on one thread, has taken 200 ms and
+260 ms a few seconds apart, with no other process of ours running and no steal time in
+/proc/stat. The work is the bench model's heaviest op, the LM head's forward and
 backward (a 256 x 256 by 256 x 50,257 product and its two gradients), on one thread, like
 a rank.
 """

@@ -18,8 +18,9 @@ A weight read by other stages goes as the runtime sends it (`ftpipe_runtime.data
 once per version of its owner's weights (`versions`, the runtime's `ForwardVersions` of the
 owner), after the activations of the owner's first forward reading that version (under a
 synchronous schedule, at once when the owner's GPU has stepped), arriving for every
-micro-batch that reads it; its gradient goes back once per step, summed, after the last backward of the
-step of its readers on a GPU, and only the owner's last backward of the step waits for it.
+micro-batch that reads it; its gradient goes back once per step, summed, after the last
+backward of the step of its readers on a GPU (behind their activations' gradients), and
+only the owner's last backward of the step waits for it.
 """
 
 from __future__ import annotations
@@ -232,12 +233,16 @@ class EventLoop:
         self.peak[s] = max(self.peak[s], self.held[s])
         for nbytes, dst, consumers, per_step in self.out[s]:
             if not per_step:
-                arrive = self._send(g, dst, nbytes, t)
-                for c in consumers:
-                    self._arrive(
-                        self.fcount[c], self.ftime[c], m, arrive, self.need_f[c], ("F", c, m)
-                    )
+                self._deliver(g, dst, nbytes, t, consumers, (m,))
         self._send_weights(g, s, m, t)
+
+    def _deliver(self, g: int, dst: int, nbytes: int, t: float, consumers, mbs) -> None:
+        """A tensor leaves GPU g at t for `dst`, where it is an input of `consumers`' forwards
+        of micro-batches `mbs`."""
+        arrive = self._send(g, dst, nbytes, t)
+        for c in consumers:
+            for i in mbs:
+                self._arrive(self.fcount[c], self.ftime[c], i, arrive, self.need_f[c], ("F", c, i))
 
     def _send_weights(self, g: int, s: int, m: int, t: float) -> None:
         """Stage s's weights read by other GPUs, in the version its forward of micro-batch m
@@ -253,12 +258,7 @@ class EventLoop:
         read = range(m, min(m + versions.forwards(v), self.total_mbs))
         for nbytes, dst, consumers, per_step in self.out[s]:
             if per_step:
-                arrive = self._send(g, dst, nbytes, t)
-                for c in consumers:
-                    for i in read:
-                        self._arrive(
-                            self.fcount[c], self.ftime[c], i, arrive, self.need_f[c], ("F", c, i)
-                        )
+                self._deliver(g, dst, nbytes, t, consumers, read)
 
     def _finish_b(self, g: int, a, start: float, t: float) -> None:
         s, m = a.stage, a.mb
