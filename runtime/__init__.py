@@ -15,11 +15,17 @@ run meets them:
   `split_backward`, `stepping`, `optim`, `evaluate`, `assemble` (wiring them), `trace`.
 - state and output: `prepare`, `checkpoint`, `checkpoint_files`, `saver`, `export`,
   `report`, `runlog`, `summary`, `atomic`, `check` (a package's --check), `errors`.
+- before all of them: `cpu_allocator` (huge pages for large CPU tensors, set before torch
+  loads: importing this package first is what turns them on).
 """
 
-from .errors import PeerFailure, PipelineConfigError, ScheduleError
-from .run import run
-from .schedules import (
+from .cpu_allocator import use_huge_pages
+
+use_huge_pages()  # before any module below imports torch
+
+from .errors import PeerFailure, PipelineConfigError, ScheduleError  # noqa: E402
+from .run import run  # noqa: E402
+from .schedules import (  # noqa: E402
     SCHEDULES,
     Action,
     Schedule,

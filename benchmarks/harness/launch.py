@@ -17,13 +17,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ftpipe_runtime.cpu_allocator import VARIABLE
+
 ROOT = Path(__file__).resolve().parents[2]  # the repository: `benchmarks` imports from here
 
 
-def child_env(threads: int = 1, pythonpath=()) -> dict:
-    """The environment of a benchmark child: `threads` threads, the repo importable."""
+def child_env(threads: int = 1, pythonpath=(), extra: dict | None = None) -> dict:
+    """The environment of a benchmark child: `threads` threads, the repo importable, torch's
+    CPU allocator as the child picks it (this process set THP_MEM_ALLOC_ENABLE when it
+    imported ftpipe_runtime: a package sets it itself, pipelining runs torch's default)
+    unless `extra` says otherwise."""
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env.pop(VARIABLE, None)
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), **(extra or {}))
     paths = [str(p) for p in pythonpath]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
@@ -32,15 +38,17 @@ def child_env(threads: int = 1, pythonpath=()) -> dict:
     return env
 
 
-def run_child(cmd: list[str], log: Path, cwd=ROOT, threads=1, pythonpath=(), timeout=600) -> str:
-    """Run `cmd`; returns its stdout, its stderr goes to `log`. A failure raises with both
-    tails (a rank's traceback is on stderr)."""
+def run_child(
+    cmd: list[str], log: Path, cwd=ROOT, threads=1, pythonpath=(), timeout=600, extra=None
+) -> str:
+    """Run `cmd` (environment: `child_env`); returns its stdout, its stderr goes to `log`. A
+    failure raises with both tails (a rank's traceback is on stderr)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as err:
         done = subprocess.run(
             cmd,
             cwd=cwd,
-            env=child_env(threads, pythonpath),
+            env=child_env(threads, pythonpath, extra),
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
@@ -77,11 +85,14 @@ def compile_plan(out: Path, model: str, gpus: int, threads: int = 1, **options) 
     return json.loads(text[text.index("{") :])
 
 
-def torchrun(args: list[str], log: Path, cwd=ROOT, nproc: int = 2, pythonpath=()) -> str:
-    """`torchrun --standalone --nproc_per_node nproc ARGS`, one thread per rank."""
+def torchrun(
+    args: list[str], log: Path, cwd=ROOT, nproc: int = 2, pythonpath=(), extra=None
+) -> str:
+    """`torchrun --standalone --nproc_per_node nproc ARGS`, one thread per rank (`extra`:
+    environment variables, `child_env`)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += ["--nproc_per_node", str(nproc), *map(str, args)]
-    return run_child(cmd, log, cwd=cwd, pythonpath=pythonpath)
+    return run_child(cmd, log, cwd=cwd, pythonpath=pythonpath, extra=extra)
 
 
 def run_package(

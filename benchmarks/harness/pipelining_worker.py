@@ -30,6 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 from ftpipe_runtime.atomic import write_atomic
+from ftpipe_runtime.cpu_allocator import VARIABLE
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -143,7 +144,9 @@ def train(run: dict, args, rank: int) -> None:
         opt.zero_grad(set_to_none=True)
         ends.append(time.perf_counter() - start)
     if last in mine:
-        result = {"losses": losses, "step_ends_s": ends, "schedule": name}
+        # What torch's CPU allocator read when it loaded (nothing here changes it later).
+        huge = os.environ.get(VARIABLE) == "1"
+        result = {"losses": losses, "step_ends_s": ends, "schedule": name, "huge_pages": huge}
         write_atomic(run["result"], json.dumps(result))
 
 

@@ -8,7 +8,8 @@ GPT-2 bench model (8 blocks, d_model 256, 50,257-token vocabulary, tied embeddin
 starting from one weights file and reading the same micro-batches, one thread per rank:
 
   a. the package vs torch.distributed.pipelining on the same 4 + 4 block split, under GPipe
-     and 1F1B, and pipelining with the recomputation ftpipe's schedules do (same work);
+     and 1F1B: pipelining with PyTorch's defaults, and with the CPU allocator setting the
+     package makes for itself (huge pages for large tensors, `ftpipe_runtime.cpu_allocator`);
   b. ftpipe's compiled plan vs that even split, both in ftpipe's runtime, same schedule;
   c. the unpartitioned model in one process on both cores.
 
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import torch
 from ftpipe_runtime.atomic import atomic_open
+from ftpipe_runtime.cpu_allocator import VARIABLE
 
 from benchmarks.harness.actions import load_actions, summarise
 from benchmarks.harness.launch import ROOT, compile_plan, flags, run_child, run_package, torchrun
@@ -114,10 +116,13 @@ class Bench:
             result["actions"] = summarise(rows, self.micro_batches, self.timed)
         return {**result, "window": WINDOWS["ftpipe"]}
 
-    def pipelining(self, configs: dict, tag: str, reverse: bool = False) -> dict:
+    def pipelining(
+        self, configs: dict, tag: str, reverse: bool = False, huge_pages: bool = False
+    ) -> dict:
         """Every configuration, name -> (plan, blocks, schedule, recompute), trained in one
-        launch one after the other (`reverse`: in the reverse order); returns {"group": name
-        -> its result} (`ungroup`)."""
+        launch one after the other (`reverse`: in the reverse order), with torch's default
+        CPU allocator or (`huge_pages`) the package's; returns {"group": name -> its
+        result} (`ungroup`)."""
         if reverse:
             configs = dict(reversed(configs.items()))
         runs = [
@@ -130,10 +135,13 @@ class Bench:
             json.dump(runs, f)
         args = ["-m", "benchmarks.harness.pipelining_worker", "--runs", listed]
         args += flags(weights=self.weights, steps=self.steps, lr=LR, seed=SEED)
-        torchrun(args, listed.with_suffix(".log"))
+        torchrun(args, listed.with_suffix(".log"), extra={VARIABLE: "1" if huge_pages else "0"})
         window = {"window": WINDOWS["pipelining"]}
-        return {"group": {n: {**json.loads(Path(r["result"]).read_text()), **window}
-                          for n, r in zip(configs, runs)}}  # fmt: skip
+        group = {n: {**json.loads(Path(r["result"]).read_text()), **window}
+                 for n, r in zip(configs, runs)}  # fmt: skip
+        if any(g.get("huge_pages", huge_pages) != huge_pages for g in group.values()):
+            raise RuntimeError(f"pipelining ran with huge pages {not huge_pages}, not as asked")
+        return {"group": group}
 
     def single(self, plan: Path, name: str) -> dict:
         result = self.work / f"{name}.json"
@@ -141,7 +149,7 @@ class Bench:
             plan=plan, weights=self.weights, steps=self.steps, lr=LR, seed=SEED, threads=2,
             result=result,
         )  # fmt: skip
-        run_child(cmd, result.with_suffix(".log"), threads=2)
+        run_child(cmd, result.with_suffix(".log"), threads=2, extra={VARIABLE: "1"})
         return {**json.loads(result.read_text()), "window": WINDOWS["single"]}
 
     def merge(self, rounds: list[dict]) -> dict:
@@ -193,18 +201,16 @@ def measure(work: Path | None = None, timed: int = TIMED, rounds: int = ROUNDS) 
 
 def _configurations(bench: Bench, even: dict, best: dict, even_path: Path, blocks: int) -> dict:
     """name -> a run of it: the package on the even split and on its plan, pipelining on
-    the even split (with and without recompute), the model in one process."""
+    the even split (torch's allocator and the package's), the model in one process (on
+    huge pages: at its best)."""
+    piped = {f"pipelining-{s}": (even_path, blocks, s, False) for s in ("gpipe", "1f1b")}
+    huge = {f"{name}-huge-pages": config for name, config in piped.items()}
     return {
         "ftpipe-even-gpipe": lambda n, _: bench.ftpipe(even, "gpipe", n),
         "ftpipe-even-1f1b": lambda n, _: bench.ftpipe(even, "1f1b", n),
-        "pipelining": lambda n, r: bench.pipelining(
-            {
-                f"pipelining-{s}" + ("-recompute" if rec else ""): (even_path, blocks, s, rec)
-                for s in ("gpipe", "1f1b")
-                for rec in (False, True)
-            },
-            n,
-            reverse=r % 2 == 1,
+        "pipelining": lambda n, r: bench.pipelining(piped, n, reverse=r % 2 == 1),
+        "pipelining-huge-pages": lambda n, r: bench.pipelining(
+            huge, n, reverse=r % 2 == 1, huge_pages=True
         ),
         "ftpipe-plan-gpipe": lambda n, _: bench.ftpipe(best, "gpipe", n),
         "ftpipe-plan-1f1b": lambda n, _: bench.ftpipe(best, "1f1b", n),

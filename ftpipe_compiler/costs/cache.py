@@ -18,12 +18,13 @@ import os
 from pathlib import Path
 
 import torch
+from ftpipe_runtime.cpu_allocator import VARIABLE
 from ftpipe_runtime.errors import WriteFailed
 
 from ..errors import PlanFormatError
 from ..graph.opgraph import OpGraph
 
-CACHE_FORMAT = 2  # 2: weight-gradient times (wgrad_s) measured
+CACHE_FORMAT = 3  # 2: weight-gradient times (wgrad_s) measured; 3: huge pages on CPU
 
 
 def profile_dir(cache_dir=None) -> Path:
@@ -50,6 +51,7 @@ def profile_key(spec, graph: OpGraph, **settings) -> str:
         "micro_batch": graph.meta.get("micro_batch"),
         "graph": shape.hexdigest(),
         "torch": torch.__version__,
+        "huge_pages": os.environ.get(VARIABLE),  # changes the time of large CPU tensors
         **settings,
     }
     text = json.dumps(fields, sort_keys=True, default=str)
