@@ -17,7 +17,8 @@ the last stage writes the losses and when each step ended.
 
 `--runs runs.json` trains several configurations in one launch, one after the other, each
 from the weights file with its own stages, schedule and optimizer (a list of objects with
-the keys plan, blocks, schedule, recompute, result): a launch's set-up is paid once.
+the keys plan, blocks, schedule, recompute, result, and optionally fused: torch's fused
+AdamW, as ftpipe's runtime steps): a launch's set-up is paid once.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def train(run: dict, args, rank: int) -> None:
     schedule = SCHEDULES[name](stages if name in MULTI else stages[0], m, loss_fn=lm_loss)
     # A V puts the embedding and the head, tied, on one rank: one parameter, stepped once.
     params = list({id(p): p for mod in modules.values() for p in mod.parameters()}.values())
-    opt = torch.optim.AdamW(params, lr=args.lr)
+    opt = torch.optim.AdamW(params, lr=args.lr, fused=run.get("fused", False))
     data = make_data(plan["model"], None, args.seed)
 
     losses, ends = [], []

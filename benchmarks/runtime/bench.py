@@ -8,8 +8,8 @@ GPT-2 bench model (8 blocks, d_model 256, 50,257-token vocabulary, tied embeddin
 starting from one weights file and reading the same micro-batches, one thread per rank:
 
   a. the package vs torch.distributed.pipelining on the same 4 + 4 block split, under GPipe
-     and 1F1B: pipelining with PyTorch's defaults, and with the CPU allocator setting the
-     package makes for itself (huge pages for large tensors, `ftpipe_runtime.cpu_allocator`);
+     and 1F1B: pipelining with PyTorch's defaults, and tuned as the package tunes itself on
+     a CPU (huge pages for large tensors, `ftpipe_runtime.cpu_allocator`; fused AdamW);
   b. ftpipe's compiled plan vs that even split, both in ftpipe's runtime, same schedule;
   c. the unpartitioned model in one process on both cores.
 
@@ -117,17 +117,17 @@ class Bench:
         return {**result, "window": WINDOWS["ftpipe"]}
 
     def pipelining(
-        self, configs: dict, tag: str, reverse: bool = False, huge_pages: bool = False
+        self, configs: dict, tag: str, reverse: bool = False, tuned: bool = False
     ) -> dict:
         """Every configuration, name -> (plan, blocks, schedule, recompute), trained in one
-        launch one after the other (`reverse`: in the reverse order), with torch's default
-        CPU allocator or (`huge_pages`) the package's; returns {"group": name -> its
-        result} (`ungroup`)."""
+        launch one after the other (`reverse`: in the reverse order), with PyTorch's
+        defaults or (`tuned`) the package's CPU settings: huge pages, fused AdamW; returns
+        {"group": name -> its result} (`ungroup`)."""
         if reverse:
             configs = dict(reversed(configs.items()))
         runs = [
             {"plan": str(plan), "blocks": blocks, "schedule": schedule, "recompute": recompute,
-             "result": str(self.work / f"{name}.{tag}.json")}
+             "fused": tuned, "result": str(self.work / f"{name}.{tag}.json")}
             for name, (plan, blocks, schedule, recompute) in configs.items()
         ]  # fmt: skip
         listed = self.work / f"pipelining.{tag}.runs.json"
@@ -135,12 +135,12 @@ class Bench:
             json.dump(runs, f)
         args = ["-m", "benchmarks.harness.pipelining_worker", "--runs", listed]
         args += flags(weights=self.weights, steps=self.steps, lr=LR, seed=SEED)
-        torchrun(args, listed.with_suffix(".log"), extra={VARIABLE: "1" if huge_pages else "0"})
+        torchrun(args, listed.with_suffix(".log"), extra={VARIABLE: "1" if tuned else "0"})
         window = {"window": WINDOWS["pipelining"]}
         group = {n: {**json.loads(Path(r["result"]).read_text()), **window}
                  for n, r in zip(configs, runs)}  # fmt: skip
-        if any(g.get("huge_pages", huge_pages) != huge_pages for g in group.values()):
-            raise RuntimeError(f"pipelining ran with huge pages {not huge_pages}, not as asked")
+        if any(g.get("huge_pages", tuned) != tuned for g in group.values()):
+            raise RuntimeError(f"pipelining ran with huge pages {not tuned}, not as asked")
         return {"group": group}
 
     def single(self, plan: Path, name: str) -> dict:
@@ -201,17 +201,15 @@ def measure(work: Path | None = None, timed: int = TIMED, rounds: int = ROUNDS) 
 
 def _configurations(bench: Bench, even: dict, best: dict, even_path: Path, blocks: int) -> dict:
     """name -> a run of it: the package on the even split and on its plan, pipelining on
-    the even split (torch's allocator and the package's), the model in one process (on
-    huge pages: at its best)."""
+    the even split (PyTorch's defaults, and tuned as the package is), the model in one
+    process (on huge pages: at its best)."""
     piped = {f"pipelining-{s}": (even_path, blocks, s, False) for s in ("gpipe", "1f1b")}
-    huge = {f"{name}-huge-pages": config for name, config in piped.items()}
+    tuned = {f"{name}-tuned": config for name, config in piped.items()}
     return {
         "ftpipe-even-gpipe": lambda n, _: bench.ftpipe(even, "gpipe", n),
         "ftpipe-even-1f1b": lambda n, _: bench.ftpipe(even, "1f1b", n),
         "pipelining": lambda n, r: bench.pipelining(piped, n, reverse=r % 2 == 1),
-        "pipelining-huge-pages": lambda n, r: bench.pipelining(
-            huge, n, reverse=r % 2 == 1, huge_pages=True
-        ),
+        "pipelining-tuned": lambda n, r: bench.pipelining(tuned, n, reverse=r % 2 == 1, tuned=True),
         "ftpipe-plan-gpipe": lambda n, _: bench.ftpipe(best, "gpipe", n),
         "ftpipe-plan-1f1b": lambda n, _: bench.ftpipe(best, "1f1b", n),
         "ftpipe-plan-ftpipe": lambda n, _: bench.ftpipe(best, "ftpipe", n),

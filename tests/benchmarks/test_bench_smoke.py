@@ -160,7 +160,7 @@ def _runtime_data() -> dict:
     acts = {k: {"compute_s": 0.1, "wait_s": 0.05, "count": 4, "compute_per_step_s": 0.4}
             for k in "FBS"}  # fmt: skip
     names = ["ftpipe-even-gpipe", "ftpipe-even-1f1b", "pipelining-gpipe", "pipelining-1f1b",
-             "pipelining-gpipe-huge-pages", "pipelining-1f1b-huge-pages", "ftpipe-plan-gpipe",
+             "pipelining-gpipe-tuned", "pipelining-1f1b-tuned", "ftpipe-plan-gpipe",
              "ftpipe-plan-1f1b", "ftpipe-plan-ftpipe", "single"]  # fmt: skip
     runs = {n: _run(2.0, actions={"0": acts, "1": acts}) for n in names}
     runs["ftpipe-even-1f1b"] = _run(1.0, actions={"0": acts, "1": acts})  # half pipelining's

@@ -138,3 +138,19 @@ def test_epochs_set_the_steps_and_the_shuffle_seed_the_order(tmp_path, monkeypat
     first_epoch = [r for mb in range(6) for r in a.rows(mb)]  # 6 micro-batches of 2
     assert sorted(first_epoch) == list(range(12))
     assert first_epoch != [r for mb in range(6) for r in b.rows(mb)]
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_adam_uses_the_fused_kernel_and_steps_as_the_loop_does(name):
+    """Same update rule as torch's default loop (within float rounding), one fused pass."""
+    torch.manual_seed(0)
+    start, grads = torch.randn(64, 32), [torch.randn(64, 32) for _ in range(3)]
+    fused, loop = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    opt = make_optimizer(name, [fused], 1e-2)
+    ref = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]([loop], lr=1e-2)
+    assert opt.defaults["fused"] and not ref.defaults["fused"]
+    for g in grads:
+        fused.grad, loop.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(fused.detach(), loop.detach(), rtol=1e-6, atol=1e-7)
