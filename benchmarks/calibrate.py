@@ -33,6 +33,8 @@ import statistics
 import time
 from pathlib import Path
 
+import ftpipe_runtime  # noqa: F401 - before torch loads: the CPU allocator a run uses
+
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 SMALL = (256, 1024)  # a transformer block's matrix: its step stays in cache
 LARGE = (50257, 256)  # GPT-2's embedding: its step streams from memory
