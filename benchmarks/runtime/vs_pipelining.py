@@ -85,7 +85,7 @@ def _why_a(d: dict) -> str:
         for t in transfers
     )
     text = (
-        f"The package is slower than pipelining here (down to {worst:.2f}x of it). Per "
+        f"The package is slower than pipelining here (down to {worst:.3f}x of it). Per "
         f"micro-batch on the last stage (rank {rank}), from the runs' action timings: "
         + "; ".join(parts)
         + f". Stage 0 sends it: {sent}."

@@ -23,7 +23,9 @@ def _runtime(rt: dict) -> list[str]:
         f"{rt['timed_steps']} timed steps)",
         "",
         "Same split (ftpipe's even plan for the schedule, blocks per stage and their ranks "
-        "below), same weights, data and AdamW. *ours / theirs*: samples/s over every timed "
+        "below), same weights, data and AdamW update; pipelining with PyTorch's defaults, the "
+        "package with its CPU settings (huge pages, fused AdamW: section 3a gives pipelining "
+        "those too). *ours / theirs*: samples/s over every timed "
         "step of every round, and (in brackets) the fastest step of each, which outside load "
         "(*other cores*: CPU others used during the runs, of 2) disturbs least; *same work*: "
         "pipelining also recomputing where ftpipe does. One run of this section.",

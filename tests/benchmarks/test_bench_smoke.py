@@ -182,7 +182,7 @@ def test_runtime_markdown_computes_its_ratios_and_drift():
     text = markdown(_runtime_data())
     assert "| 1F1B | 1.00 ± 0.01 | 2.00 ± 0.03 | 0.50 ± 0.01 |" in text  # ftpipe / pipelining
     assert "max Δ 5.0e-01" in text  # pipelining's drift from the single process
-    assert "slower than pipelining here (down to 0.50x" in text
+    assert "slower than pipelining here (down to 0.500x" in text
     assert "w (51.00 MB, once per step)" in text and "A tied weight travels" in text
     assert "simulated plan / even" in text and "| 2.00 |" in text  # 2.0 s / 1.0 s simulated
 
