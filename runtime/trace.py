@@ -7,10 +7,14 @@
 
 Every action runs inside `torch.profiler.record_function("ftpipe <action>")`, so a
 `torch.profiler` trace of a run shows the schedule. With `--trace FILE`, each rank also keeps
-one row per action: [kind, stage, mb, start, end, waited], seconds from when the ranks
-started together (a barrier), kind "R" for a backward that recomputes, and `waited` the
-seconds of it spent waiting for messages or collectives (`Comm.waited`), and what it sent to
-other ranks per message kind ("act", "grad", "weight", "wgrad", "eval": [messages, bytes]).
+one row per action: [kind, stage, mb, start, end, waited, cpu, faults], seconds from when
+the ranks started together (a barrier), kind "R" for a backward that recomputes, `waited` the
+seconds of it spent waiting for messages or collectives (`Comm.waited`), `cpu` the CPU
+seconds of the rank's main thread in it (user and system: a compute-bound action spends its
+duration, one slowed by page faults or by another thread on its core shows it) and `faults`
+its page faults (each of a fresh CPU tensor's 4 KB pages costs one without huge pages:
+`cpu_allocator`); and what it sent to other ranks per message kind ("act", "grad",
+"weight", "wgrad", "eval": [messages, bytes]). Format 1 rows have the first six only.
 Rank 0 gathers the rows and writes them, atomically, with the run's schedule and
 micro-batches.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import resource
 import time
 
 import torch
@@ -30,6 +35,13 @@ from .topology import read_json
 __all__ = ["TRACE_KIND", "Tracer", "read_trace", "write_trace"]
 
 TRACE_KIND = "ftpipe-trace"
+# This thread's usage where Linux tells it apart from the process's (gloo's threads copy
+# messages meanwhile); elsewhere the process's.
+_WHO = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+
+
+def _faults() -> int:
+    return resource.getrusage(_WHO).ru_minflt
 
 
 class Tracer:
@@ -49,17 +61,21 @@ class Tracer:
                 yield
                 return
             waited = getattr(self.comm, "waited", 0.0)
+            faults, cpu = _faults(), time.thread_time()
             start = time.perf_counter()
             yield
             end = time.perf_counter()
+            cpu, faults = time.thread_time() - cpu, _faults() - faults
             kind = "R" if a.recompute else a.kind
             spent = getattr(self.comm, "waited", 0.0) - waited
-            self.rows.append([kind, a.stage, a.mb, start - self.t0, end - self.t0, spent])
+            self.rows.append(
+                [kind, a.stage, a.mb, start - self.t0, end - self.t0, spent, cpu, faults]
+            )
 
 
 def write_trace(path, ranks: list[dict], meta: dict) -> None:
     """ranks: [{"rank", "gpu", "replica", "actions": rows}], one per process."""
-    write_atomic(path, json.dumps({"kind": TRACE_KIND, "format": 1, **meta, "ranks": ranks}))
+    write_atomic(path, json.dumps({"kind": TRACE_KIND, "format": 2, **meta, "ranks": ranks}))
 
 
 def read_trace(path) -> dict:

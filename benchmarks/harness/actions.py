@@ -3,10 +3,11 @@
     rows = load_actions(["run.json.trace.json"])       # the runs' `--trace` files
     per_stage = summarise(rows, micro_batches=4, timed=range(1, 5))
 
-A trace row is (kind, stage, mb, start, end, waited): `waited` is the time the action spent
-in receives and collectives, so an action's *compute* is its duration less it, the figure
-the profile predicts (fwd_s; bwd_s + recompute_s; nothing for a step). A backward that
-recomputes (kind R in the trace) counts as a backward here.
+A trace row is (kind, stage, mb, start, end, waited[, cpu, faults]): `waited` is the time the
+action spent in receives and collectives, so an action's *compute* is its duration less it,
+the figure the profile predicts (fwd_s; bwd_s + recompute_s; nothing for a step); `cpu` the
+main thread's CPU seconds in it and `faults` its page faults (format 2 traces). A backward
+that recomputes (kind R in the trace) counts as a backward here.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ def load_actions(paths) -> list:
 def summarise(rows: list, micro_batches: int, timed: range) -> dict:
     """Per stage and kind, over the `timed` steps: mean compute and wait per action, and both
     per step. F and B of micro-batch m belong to step m // micro_batches."""
-    acc = defaultdict(lambda: [0, 0.0, 0.0])
-    steps = set()
-    for kind, stage, mb, start, end, waited in rows:
+    acc = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0])
+    steps, usage = set(), True
+    for kind, stage, mb, start, end, waited, *more in rows:
         step = mb if kind == "S" else mb // micro_batches
         if step not in timed:
             continue
@@ -40,14 +41,19 @@ def summarise(rows: list, micro_batches: int, timed: range) -> dict:
         a[0] += 1
         a[1] += end - start - waited
         a[2] += waited
+        usage = usage and len(more) == 2
+        if usage:
+            a[3] += more[0]
+            a[4] += more[1]
     timed = max(len(steps), 1)
     out: dict = {}
-    for (stage, kind), (n, compute, wait) in sorted(acc.items()):
+    for (stage, kind), (n, compute, wait, cpu, faults) in sorted(acc.items()):
         out.setdefault(str(stage), {})[kind] = {
             "count": n,
             "compute_s": compute / n,
             "wait_s": wait / n,
             "compute_per_step_s": compute / timed,
             "wait_per_step_s": wait / timed,
+            **({"cpu_s": cpu / n, "faults": faults / n} if usage else {}),
         }
     return out

@@ -113,6 +113,13 @@ def test_summarise_excludes_warmup_and_waits():
     assert out["F"]["wait_s"] == pytest.approx(0.05)
     assert out["B"]["compute_per_step_s"] == pytest.approx(0.6)
     assert out["S"]["compute_s"] == pytest.approx(0.2)
+    assert "cpu_s" not in out["F"]  # format 1 rows: no usage to average
+
+
+def test_summarise_averages_cpu_and_faults_of_format_2_rows():
+    rows = [("F", 0, 2, 0.0, 0.5, 0.1, 0.3, 100), ("F", 0, 3, 1.0, 1.3, 0.0, 0.2, 300)]
+    out = summarise(rows, micro_batches=2, timed=range(1, 2))["0"]["F"]
+    assert out["cpu_s"] == pytest.approx(0.25) and out["faults"] == pytest.approx(200)
 
 
 def test_pipelining_runs_start_at_the_single_process_loss(tmp_path, seed):

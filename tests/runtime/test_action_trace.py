@@ -1,13 +1,16 @@
 """The hook around every action: `--trace FILE` lists each rank's actions, in the order the
-schedule gives them, with when each started and ended and how long it waited."""
+schedule gives them, with when each started and ended, how long it waited, its CPU time and
+its page faults."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from ftpipe_runtime.errors import PipelineConfigError
-from ftpipe_runtime.schedules import actions
+from ftpipe_runtime.schedules import Action, actions
 from ftpipe_runtime.topology import Topology
-from ftpipe_runtime.trace import read_trace
+from ftpipe_runtime.trace import Tracer, read_trace
 from runtime_toy import toy_plan
 
 STEPS = 3
@@ -28,9 +31,33 @@ def test_trace_lists_every_action_of_every_rank_in_order(run_pipeline, tmp_path)
         rows = r["actions"]
         want = [("R" if a.recompute else a.kind, a.stage, a.mb) for a in lists[r["gpu"]]]
         assert [tuple(row[:3]) for row in rows] == want
-        for (_, _, _, start, end, waited), nxt in zip(rows, [*rows[1:], None]):
+        for (_, _, _, start, end, waited, cpu, faults), nxt in zip(rows, [*rows[1:], None]):
             assert 0 <= start <= end and 0 <= waited <= end - start + 1e-6
+            assert 0 <= cpu <= end - start + 0.01 and faults >= 0  # thread_time's grain
             assert nxt is None or end <= nxt[3]
+
+
+def test_an_actions_cpu_time_and_page_faults_are_its_own():
+    """Busy, asleep, and writing 2,048 fresh 4 KB pages (Python's 8 MB buffer: mapped anew,
+    no huge pages): the row tells them apart."""
+    tracer = Tracer(keep=True)
+
+    def busy():
+        end = time.perf_counter() + 0.05
+        while time.perf_counter() < end:
+            pass
+
+    def fresh_pages():
+        buf = bytearray(8 << 20)
+        for i in range(0, len(buf), 4096):
+            buf[i] = 1
+
+    for mb, work in enumerate((busy, lambda: time.sleep(0.05), fresh_pages)):
+        with tracer.action(Action("F", 0, mb)):
+            work()
+    (*_, cpu_busy, _), (*_, cpu_asleep, _), (*_, faults) = tracer.rows
+    assert cpu_busy > 0.03 and cpu_asleep < 0.02
+    assert faults >= 2000
 
 
 def test_a_file_that_is_not_a_trace_is_refused(tmp_path):
