@@ -24,9 +24,8 @@ __all__ = ["VARIABLE", "use_huge_pages"]
 VARIABLE = "THP_MEM_ALLOC_ENABLE"
 
 
-def use_huge_pages() -> bool:
-    """Ask torch for huge pages unless the user decided; True if torch will use them. Too
-    late once torch is loaded: then it changes nothing and says what torch already read."""
+def use_huge_pages() -> None:
+    """Ask torch for huge pages unless the user decided. Too late once torch is loaded: it
+    read the environment then, so nothing changes."""
     if "torch" not in sys.modules:
         os.environ.setdefault(VARIABLE, "1")
-    return os.environ.get(VARIABLE) == "1"

@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository: `benchmarks` impor
 
 def child_env(threads: int = 1, pythonpath=(), extra: dict | None = None) -> dict:
     """The environment of a benchmark child: `threads` threads, the repo importable, torch's
-    CPU allocator as the child picks it (this process set THP_MEM_ALLOC_ENABLE when it
-    imported ftpipe_runtime: a package sets it itself, pipelining runs torch's default)
-    unless `extra` says otherwise."""
+    CPU allocator as the child picks it (this process has THP_MEM_ALLOC_ENABLE set if it
+    imported ftpipe_runtime before torch: a package sets it itself, pipelining runs torch's
+    default) unless `extra` says otherwise."""
     env = dict(os.environ)
     env.pop(VARIABLE, None)
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), **(extra or {}))

@@ -139,7 +139,7 @@ class Bench:
         window = {"window": WINDOWS["pipelining"]}
         group = {n: {**json.loads(Path(r["result"]).read_text()), **window}
                  for n, r in zip(configs, runs)}  # fmt: skip
-        if any(g.get("huge_pages", tuned) != tuned for g in group.values()):
+        if any(g["huge_pages"] != tuned for g in group.values()):
             raise RuntimeError(f"pipelining ran with huge pages {not tuned}, not as asked")
         return {"group": group}
 
