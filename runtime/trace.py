@@ -7,14 +7,17 @@
 
 Every action runs inside `torch.profiler.record_function("ftpipe <action>")`, so a
 `torch.profiler` trace of a run shows the schedule. With `--trace FILE`, each rank also keeps
-one row per action: [kind, stage, mb, start, end, waited, cpu, faults], seconds from when
+one row per action: [kind, stage, mb, start, end, waited, cpu, faults, sys], seconds from when
 the ranks started together (a barrier), kind "R" for a backward that recomputes, `waited` the
 seconds of it spent waiting for messages or collectives (`Comm.waited`), `cpu` the CPU
 seconds of the rank's main thread in it (user and system: a compute-bound action spends its
 duration, one slowed by page faults or by another thread on its core shows it) and `faults`
 its page faults (each of a fresh CPU tensor's 4 KB pages costs one without huge pages:
-`cpu_allocator`); and what it sent to other ranks per message kind ("act", "grad",
-"weight", "wgrad", "eval": [messages, bytes]). Format 1 rows have the first six only.
+`cpu_allocator`), `sys` the part of `cpu` spent in the kernel (a profile taken in a tight
+loop rarely sees the kernel's share grow; a run can: on a VM whose host takes freed memory
+back, touching it again costs several times more); and what it sent to other ranks per
+message kind ("act", "grad", "weight", "wgrad", "eval": [messages, bytes]). Format 1 rows
+have the first six only, format 2 the first eight.
 Rank 0 gathers the rows and writes them, atomically, with the run's schedule and
 micro-batches.
 """
@@ -40,8 +43,10 @@ TRACE_KIND = "ftpipe-trace"
 _WHO = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
 
-def _faults() -> int:
-    return resource.getrusage(_WHO).ru_minflt
+def _usage() -> tuple[int, float]:
+    """(page faults, kernel CPU seconds) of this thread so far."""
+    r = resource.getrusage(_WHO)
+    return r.ru_minflt, r.ru_stime
 
 
 class Tracer:
@@ -61,21 +66,22 @@ class Tracer:
                 yield
                 return
             waited = getattr(self.comm, "waited", 0.0)
-            faults, cpu = _faults(), time.thread_time()
+            (faults, sys), cpu = _usage(), time.thread_time()
             start = time.perf_counter()
             yield
             end = time.perf_counter()
-            cpu, faults = time.thread_time() - cpu, _faults() - faults
+            cpu = time.thread_time() - cpu
+            faults, sys = (now - before for now, before in zip(_usage(), (faults, sys)))
             kind = "R" if a.recompute else a.kind
             spent = getattr(self.comm, "waited", 0.0) - waited
             self.rows.append(
-                [kind, a.stage, a.mb, start - self.t0, end - self.t0, spent, cpu, faults]
+                [kind, a.stage, a.mb, start - self.t0, end - self.t0, spent, cpu, faults, sys]
             )
 
 
 def write_trace(path, ranks: list[dict], meta: dict) -> None:
     """ranks: [{"rank", "gpu", "replica", "actions": rows}], one per process."""
-    write_atomic(path, json.dumps({"kind": TRACE_KIND, "format": 2, **meta, "ranks": ranks}))
+    write_atomic(path, json.dumps({"kind": TRACE_KIND, "format": 3, **meta, "ranks": ranks}))
 
 
 def read_trace(path) -> dict:

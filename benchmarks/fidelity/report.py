@@ -94,7 +94,8 @@ def _machine(cases: list[dict]) -> list[str]:
 def _stage_rows(c: dict) -> list[str]:
     lines = [
         f"{c['label']}, per stage and action, ms (measured: mean per action, waits for "
-        "messages and all-reduces excluded):",
+        "messages and all-reduces excluded; in brackets the part of it the rank's thread "
+        "spent in the kernel, mapping and zeroing fresh memory above all):",
         "",
         "| stage | rank | F profile | F run | B profile (+ recompute) | B run | step model "
         "| step run |",
@@ -103,12 +104,18 @@ def _stage_rows(c: dict) -> list[str]:
     for s, p in sorted(c["profile"].items(), key=lambda kv: int(kv[0])):
         a = (c["actions"] or {}).get(s, {})
         b_prof = p["bwd_s"] + (p["recompute_s"] if p["recompute"] else 0.0)
-        cell = {k: _ms(a[k]["compute_s"]) if k in a else "-" for k in "FBS"}
+        cell = {k: _action(a[k]) if k in a else "-" for k in "FBS"}
         lines.append(
             f"| {s} | {p['gpu']} | {_ms(p['fwd_s'])} | {cell['F']} | {_ms(b_prof)} | "
             f"{cell['B']} | {_ms(p.get('step_s', 0.0))} | {cell['S']} |"
         )
     return lines + [""]
+
+
+def _action(a: dict) -> str:
+    """Compute ms, with the kernel's part where the trace has it (format 3)."""
+    kernel = f" ({_ms(a['sys_s'])})" if "sys_s" in a else ""
+    return _ms(a["compute_s"]) + kernel
 
 
 def _budget(c: dict) -> dict | None:
@@ -118,11 +125,15 @@ def _budget(c: dict) -> dict | None:
     if not acts:
         return None
     ranks: dict[int, dict[str, float]] = {}
+    kernel: dict[int, float] = {}  # per step, where the trace has it
     for s, p in c["profile"].items():
         r = ranks.setdefault(p["gpu"], {"compute": 0.0, "step": 0.0, "wait": 0.0})
         for kind, a in acts.get(s, {}).items():
             r["step" if kind == "S" else "compute"] += a["compute_per_step_s"]
             r["wait"] += a["wait_per_step_s"]
+            if "sys_s" in a and a["compute_s"] > 0:
+                per_step = a["compute_per_step_s"] / a["compute_s"]  # actions per step
+                kernel[p["gpu"]] = kernel.get(p["gpu"], 0.0) + a["sys_s"] * per_step
     g, r = max(ranks.items(), key=lambda kv: kv[1]["compute"] + kv[1]["step"])
     sim, real = c["simulated_step_s"], c["measured"]["step_s"]
     busy = c["busy_fraction"][g]
@@ -136,6 +147,7 @@ def _budget(c: dict) -> dict | None:
             "other": 0.0,
         },
         "run": {**r, "other": real - sum(r.values())},
+        "kernel": kernel.get(g),
     }
 
 
@@ -168,10 +180,16 @@ def _budget_rows(cases: list[dict]) -> list[str]:
             extra = {k: b["run"][k] - b["sim"][k] for k in b["run"]}
             sign = -1 if c["error"] > 0 else 1
             part = max(extra, key=lambda k: sign * extra[k])
+            kernel = (
+                ""
+                if b["kernel"] is None
+                else f"; rank {b['rank']}'s thread spent {_ms(b['kernel'])} ms of each step "
+                "in the kernel"
+            )
             lines.append(
                 f"- {c['label']}: the largest part of the {c['error']:+.1%} is "
                 f"{_PARTS[part]} ({_ms(abs(extra[part]))} ms per step "
-                f"{'less' if extra[part] < 0 else 'more'} in the run than simulated)."
+                f"{'less' if extra[part] < 0 else 'more'} in the run than simulated){kernel}."
             )
     return lines + [""]
 

@@ -120,6 +120,13 @@ def test_summarise_averages_cpu_and_faults_of_format_2_rows():
     rows = [("F", 0, 2, 0.0, 0.5, 0.1, 0.3, 100), ("F", 0, 3, 1.0, 1.3, 0.0, 0.2, 300)]
     out = summarise(rows, micro_batches=2, timed=range(1, 2))["0"]["F"]
     assert out["cpu_s"] == pytest.approx(0.25) and out["faults"] == pytest.approx(200)
+    assert "sys_s" not in out  # format 2: no kernel share
+
+
+def test_summarise_averages_the_kernel_time_of_format_3_rows():
+    rows = [("F", 0, 2, 0.0, 0.5, 0.1, 0.3, 100, 0.1), ("F", 0, 3, 1.0, 1.3, 0.0, 0.2, 300, 0.0)]
+    out = summarise(rows, micro_batches=2, timed=range(1, 2))["0"]["F"]
+    assert out["sys_s"] == pytest.approx(0.05) and out["cpu_s"] == pytest.approx(0.25)
 
 
 def test_pipelining_runs_start_at_the_single_process_loss(tmp_path, seed):
@@ -218,6 +225,12 @@ def test_fidelity_markdown_flags_errors_beyond_the_target():
     assert "| p | 0 | 800 / 800 | 100 / 400 | 100 / 0 | 300 | 1000 / 1500 |" in text
     assert "largest part of the -33.3% is the optimizer-step actions (300 ms" in text
     assert "50 us + bytes / 5.00 GB/s" in text and "[p](out/p.compare.html)" in text
+    assert "| 0 | 0 | 100 | 100 | 200 | 100 | 100 | 100 |" in text  # no kernel times: format 2
+    acts["B"]["sys_s"] = 0.03  # format 3 traces: the kernel's part of the action, in brackets
+    text = markdown({"model": "m", "warmup_steps": 1, "timed_steps": 2, "link": link,
+                     "cases": [case]})  # fmt: skip
+    assert "| 0 | 0 | 100 | 100 | 200 | 100 (30) | 100 | 100 |" in text
+    assert "rank 0's thread spent 120 ms of each step in the kernel" in text  # 4 B x 30 ms
 
 
 def test_schedules_section_on_a_tiny_model():
