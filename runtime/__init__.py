@@ -8,7 +8,9 @@ run meets them:
   the shorter plans it switches to: `freezing`, `elastic`).
 - the plan and the stages: `topology`, `stage_api` (what generated stages build on),
   `weights` (initial values, checkpoint keys, the traced wrapper's prefix), `stages`,
-  `frozen`, `precision`, `models/` (heads, synthetic inputs, HuggingFace, LoRA).
+  `frozen`, `precision`, `models/` (heads, synthetic inputs, HuggingFace, LoRA),
+  `fused_loss` (the LM head and its cross-entropy as one op, `torch.ops.ftpipe`, registered
+  on import: generated stages call it).
 - data: `finetune` (opens --data / --eval-data), `data`, `token_files`, `text_data`,
   `replicas` (each replica's share, gradient sums).
 - executing: `schedules/` (schedules as data), `dataflow`, `comm`, `outputs`, `executor`,
@@ -23,6 +25,7 @@ from .cpu_allocator import use_huge_pages
 
 use_huge_pages()  # before any module below imports torch
 
+from . import fused_loss  # noqa: E402, F401 - registers torch.ops.ftpipe for generated stages
 from .errors import PeerFailure, PipelineConfigError, ScheduleError  # noqa: E402
 from .run import run  # noqa: E402
 from .schedules import (  # noqa: E402

@@ -2,11 +2,10 @@
 
     python -m benchmarks.fidelity.handmade_plan -o out/bench/fidelity/v --schedule 1f1b   # prints JSON
 
-GPU 0 runs stage 0 (embeddings, blocks 0-3) and stage 2 (the loss); GPU 1 runs stage 1
-(blocks 4-7, final norm, LM head). Activations go 0 -> 1 -> 0 and gradients back the same
-way, and the tensor from stage 1 to stage 2 is the logits, 51 MB per micro-batch: a plan
-no partitioner would pick, chosen to exercise what the simulator models beyond a chain (two
-stages sharing a GPU, a round trip, transfers big enough for the link to matter). Costs
+GPU 0 runs stage 0 (embeddings, blocks 0-3) and stage 2 (the LM head and its loss, one
+fused op); GPU 1 runs stage 1 (blocks 4-7, final norm). Activations go 0 -> 1 -> 0 and
+gradients back the same way: a plan no partitioner would pick, chosen to exercise what the
+simulator models beyond a chain (two stages sharing a GPU, a round trip). Costs
 come from the measured profile (`--profile measured`, cached), on the threads this process
 has: run it with OMP_NUM_THREADS=1 to predict 1-thread ranks. Prints what `ftpipe compile
 --json` prints, in part: output, package, winner, simulated, lower_bound_s.
@@ -30,12 +29,13 @@ GPU_OF = {0: 0, 1: 1, 2: 0}
 
 def cut(graph, first_block_of_stage_1: int = 4) -> dict[str, int]:
     """Node -> stage by position in topological order, so the stage graph is a chain: stage
-    1 from the first node of block `first_block_of_stage_1` to the LM head, stage 2 after."""
+    1 from the first node of block `first_block_of_stage_1` up to the LM head, stage 2 from
+    it."""
     ids = [n.id for n in graph.nodes]
     prefix = f"transformer.h.{first_block_of_stage_1}"
     start = next(i for i, n in enumerate(graph.nodes) if n.scope.startswith(prefix))
-    head = max(i for i, n in enumerate(graph.nodes) if n.scope == "lm_head")
-    return {nid: 0 if i < start else 1 if i <= head else 2 for i, nid in enumerate(ids)}
+    head = min(i for i, n in enumerate(graph.nodes) if n.scope == "lm_head")
+    return {nid: 0 if i < start else 1 if i < head else 2 for i, nid in enumerate(ids)}
 
 
 def main(argv=None) -> None:

@@ -24,7 +24,8 @@ from ftpipe_runtime.errors import WriteFailed
 from ..errors import PlanFormatError
 from ..graph.opgraph import OpGraph
 
-CACHE_FORMAT = 3  # 2: weight-gradient times (wgrad_s) measured; 3: huge pages on CPU
+CACHE_FORMAT = 4  # 2: weight-gradient times (wgrad_s) measured; 3: huge pages on CPU;
+# 4: the LM head and its loss fused (graph.fuse)
 
 
 def profile_dir(cache_dir=None) -> Path:

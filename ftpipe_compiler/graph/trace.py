@@ -22,6 +22,7 @@ from ..errors import TraceError
 from ..model.tasks import Task
 from ..model.zoo import ModelSpec
 from .exported import describe_value, to_graph
+from .fuse import fuse_linear_cross_entropy
 from .opgraph import OpGraph
 
 
@@ -58,6 +59,7 @@ def trace_model(
             ) from None
     _check_loss(spec, program)
     inline_regions(program.graph_module)
+    fuse_linear_cross_entropy(program.graph_module)  # the LM head and its loss: one op
     graph, placeholders = to_graph(spec, task, micro_batch, model, inputs, program)
     meta = {**graph.meta, "precision": precision, "compute_dtype": str(compute)[6:]}
     return Traced(replace(graph, meta=meta), program, placeholders)

