@@ -50,6 +50,10 @@ def section_a(d: dict) -> list[str]:
         "switch, set by the runtime before torch loads: `ftpipe_runtime/cpu_allocator.py`), "
         "sparing a page fault per 4 KB of every fresh 51 MB logits-sized tensor, and steps "
         "with torch's fused AdamW (`fused=True`). The last two columns give pipelining both. "
+        "The package's compiler also makes the LM head and its loss one op "
+        "(`ftpipe_runtime/fused_loss.py`: one logits-sized tensor per micro-batch instead of "
+        "four, the same loss and gradients); pipelining runs the model's own head and loss in "
+        "both columns. "
         "In both comparisons the package does more work: its GPipe and 1F1B "
         "recompute stage 0's forward during backward (re-materialisation), pipelining keeps "
         "every activation.",
