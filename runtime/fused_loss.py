@@ -48,14 +48,13 @@ def _logits(x2, weight, bias):
     return torch.mm(x2, weight.T) if bias is None else torch.addmm(bias, x2, weight.T)
 
 
-def _loss(x2, weight, bias, t, ignore_index, logits_dtype, lse=None):
-    """(all the logits, the mean loss over the counted tokens); with `lse` (a tensor of
-    tokens), each token's log-sum-exp written into it. The loss reads the logits a chunk at a
-    time, upcast there if the loss asks for another dtype than the product's."""
-    z = _logits(x2, weight, bias)
+def _cross_entropy(z, t, ignore_index, logits_dtype, lse=None):
+    """The mean loss over the counted tokens of logits `z`, read a chunk at a time (upcast
+    there if the loss asks for another dtype than the product's); with `lse` (a tensor of
+    tokens), each token's log-sum-exp written into it."""
     dtype = logits_dtype or z.dtype
-    total = torch.zeros((), dtype=dtype, device=x2.device)
-    for i, j in _chunks(x2.shape[0], weight.shape[0], dtype.itemsize):
+    total = torch.zeros((), dtype=dtype, device=z.device)
+    for i, j in _chunks(z.shape[0], z.shape[1], dtype.itemsize):
         zc = z[i:j].to(dtype)
         logp = torch.log_softmax(zc, dim=-1)  # one chunk: malloc's heap, not fresh pages
         tc = t[i:j]
@@ -63,37 +62,37 @@ def _loss(x2, weight, bias, t, ignore_index, logits_dtype, lse=None):
         total = total - (logp.gather(1, tc.clamp(min=0)[:, None])[:, 0] * keep).sum()
         if lse is not None:
             lse[i:j] = zc[:, 0] - logp[:, 0]
-    return z, total / (t != ignore_index).sum()  # a mean, as torch's (NaN if none counted)
+    return total / (t != ignore_index).sum()  # a mean, as torch's (NaN if none counted)
 
 
 def _loss_only(x, weight, bias, target, ignore_index, logits_dtype):
     x2, t = x.reshape(-1, x.shape[-1]), target.reshape(-1)
-    return _loss(x2, weight, bias, t, ignore_index, logits_dtype)[1]
+    return _cross_entropy(_logits(x2, weight, bias), t, ignore_index, logits_dtype)
 
 
-class _Fused(torch.autograd.Function):
-    """Forward: the loss, keeping the logits and each token's log-sum-exp (the unfused loss
-    keeps the logits' log-softmax, as big); backward: the logits turned in place, a chunk at a
-    time, into their gradient (the softmax minus the one-hot target, over the counted tokens),
-    then the two products of the unfused linear's backward."""
+class _LogitsLoss(torch.autograd.Function):
+    """The cross-entropy of logits it owns: forward keeps them and each token's log-sum-exp
+    (the unfused loss keeps their log-softmax, as big); backward turns them in place, a chunk
+    at a time, into their gradient (the softmax minus the one-hot target, over the counted
+    tokens, times the upstream gradient) and hands that to the product's own backward, which
+    computes the input's and the weight's gradients only where they are asked for."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, target, ignore_index, logits_dtype):
-        x2, t = x.reshape(-1, x.shape[-1]), target.reshape(-1)
-        lse = torch.empty(t.shape[0], dtype=logits_dtype or x.dtype, device=x.device)
-        z, loss = _loss(x2, weight, bias, t, ignore_index, logits_dtype, lse)
-        ctx.save_for_backward(z, lse, x, weight, t)
-        ctx.ignore_index, ctx.has_bias, ctx.done = ignore_index, bias is not None, None
+    def forward(ctx, z, t, ignore_index, logits_dtype):
+        lse = torch.empty(t.shape[0], dtype=logits_dtype or z.dtype, device=z.device)
+        loss = _cross_entropy(z, t, ignore_index, logits_dtype, lse)
+        ctx.save_for_backward(z, lse, t)
+        ctx.ignore_index, ctx.done = ignore_index, None
         return loss
 
     @staticmethod
     def backward(ctx, upstream):
-        # A split backward (zero-bubble B then W) calls this twice on one graph: the logits
-        # become their gradient once, the upstream gradient scales each call's results.
+        # A split backward (zero-bubble B, then W on the same graph) calls this twice: the
+        # logits become their gradient once.
         if ctx.done is None:
-            z, lse, x, weight, t = ctx.saved_tensors
+            z, lse, t = ctx.saved_tensors
             keep = t != ctx.ignore_index
-            scale = 1.0 / keep.sum().to(lse.dtype)
+            scale = upstream.to(lse.dtype) / keep.sum().to(lse.dtype)
             for i, j in _chunks(z.shape[0], z.shape[1], lse.dtype.itemsize):
                 zc = z[i:j].to(lse.dtype)  # the same memory unless the loss read them upcast
                 zc.sub_(lse[i:j, None]).exp_()  # the softmax
@@ -101,14 +100,10 @@ class _Fused(torch.autograd.Function):
                 zc.mul_((keep[i:j] * scale)[:, None])
                 if zc.data_ptr() != z[i:j].data_ptr():
                     z[i:j] = zc  # back to the product's dtype, as the unfused `to` backward
-            ctx.done = z, x, weight
-        z, x, weight = ctx.done
-        up = upstream.to(z.dtype)
-        need = ctx.needs_input_grad
-        gx = (z @ weight).mul_(up).view_as(x) if need[0] else None
-        gw = (z.T @ x.reshape(-1, x.shape[-1])).mul_(up) if need[1] else None
-        gb = z.sum(0).mul_(up) if ctx.has_bias and need[2] else None
-        return gx, gw, gb, None, None, None
+            ctx.done = z, upstream
+        z, first = ctx.done
+        same = upstream is first or bool(torch.equal(upstream, first))
+        return (z if same else z * (upstream / first).to(z.dtype)), None, None, None
 
 
 def _plain(x, weight, bias, target, ignore_index=-100, logits_dtype=None):
@@ -123,7 +118,9 @@ def _meta(x, weight, bias, target, ignore_index=-100, logits_dtype=None):
 def _autograd(x, weight, bias, target, ignore_index=-100, logits_dtype=None):
     tensors = (x, weight, bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return _Fused.apply(x, weight, bias, target, ignore_index, logits_dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+        z = _logits(x2, weight, bias)  # recorded: its backward is the unfused linear's
+        return _LogitsLoss.apply(z, target.reshape(-1), ignore_index, logits_dtype)
     with torch._C._AutoDispatchBelowAutograd():
         return _loss_only(x, weight, bias, target, ignore_index, logits_dtype)
 
