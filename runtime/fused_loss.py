@@ -9,18 +9,18 @@ for 8,192 tokens of Llama 3's 128k vocabulary, and the unfused loss makes four s
 micro-batch (the logits, their log-softmax kept for backward, the gradient of each). This op
 makes one: the logits, in one product (a CPU core runs chunked products well below a whole
 one's speed), read by the loss `CHUNK_BYTES` at a time (the log-softmax of a chunk only) and,
-with gradients wanted, kept with each token's log-sum-exp; its backward overwrites them in
+with gradients wanted, kept with each token's log-sum-exp; the backward overwrites them in
 place, chunk by chunk, with their gradient (the softmax minus the one-hot target, over the
-counted tokens) and multiplies that into the input's and the weight's gradients, as the
-unfused linear's backward does. Forward and backward cost what the unfused ones cost, less
-their passes over the big tensors, and split the same way (a profile's forward, timed
-without gradients, stays the forward a run times). The compiler puts it in place of
-linear -> [to] -> view -> cross_entropy_loss in the traced graph (`ftpipe_compiler.graph.fuse`),
-so a profile times what the run runs.
+counted tokens) and hands it to the product's own backward (the product is an ordinary
+recorded op: a split backward's B and W each get the one gradient they ask for). Forward
+and backward cost what the unfused ones cost, less their passes over the big tensors, and
+split the same way (a profile's forward, timed without gradients, stays the forward a run
+times). The compiler puts it in place of linear -> [to] -> view -> cross_entropy_loss in the
+traced graph (`ftpipe_compiler.graph.fuse`), so a profile times what the run runs.
 
 On a CPU this also spares the kernel from mapping and zeroing three of the four big tensors
 afresh for every micro-batch (glibc maps each block above 32 MB anew, and zeroing fresh pages
-was a quarter of a pipeline rank's CPU time on the benchmark model: `perf`, clear_page_erms).
+was a quarter of a 2-rank run's CPU time on the benchmark model: `perf`, clear_page_erms).
 """
 
 from __future__ import annotations

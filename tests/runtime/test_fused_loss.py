@@ -116,3 +116,28 @@ def test_a_split_backward_input_then_weight_gradients(small_chunks):
     gw, gb = torch.autograd.grad(loss, [w, b])
     for g, r in zip((gx, gw, gb), want):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+
+
+def test_a_split_backward_runs_each_product_once():
+    """B asks for the input's gradient, W for the weight's: one product each, not both twice."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.mm.default:
+                self.shapes.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    x, w, _, t = _inputs(torch.float32, bias=False)
+    loss = linear_cross_entropy(x, w, None, t, -100, torch.float32)
+    tokens = x.numel() // WIDTH
+    with Products() as b:
+        torch.autograd.grad(loss, [x], retain_graph=True)
+    with Products() as wgrad:
+        torch.autograd.grad(loss, [w])
+    assert b.shapes == [(tokens, VOCAB)]  # d logits @ W
+    assert wgrad.shapes == [(VOCAB, tokens)]  # d logitsᵀ @ x
