@@ -106,10 +106,6 @@ class _LogitsLoss(torch.autograd.Function):
         return (z if same else z * (upstream / first).to(z.dtype)), None, None, None
 
 
-def _plain(x, weight, bias, target, ignore_index=-100, logits_dtype=None):
-    return _loss_only(x, weight, bias, target, ignore_index, logits_dtype)
-
-
 def _meta(x, weight, bias, target, ignore_index=-100, logits_dtype=None):
     dtype = logits_dtype or torch.promote_types(x.dtype, weight.dtype)
     return x.new_empty((), dtype=dtype)
@@ -133,7 +129,7 @@ def _register() -> torch.library.Library | None:
     lib = torch.library.Library("ftpipe", "FRAGMENT")
     lib.define(_SCHEMA)
     for key, kernel in (
-        ("CompositeExplicitAutograd", _plain),
+        ("CompositeExplicitAutograd", _loss_only),
         ("Meta", _meta),
         ("Autograd", _autograd),
     ):

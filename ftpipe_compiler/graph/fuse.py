@@ -6,8 +6,8 @@
 default reduction (mean), weight and label smoothing, and no other use of the logits, becomes
 `torch.ops.ftpipe.linear_cross_entropy(h, W, b, target, ignore_index, dtype)`
 (`ftpipe_runtime.fused_loss`): the same loss and gradients with one tokens x vocabulary
-tensor instead of four. The profile then times the fused op and the generated stage calls it, so plans,
-simulation and run agree. Heads with anything between the product and the loss (BART's
+tensor instead of four. The profile then times the fused op and the generated stage calls
+it, so plans, simulation and run agree. Heads with anything between the product and the loss (BART's
 final logits bias) keep the unfused ops.
 """
 
@@ -34,7 +34,8 @@ def _only_user(n: fx.Node) -> fx.Node | None:
 
 
 def _match(loss: fx.Node):
-    """(the loss node, its dropped chain, h, W, b, target, ignore_index, dtype) or None."""
+    """(the nodes it replaces besides the loss, h, W, b, target, ignore_index, dtype) or
+    None."""
     args = loss.args
     # weight, reduction (1: mean), ignore_index, label_smoothing: positional or keywords
     given = (*args[2:], *[None] * (4 - len(args[2:])))[:4]

@@ -65,9 +65,8 @@ def measured(trace: dict, gpus: int) -> MeasuredRun:
     ends: dict[int, float] = {}
     events, waited = [], 0.0
     for r in ranks:
-        for kind, stage, mb, start, end, wait, *_ in r[
-            "actions"
-        ]:  # format 2 on: cpu, faults[, sys]
+        # Rows of format 2 on carry cpu, faults[, sys] after these six.
+        for kind, stage, mb, start, end, wait, *_ in r["actions"]:
             if kind == "E":  # evaluation rounds are not the simulator's
                 continue
             step = mb if kind == "S" else mb // m
