@@ -18,12 +18,14 @@ run meets them:
 - state and output: `prepare`, `checkpoint`, `checkpoint_files`, `saver`, `export`,
   `report`, `runlog`, `summary`, `atomic`, `check` (a package's --check), `errors`.
 - before all of them: `cpu_allocator` (huge pages for large CPU tensors, set before torch
-  loads: importing this package first is what turns them on).
+  loads, and glibc's heap kept between micro-batches: importing this package first is what
+  turns them on).
 """
 
-from .cpu_allocator import use_huge_pages
+from .cpu_allocator import keep_heap, use_huge_pages
 
 use_huge_pages()  # before any module below imports torch
+keep_heap()
 
 from . import fused_loss  # noqa: E402, F401 - registers torch.ops.ftpipe for generated stages
 from .errors import PeerFailure, PipelineConfigError, ScheduleError  # noqa: E402

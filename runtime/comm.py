@@ -107,7 +107,11 @@ class Comm:
         self._posted: dict[tuple[int, Key], tuple] = {}
         self._waiting = dict.fromkeys(self._next_post, 0)  # source -> bytes posted, not taken
         self._pending = dict.fromkeys(self._next_post, 0)  # source -> receives posted, not taken
+        # (number, work, tensor, destination, key) of sends not yet known delivered: gloo
+        # reports a send complete only once it is waited for (`settle`).
         self._sends: list[tuple] = []
+        self._numbered = 0
+        self._settled = (None, 0)  # (step, sends made before it) of the last settle
         self.sent: dict[str, list[int]] = {}  # message kind -> [messages, bytes] sent
         self.loss_groups: dict[int, object] = {}  # job rank of a loss stage -> its group with 0
         self.listener_error: Exception | None = None
@@ -153,7 +157,7 @@ class Comm:
     def send_loss(self, tag: int, message: torch.Tensor) -> None:
         group = self.loss_groups[self.global_rank]
         work = dist.isend(message, dst=0, group=group, tag=tag)
-        self._sends.append((work, message, 0, ("loss", "", tag)))
+        self._keep_sent(work, message, 0, ("loss", "", tag))
 
     def listen_losses(self, messages) -> threading.Thread:
         """Receive `messages`, (src, tag, size, callback) with `src` a job rank, in the order
@@ -188,9 +192,7 @@ class Comm:
         count[0], count[1] = count[0] + 1, count[1] + t.nbytes
         group = self.pair_groups[(self.rank, dst)]
         work = dist.isend(t, dst=self.ranks[dst], group=group, tag=i)
-        self._sends.append((work, t, dst, key))
-        if len(self._sends) > 64:
-            self._reap()
+        self._keep_sent(work, t, dst, key)
 
     def recv(self, src: int, key: Key) -> torch.Tensor:
         if (src, key) not in self._posted:
@@ -235,18 +237,39 @@ class Comm:
         self._next_post[src] = i + 1
         return k
 
-    def _reap(self) -> None:
+    def _keep_sent(self, work, tensor, dst: int, key: Key) -> None:
+        """Hold a sent tensor until it is delivered; free those delivered already (NCCL says
+        so; gloo only when waited for)."""
         pending = []
         for entry in self._sends:
-            if entry[0].is_completed():
-                self.wait(entry[0], f"sending {describe(entry[3])} to rank {entry[2]}")
+            if entry[1].is_completed():
+                self.wait(entry[1], f"sending {describe(entry[4])} to rank {entry[3]}")
+            else:
+                pending.append(entry)
+        pending.append((self._numbered, work, tensor, dst, key))
+        self._numbered += 1
+        self._sends = pending
+
+    def settle(self, step: int) -> None:
+        """At a rank's first optimizer step of `step`: wait for the sends made before its
+        previous step (held otherwise till the end on gloo: every tensor a run sent). Their
+        receivers took them by now: a synchronous step consumes what it sent, and the
+        weights sent at a step go in the next; an asynchronous rank more than a step ahead
+        of its peer waits here for it."""
+        if self._settled[0] == step:
+            return
+        before, self._settled = self._settled[1], (step, self._numbered)
+        pending = []
+        for entry in self._sends:
+            if entry[0] < before:
+                self.wait(entry[1], f"sending {describe(entry[4])} to rank {entry[3]}")
             else:
                 pending.append(entry)
         self._sends = pending
 
     def finish(self) -> None:
         """Wait for every send to be delivered (a sender's buffers must outlive its sends)."""
-        for work, _, dst, key in self._sends:
+        for _, work, _, dst, key in self._sends:
             self.wait(work, f"sending {describe(key)} to rank {dst}")
         self._sends = []
 

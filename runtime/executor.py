@@ -260,6 +260,7 @@ class Executor:
 
     # --- step ---
     def step(self, i: int, a) -> None:
+        self.comm.settle(a.mb)  # S's mb is the step; once per step on this rank
         keep, drop = self.versions.step(a)
         if keep is not None and keep not in self.stash:
             self.stash[keep] = self._copy(a.stage)

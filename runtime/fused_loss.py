@@ -11,16 +11,20 @@ makes one: the logits, in one product (a CPU core runs chunked products well bel
 one's speed), read by the loss `CHUNK_BYTES` at a time (the log-softmax of a chunk only) and,
 with gradients wanted, kept with each token's log-sum-exp; the backward overwrites them in
 place, chunk by chunk, with their gradient (the softmax minus the one-hot target, over the
-counted tokens) and hands it to the product's own backward (the product is an ordinary
-recorded op: a split backward's B and W each get the one gradient they ask for). Forward
-and backward cost what the unfused ones cost, less their passes over the big tensors, and
-split the same way (a profile's forward, timed without gradients, stays the forward a run
-times). The compiler puts it in place of linear -> [to] -> view -> cross_entropy_loss in the
-traced graph (`ftpipe_compiler.graph.fuse`), so a profile times what the run runs.
+counted tokens) and computes from it the input's and the weight's gradients, each only where
+the running backward wants it (a split backward's B and W each get the one they ask for).
+Forward and backward cost what the unfused ones cost, less their passes over the big
+tensors, and split the same way (a profile's forward, timed without gradients, stays the
+forward a run times). The compiler puts it in place of linear -> [to] -> view ->
+cross_entropy_loss in the traced graph (`ftpipe_compiler.graph.fuse`), so a profile times
+what the run runs.
 
-On a CPU this also spares the kernel from mapping and zeroing three of the four big tensors
-afresh for every micro-batch (glibc maps each block above 32 MB anew, and zeroing fresh pages
-was a quarter of a 2-rank run's CPU time on the benchmark model: `perf`, clear_page_erms).
+On a CPU the logits and the weight's gradient live in buffers kept from one micro-batch to
+the next (`_Buffers`): torch's CPU allocator maps each block above 32 MB afresh, and zeroing
+fresh pages was a quarter of a 2-rank run's CPU time on the benchmark model (`perf`,
+clear_page_erms); with the buffers the head stage's actions spend ~1 ms in the kernel (were
+20-50 ms). Off a CPU (`_LogitsLoss`) the product is torch's own recorded op: a caching
+allocator reuses blocks already.
 """
 
 from __future__ import annotations
@@ -42,10 +46,42 @@ def _chunks(tokens: int, vocab: int, itemsize: int):
     return ((i, min(i + rows, tokens)) for i in range(0, tokens, rows))
 
 
+class _Buffers:
+    """Logits- and weight-sized CPU buffers kept for the next micro-batch. torch's CPU
+    allocator hands blocks above 32 MB back to the OS when freed, and each new one costs the
+    kernel a page fault per page (on a VM whose host takes freed memory back, 20-60 ms per
+    51 MB). A buffer is free again when nothing but this pool holds its storage: its autograd
+    graph is gone, the gradient accumulated from it no longer a parameter's `.grad`. So the
+    pool holds as many per shape as were alive at once (a GPipe stage: one per micro-batch
+    in flight, what the step's peak held anyway). Other devices allocate as usual: their
+    caching allocators already reuse blocks."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple, list[torch.Tensor]] = {}
+
+    def take(self, rows: int, cols: int, dtype, device) -> torch.Tensor:
+        if torch.device(device).type != "cpu":
+            return torch.empty(rows, cols, dtype=dtype, device=device)
+        held = self.held.setdefault((rows * cols, dtype), [])
+        for anchor in held:
+            # The anchor and the storage object asked for: 2 references when idle.
+            if torch._C._storage_Use_Count(anchor.untyped_storage()._cdata) == 2:
+                return anchor.view(rows, cols)
+        held.append(torch.empty(rows * cols, dtype=dtype))
+        return held[-1].view(rows, cols)
+
+
+_buffers = _Buffers()
+
+
 def _logits(x2, weight, bias):
     """All the tokens' logits in one product (chunked products run well below a whole one's
-    speed on a CPU core), in the input's dtype, as the unfused head computes them."""
-    return torch.mm(x2, weight.T) if bias is None else torch.addmm(bias, x2, weight.T)
+    speed on a CPU core), in the input's dtype, as the unfused head computes them, into a
+    kept buffer."""
+    z = _buffers.take(x2.shape[0], weight.shape[0], x2.dtype, x2.device)
+    if bias is None:
+        return torch.mm(x2, weight.T, out=z)
+    return torch.addmm(bias, x2, weight.T, out=z)
 
 
 def _cross_entropy(z, t, ignore_index, logits_dtype, lse=None):
@@ -70,40 +106,93 @@ def _loss_only(x, weight, bias, target, ignore_index, logits_dtype):
     return _cross_entropy(_logits(x2, weight, bias), t, ignore_index, logits_dtype)
 
 
+def _recorded(x2, weight, bias):
+    """The product as torch's own recorded op (its backward computes each side only where a
+    pass asks for it), in memory of its own."""
+    return torch.mm(x2, weight.T) if bias is None else torch.addmm(bias, x2, weight.T)
+
+
+def _into_gradient(ctx, upstream) -> torch.Tensor:
+    """The kept logits turned in place, a chunk at a time, into their gradient (the softmax
+    minus the one-hot target, over the counted tokens, times the upstream gradient), once:
+    a split backward (zero-bubble B, then W on the same graph) asks twice. Scaled afresh for
+    a second call with another upstream gradient. Returns it and the other tensors saved
+    (unpacked once: unpacking checks them all, the logits changed since)."""
+    if ctx.done is None:
+        z, lse, t, *rest = ctx.saved_tensors
+        keep = t != ctx.ignore_index
+        scale = upstream.to(lse.dtype) / keep.sum().to(lse.dtype)
+        for i, j in _chunks(z.shape[0], z.shape[1], lse.dtype.itemsize):
+            zc = z[i:j].to(lse.dtype)  # the same memory unless the loss read them upcast
+            zc.sub_(lse[i:j, None]).exp_()  # the softmax
+            zc[torch.arange(j - i, device=z.device), t[i:j].clamp(min=0)] -= 1.0
+            zc.mul_((keep[i:j] * scale)[:, None])
+            if zc.data_ptr() != z[i:j].data_ptr():
+                z[i:j] = zc  # back to the product's dtype, as the unfused `to` backward
+        ctx.done = z, upstream, rest
+    z, first, rest = ctx.done
+    same = upstream is first or bool(torch.equal(upstream, first))
+    return (z if same else z * (upstream / first).to(z.dtype)), rest
+
+
+def _keep_loss(ctx, z, t, ignore_index, logits_dtype, *more):
+    lse = torch.empty(t.shape[0], dtype=logits_dtype or z.dtype, device=z.device)
+    loss = _cross_entropy(z, t, ignore_index, logits_dtype, lse)
+    ctx.save_for_backward(z, lse, t, *more)
+    ctx.ignore_index, ctx.done = ignore_index, None
+    return loss
+
+
 class _LogitsLoss(torch.autograd.Function):
-    """The cross-entropy of logits it owns: forward keeps them and each token's log-sum-exp
-    (the unfused loss keeps their log-softmax, as big); backward turns them in place, a chunk
-    at a time, into their gradient (the softmax minus the one-hot target, over the counted
-    tokens, times the upstream gradient) and hands that to the product's own backward, which
-    computes the input's and the weight's gradients only where they are asked for."""
+    """The cross-entropy of logits it owns (off a CPU): forward keeps them and each token's
+    log-sum-exp (the unfused loss keeps their log-softmax, as big); backward turns them into
+    their gradient and hands that to the product's own recorded backward."""
 
     @staticmethod
     def forward(ctx, z, t, ignore_index, logits_dtype):
-        lse = torch.empty(t.shape[0], dtype=logits_dtype or z.dtype, device=z.device)
-        loss = _cross_entropy(z, t, ignore_index, logits_dtype, lse)
-        ctx.save_for_backward(z, lse, t)
-        ctx.ignore_index, ctx.done = ignore_index, None
-        return loss
+        return _keep_loss(ctx, z, t, ignore_index, logits_dtype)
 
     @staticmethod
     def backward(ctx, upstream):
-        # A split backward (zero-bubble B, then W on the same graph) calls this twice: the
-        # logits become their gradient once.
-        if ctx.done is None:
-            z, lse, t = ctx.saved_tensors
-            keep = t != ctx.ignore_index
-            scale = upstream.to(lse.dtype) / keep.sum().to(lse.dtype)
-            for i, j in _chunks(z.shape[0], z.shape[1], lse.dtype.itemsize):
-                zc = z[i:j].to(lse.dtype)  # the same memory unless the loss read them upcast
-                zc.sub_(lse[i:j, None]).exp_()  # the softmax
-                zc[torch.arange(j - i, device=z.device), t[i:j].clamp(min=0)] -= 1.0
-                zc.mul_((keep[i:j] * scale)[:, None])
-                if zc.data_ptr() != z[i:j].data_ptr():
-                    z[i:j] = zc  # back to the product's dtype, as the unfused `to` backward
-            ctx.done = z, upstream
-        z, first = ctx.done
-        same = upstream is first or bool(torch.equal(upstream, first))
-        return (z if same else z * (upstream / first).to(z.dtype)), None, None, None
+        return _into_gradient(ctx, upstream)[0], None, None, None
+
+
+def _wanted(ctx, i: int) -> bool:
+    """Does the running backward want the gradient of the Function's `i`-th input? What a
+    recorded op's backward asks the engine, asked from Python: the engine knows for every
+    node, and for a leaf that `autograd.grad` captures (one it was asked for) it raises."""
+    node = ctx.next_functions[i][0]
+    if node is None:
+        return False
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # "a leaf node ... autograd.grad()": a leaf it captures, so wanted
+        return True
+
+
+class _HeadLoss(torch.autograd.Function):
+    """Product and cross-entropy in one node (on a CPU), its big tensors in kept buffers: the
+    logits, and the weight's gradient (`_Buffers`). Each side's product runs only when the
+    running backward wants it (`_wanted`): a split backward's B computes the input's, W the
+    weight's."""
+
+    @staticmethod
+    def forward(ctx, x2, weight, bias, t, ignore_index, logits_dtype):
+        z = _logits(x2, weight, bias)
+        return _keep_loss(ctx, z, t, ignore_index, logits_dtype, x2, weight)
+
+    @staticmethod
+    def backward(ctx, upstream):
+        g, (x2, weight) = _into_gradient(ctx, upstream)
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0] and _wanted(ctx, 0):
+            gx = torch.mm(g, weight.to(g.dtype))
+        if ctx.needs_input_grad[1] and _wanted(ctx, 1):
+            gw = _buffers.take(weight.shape[0], weight.shape[1], g.dtype, g.device)
+            torch.mm(g.T, x2.to(g.dtype), out=gw)
+        if ctx.needs_input_grad[2] and _wanted(ctx, 2):
+            gb = g.sum(0)
+        return gx, gw, gb, None, None, None
 
 
 def _meta(x, weight, bias, target, ignore_index=-100, logits_dtype=None):
@@ -114,9 +203,11 @@ def _meta(x, weight, bias, target, ignore_index=-100, logits_dtype=None):
 def _autograd(x, weight, bias, target, ignore_index=-100, logits_dtype=None):
     tensors = (x, weight, bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        x2 = x.reshape(-1, x.shape[-1])
-        z = _logits(x2, weight, bias)  # recorded: its backward is the unfused linear's
-        return _LogitsLoss.apply(z, target.reshape(-1), ignore_index, logits_dtype)
+        x2, t = x.reshape(-1, x.shape[-1]), target.reshape(-1)
+        if x.device.type == "cpu":
+            return _HeadLoss.apply(x2, weight, bias, t, ignore_index, logits_dtype)
+        z = _recorded(x2, weight, bias)  # its backward is the unfused linear's
+        return _LogitsLoss.apply(z, t, ignore_index, logits_dtype)
     with torch._C._AutoDispatchBelowAutograd():
         return _loss_only(x, weight, bias, target, ignore_index, logits_dtype)
 

@@ -24,8 +24,8 @@ from ftpipe_runtime.errors import WriteFailed
 from ..errors import PlanFormatError
 from ..graph.opgraph import OpGraph
 
-CACHE_FORMAT = 4  # 2: weight-gradient times (wgrad_s) measured; 3: huge pages on CPU;
-# 4: the LM head and its loss fused (graph.fuse)
+CACHE_FORMAT = 5  # 2: weight-gradient times (wgrad_s) measured; 3: huge pages on CPU;
+# 4: the LM head and its loss fused (graph.fuse); 5: glibc heap kept (cpu_allocator)
 
 
 def profile_dir(cache_dir=None) -> Path:
@@ -53,6 +53,7 @@ def profile_key(spec, graph: OpGraph, **settings) -> str:
         "graph": shape.hexdigest(),
         "torch": torch.__version__,
         "huge_pages": os.environ.get(VARIABLE),  # changes the time of large CPU tensors
+        "malloc": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "GLIBC_"))},
         **settings,
     }
     text = json.dumps(fields, sort_keys=True, default=str)

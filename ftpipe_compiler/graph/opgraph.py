@@ -28,6 +28,20 @@ from ..errors import FtpipeError, PlanFormatError
 from ..version import GRAPH_FORMAT
 
 
+def kept_forward_s(fwd_s: float, recompute_s: float) -> float:
+    """The forward of work that keeps its autograd graph: run once, recording (recompute_s;
+    0 where nothing in it needs redoing before a backward, which then records nothing: its
+    forward, fwd_s, timed without gradients)."""
+    return max(fwd_s, recompute_s)
+
+
+def step_work_s(fwd_s: float, bwd_s: float, recompute_s: float, recompute: bool) -> float:
+    """Seconds of compute per micro-batch: a recomputing stage runs its forward without
+    gradients, then again recording before its backward; a keeping one runs it once,
+    recording."""
+    return bwd_s + (fwd_s + recompute_s if recompute else kept_forward_s(fwd_s, recompute_s))
+
+
 @dataclass(frozen=True)
 class Node:
     id: str
@@ -154,7 +168,7 @@ class OpGraph:
 
     def work(self, n: Node, recompute: bool = True) -> float:
         """Seconds of compute a node costs per micro-batch in one training step."""
-        return n.fwd_s + n.bwd_s + (n.recompute_s if recompute else 0.0)
+        return step_work_s(n.fwd_s, n.bwd_s, n.recompute_s, recompute)
 
     def with_nodes(self, nodes, **changes) -> OpGraph:
         return replace(self, nodes=tuple(nodes), **changes)

@@ -138,17 +138,18 @@ class Problem:
         """No plan's period is below this: max(w_max, the least T with P*T + saved(T) >= W).
 
         W is the total work with recompute everywhere. A loss stage that does not recompute
-        saves its nodes' recompute time; on one GPU of period T it saves at most saved(T),
-        a fractional knapsack of the nodes with the best recompute/(forward+backward) ratio
-        filling T. Without that saving this is the classic max(W / P, w_max).
+        saves per node its work recomputing less its work keeping; on one GPU of period T it
+        saves at most saved(T), a fractional knapsack of the nodes with the best saving/work
+        ratio filling T. Without that saving this is the classic max(W / P, w_max).
         """
         g = self.graph
         total = sum(self.work_recompute.values())
         w_max = max(self.work_last.values(), default=0.0)
         if self.loss_recomputes or not self.recompute:
             return max(total / self.gpus, w_max)
+        pairs = ((g.work(n, True) - g.work(n, False), g.work(n, False)) for n in g.nodes)
         items = sorted(
-            ((n.recompute_s, n.fwd_s + n.bwd_s) for n in g.nodes if n.recompute_s > 0),
+            ((gain, work) for gain, work in pairs if gain > 0),
             key=lambda x: -x[0] / x[1] if x[1] > 0 else -math.inf,
         )
         cost = list(itertools.accumulate(c for _, c in items))

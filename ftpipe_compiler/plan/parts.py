@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..graph.opgraph import kept_forward_s, step_work_s
+
 __all__ = ["PlanParam", "Stage", "Transfer"]
 
 
@@ -35,7 +37,15 @@ class Stage:
 
     @property
     def compute_s(self) -> float:
-        return self.fwd_s + self.bwd_s + (self.recompute_s if self.recompute else 0.0)
+        return self.work_s(self.recompute)
+
+    def work_s(self, recompute: bool) -> float:
+        """Compute seconds per micro-batch, recomputing or keeping its graph."""
+        return step_work_s(self.fwd_s, self.bwd_s, self.recompute_s, recompute)
+
+    def forward_s(self, recompute: bool) -> float:
+        """Its F: without gradients when it recomputes later, else recording its graph."""
+        return self.fwd_s if recompute else kept_forward_s(self.fwd_s, self.recompute_s)
 
 
 @dataclass(frozen=True)

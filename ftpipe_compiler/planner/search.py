@@ -145,8 +145,7 @@ def effective_speedup(plan: Plan, sim: SimResult, useful: bool = False) -> float
     (see the module docstring); `useful`: forward and backward only."""
     policies = plan.policies
     work = sum(
-        s.fwd_s + s.bwd_s + (s.recompute_s if policies[s.id].recompute and not useful else 0.0)
-        for s in plan.stages
+        s.fwd_s + s.bwd_s if useful else s.work_s(policies[s.id].recompute) for s in plan.stages
     )
     size = int(plan.model.get("micro_batch", 1))
     return sim.samples_per_s * work / size if work > 0 else 0.0

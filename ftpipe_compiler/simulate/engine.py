@@ -54,7 +54,10 @@ class EventLoop:
         st = {s.id: s for s in plan.stages}
         self.split = split = {a.stage for acts in lists.values() for a in acts if a.kind == "W"}
         self.gpu = {s: x.gpu for s, x in st.items()}
-        self.fwd = {s: x.fwd_s for s, x in st.items()}
+        # F records its graph unless the stage recomputes before B (or never runs one).
+        keeps = {a.stage for acts in lists.values() for a in acts if a.kind == "B"}
+        keeps -= {a.stage for acts in lists.values() for a in acts if a.recompute}
+        self.fwd = {s: x.forward_s(s not in keeps) for s, x in st.items()}
         self.bwd = {s: x.bwd_s - (x.wgrad_s if s in split else 0.0) for s, x in st.items()}
         self.wgrad = {s: x.wgrad_s for s, x in st.items()}
         self.rec = {s: x.recompute_s for s, x in st.items()}

@@ -5,8 +5,10 @@
 
 Each GPU runs the schedule's action list (the runtime's very lists, checked by the same
 `validate`; a CSV file of per-GPU actions works as well) strictly in order; an action
-starts when its GPU is free and its inputs have arrived. F takes the stage's fwd_s,
-B its bwd_s plus recompute_s when it recomputes (per the schedule, not the plan's flags);
+starts when its GPU is free and its inputs have arrived. F takes the stage's fwd_s when
+it recomputes (per the schedule, not the plan's flags), and B its bwd_s plus recompute_s;
+else F records the graph B uses (`Stage.forward_s`: recompute_s, the forward recording)
+and B takes bwd_s;
 a schedule that splits the backward runs B for bwd_s - wgrad_s and W for wgrad_s.
 A tensor crossing to another GPU goes once per destination GPU over that directed link,
 one tensor at a time, while compute goes on; a gradient goes back once per consumer GPU.

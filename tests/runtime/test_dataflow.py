@@ -192,6 +192,51 @@ def test_receives_posted_ahead_are_bounded_in_count_as_well_as_bytes(monkeypatch
     assert (0, first[-1]) in c._posted  # the next message's receive went up
 
 
+class _GlooSend:
+    """A gloo send as torch reports it: never complete until waited for."""
+
+    def __init__(self):
+        self.waited = False
+
+    def is_completed(self) -> bool:
+        return self.waited
+
+
+def test_sent_tensors_are_let_go_a_step_later_though_gloo_never_says_they_went(monkeypatch):
+    """Gloo's isend reports completion only once waited for: the sender held every tensor it
+    sent until the run's end. A rank's first step action waits for the sends made before its
+    previous one (their receivers took them in that step) and lets them go."""
+    import torch
+    from ftpipe_runtime import comm as comm_mod
+
+    topo = Topology(toy_plan("two-ranks"))
+    flow = _flow(topo, get_schedule("1f1b"), 4, 3)
+    works = []
+    monkeypatch.setattr(
+        comm_mod.dist, "isend", lambda t, **kw: works.append(_GlooSend()) or works[-1]
+    )
+    c = comm_mod.Comm(0, 2, "cpu", 5.0, flow, lambda key: ((2,), torch.float32))
+    c.pair_groups[(0, 1)] = None
+    monkeypatch.setattr(c, "wait", lambda work, what: setattr(work, "waited", True))
+    keys = iter(_keys_prefix(flow, 0, 1, 12))
+
+    def send(n):
+        for _ in range(n):
+            c.send(1, next(keys), torch.ones(2))
+
+    send(4)  # step 0
+    c.settle(0)
+    c.settle(0)  # a second stage's step on this rank: nothing more
+    assert not any(w.waited for w in works) and len(c._sends) == 4
+    send(4)  # step 1
+    c.settle(1)
+    assert [w.waited for w in works] == [True] * 4 + [False] * 4
+    assert len(c._sends) == 4  # step 0's tensors let go
+    send(1)
+    c.finish()
+    assert all(w.waited for w in works) and not c._sends
+
+
 def _keys_prefix(flow, src, dst, n) -> list:
     stream = flow.keys(src, dst)
     return [stream.get(i) for i in range(n)]

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from ftpipe_runtime import fused_loss
 from ftpipe_runtime.fused_loss import linear_cross_entropy
+from ftpipe_runtime.split_backward import backward_input, backward_weight
+from torch.utils._python_dispatch import TorchDispatchMode
 
 TOKENS, WIDTH, VOCAB = (2, 9), 16, 50
 
@@ -118,26 +120,83 @@ def test_a_split_backward_input_then_weight_gradients(small_chunks):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
 
 
+class Products(TorchDispatchMode):
+    """The first operand's shape of every matrix product run inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out):
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
 def test_a_split_backward_runs_each_product_once():
-    """B asks for the input's gradient, W for the weight's: one product each, not both twice."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Products(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.shapes = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten.mm.default:
-                self.shapes.append(tuple(args[0].shape))
-            return func(*args, **(kwargs or {}))
-
+    """B asks for the input's gradient, W for the weight's (as the runtime's split backward
+    asks them): one product each, not both twice, and the gradients a backward gives."""
     x, w, _, t = _inputs(torch.float32, bias=False)
     loss = linear_cross_entropy(x, w, None, t, -100, torch.float32)
     tokens = x.numel() // WIDTH
     with Products() as b:
-        torch.autograd.grad(loss, [x], retain_graph=True)
+        later = backward_input([loss], [None], [x], [w])
     with Products() as wgrad:
-        torch.autograd.grad(loss, [w])
+        backward_weight(later)
     assert b.shapes == [(tokens, VOCAB)]  # d logits @ W
     assert wgrad.shapes == [(VOCAB, tokens)]  # d logitsᵀ @ x
+    want = torch.autograd.grad(_unfused(x, w, None, t, torch.float32), (x, w))
+    for g, r in zip((x.grad, w.grad), want):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+
+
+def test_off_a_cpu_the_product_is_torchs_own_and_a_split_backward_runs_it_once():
+    """Off a CPU the product stays torch's recorded op, whose backward knows what each pass
+    asks for (run here on a CPU through the same Function)."""
+    x, w, _, t = _inputs(torch.float32, bias=False)
+    x2 = x.reshape(-1, WIDTH)
+    loss = fused_loss._LogitsLoss.apply(fused_loss._recorded(x2, w, None), t.reshape(-1), -100,
+                                        torch.float32)  # fmt: skip
+    with Products() as b:
+        (gx,) = torch.autograd.grad(loss, [x], retain_graph=True)
+    with Products() as wgrad:
+        (gw,) = torch.autograd.grad(loss, [w])
+    assert b.shapes == [(x2.shape[0], VOCAB)] and wgrad.shapes == [(VOCAB, x2.shape[0])]
+    want = torch.autograd.grad(_unfused(x, w, None, t, torch.float32), (x, w))
+    for g, r in zip((gx, gw), want):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+
+
+def test_buffers_are_reused_once_their_graph_and_gradient_are_gone():
+    """The logits' buffer of one micro-batch serves the next once its backward ran and its
+    graph was dropped; the weight's gradient buffer stays busy while it is the `.grad`."""
+    x, w, _, t = _inputs(torch.float32, bias=False)
+    held = fused_loss._buffers.held
+    logits = held.setdefault((x.numel() // WIDTH * VOCAB, torch.float32), [])
+    first = linear_cross_entropy(x, w, None, t, -100, torch.float32)
+    second = linear_cross_entropy(x, w, None, t, -100, torch.float32)
+    count = len(logits)
+    assert count >= 2  # both graphs alive: two buffers
+    first.backward()
+    second.backward()
+    del first, second
+    third = linear_cross_entropy(x, w, None, t, -100, torch.float32)
+    assert len(logits) == count  # an idle one reused
+    grads = held[(VOCAB * WIDTH, torch.float32)]
+    assert any(g.data_ptr() == w.grad.data_ptr() for g in grads)  # .grad is one, kept busy
+    before = w.grad.clone()
+    third.backward()
+    torch.testing.assert_close(w.grad, before * 1.5, rtol=1e-5, atol=1e-6)
+
+
+def test_a_backward_asking_for_one_side_runs_one_product():
+    """Asked for the input's gradient alone (the profiler's B-alone timing, `costs.blocks`) or
+    the weight's alone, the op runs that side's product only, as torch's own would."""
+    x, w, _, t = _inputs(torch.float32, bias=False)
+    for wanted, other in ((x, w), (w, x)):
+        loss = linear_cross_entropy(x, w, None, t, -100, torch.float32)
+        with Products() as one:
+            torch.autograd.grad(loss, [wanted], retain_graph=True)
+        with Products() as both:
+            torch.autograd.grad(loss, [wanted, other])
+        assert len(one.shapes) == 1 and len(both.shapes) == 2

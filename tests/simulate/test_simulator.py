@@ -166,6 +166,22 @@ def test_other_schedule_recomputes_per_that_schedule(plan_factory):
     assert kinds == {0: {"R"}, 2: {"B"}}
 
 
+@pytest.mark.parametrize("schedule", ["ftpipe", "1f1b", "gpipe"])
+def test_a_forward_that_keeps_its_graph_takes_the_recording_time(plan_factory, schedule):
+    """F of a stage that keeps its graph records it (recompute_s: a forward with autograd,
+    measured slower than one without); F of a recomputing stage does not, its B redoes it."""
+    plan = plan_factory([(1.0, 2.0, 1.5)] * 2, schedule=schedule, micro_batches=4)
+    result = simulate(plan, steps=3)
+    policies = get_schedule(schedule).policies(plan.stage_infos(), plan.micro_batches)
+    for s in (0, 1):
+        recomputes = policies[s].recompute
+        f = {round(e.end - e.start, 9) for e in result.timeline if e.stage == s and e.kind == "F"}
+        b = {round(e.end - e.start, 9) for e in result.timeline if e.stage == s and e.kind in "BR"}
+        assert f == ({1.0} if recomputes else {1.5})
+        assert b == ({3.5} if recomputes else {2.0})
+        assert plan.stages[s].work_s(recomputes) == pytest.approx(4.5 if recomputes else 3.5)
+
+
 def test_step_and_throughput_figures(plan_factory):
     plan = plan_factory([(1.0, 2.0, 1.0)] * 2, micro_batches=5)
     result = simulate(plan, steps=6)
