@@ -112,7 +112,7 @@ def _recorded(x2, weight, bias):
     return torch.mm(x2, weight.T) if bias is None else torch.addmm(bias, x2, weight.T)
 
 
-def _into_gradient(ctx, upstream) -> torch.Tensor:
+def _into_gradient(ctx, upstream) -> tuple[torch.Tensor, list]:
     """The kept logits turned in place, a chunk at a time, into their gradient (the softmax
     minus the one-hot target, over the counted tokens, times the upstream gradient), once:
     a split backward (zero-bubble B, then W on the same graph) asks twice. Scaled afresh for
