@@ -26,7 +26,7 @@ from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..graph.exported import VIEW_OPS, retarget
-from ..graph.fuse import FUSED_OP, logits_elements
+from ..graph.fuse import FUSED_OP, logits_bytes
 from ..graph.granularity import collapse
 from ..graph.opgraph import OpGraph
 from ..graph.trace import Traced
@@ -107,9 +107,9 @@ def analytic_costs(traced: Traced, hw: Hardware, granularity: str = "op") -> OpG
         )
         moved = 0.0 if view else float(read + n.out_bytes)
         act = 0 if (view or not n.requires_grad) else n.out_bytes
-        if n.op == FUSED_OP:  # its logits are no node's output: written, read, kept (fp32)
-            logits = 4 * logits_elements(graph, n)
-            moved, act = moved + 2 * logits, act + logits
+        if n.op == FUSED_OP:  # its logits are no node's output: written, read, kept
+            logits, lse = logits_bytes(graph, n)
+            moved, act = moved + 2 * logits, act + logits + lse
         # A matmul computing in bf16 makes bf16: its output dtype says which peak it runs at.
         fwd = 0.0 if view else hw.op_time(f, moved, n.dtype)
         k = backward_factor(graph, n)

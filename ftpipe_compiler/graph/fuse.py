@@ -20,7 +20,9 @@ from ftpipe_runtime import fused_loss  # noqa: F401 - registers torch.ops.ftpipe
 from torch import fx
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
-__all__ = ["FUSED_OP", "fuse_linear_cross_entropy", "logits_elements"]
+from .opgraph import dtype_bytes
+
+__all__ = ["FUSED_OP", "fuse_linear_cross_entropy", "logits_bytes"]
 
 FUSED_OP = "ftpipe.linear_cross_entropy.default"  # an OpGraph node's op
 
@@ -101,9 +103,14 @@ if torch.ops.ftpipe.linear_cross_entropy not in flop_registry:  # once per proce
     register_flop_formula(torch.ops.ftpipe.linear_cross_entropy)(_flops)
 
 
-def logits_elements(graph, n) -> int:
-    """Tokens x vocabulary of a fused head node: the logits it makes inside, which no other
-    node's output shows (analytic costs count them as moved and kept)."""
+def logits_bytes(graph, n) -> tuple[int, int]:
+    """(logits, log-sum-exps) bytes of a fused head node: what it makes inside and keeps for
+    backward, which no other node's output shows (analytic costs count them as moved and
+    kept). The logits are tokens x vocabulary in the product's dtype, the hidden state's; one
+    log-sum-exp per token in the loss's."""
     hidden = [graph.node[p] for p in graph.preds[n.id] if len(graph.node[p].shape) >= 2]
+    if not hidden:
+        return 0, 0
+    tokens = math.prod(hidden[0].shape[:-1])
     vocab = max((graph.param[p].shape[0] for p in n.params), default=0)
-    return math.prod(hidden[0].shape[:-1]) * vocab if hidden else 0
+    return tokens * vocab * dtype_bytes(hidden[0].dtype), tokens * dtype_bytes(n.dtype)

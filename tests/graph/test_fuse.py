@@ -87,4 +87,25 @@ def test_analytic_costs_count_the_heads_product_and_kept_logits(tiny_gpt2):
     vocab, width = spec.config["vocab_size"], spec.config["n_embd"]
     tokens = task.micro_batch * task.seq_len
     assert head.flops == 2 * tokens * width * vocab  # as the unfused linear counted
-    assert head.act_bytes >= 4 * tokens * vocab and head.bwd_s > head.fwd_s > 0
+    # Kept: its loss, the fp32 logits and one fp32 log-sum-exp per token.
+    assert head.act_bytes == head.out_bytes + 4 * tokens * vocab + 4 * tokens
+    assert head.bwd_s > head.fwd_s > 0
+
+
+def test_logits_are_counted_in_the_products_dtype(tiny_gpt2):
+    """A bf16 hidden state makes bf16 logits (2 bytes each); the log-sum-exps stay in the
+    loss's dtype."""
+    from dataclasses import replace
+
+    from ftpipe_compiler.graph.fuse import logits_bytes
+
+    spec, task, model, traced = tiny_gpt2
+    graph = traced.graph
+    (head,) = [n for n in graph.nodes if n.op == "ftpipe.linear_cross_entropy.default"]
+    hidden = [p for p in graph.preds[head.id] if len(graph.node[p].shape) >= 2]
+    tokens, vocab = task.micro_batch * task.seq_len, spec.config["vocab_size"]
+    assert logits_bytes(graph, head) == (4 * tokens * vocab, 4 * tokens)
+    half = graph.with_nodes(
+        [replace(n, dtype="bfloat16") if n.id in hidden else n for n in graph.nodes]
+    )
+    assert logits_bytes(half, head) == (2 * tokens * vocab, 4 * tokens)
