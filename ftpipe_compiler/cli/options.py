@@ -170,6 +170,14 @@ _costs = _all(
         "v_proj[,dropout=0.05]; export writes peft's adapter folder.",
     ),
     click.option(
+        "--fuse-loss/--no-fuse-loss",
+        default=True,
+        show_default=True,
+        help="Make an LM head and its cross-entropy one op (ftpipe_runtime.fused_loss: one "
+        "logits-sized tensor per micro-batch instead of four, the same loss and gradients); "
+        "--no-fuse-loss keeps the model's own ops.",
+    ),
+    click.option(
         "--granularity", type=click.Choice(GRANULARITIES), default="op", show_default=True
     ),
     click.option(

@@ -38,6 +38,7 @@ def costed_graph(
     precision: str = "fp32",
     freeze: str | None = None,
     lora: str | None = None,
+    fuse_loss: bool = True,
     **measured_options,
 ) -> tuple[ModelSpec, Task, Traced, OpGraph]:
     if granularity not in GRANULARITIES:
@@ -53,7 +54,7 @@ def costed_graph(
     t = resolve_task(spec, task, seq_len, target_len, micro_batch, batch)
     if precision not in PRECISIONS:
         raise FtpipeError(f"unknown precision {precision!r}; choose from {', '.join(PRECISIONS)}")
-    traced = trace_model(spec, t, t.micro_batch, precision=precision)
+    traced = trace_model(spec, t, t.micro_batch, precision=precision, fuse_loss=fuse_loss)
     if profile == "measured":
         graph = measured_costs(traced, spec, granularity=granularity, **measured_options)
     else:

@@ -35,10 +35,17 @@ class Traced:
 
 
 def trace_model(
-    spec: ModelSpec, task: Task, micro_batch: int, device="meta", model=None, precision="fp32"
+    spec: ModelSpec,
+    task: Task,
+    micro_batch: int,
+    device="meta",
+    model=None,
+    precision="fp32",
+    fuse_loss: bool = True,
 ) -> Traced:
     """Trace the training forward of `spec` as it runs in `precision` (the model built at its
-    compute dtype, as transformers builds it: the casts and fp32 islands are the model's)."""
+    compute dtype, as transformers builds it: the casts and fp32 islands are the model's);
+    `fuse_loss`: an LM head and its cross-entropy as one op (`fuse`)."""
     compute = get_precision(precision).dtype
     if model is None:
         model = spec.build(device, dtype=None if compute == torch.float32 else compute)
@@ -59,7 +66,8 @@ def trace_model(
             ) from None
     _check_loss(spec, program)
     inline_regions(program.graph_module)
-    fuse_linear_cross_entropy(program.graph_module)  # the LM head and its loss: one op
+    if fuse_loss:
+        fuse_linear_cross_entropy(program.graph_module)  # the LM head and its loss: one op
     graph, placeholders = to_graph(spec, task, micro_batch, model, inputs, program)
     meta = {**graph.meta, "precision": precision, "compute_dtype": str(compute)[6:]}
     return Traced(replace(graph, meta=meta), program, placeholders)

@@ -32,6 +32,20 @@ def test_profile_writes_graph_and_summary(tmp_path):
     assert summary["forward_s"] > 0 and summary["backward_s"] > 0
 
 
+def test_no_fuse_loss_keeps_the_models_own_head_and_loss(tmp_path):
+    from ftpipe_compiler.graph.opgraph import OpGraph
+
+    ops = {}
+    for flag in ("--fuse-loss", "--no-fuse-loss"):
+        out = tmp_path / f"{flag}.json"
+        r = run("profile", "--model", "gpt2-tiny", flag, "-o", str(out))
+        assert r.exit_code == 0, r.output
+        ops[flag] = {n.op for n in OpGraph.load(out).nodes}
+    fused = "ftpipe.linear_cross_entropy.default"
+    assert fused in ops["--fuse-loss"] and fused not in ops["--no-fuse-loss"]
+    assert any("cross_entropy" in op for op in ops["--no-fuse-loss"])
+
+
 def test_errors_are_one_sentence_and_exit_1():
     cases = [
         (("profile", "--model", "t5-4b"), "unknown model 't5-4b'"),
