@@ -18,17 +18,18 @@ to the OS once 2x its adaptive mmap threshold lies free there, so the few-MB tem
 LM-head micro-batch (8 MB chunks of log-softmax) were mapped afresh every micro-batch too
 (5,232 page faults per forward of the benchmark's head stage; 302 with the heap kept). A
 fixed 32 MB mmap threshold and a 1 GiB trim threshold keep what a step freed for the next one.
-GLIBC_TUNABLES or a MALLOC_* variable the user set wins.
+GLIBC_TUNABLES or a MALLOC_* variable the user set wins. `release_free_heap` hands what is
+free back on demand (the measured profiler reads RSS as the live tensors).
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import os
 import sys
 
-__all__ = ["VARIABLE", "keep_heap", "use_huge_pages"]
+__all__ = ["VARIABLE", "keep_heap", "release_free_heap", "use_huge_pages"]
 
 VARIABLE = "THP_MEM_ALLOC_ENABLE"
 
@@ -45,6 +46,18 @@ MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks above it are still mapped
 TRIM_THRESHOLD = 1 << 30
 
 
+@functools.cache
+def _glibc():
+    """The process's glibc (already loaded: no library search), or None elsewhere (musl,
+    macOS)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt, libc.malloc_trim  # noqa: B018 - glibc's, absent elsewhere
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
 def keep_heap() -> bool:
     """Keep freed heap memory for reuse (glibc only) when the switch is on and the user set no
     malloc tuning of their own; whether it did."""
@@ -52,11 +65,17 @@ def keep_heap() -> bool:
         return False
     if any(k.startswith("MALLOC_") and k.endswith("_") for k in os.environ):
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to tune
+    libc = _glibc()
+    if libc is None:
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     )
+
+
+def release_free_heap() -> None:
+    """Hand glibc's free heap back to the OS now (kept or not), so that RSS follows the live
+    tensors, not glibc's cache."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

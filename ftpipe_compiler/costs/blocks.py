@@ -11,21 +11,15 @@ the values it hands on wait on the host until their last consumer has run.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import statistics
 from dataclasses import dataclass, field
 
 import torch
+from ftpipe_runtime.cpu_allocator import release_free_heap
 from torch import fx
 
 from ..graph.exported import VIEW_OPS, describe_value, op_name, retarget
 from ..graph.trace import Traced
-
-try:
-    _MALLOC_TRIM = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim  # glibc only
-except (OSError, AttributeError, TypeError):
-    _MALLOC_TRIM = None
 
 
 @dataclass(frozen=True)
@@ -105,7 +99,7 @@ def run_blocks(
         for a in b.free_after:
             host.pop(a, None)
         del params, outs
-        _release_free_memory()
+        release_free_heap()
         if progress:
             progress()
     loss = host.get(traced.graph.output)
@@ -168,12 +162,6 @@ def _leaf(device, requires_grad: bool):
 
 def _same(t):
     return t
-
-
-def _release_free_memory() -> None:
-    """Hand freed heap back to the OS, so that RSS follows the live tensors, not glibc's cache."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 def _forward(b: Block, env: dict) -> list:
