@@ -30,6 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,14 @@ def describe(key: Key) -> str:
     return f"{what} {name!r} of micro-batch {index}"
 
 
+class _Sent(NamedTuple):
+    number: int  # the rank's sends, counted
+    work: object
+    tensor: torch.Tensor  # held until delivered
+    dst: int
+    key: Key
+
+
 class Comm:
     def __init__(
         self,
@@ -107,9 +116,8 @@ class Comm:
         self._posted: dict[tuple[int, Key], tuple] = {}
         self._waiting = dict.fromkeys(self._next_post, 0)  # source -> bytes posted, not taken
         self._pending = dict.fromkeys(self._next_post, 0)  # source -> receives posted, not taken
-        # (number, work, tensor, destination, key) of sends not yet known delivered: gloo
-        # reports a send complete only once it is waited for (`settle`).
-        self._sends: list[tuple] = []
+        # Sends not yet known delivered: gloo reports one complete only once waited for.
+        self._sends: list[_Sent] = []
         self._numbered = 0
         self._settled = (None, 0)  # (step, sends made before it) of the last settle
         self.sent: dict[str, list[int]] = {}  # message kind -> [messages, bytes] sent
@@ -240,14 +248,19 @@ class Comm:
     def _keep_sent(self, work, tensor, dst: int, key: Key) -> None:
         """Hold a sent tensor until it is delivered; free those delivered already (NCCL says
         so; gloo only when waited for)."""
-        pending = []
-        for entry in self._sends:
-            if entry[1].is_completed():
-                self.wait(entry[1], f"sending {describe(entry[4])} to rank {entry[3]}")
-            else:
-                pending.append(entry)
-        pending.append((self._numbered, work, tensor, dst, key))
+        self._let_go(lambda s: s.work.is_completed())
+        self._sends.append(_Sent(self._numbered, work, tensor, dst, key))
         self._numbered += 1
+
+    def _let_go(self, due) -> None:
+        """Wait for the sends `due(sent)` picks and drop them (a peer that stopped is a
+        PeerFailure); keep the rest."""
+        pending = []
+        for s in self._sends:
+            if due(s):
+                self.wait(s.work, f"sending {describe(s.key)} to rank {s.dst}")
+            else:
+                pending.append(s)
         self._sends = pending
 
     def settle(self, step: int) -> None:
@@ -259,19 +272,11 @@ class Comm:
         if self._settled[0] == step:
             return
         before, self._settled = self._settled[1], (step, self._numbered)
-        pending = []
-        for entry in self._sends:
-            if entry[0] < before:
-                self.wait(entry[1], f"sending {describe(entry[4])} to rank {entry[3]}")
-            else:
-                pending.append(entry)
-        self._sends = pending
+        self._let_go(lambda s: s.number < before)
 
     def finish(self) -> None:
         """Wait for every send to be delivered (a sender's buffers must outlive its sends)."""
-        for _, work, _, dst, key in self._sends:
-            self.wait(work, f"sending {describe(key)} to rank {dst}")
-        self._sends = []
+        self._let_go(lambda s: True)
 
     # --- collectives ---
     def all_reduce(self, tensor: torch.Tensor, ranks, what: str) -> torch.Tensor:
