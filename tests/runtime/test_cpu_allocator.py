@@ -25,13 +25,17 @@ print(os.environ.get("{var}"), (resource.getrusage(resource.RUSAGE_SELF).ru_minf
 """
 
 
+def _child(code: str, **env) -> list[str]:
+    """The words `code` prints in a fresh interpreter, VARIABLE unset unless `env` sets it."""
+    env = {**{k: v for k, v in os.environ.items() if k != VARIABLE}, **env}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.split()  # fmt: skip
+
+
 def probe(first: str, value: str | None = None) -> tuple[str, int]:
-    env = {k: v for k, v in os.environ.items() if k != VARIABLE}
-    if value is not None:
-        env[VARIABLE] = value
-    code = PROBE.format(first=first, var=VARIABLE)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True).stdout.split()  # fmt: skip
+    out = _child(
+        PROBE.format(first=first, var=VARIABLE), **({} if value is None else {VARIABLE: value})
+    )
     return out[0], int(out[1])
 
 
@@ -81,10 +85,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 3)
 
 
 def heap_faults(**env) -> int:
-    env = {**{k: v for k, v in os.environ.items() if k != VARIABLE}, **env}
-    out = subprocess.run([sys.executable, "-c", HEAP], env=env, capture_output=True, text=True,
-                         check=True).stdout  # fmt: skip
-    return int(out.split()[-1])
+    return int(_child(HEAP, **env)[-1])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's heap")
