@@ -7,19 +7,39 @@ BIN := $(VENV)/bin
 OUT ?= out
 PYTEST_ARGS ?=
 
-.PHONY: install test lint format demo bench clean
+# What `make install` installs: the versions last tested (setup.cfg keeps ranges for users).
+CONSTRAINTS ?= constraints.txt
+LATEST ?= .venv-latest
+
+.PHONY: install test test-latest constraints lint format demo bench clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: setup.cfg pyproject.toml
+$(VENV)/.installed: setup.cfg pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e ".[test]"
 	touch $@
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The tests against the newest releases of everything but torch (its own venv), so that a new
+# transformers is met on purpose; when green, `make constraints` records them for install.
+test-latest:
+	$(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip
+	$(LATEST)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[test]"
+	$(LATEST)/bin/python -m pip freeze --exclude-editable | grep -v -i -E '^(torch|ftpipe|pip|setuptools|wheel)=='
+	$(LATEST)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+# Write constraints.txt from the latest venv (after `make test-latest` passed).
+constraints:
+	{ sed -n '1,3p' $(CONSTRAINTS); $(LATEST)/bin/python -m pip freeze --exclude-editable \
+		| grep -v -i -E '^(torch|ftpipe|pip|setuptools|wheel)=='; } > $(CONSTRAINTS).tmp
+	mv $(CONSTRAINTS).tmp $(CONSTRAINTS)
 
 lint: install
 	$(BIN)/ruff check .

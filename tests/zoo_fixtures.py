@@ -69,3 +69,23 @@ class OneOp(nn.Module):
 
 def one_node_model():
     return OneOp(), (torch.randn(4),)
+
+
+class NoGradTable(nn.Module):
+    """A rotary-style table computed under torch.no_grad(), as Llama's rotary embedding was up to
+    transformers 5.23: export wraps such code in a sub-graph call, which the trace splices in."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.table = nn.Linear(8, 8)  # used only under no_grad: its output takes no gradient
+
+    def forward(self, x):
+        with torch.no_grad():
+            angle = self.table(x)
+            cos, sin = angle.cos(), angle.sin()
+        return (self.proj(x) * cos + sin).square().mean()
+
+
+def no_grad_model():
+    return NoGradTable(), (torch.randn(4, 8),)
