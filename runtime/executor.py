@@ -81,7 +81,8 @@ class Executor:
         self.policies = {s: flow.policies[s] for s in modules}
         self.forward_only = forward_only_stages(topo, modules)
         timeline = flow.timeline
-        self.versions = Versions(self.policies, micro_batches, timeline.steps, timeline.first)
+        # Open-ended: the final checkpoint holds the versions a resumed run's first steps use.
+        self.versions = Versions(self.policies, micro_batches, None, timeline.first)
         self.stash: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # (stage, version)
         self.now = None  # the Planned being run
         self.deferred: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> what its W needs

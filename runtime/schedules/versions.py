@@ -14,7 +14,9 @@ step uses is run on a copy set aside at its first use or at the step replacing i
 whichever comes first (kept graphs never see the step's in-place update), and dropped at
 the stage's step w + d, after the last micro-batch that uses it. Nothing here looks ahead:
 a run of any length, or one resumed at step k with the versions k - d .. k - 1 restored
-from its checkpoint (`first=k`), is followed the same way.
+from its checkpoint (`first=k`), is followed the same way. `steps` None: the run may go on
+past its end (resumed from its final checkpoint), so its last steps keep aside the versions
+the next ones would use, as every step before them does; the executor runs that way.
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ Key = tuple[int, int]  # (stage, version: the stage's steps behind those weights
 
 class Versions:
     def __init__(
-        self, policies: dict[int, StagePolicy], micro_batches: int, steps: int, first: int = 0
+        self,
+        policies: dict[int, StagePolicy],
+        micro_batches: int,
+        steps: int | None,
+        first: int = 0,
     ):
         self.policies, self.m, self.end = policies, micro_batches, steps
         self.taken = dict.fromkeys(policies, first)  # steps each stage has taken
@@ -48,7 +54,7 @@ class Versions:
     def _needed_after(self, s: int, w: int) -> bool:
         """Does a step after w (w + d, or 1..d for version 0) of this run use version w?"""
         d = self.delay(s)
-        return d > 0 and (w + d if w else 1) < self.end
+        return d > 0 and (self.end is None or (w + d if w else 1) < self.end)
 
     def use(self, a) -> Key | None:
         """The set-aside version `a` runs on (made now if this is its first use), or None."""

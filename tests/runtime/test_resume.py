@@ -8,7 +8,9 @@ import json
 
 import pytest
 import torch
+from ftpipe_runtime.schedules import SCHEDULES
 from runtime_helpers import crash_and_resume
+from runtime_reference import checkpoint_params
 from runtime_toy import L, V, toy_plan
 
 pytestmark = pytest.mark.multiproc
@@ -46,3 +48,34 @@ def test_resume_with_evaluation_rounds(run_pipeline, tmp_path, schedule):
     assert resumed["losses"] == whole["losses"][first:]
     assert [e["step"] for e in whole["evals"]] == [2, 4, 6, 8]
     assert resumed["evals"] == [e for e in whole["evals"] if e["step"] > first]
+
+
+N, K = 2, 2  # train N steps, save at N (the final checkpoint), resume to N + K
+FINAL = ["--data", "copy", "--optimizer", "adam", "--lr", "0.05", "--decay", "constant"]
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_every_schedules_final_checkpoint_resumes(run_pipeline, tmp_path, schedule):
+    """A finished run resumed for K more steps is the uninterrupted N + K run, bit for bit
+    (a constant learning rate: a linear decay would follow --steps). Both save every N steps,
+    so the schedules that drain at checkpoints drain at the same step."""
+    plan = toy_plan("folded" if schedule == "zbv" else "two-ranks", schedule)
+
+    def train(name, steps, folder, *extra):
+        log = tmp_path / f"{name}.json"
+        argv = [*FINAL, "--steps", str(steps), "--save-every", str(N), *extra]
+        argv += ["--checkpoint-dir", str(tmp_path / folder), "--log-json", str(log)]
+        codes, ranks = run_pipeline(plan, argv, name=name, env={"FTPIPE_TOY_DROPOUT": "1"})
+        assert codes == [0, 0], ranks.stderr()
+        return json.loads(log.read_text())
+
+    whole = train("whole", N + K, "whole")
+    train("first", N, "parts")
+    resumed = train("resumed", N + K, "parts", "--resume")
+    assert resumed["first_step"] == N
+    assert resumed["losses"] == whole["losses"][N:]
+    a = checkpoint_params(tmp_path / "whole", N + K, range(4))
+    b = checkpoint_params(tmp_path / "parts", N + K, range(4))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
