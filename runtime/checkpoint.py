@@ -2,6 +2,8 @@
 run that made them.
 
     ckpt = Checkpoints(root, rank, world, run=run_identity(plan, args, schedule, m), keep=3)
+    ckpt.refuse_foreign()                             # a new run: the folder holds no other run
+    ckpt.start(manifest, agree, replace=False)        # the run's id: rank 0's, or the resumed one's
     ckpt.save_stage(4, stage_id, module, optimizer)   # root/step-000004/stage-2.safetensors
     ckpt.finish_rank(4, next_micro_batch=4 * m)        # rank-1.pt (RNG), then rank-1.json
     step = ckpt.choose(agree)                         # newest complete, intact, same run (or 0)
@@ -15,7 +17,11 @@ optimizer state), `rank-<r>.pt` (rank r's random-number generators and loss scal
 PipeDream-2BW's and WPipe's shadow weights) and `rank-<r>.json`, rank r's manifest, written
 last: the run's identity, the data position, what was in flight (`"in_flight"`: the versions
 kept, and whether the schedule drained its pipeline here; see `schedules.timeline`) and the
-size and CRC-32 of each of that rank's files. The checkpoint is complete once every rank's manifest
+size and CRC-32 of each of that rank's files.
+A folder holds one run's checkpoints: each manifest names its run (`run_id`, made when the run
+starts and kept by every resume of it), a new run refuses a folder holding another run's
+(`refuse_foreign`) unless told to replace them (`start(replace=True)`: --overwrite-checkpoints),
+and a step whose manifests name two runs is no checkpoint. The checkpoint is complete once every rank's manifest
 exists. Every file is written atomically (`ftpipe_runtime.atomic`); loading never unpickles
 anything but tensors and numbers (safetensors, `torch.load(weights_only=True)`).
 
@@ -43,6 +49,7 @@ from .checkpoint_files import (
     Summing,
     default_dir,
     difference,
+    new_run_id,
     on_host,
     plan_hash,
     read_tensors,
@@ -67,9 +74,20 @@ class Checkpoints:
     def __init__(self, root, rank: int, world: int, run: dict, keep: int = 3, say=print):
         self.root, self.rank, self.world = Path(root), rank, world
         self.run, self.keep, self.say = run, keep, say
+        self.run_id: str | None = None  # the run's name in its manifests (`start`)
         self._files: dict[int, dict[str, list[int]]] = {}  # step -> file -> [bytes, crc32]
 
     # --- writing ---
+    def start(self, manifest: dict | None, agree=lambda x: [x], replace: bool = False) -> None:
+        """Before the first save: the run's id, the resumed checkpoint's (`manifest`) or a new
+        one, rank 0's (`agree`: an all_gather) so that every rank writes the same; with
+        `replace`, rank 0 first removes every checkpoint in the folder (the other ranks save
+        only after the ranks' next barrier)."""
+        self.run_id = agree((manifest or {}).get("run_id") or new_run_id())[0]
+        if replace and self.rank == 0:
+            for step in self._steps():
+                self._remove(step)
+
     def _save(self, step: int, name: str, obj) -> None:
         """`obj` into the step's folder: a dict of tensors as safetensors, else torch.save."""
         folder = step_dir(self.root, step)
@@ -129,6 +147,7 @@ class Checkpoints:
             "rank": self.rank,
             "world": self.world,
             "run": self.run,
+            "run_id": self.run_id,
             "steps": steps,
             "next_micro_batch": next_micro_batch,  # where the data continues
             "in_flight": {
@@ -175,7 +194,10 @@ class Checkpoints:
                 continue
             world = first.get("world") if isinstance(first.get("world"), int) else self.world
             manifests = [first] + [self._manifest(step, r) for r in range(1, world)]
-            if all(m is not None for m in manifests):
+            if any(m is None for m in manifests):
+                continue
+            # Every rank's part of one run: a step rewritten by another, cut short, is none.
+            if len({m.get("run_id") for m in manifests if "damaged" not in m}) <= 1:
                 out.append((step, manifests))
         return out
 
@@ -232,13 +254,18 @@ class Checkpoints:
         return 0, None
 
     def refuse_foreign(self) -> None:
-        """A new run must not save among another run's checkpoints: resume would mix them."""
-        for _, manifests in self.complete():
-            if diff := self._foreign(manifests):
-                raise PipelineConfigError(
-                    f"{self.root} holds checkpoints of another run ({diff}); choose another "
-                    "--checkpoint-dir or delete them"
-                )
+        """A new run must not save among another run's checkpoints: it would overwrite them,
+        and a resume would mix the two. Any step a rank finished saving is another run's."""
+        held = [s for s in self._steps() if any(step_dir(self.root, s).glob("rank-*.json"))]
+        if not held:
+            return
+        what = f"{len(held)} saved, the newest of step {held[0]}"
+        diff = next(filter(None, (self._foreign(m) for _, m in self.complete())), None)
+        resume = "" if diff else "continue it with --resume, "
+        raise PipelineConfigError(
+            f"{self.root} holds checkpoints of another run ({diff or what}); {resume}replace "
+            "them with --overwrite-checkpoints, or choose another --checkpoint-dir"
+        )
 
     def _foreign(self, manifests: list[dict]) -> str | None:
         """How the run that saved these differs from this one (None: the same run)."""
@@ -285,18 +312,20 @@ class Checkpoints:
     # --- tidying ---
     def prune(self) -> None:
         """Keep the newest `keep` complete checkpoints (0: all); partial ones older than the
-        newest complete one are abandoned saves: they go too. Manifests go first, so a
-        checkpoint being removed is never taken for a complete one."""
+        newest complete one are abandoned saves: they go too."""
         if not self.keep:
             return
         done = [step for step, _ in self.complete()]
         if not done:
             return
         for step in self._steps():
-            if step in done[: self.keep] or step > done[0]:
-                continue
-            folder = step_dir(self.root, step)
-            for manifest in folder.glob("rank-*.json"):
-                with contextlib.suppress(OSError):
-                    manifest.unlink()
-            shutil.rmtree(folder, ignore_errors=True)
+            if step not in done[: self.keep] and step < done[0]:
+                self._remove(step)
+
+    def _remove(self, step: int) -> None:
+        """Manifests first, so a checkpoint being removed is never taken for a complete one."""
+        folder = step_dir(self.root, step)
+        for manifest in folder.glob("rank-*.json"):
+            with contextlib.suppress(OSError):
+                manifest.unlink()
+        shutil.rmtree(folder, ignore_errors=True)

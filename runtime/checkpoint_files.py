@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import secrets
+import time
 import zlib
 from pathlib import Path
 
@@ -19,6 +21,7 @@ __all__ = [
     "Summing",
     "default_dir",
     "difference",
+    "new_run_id",
     "on_host",
     "plan_hash",
     "read_tensors",
@@ -72,6 +75,12 @@ def run_identity(plan: dict, args, schedule: str, micro_batches: int) -> dict:
         "decay": args.decay,
         "clip": args.clip,
     }
+
+
+def new_run_id() -> str:
+    """A name for a new run, unique to it: its checkpoints' manifests carry it, so a folder is
+    known to hold one run's steps (when it started, then random)."""
+    return f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(4)}"
 
 
 def tensor_bytes(tensors: dict) -> bytes:

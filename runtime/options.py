@@ -166,7 +166,14 @@ def _checkpoints(p, plan: dict) -> None:
         default=3,
         help="complete checkpoints kept, the newest (default 3; 0: all)",
     )
-    ckpt.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    start = ckpt.add_mutually_exclusive_group()  # a folder holds one run's checkpoints
+    start.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    start.add_argument(
+        "--overwrite-checkpoints",
+        action="store_true",
+        help="a new run: remove the checkpoints of another run in --checkpoint-dir (default: "
+        "refuse to start)",
+    )
 
 
 def _running(p, plan: dict) -> None:

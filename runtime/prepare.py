@@ -36,7 +36,7 @@ def prepare_rank(run, rank: int, gpu: int):
         check_writable_file(args.trace, "--trace")
     if args.save_every:
         _check_folder(ckpt.root)
-        if not args.resume:
+        if not (args.resume or args.overwrite_checkpoints):
             ckpt.refuse_foreign()
     exporter = HFExporter(plan, args, ckpt, say) if args.save_hf else None
     runlog = RunLog(args.log_dir, rank, say=say) if args.log_dir and not carried else None

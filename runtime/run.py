@@ -176,6 +176,9 @@ class _Run:
             )
         if place.rank == 0 and (args.save_every or args.resume):
             remove_temporaries(self.root)  # of a killed save; nobody saves before the barrier
+        if args.save_every:  # the run's id in its manifests, and --overwrite-checkpoints
+            agree = lambda v: all_gather(v, place.world, "naming the run")  # noqa: E731
+            self.ckpt.start(self.manifest, agree, replace=args.overwrite_checkpoints)
         if first:  # the pipeline fills again from the checkpoint's step
             self.timeline = self.timeline.resumed(first)
             self.timeline.check(self.topo.stage_graph(), self.every_step)

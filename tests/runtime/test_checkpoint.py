@@ -72,7 +72,6 @@ def test_a_checkpoint_of_another_run_is_refused_naming_the_difference(tmp_path, 
         other.choose()
     with pytest.raises(PipelineConfigError, match=f"holds checkpoints of another run \\({named}"):
         other.refuse_foreign()  # a new run may not save among them either
-    Checkpoints(tmp_path, 0, 2, _identity()).refuse_foreign()  # the same run may
 
 
 def test_the_plan_and_schedule_are_part_of_the_identity(tmp_path):
@@ -174,3 +173,69 @@ def test_resume_refuses_another_runs_checkpoint(tmp_path, capsys):
         _run(["--steps", "4", "--save-every", "2", "--schedule", "1f1b", "--resume"], tmp_path)
     with pytest.raises(SystemExit, match="holds checkpoints of another run \\(seed 0 there, 3"):
         _run(["--steps", "4", "--save-every", "2", "--seed", "3"], tmp_path)
+
+
+def test_a_folder_holds_one_runs_checkpoints(tmp_path):
+    """A new run with the very same settings is another run too: refused, unless it replaces
+    them; a step whose manifests name two runs (one rewrote it, cut short) is no checkpoint."""
+    _save(tmp_path, 2, ranks=(0, 1))
+    new = Checkpoints(tmp_path, 0, 2, _identity())
+    with pytest.raises(PipelineConfigError) as refused:
+        new.refuse_foreign()
+    assert str(refused.value) == (
+        f"{tmp_path} holds checkpoints of another run (1 saved, the newest of step 2); continue "
+        "it with --resume, replace them with --overwrite-checkpoints, or choose another "
+        "--checkpoint-dir"
+    )
+    first = [Checkpoints(tmp_path, r, 2, _identity()) for r in (0, 1)]
+    for ckpt in first:  # resumed: the run keeps its id (here: none, an older ftpipe's)
+        ckpt.start(ckpt.choose()[1], agree=lambda v: [v])
+    assert first[0].run_id and first[0].run_id != first[1].run_id  # each made its own ...
+    ids = [c.run_id for c in first]
+    for ckpt in first:  # ... and every rank takes rank 0's
+        ckpt.start(None, agree=lambda v: ids)
+    _save_with(first, 4)
+    manifests = dict(first[0].complete())[4]
+    assert [m["run_id"] for m in manifests] == [ids[0], ids[0]]
+    resumed = Checkpoints(tmp_path, 1, 2, _identity())
+    resumed.start(resumed.choose()[1], agree=lambda v: [v])
+    assert resumed.run_id == ids[0]
+    other = [Checkpoints(tmp_path, r, 2, _identity()) for r in (0, 1)]
+    for ckpt in other:
+        ckpt.start(None, agree=lambda v: ["another"])
+    _save_with(other[:1], 4)  # rank 0 of another run rewrote step 4, rank 1 not yet
+    assert [step for step, _ in first[0].complete()] == [2]
+    other[0].start(None, replace=True)  # --overwrite-checkpoints: rank 0 empties the folder
+    assert list(tmp_path.iterdir()) == []
+
+
+def _save_with(ckpts, step):
+    module, opt = _trained()
+    for ckpt in ckpts:
+        ckpt.save_stage(step, ckpt.rank, module, opt)
+        ckpt.finish_rank(step, next_micro_batch=4 * step)
+
+
+def test_a_new_run_refuses_another_runs_folder_unless_told_to_replace_it(tmp_path, capsys):
+    argv = ["--steps", "2", "--save-every", "2"]
+    _run(argv, tmp_path)
+    folder = tmp_path / "ckpt"
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit) as refused:
+        _run(argv, tmp_path)  # the same settings, no --resume: another run
+    assert str(refused.value.code) == (
+        f"ftpipe: {folder} holds checkpoints of another run (1 saved, the newest of step 2); "
+        "continue it with --resume, replace them with --overwrite-checkpoints, or choose "
+        "another --checkpoint-dir"
+    )
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+    first_id = json.loads((step_dir(folder, 2) / "rank-0.json").read_text())["run_id"]
+    _run(["--steps", "4", "--save-every", "2", "--resume"], tmp_path)  # the same run goes on
+    assert json.loads((step_dir(folder, 4) / "rank-0.json").read_text())["run_id"] == first_id
+    _run(["--steps", "1", "--save-every", "1", "--overwrite-checkpoints"], tmp_path)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-000001"]  # the old run is gone
+    assert json.loads((step_dir(folder, 1) / "rank-0.json").read_text())["run_id"] != first_id
+    with pytest.raises(SystemExit) as both:
+        _run(["--steps", "2", "--resume", "--overwrite-checkpoints"], tmp_path)
+    assert both.value.code == 2
+    assert "--overwrite-checkpoints: not allowed with argument --resume" in capsys.readouterr().err
