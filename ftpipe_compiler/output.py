@@ -3,7 +3,8 @@
 with output_folder("out/t5-3b", force=False) as tmp:
     write_atomic(tmp / "plan.json", ...)
 # out/t5-3b now holds exactly what was written; on any error nothing changed and no
-# temporary folder is left behind.
+# temporary folder is left behind. A failed write (a full disk) is a WriteFailed naming
+# out/t5-3b, said in one line by the command line.
 
 The finished folder replaces the old one in one step (`ftpipe_runtime.atomic.new_folder`:
 `renameat2(RENAME_EXCHANGE)`, so `out` never stops existing). Concurrent `--force` writers each
@@ -52,11 +53,12 @@ def check_writable(out, force: bool) -> None:
 
 
 @contextlib.contextmanager
-def output_folder(out, force: bool = False):
+def output_folder(out, force: bool = False, needs: int | None = None):
+    """`needs`: the bytes it will hold, when known (said when the disk is full)."""
     out = Path(out)
     check_writable(out, force)
     with new_folder(
-        out, force, FtpipeError, "; choose another folder with -o", exists=_appeared
+        out, force, FtpipeError, "; choose another folder with -o", exists=_appeared, needs=needs
     ) as tmp:
         yield tmp
 

@@ -10,7 +10,14 @@ Data goes to a temporary file in the target's folder (`.NAME.<pid>-<random>.tmp`
 flushed and fsync'ed, and only then renamed over the target: `os.replace` is atomic, so a
 full disk, an exception or a crash mid-write leaves the previous file byte-identical. Any
 failure removes the temporary file; only a killed process can leave one behind, and
-`remove_temporaries` clears those. An OSError becomes a `WriteFailed` naming the file.
+`remove_temporaries` clears those.
+
+This is the one place where a failed write becomes a sentence (`WriteFailed`, or the
+caller's error for a folder): what could not be written, why, and for a full disk how much
+space there is and is needed and what to do. Libraries hide the OSError of a full disk
+(`torch.save` raises `RuntimeError: [enforce fail ...] unexpected pos`, safetensors a
+`SafetensorError` "... (os error 28)"): the file handed out remembers the failed write, and
+`write_failure` finds it behind whatever was raised.
 
 A folder is built beside its destination and swapped in with one
 `renameat2(RENAME_EXCHANGE)`, so it never stops existing; where that call is missing the old
@@ -38,14 +45,84 @@ __all__ = [
     "atomic_open",
     "check_writable_file",
     "check_writable_folder",
+    "failure_reason",
     "new_folder",
     "remove_temporaries",
     "swap_folder",
     "temporary_folder",
     "write_atomic",
+    "write_failure",
 ]
 
 TEMPORARY = re.compile(r"^\..+\.\d+-[0-9a-f]{8}\.tmp$")
+FULL = (errno.ENOSPC, errno.EDQUOT)  # the disk, or the user's quota on it, is full
+# Errors of the storage itself: a block that fails with one of these failed to write.
+STORAGE = (*FULL, errno.EFBIG, errno.EROFS, errno.EIO)
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors (Rust) reports one
+
+
+def write_failure(exc: BaseException) -> OSError | None:
+    """The failed write behind `exc`, or None: a `WriteFailed`, or an OSError of the storage
+    (full, read-only, too large, I/O) raised or chained (torch.save's RuntimeError holds it
+    as its context), or one a library reports only in words (safetensors)."""
+    seen = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, WriteFailed):
+            return e.__cause__ if isinstance(e.__cause__, OSError) else e
+        if isinstance(e, OSError) and e.errno in STORAGE:
+            return e
+        found = _RUST_OS_ERROR.search(str(e)) if not isinstance(e, OSError) else None
+        if found and int(found[1]) in STORAGE:
+            code = int(found[1])
+            return OSError(code, os.strerror(code))
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    return None
+
+
+def failure_reason(err: OSError, where, needs: int | None = None, at_least: bool = False) -> str:
+    """Why a write to `where` failed, and for a full disk the space free there and `needs`
+    (bytes; `at_least`: what was written before it failed) and what to do."""
+    if err.errno not in FULL:
+        return str(err.strerror or err)
+    from .report import human_bytes  # (torch-heavy: only when a disk is full)
+
+    free = _free_bytes(Path(where))
+    space = [f"{human_bytes(free)} free there"] if free is not None else []
+    if needs:
+        space.append(f"{'at least ' if at_least else ''}{human_bytes(needs)} needed")
+    said = f" ({', '.join(space)})" if space else ""
+    return f"{err.strerror}{said}; free some space or write elsewhere"
+
+
+def _free_bytes(path: Path) -> int | None:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+class _Watched:
+    """The file `atomic_open` hands out: it counts what is written and remembers a failed
+    write, whatever the caller turns it into."""
+
+    def __init__(self, f):
+        self._f, self.written, self.failure = f, 0, None
+
+    def write(self, data):
+        try:
+            n = self._f.write(data)
+        except OSError as e:
+            self.failure, self.written = e, self.written + len(data)
+            raise
+        self.written += len(data)
+        return n
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
 
 
 def _temporary(path: Path) -> Path:
@@ -53,31 +130,42 @@ def _temporary(path: Path) -> Path:
 
 
 @contextlib.contextmanager
-def atomic_open(path, mode: str = "w", encoding: str = "utf-8"):
-    """A file object for `path` ("w" text or "wb" bytes) that replaces it only on success."""
+def atomic_open(path, mode: str = "w", encoding: str = "utf-8", needs: int | None = None):
+    """A file object for `path` ("w" text or "wb" bytes) that replaces it only on success.
+    `needs`: its size when known (said when the disk is full)."""
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open writes whole files: mode 'w' or 'wb', not {mode!r}")
     path = Path(path)
     tmp = _temporary(path)
+    watched = None
     try:
         with open(tmp, mode.replace("w", "x"), encoding=None if "b" in mode else encoding) as f:
-            yield f
+            watched = _Watched(f)
+            yield watched
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        if isinstance(e, OSError) and not isinstance(e, WriteFailed):
-            kept = "the previous file is unchanged" if path.exists() else "nothing was written"
-            raise WriteFailed(f"cannot write {path}: {e.strerror or e}; {kept}") from e
-        raise
+        if isinstance(e, WriteFailed):
+            raise
+        if not isinstance(e, Exception):  # Ctrl-C, exit: not a failed write
+            raise
+        err = e if isinstance(e, OSError) else getattr(watched, "failure", None)
+        if err is None:
+            raise
+        kept = "the previous file is unchanged" if path.exists() else "nothing was written"
+        written = getattr(watched, "written", 0)
+        why = failure_reason(err, path.parent, needs or written, at_least=not needs)
+        raise WriteFailed(f"cannot write {path}: {why}; {kept}") from err
     _sync_folder(path.parent)
 
 
 def write_atomic(path, data: str | bytes) -> None:
     """Replace `path` with `data` atomically."""
-    with atomic_open(path, "wb" if isinstance(data, bytes) else "w") as f:
+    size = len(data) if isinstance(data, bytes) else len(data.encode())
+    with atomic_open(path, "wb" if isinstance(data, bytes) else "w", needs=size) as f:
         f.write(data)
 
 
@@ -130,19 +218,30 @@ def _sync_folder(folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def new_folder(out, replace: bool = True, error=WriteFailed, hint: str = "", exists=None):
+def new_folder(
+    out, replace: bool = True, error=WriteFailed, hint: str = "", exists=None, needs=None
+):
     """A temporary folder beside `out`, put in its place whole when the block succeeds.
 
     `error(message)` is raised when the folder cannot be made (message + `hint`) or put in
-    place (nothing changed); `exists(out)` (default FileExistsError) when `replace` is False
-    and another writer filled `out` meanwhile. Errors of the block itself pass unchanged."""
+    place (nothing changed), a WriteFailed naming `out` when a write of the block failed
+    (`write_failure`; `needs`, the bytes the folder takes when known, is said for a full
+    disk); `exists(out)` (default FileExistsError) when `replace` is False and another writer
+    filled `out` meanwhile. Other errors of the block pass unchanged."""
     out = Path(out)
     try:
         tmp = temporary_folder(out)
     except OSError as e:
-        raise error(f"cannot write {out}: {e.strerror}{hint}") from e
+        raise error(f"cannot write {out}: {failure_reason(e, out.parent, needs)}{hint}") from e
     try:
-        yield tmp
+        try:
+            yield tmp
+        except Exception as e:
+            err = write_failure(e)
+            if err is None:
+                raise
+            why = failure_reason(err, out.parent, needs)
+            raise WriteFailed(f"cannot write {out}: {why}; nothing changed{hint}") from err
         try:
             swap_folder(tmp, out, replace)
         except FileExistsError:

@@ -80,12 +80,16 @@ class Checkpoints:
     # --- writing ---
     def start(self, manifest: dict | None, agree=lambda x: [x], replace: bool = False) -> None:
         """Before the first save: the run's id, the resumed checkpoint's (`manifest`) or a new
-        one, rank 0's (`agree`: an all_gather) so that every rank writes the same; with
-        `replace`, rank 0 first removes every checkpoint in the folder (the other ranks save
-        only after the ranks' next barrier)."""
+        one, rank 0's (`agree`: an all_gather) so that every rank writes the same. Rank 0
+        removes (the other ranks save only after the ranks' next barrier) every checkpoint
+        in the folder with `replace`, and a resumed run's abandoned saves after its step (a
+        save cut short by a full disk or a kill: the run saves those steps again)."""
         self.run_id = agree((manifest or {}).get("run_id") or new_run_id())[0]
-        if replace and self.rank == 0:
-            for step in self._steps():
+        if self.rank != 0 or not (replace or manifest):
+            return
+        done = {step for step, _ in self.complete()}
+        for step in self._steps():
+            if replace or (step > manifest["step"] and step not in done):
                 self._remove(step)
 
     def _save(self, step: int, name: str, obj) -> None:
@@ -95,13 +99,20 @@ class Checkpoints:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / f"rank-{self.rank}.json").unlink(missing_ok=True)
             self._files[step] = {}
-        with atomic_open(folder / name, "wb") as f:
+        data = tensor_bytes(obj) if name.endswith(".safetensors") else None
+        with atomic_open(folder / name, "wb", needs=len(data) if data else None) as f:
             summed = Summing(f)
-            if name.endswith(".safetensors"):
-                summed.write(tensor_bytes(obj))
+            if data is not None:
+                summed.write(data)
             else:
                 torch.save(obj, summed)
         self._files[step][name] = [summed.size, summed.crc]
+
+    def abandon(self, step: int) -> None:
+        """A save this rank could not finish (a full disk): the step's folder goes whole (it
+        can never be complete), the checkpoints before it stay."""
+        self._files.pop(step, None)
+        self._remove(step)
 
     def save_stage(self, step: int, stage: int, module, optimizer, tensors=None) -> None:
         """The stage's tensors (`tensors`, else its state dict) as safetensors; its optimizer

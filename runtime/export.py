@@ -112,20 +112,19 @@ def write_hf_folder(
 
     transformers.utils.logging.disable_progress_bar()
     out = Path(out)
-    with new_folder(out) as tmp:
-        try:
-            if lora:
-                # Where PeftModel.from_pretrained / AutoPeftModel find the base model.
-                net.peft_config["default"].base_model_name_or_path = model.get("path") or None
-                net.save_pretrained(str(tmp))
-                if merge_lora:
-                    merged = net.merge_and_unload()
-                    merged.save_pretrained(str(tmp / "merged"), max_shard_size=max_shard_size)
-                    copy_tokenizer(tokenizer or model.get("path"), tmp / "merged")
-            else:
-                net.save_pretrained(str(tmp), max_shard_size=max_shard_size)
-        except OSError as e:
-            raise WriteFailed(f"cannot write {out}: {e.strerror or e}; nothing changed") from e
+    # A failed write (a full disk: safetensors raises its own error) is said by new_folder.
+    needs = sum(t.nbytes for t in tensors.values()) * (2 if lora and merge_lora else 1)
+    with new_folder(out, needs=needs) as tmp:
+        if lora:
+            # Where PeftModel.from_pretrained / AutoPeftModel find the base model.
+            net.peft_config["default"].base_model_name_or_path = model.get("path") or None
+            net.save_pretrained(str(tmp))
+            if merge_lora:
+                merged = net.merge_and_unload()
+                merged.save_pretrained(str(tmp / "merged"), max_shard_size=max_shard_size)
+                copy_tokenizer(tokenizer or model.get("path"), tmp / "merged")
+        else:
+            net.save_pretrained(str(tmp), max_shard_size=max_shard_size)
         copied = copy_tokenizer(tokenizer or model.get("path"), tmp)
     if not copied:
         say(f"ftpipe: note: {out} has no tokenizer (none found); pass --tokenizer FOLDER")

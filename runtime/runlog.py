@@ -10,16 +10,20 @@ Rank 0 writes `log.jsonl` (one object per line: kind, step, figures) and the sca
 `eval/*`; every rank writes its own peak memory under `tensorboard/rank-<r>`. The JSON-lines
 file is rewritten whole through the atomic writer, at most every `flush_s` seconds and at
 the end, so a crash leaves the previous complete file. TensorBoard is optional
-(`pip install tensorboard`): without it the scalars are skipped, said once.
+(`pip install tensorboard`): without it the scalars are skipped, said once. A write that
+fails (a full disk) is a `WriteFailed` in either; TensorBoard's writer thread raises its
+failure again in the next call, so the thread's own traceback is not printed.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
-from .atomic import check_writable_folder, write_atomic
+from .atomic import check_writable_folder, failure_reason, write_atomic
+from .errors import WriteFailed
 
 __all__ = ["RunLog"]
 
@@ -38,7 +42,23 @@ class RunLog:
             if rank == 0:
                 say("ftpipe: note: tensorboard is not installed; logging JSON lines only")
         else:
-            self.board = SummaryWriter(str(self.folder / "tensorboard" / f"rank-{rank}"))
+            _quiet_board_threads()
+            board = self.folder / "tensorboard" / f"rank-{rank}"
+            before = set(board.iterdir()) if board.is_dir() else set()
+            try:
+                self.board = self._board(SummaryWriter, str(board))
+            except WriteFailed:  # the event file it began is no log: it goes
+                for made in set(board.iterdir()) - before if board.is_dir() else ():
+                    made.unlink(missing_ok=True)
+                raise
+
+    def _board(self, call, *args):
+        """`call(*args)` of TensorBoard's writer; its failed write said in one sentence."""
+        try:
+            return call(*args)
+        except OSError as e:
+            where = self.folder / "tensorboard"
+            raise WriteFailed(f"cannot write {where}: {failure_reason(e, where)}") from e
 
     @property
     def path(self) -> Path:
@@ -52,23 +72,38 @@ class RunLog:
         if self.board is not None:
             for name, value in figures.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self.board.add_scalar(f"{kind}/{name}", value, step)
+                    self._board(self.board.add_scalar, f"{kind}/{name}", value, step)
         if time.monotonic() - self._flushed >= self.flush_s:
             self.flush()
 
     def memory(self, step: int, peak_bytes: int) -> None:
         """This rank's peak memory, as a scalar of its own TensorBoard run."""
         if self.board is not None:
-            self.board.add_scalar("memory/peak_GiB", peak_bytes / 2**30, step)
+            self._board(self.board.add_scalar, "memory/peak_GiB", peak_bytes / 2**30, step)
 
     def flush(self) -> None:
         if self.rank == 0 and self.lines:
             write_atomic(self.path, "\n".join(self.lines) + "\n")
         if self.board is not None:
-            self.board.flush()
+            self._board(self.board.flush)
         self._flushed = time.monotonic()
 
     def close(self) -> None:
         self.flush()
         if self.board is not None:
-            self.board.close()
+            self._board(self.board.close)
+
+
+def _quiet_board_threads() -> None:
+    """Leave TensorBoard's writer-thread failures to the call that raises them again."""
+    previous = threading.excepthook
+    if getattr(previous, "ftpipe_quiet_board", False):
+        return
+
+    def hook(args):
+        if type(args.thread).__module__.startswith("tensorboard.") and args.exc_type is OSError:
+            return
+        previous(args)
+
+    hook.ftpipe_quiet_board = True
+    threading.excepthook = hook

@@ -1,6 +1,7 @@
 """The step hook that checkpoints: every `every` steps and after the last one, each stage
 once its step is taken (an asynchronous schedule steps its stages at different times), then
-the rank's manifest once all of its stages are saved.
+the rank's manifest once all of its stages are saved. A save that fails (a full disk) removes
+the step's folder and stops the run in one sentence; the checkpoints before it are intact.
 
     saver = Saver(ckpt, every=10, steps=100, micro_batches=8)
     saver.modules, saver.optimizers, saver.precision = modules, optimizers, mixed
@@ -10,6 +11,7 @@ the rank's manifest once all of its stages are saved.
 from __future__ import annotations
 
 from .checkpoint import Checkpoints
+from .errors import WriteFailed
 
 __all__ = ["Saver"]
 
@@ -33,6 +35,16 @@ class Saver:
         done = step + 1
         if done % self.every and done != self.steps:
             return
+        try:
+            self._save(event, done)
+        except WriteFailed as e:
+            self.ckpt.abandon(done)
+            raise WriteFailed(
+                f"{e}; the checkpoint of step {done} is removed and the ones before it are "
+                "intact (--resume continues from the newest)"
+            ) from e.__cause__
+
+    def _save(self, event, done: int) -> None:
         for s in event.stages if self.stages else ():
             mixed, module = self.precision, self.modules[s]
             tensors = mixed.state_dict(s, module) if mixed is not None else None

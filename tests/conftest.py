@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from tiny_disk import tiny_disk  # noqa: F401 - a real full disk (a small tmpfs), for any test
 
 from ftpipe_compiler.costs.analytic import analytic_costs
 from ftpipe_compiler.costs.hardware import get_hardware

@@ -1,6 +1,8 @@
 """Every file ftpipe writes goes through the one atomic writer: with the disk full at the
 moment of writing, each writer fails in one sentence and every file that existed before is
-byte-identical after, with nothing left beside it."""
+byte-identical after, with nothing left beside it. The disk is full at the flush (every
+writer, everywhere), and for real: a tmpfs filled to the last byte (where mounting one is
+allowed)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import functools
 import json
 import os
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,9 @@ import torch
 from ftpipe_runtime import run
 from ftpipe_runtime.checkpoint import Checkpoints
 from ftpipe_runtime.errors import WriteFailed
+from tiny_disk import fill, snapshot
 
+from ftpipe_compiler.cli.compile_phases import generate
 from ftpipe_compiler.codegen import generate_package
 from ftpipe_compiler.costs.cache import save_profile
 from ftpipe_compiler.costs.profilers import costed_graph
@@ -56,6 +61,15 @@ def _package(folder: Path):
     generate_package(traced, graph, plan, spec, folder, command="pytest", force=True)
 
 
+def _compile_output(folder: Path):
+    """What `ftpipe compile` writes: plan.json, report.html and the package, as one folder."""
+    spec, traced, graph, plan = _compiled()
+    job = types.SimpleNamespace(out=folder / "out", force=True, plan=plan, command="pytest",
+                                sim=simulate(plan, steps=2), traced=traced, graph=graph,
+                                spec=spec, shrinks=[])  # fmt: skip
+    generate(job)
+
+
 def _checkpoint(folder: Path):
     ckpt = Checkpoints(folder, 0, 1, run={"plan": "p"})
     ckpt.save_stage(2, 0, torch.nn.Linear(2, 2), None)
@@ -89,6 +103,7 @@ WRITERS = {
     "report": _report,
     "profile cache": _profile_cache,
     "package": _package,
+    "compile output": _compile_output,
     "checkpoint": _checkpoint,
     "--log-json": _log_json,
     "BENCHMARKS": _benchmarks,
@@ -129,3 +144,18 @@ def test_a_package_keeps_its_file_set(tmp_path):
         "stages.py",
     ]
     assert json.loads((tmp_path / "gpt2_tiny_pipeline" / "plan.json").read_text())["gpus"] == 2
+
+
+@pytest.mark.parametrize("writer", list(WRITERS))
+def test_a_real_full_disk_leaves_every_previous_file_byte_identical(writer, tiny_disk):
+    disk = tiny_disk()
+    WRITERS[writer](disk)
+    before = snapshot(disk)
+    fill(disk)
+    with pytest.raises(WriteFailed) as failed:
+        WRITERS[writer](disk)
+    message = str(failed.value)
+    assert "No space left on device (0.0 B free there" in message and "\n" not in message
+    assert "free some space or write elsewhere" in message
+    assert snapshot(disk) == before
+    assert not [p for p in disk.rglob(".*") if p.name != "__pycache__"]

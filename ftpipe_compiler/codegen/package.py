@@ -244,7 +244,8 @@ def _initialise_frozen(model: nn.Module, names: list[str]) -> None:
 
 
 def _write_atomically(final: Path, files: dict[str, str], buffers: dict, generated_by: str):
-    with output_folder(final, force=True) as tmp:
+    needs = sum(len(t.encode()) for t in files.values()) + sum(t.nbytes for t in buffers.values())
+    with output_folder(final, force=True, needs=needs) as tmp:
         for name, text in files.items():
             write_atomic(tmp / name, text)
         if buffers:

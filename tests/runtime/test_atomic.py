@@ -30,10 +30,13 @@ def test_a_full_disk_at_the_flush_leaves_the_previous_file(tmp_path, monkeypatch
     target = tmp_path / "plan.json"
     target.write_bytes(OLD)
     monkeypatch.setattr(os, "fsync", _disk_full)
-    with pytest.raises(
-        WriteFailed, match="No space left on device; the previous file is unchanged"
-    ):
+    with pytest.raises(WriteFailed) as failed:
         write_atomic(target, "x" * 100_000)
+    assert str(failed.value).startswith(f"cannot write {target}: No space left on device (")
+    assert str(failed.value).endswith(
+        " free there, 97.7 KiB needed); free some space or write elsewhere; the previous file "
+        "is unchanged"
+    )
     assert target.read_bytes() == OLD
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
 

@@ -17,6 +17,7 @@ from ftpipe_runtime.checkpoint import Checkpoints, plan_hash, step_dir
 from ftpipe_runtime.export import write_hf_folder
 from ftpipe_runtime.stage_api import run_in_one_process
 from text_helpers import tiny_models
+from tiny_disk import fill, snapshot
 
 transformers = pytest.importorskip("transformers")
 from ftpipe_compiler.codegen import import_package  # noqa: E402
@@ -69,17 +70,22 @@ def test_the_folder_loads_whole_and_computes_the_stages_loss(packages, name, tmp
     assert tok("one two")["input_ids"][:3] == ([2, 5, 6] if name == "llama" else [5, 6, 3])
 
 
-def test_export_writes_a_checkpoint_as_a_folder(packages, tmp_path, capsys):
-    pkg = packages["llama"]
-    mod, stages = _stages(pkg, seed=2)
-    plan = mod.load_plan()
-    root = tmp_path / "ckpt"
+def _checkpoint(root, plan, stages):
+    """The stages saved as step 3 of a checkpoint folder, every rank's part."""
     for rank in range(plan["gpus"]):
         ckpt = Checkpoints(root, rank, plan["gpus"], {"plan": plan_hash(plan)})
         for s in plan["stages"]:
             if s["gpu"] == rank:
                 ckpt.save_stage(3, s["id"], stages[s["id"]], None)
         ckpt.finish_rank(3, next_micro_batch=6)
+    return root
+
+
+def test_export_writes_a_checkpoint_as_a_folder(packages, tmp_path, capsys):
+    pkg = packages["llama"]
+    mod, stages = _stages(pkg, seed=2)
+    plan = mod.load_plan()
+    root = _checkpoint(tmp_path / "ckpt", plan, stages)
     argv = ["export", "--checkpoint-dir", str(root), "-o", str(tmp_path / "hf")]
     assert cli.main(argv, mod.STAGES, pkg / "plan.json", pkg.name) == 0
     assert "wrote" in capsys.readouterr().out
@@ -107,3 +113,25 @@ def test_export_writes_a_checkpoint_as_a_folder(packages, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 1 and "step-000003 is damaged (stage-1.safetensors has changed" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_full_disk_during_export_keeps_the_previous_folder(packages, tmp_path, tiny_disk, capsys):
+    """safetensors says a full disk with its own error (no OSError): still one sentence, exit
+    1, the half-written folder gone and the previous export byte-identical."""
+    pkg = packages["llama"]
+    mod, stages = _stages(pkg, seed=3)
+    root = _checkpoint(tmp_path / "ckpt", mod.load_plan(), stages)
+    disk = tiny_disk()
+    out = disk / "hf"
+    argv = ["export", "--checkpoint-dir", str(root), "-o", str(out)]
+    assert cli.main(argv, mod.STAGES, pkg / "plan.json", pkg.name) == 0
+    before = snapshot(disk)
+    fill(disk)
+    capsys.readouterr()
+    assert cli.main(argv, mod.STAGES, pkg / "plan.json", pkg.name) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"ftpipe: cannot write {out}: No space left on device (0.0 B free there")
+    assert err.endswith(" needed); free some space or write elsewhere; nothing changed\n"), err
+    assert snapshot(disk) == before
+    assert sorted(p.name for p in disk.iterdir()) == ["ballast", "hf"]
