@@ -17,19 +17,21 @@ optimizer state), `rank-<r>.pt` (rank r's random-number generators and loss scal
 PipeDream-2BW's and WPipe's shadow weights) and `rank-<r>.json`, rank r's manifest, written
 last: the run's identity, the data position, what was in flight (`"in_flight"`: the versions
 kept, and whether the schedule drained its pipeline here; see `schedules.timeline`) and the
-size and CRC-32 of each of that rank's files.
-A folder holds one run's checkpoints: each manifest names its run (`run_id`, made when the run
-starts and kept by every resume of it), a new run refuses a folder holding another run's
-(`refuse_foreign`) unless told to replace them (`start(replace=True)`: --overwrite-checkpoints),
-and a step whose manifests name two runs is no checkpoint. The checkpoint is complete once every rank's manifest
-exists. Every file is written atomically (`ftpipe_runtime.atomic`); loading never unpickles
-anything but tensors and numbers (safetensors, `torch.load(weights_only=True)`).
+size and CRC-32 of each of that rank's files. The checkpoint is complete once every rank's
+manifest exists. Every file is written atomically (`ftpipe_runtime.atomic`); loading never
+unpickles anything but tensors and numbers (safetensors, `torch.load(weights_only=True)`).
+
+A folder holds one run's checkpoints: each manifest names its run (`run_id`, made when the
+run starts and kept by every resume of it), a new run refuses a folder holding another run's
+(`refuse_foreign`) unless told to replace them (`start(replace=True)`:
+--overwrite-checkpoints), and a step whose manifests name two runs is no checkpoint.
 
 `choose` resumes from the newest complete checkpoint whose files are intact on every rank
 (one exchange between ranks per candidate); a damaged one is skipped with a warning. One
 made by another run (another plan, schedule, seed, micro-batches, optimizer, data or
 learning-rate settings) is refused, naming the difference. After each save only the newest
-`keep` complete checkpoints stay.
+`keep` complete checkpoints stay. A save a rank cannot finish (a full disk) removes its step
+(`abandon`); what other ranks saved of it goes when the run resumes (`start`).
 """
 
 from __future__ import annotations
