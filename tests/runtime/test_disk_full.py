@@ -151,6 +151,7 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_ones_before(tiny_disk, tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow
 def test_a_full_disk_at_a_checkpoint_of_two_ranks(tiny_disk, run_pipeline):
     """Whichever rank meets the full disk says so; none prints a traceback; the checkpoint
     before is intact, and a resume once there is space removes what the other rank began."""

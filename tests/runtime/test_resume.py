@@ -54,6 +54,7 @@ N, K = 2, 2  # train N steps, save at N (the final checkpoint), resume to N + K
 FINAL = ["--data", "copy", "--optimizer", "adam", "--lr", "0.05", "--decay", "constant"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_every_schedules_final_checkpoint_resumes(run_pipeline, tmp_path, schedule):
     """A finished run resumed for K more steps is the uninterrupted N + K run, bit for bit
