@@ -81,7 +81,11 @@ class ModelSpec:
 
     @property
     def package_name(self) -> str:
-        return re.sub(r"\W", "_", self.name).strip("_").lower() + "_pipeline"
+        """The generated package's folder and module: a Python identifier made of the name
+        (a folder's name can hold anything: quotes, newlines, `..`)."""
+        from ..codegen.source import identifier
+
+        return identifier(self.name.lower(), default="model", lead="m") + "_pipeline"
 
     def build(
         self, device="meta", dropout: float | None = None, seed: int = 0, dtype=None
