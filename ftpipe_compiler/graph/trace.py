@@ -19,6 +19,7 @@ from ftpipe_runtime.precision import get_precision
 from torch import fx
 
 from ..errors import TraceError
+from ..model.folder import check_weights, read_headers
 from ..model.tasks import Task
 from ..model.zoo import ModelSpec
 from .exported import describe_value, to_graph
@@ -69,6 +70,8 @@ def trace_model(
     if fuse_loss:
         fuse_linear_cross_entropy(program.graph_module)  # the LM head and its loss: one op
     graph, placeholders = to_graph(spec, task, micro_batch, model, inputs, program)
+    if spec.path:  # the folder's weights are those of the traced parameters, or one sentence
+        check_weights(spec.spec, read_headers(Path(spec.path)), graph.params)
     meta = {**graph.meta, "precision": precision, "compute_dtype": str(compute)[6:]}
     return Traced(replace(graph, meta=meta), program, placeholders)
 

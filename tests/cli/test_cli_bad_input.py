@@ -62,6 +62,28 @@ def _nothing(folder):
     pass
 
 
+def _saved_model(damage):
+    """A tiny GPT-2 folder written by save_pretrained (hf/), then `damage(folder)`."""
+
+    def write(folder):
+        import transformers
+
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                         n_positions=32)  # fmt: skip
+        transformers.GPT2LMHeadModel(config).save_pretrained(folder / "hf")
+        damage(folder / "hf")
+
+    return write
+
+
+def _config_edit(**changes):
+    def edit(hf):
+        config = json.loads((hf / "config.json").read_text())
+        (hf / "config.json").write_text(json.dumps({**config, **changes}))
+
+    return edit
+
+
 def _set(path, value):
     """An edit setting plan[path[0]][path[1]]... = value."""
 
@@ -139,6 +161,9 @@ CASES = [
     ("compile: --cluster and --gpus-per-node", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "4", "--cluster", "c.json", "--gpus-per-node", "2", "-o", "new"], 2, "give --cluster or --gpus-per-node, not both"),
     ("compile: a missing cluster file", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "4", "--cluster", "none.json", "-o", "new"], 1, "cannot read the cluster file none.json"),
     ("compile: --replicas not dividing --gpus", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "4", "--replicas", "3", "-o", "new"], 2, "--replicas 3 does not divide --gpus 4"),
+    ("compile: -2 layers in config.json", _saved_model(_config_edit(n_layer=-2)), ["compile", "-m", "hf", "-g", "2", "--seq-len", "16", "-o", "new"], 1, "hf: config.json says n_layer -2, which no model can have"),
+    ("compile: weights of random bytes", _saved_model(lambda hf: (hf / "model.safetensors").write_bytes(bytes(range(256)) * 20)), ["compile", "-m", "hf", "-g", "2", "--seq-len", "16", "-o", "new"], 1, "hf/model.safetensors is not a readable safetensors file"),
+    ("compile: a config of fewer layers than its weights", _saved_model(_config_edit(n_layer=1)), ["compile", "-m", "hf", "-g", "2", "--seq-len", "16", "-o", "new"], 1, "hf: the weights are not those of the model its config.json describes: transformer.h.1 not in the model"),
     ("compile: an unknown task", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "2", "-t", "nope", "-o", "new"], 1, "unknown task 'nope'; choose from"),
 ]  # fmt: skip
 
