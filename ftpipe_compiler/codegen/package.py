@@ -28,6 +28,7 @@ from ..model.zoo import ModelSpec
 from ..output import output_folder
 from ..plan import Plan
 from ..resources import templates_dir
+from ..units import gib, mib
 from ..version import __version__
 from .emit import StageEmitter, value_names
 from .source import Source, finalize, literal
@@ -147,6 +148,8 @@ def _render(context: dict) -> dict[str, str]:
     env.filters["py"] = literal
     env.filters["thousands"] = lambda n: f"{n:,}"
     env.filters["figure"] = _figure
+    env.filters["gib"] = lambda n: f"{gib(n):,.2f}" if _number(n) else ""
+    env.filters["mib"] = lambda n: f"{mib(n):,.2f}" if _number(n) else ""
     files = {name: env.get_template(f"{name}.j2").render(**context) for name in TEMPLATES}
     return files
 
@@ -180,9 +183,13 @@ def _param_row(p) -> Source:
     return literal((p.name, tuple(p.shape), p.dtype, p.trainable, tuple(p.aliases)))
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _figure(v) -> str:
     """Numbers for the README: 4 significant digits, thousands separated."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    if not _number(v):
         return str(v)
     return f"{v:,}" if isinstance(v, int) else f"{v:,.4g}"
 
