@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
 
+from .errors import PipelineConfigError
 from .models import synthetic_batch
 from .stage_api import run_in_one_process, weight_files, weights_folder
 
@@ -185,7 +187,11 @@ def main(argv, stage_classes: dict, load_plan, prog: str = "--check") -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
-    result = check(stage_classes, load_plan(), args.seed)
+    try:  # a damaged plan.json (`topology.read_plan`'s sentence), weights that do not fit...
+        result = check(stage_classes, load_plan(), args.seed)
+    except PipelineConfigError as e:
+        print(f"ftpipe: {e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:

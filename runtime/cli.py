@@ -9,17 +9,16 @@ main(sys.argv[1:], STAGES, PLAN_PATH, package="t5_tiny_pipeline")   # the packag
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 __all__ = ["main"]
 
 
 def main(argv: list[str], stages: dict, plan_path, package: str) -> int:
     argv = list(argv)
 
-    def load_plan() -> dict:
-        return json.loads(Path(plan_path).read_text())
+    def load_plan() -> dict:  # damaged or from another version: one sentence, not a traceback
+        from .topology import read_plan
+
+        return read_plan(plan_path)
 
     if "--check" in argv:
         from .check import main as check_main

@@ -22,6 +22,7 @@ longer than the compiled length is refused, naming it; `truncate=True` cuts it w
 
 from __future__ import annotations
 
+import codecs
 import json
 import tempfile
 from dataclasses import dataclass
@@ -144,6 +145,9 @@ def _read_rows(path: Path, fields: list[str]) -> dict[str, list[str]]:
         raise PipelineConfigError(f"no data file {path}")
     if path.stat().st_size == 0:
         raise PipelineConfigError(f"{path} is empty; give one sample per line or row")
+    builder = TEXT_FORMATS[path.suffix]
+    if builder != "parquet":  # the others are text
+        _check_utf8(path)
     try:
         import datasets
     except ImportError:
@@ -152,7 +156,6 @@ def _read_rows(path: Path, fields: list[str]) -> dict[str, list[str]]:
         ) from None
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # errors: one sentence, ours
-    builder = TEXT_FORMATS[path.suffix]
     try:  # a private cache: ranks do not share (or lock) one, and nothing stays behind
         with tempfile.TemporaryDirectory(prefix="ftpipe-data-") as cache:
             table = datasets.load_dataset(
@@ -182,6 +185,31 @@ def _read_rows(path: Path, fields: list[str]) -> dict[str, list[str]]:
     if not keep:
         raise PipelineConfigError(f"{path} holds only empty texts")
     return {f: [v[i] for i in keep] for f, v in out.items()}
+
+
+def _check_utf8(path: Path, chunk: int = 1 << 20) -> None:
+    """A text file is UTF-8, or one sentence naming its first other byte. pyarrow's readers
+    take such a file and fail only when a row is read back (a raw UnicodeDecodeError), so
+    every byte is decoded here first, a megabyte at a time."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    read = lines = 0  # bytes read before this piece, and the line ends among them
+    with open(path, "rb") as f:
+        while True:
+            piece = f.read(chunk)
+            held = len(decoder.getstate()[0])  # the start of a character cut by the last piece
+            try:
+                decoder.decode(piece, final=not piece)
+            except UnicodeDecodeError as e:
+                at = read - held + e.start  # the bad byte's offset in the file
+                line = lines + piece[: max(at - read, 0)].count(b"\n") + 1
+                raise PipelineConfigError(
+                    f"{path} line {line} (byte {at}) is not UTF-8 text ({e.reason}); save the "
+                    "file as UTF-8"
+                ) from None
+            if not piece:
+                return
+            read += len(piece)
+            lines += piece.count(b"\n")
 
 
 def _ids(tokenizer, texts: list[str], special: bool = True) -> list[list[int]]:

@@ -34,6 +34,13 @@ from .options import (
 )
 
 
+def _folder_name(model: str) -> str:
+    """out/<this>: the --model spec as one folder name inside out/ (a path's separators,
+    colons and unprintable characters as underscores, never `.` or `..`)."""
+    name = "".join(c if c.isprintable() and c not in "/\\:" else "_" for c in model)
+    return name.lstrip(".") or "model"
+
+
 def _schedules(ctx, param, value: str) -> list[str]:
     try:
         return schedule_names(value)
@@ -112,7 +119,7 @@ def compile_command(*, model, hardware, gpus, schedule, search_width, partitione
                     micro_batches, steps, seed, gpus_per_node, cluster_file, replicas,
                     freeze_alpha, output, force, as_json, **cost_options):  # fmt: skip
     """Compile a model into a pipeline package: the plan, a report and the package to torchrun."""
-    out = Path(output or Path("out") / model.replace("/", "_").replace(":", "_"))
+    out = Path(output or Path("out") / _folder_name(model))
     check_writable(out, force)  # before minutes of work, not after
     planned = gpus_per_node or cluster_file or replicas
     cluster = cluster_of(hardware, gpus, gpus_per_node, cluster_file, replicas) if planned else None

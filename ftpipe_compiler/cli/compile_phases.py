@@ -13,6 +13,7 @@ prints or draws progress.
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,7 +203,7 @@ def one_lines(job: Job, timings: dict) -> list[str]:
         )
     lines += _shrink_lines(job)
     pkg = job.package.name
-    lines.append(f"run it: cd {job.out} && torchrun --nproc_per_node {plan.gpus} -m {pkg}")
+    lines.append(f"run it: cd {_quoted(job.out)} && torchrun --nproc_per_node {plan.gpus} -m {pkg}")
     return lines
 
 
@@ -227,7 +228,7 @@ def cluster_lines(job: Job, timings: dict) -> list[str]:
         *describe_shapes(job.found, job.cluster),
         _wrote(job, timings),
         *_shrink_lines(job),
-        f"run it on every node: cd {job.out} && torchrun {hint} -m {job.package.name}",
+        f"run it on every node: cd {_quoted(job.out)} && torchrun {hint} -m {job.package.name}",
     ]
 
 
@@ -236,6 +237,11 @@ def _wrote(job: Job, timings: dict) -> str:
         f"wrote {job.out}/plan.json, {job.out}/report.html and the package {job.package} "
         f"in {timings['total_s']:.1f} s"
     )
+
+
+def _quoted(path: Path) -> str:
+    """A folder as the shell reads it back, whatever its name holds (spaces, quotes, newlines)."""
+    return shlex.quote(str(path))
 
 
 def _shrink_lines(job: Job) -> list[str]:

@@ -23,6 +23,8 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except (FtpipeError, WriteFailed) as e:
             if (ctx.obj or {}).get("debug"):
+                if getattr(e, "detail", ""):  # what a library printed before failing (trace.py)
+                    click.echo(e.detail, err=True, nl=False)
                 raise
             raise click.ClickException(str(e)) from None
         except KeyboardInterrupt:

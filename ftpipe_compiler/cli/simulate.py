@@ -16,6 +16,7 @@ from ..plan import Plan, describe_remat
 from ..simulate import compare, simulate, table
 from ..simulate.measured import load_measured
 from ..simulate.report import compare_line, write_report
+from ..units import mib
 from .echo import echo_json, echo_lines
 from .options import json_option, micro_batches_option, steps_option
 
@@ -118,7 +119,7 @@ def _lines(plan: Plan, result, steps: int, run) -> list[str]:
         f"{plan.period_s * result.micro_batches:.4f} s)",
         f"  samples/s   {result.samples_per_s:10.2f}",
         f"  bubble      {100 * result.bubble_fraction:10.1f} %",
-        f"  sent        {sent / 1e6:10.2f} MB per step (all GPUs)",
+        f"  sent        {mib(sent):10.2f} MiB per step (all GPUs)",
     ]
     if describe_remat(plan):
         lines.append(f"  {describe_remat(plan)}")

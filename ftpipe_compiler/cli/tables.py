@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..partition import Result
+from ..units import mib
 
 __all__ = ["matrix_table", "partition_table"]
 
@@ -10,7 +11,7 @@ __all__ = ["matrix_table", "partition_table"]
 def partition_table(results: list[Result], lower_bound: float) -> str:
     head = (
         f"{'partitioner':<11} {'period ms':>10} {'speedup':>8} {'stages':>6} {'max GiB':>8} "
-        f"{'comm MB':>9} {'search s':>8}  feasible"
+        f"{'comm MiB':>9} {'search s':>8}  feasible"
     )
     rows = [head, "-" * len(head)]
     for r in results:
@@ -23,7 +24,7 @@ def partition_table(results: list[Result], lower_bound: float) -> str:
             continue
         rows.append(
             f"{r.partitioner:<11} {d['period_s'] * 1e3:>10.2f} {d['expected_speedup']:>8.2f} {d['stages']:>6} "
-            f"{d['max_memory_bytes'] / 2**30:>8.2f} {d['comm_bytes'] / 1e6:>9.1f} {r.search_seconds:>8.2f}  "
+            f"{d['max_memory_bytes'] / 2**30:>8.2f} {mib(d['comm_bytes']):>9.1f} {r.search_seconds:>8.2f}  "
             + ("yes" if r.feasible else f"no: {r.error}")
         )
     rows.append(f"{'lower bound':<11} {lower_bound * 1e3:>10.2f}")

@@ -20,6 +20,7 @@ from torch import fx
 from ..errors import FtpipeError
 from ..graph.granularity import layer_key
 from .names import Namer, module_stack, value_base, weight_base
+from .source import literal, text
 from .wiring import StageWiring, Wiring
 
 MAX_LINE = 100
@@ -73,11 +74,11 @@ class StageEmitter:
         self.uses_device = False
 
     def body(self) -> list[str]:
-        lines = [f'{name} = tensors["{name}"]' for name in self.st.model_inputs]
+        lines = [f"{name} = tensors[{literal(name)}]" for name in self.st.model_inputs]
         for w in self.st.inputs:
             src = self.wiring.wires[w]
             note = f"  # {tuple(src.shape)} {src.dtype} from stage {src.producer}"
-            lines.append(f'{self.names[w]} = tensors["{w}"]{note}')
+            lines.append(f"{self.names[w]} = tensors[{literal(w)}]{note}")
         code = self._nodes()
         if self.uses_device:
             first = self.st.model_inputs[:1] or [self.names[w] for w in self.st.inputs[:1]]
@@ -96,11 +97,11 @@ class StageEmitter:
             if b != block:
                 block, sub = b, None
                 mtype = types.get(b) or (stack[0][1] if stack and not b else "")
-                lines.append(f"# {b or 'top level'}" + (f" ({mtype})" if mtype else ""))
+                lines.append(text(f"# {b or 'top level'}" + (f" ({mtype})" if mtype else "")))
             inner = [s for s, _ in stack if s.startswith(b + ".") and s != b] if b else []
             if inner and inner[0] != sub:
                 sub = inner[0]
-                lines.append(f"# - {sub[len(b) + 1 :]} ({types[sub]})")
+                lines.append(text(f"# - {sub[len(b) + 1 :]} ({types[sub]})"))
             lines.append(self._statement(n))
         return lines
 
@@ -164,12 +165,13 @@ class StageEmitter:
         return constant(a)
 
     def _return(self) -> list[str]:
-        items = [f'"loss": {self.names[self.wiring.loss.name]}'] if self.st.is_loss else []
+        loss = self.names[self.wiring.loss.name] if self.st.is_loss else None
+        items = [f"{literal('loss')}: {loss}"] if loss else []
         for w in self.st.outputs:
             if self.wiring.wires[w].weight:  # the parameter itself: its gradient accumulates in it
-                items.append(f'"{w}": {self.param_expr(w)}')
+                items.append(f"{literal(w)}: {self.param_expr(w)}")
             else:  # gloo sends only contiguous tensors (stride-0 masks, permuted biases)
-                items.append(f'"{w}": {self.names[w]}.contiguous()')
+                items.append(f"{literal(w)}: {self.names[w]}.contiguous()")
         line = "return {" + ", ".join(items) + "}"
         if len(line) + 8 <= MAX_LINE:
             return [line]
@@ -195,7 +197,9 @@ def constant(a) -> str:
         if math.isinf(a):
             return 'float("inf")' if a > 0 else '-float("inf")'
         return repr(a)
-    if a is None or isinstance(a, (bool, int, str, slice)) or a is Ellipsis:
+    if isinstance(a, str):
+        return literal(a)
+    if a is None or isinstance(a, (bool, int, slice)) or a is Ellipsis:
         return repr(a)
     raise FtpipeError(f"cannot write the traced constant {a!r} ({type(a).__name__}) as code")
 
@@ -205,7 +209,7 @@ def _op_path(target: torch._ops.OpOverload) -> str:
     overload = target._overloadname
     base = "aten" if ns == "aten" else f"torch.ops.{ns}"
     if keyword.iskeyword(packet) or keyword.iskeyword(overload):
-        return f'getattr(getattr({base}, "{packet}"), "{overload}")'
+        return f"getattr(getattr({base}, {literal(packet)}), {literal(overload)})"
     return f"{base}.{packet}.{overload}"
 
 

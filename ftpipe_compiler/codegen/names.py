@@ -18,6 +18,7 @@ import re
 from torch import fx
 
 from ..graph.exported import scope_of
+from .source import identifier
 
 # Whole-part abbreviations; every other part is lower-cased and kept.
 ABBREVIATIONS = {
@@ -105,9 +106,7 @@ class Namer:
         self.taken = set(RESERVED) | set(taken)
 
     def fresh(self, base: str) -> str:
-        base = re.sub(r"\W", "_", base).strip("_") or "value"
-        if base[0].isdigit():
-            base = "v" + base
+        base = identifier(base)
         if keyword.iskeyword(base) or hasattr(builtins, base):
             base += "_"
         name, k = base, 1

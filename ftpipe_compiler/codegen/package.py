@@ -28,8 +28,10 @@ from ..model.zoo import ModelSpec
 from ..output import output_folder
 from ..plan import Plan
 from ..resources import templates_dir
+from ..units import gib, mib
 from ..version import __version__
 from .emit import StageEmitter, value_names
+from .source import Source, finalize, literal
 from .summary import describe
 from .wiring import package_plan, wire
 
@@ -122,7 +124,8 @@ def _stage_contexts(traced: Traced, wiring, names, info, compute) -> tuple[list[
                 "params": [_param_row(info[p]) for p in st.params],
                 "frozen": py_tuple([p for p in st.params if info[p].frozen]),
                 "n_params": sum(math.prod(info[p].shape) for p in st.params if info[p].trainable),
-                "body": [ln for line in body for ln in line.split("\n")],
+                # The emitter's code, its names escaped (`source`): split at its own newlines.
+                "body": [Source(ln) for line in body for ln in line.split("\n")],
                 "receives": [(w, wiring.wires[w].producer) for w in st.inputs],
                 "sends": [(w, wiring.wires[w].consumers) for w in st.outputs],
             }
@@ -131,7 +134,8 @@ def _stage_contexts(traced: Traced, wiring, names, info, compute) -> tuple[list[
 
 
 def _render(context: dict) -> dict[str, str]:
-    """The package's files rendered from templates/package/*.j2."""
+    """The package's files rendered from templates/package/*.j2: every value a template
+    prints goes through `source` (`| py` for a literal, else as text by `finalize`)."""
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(templates_dir() / "package")),
         undefined=jinja2.StrictUndefined,
@@ -139,9 +143,13 @@ def _render(context: dict) -> dict[str, str]:
         lstrip_blocks=True,
         keep_trailing_newline=True,
         autoescape=False,
+        finalize=finalize,
     )
+    env.filters["py"] = literal
     env.filters["thousands"] = lambda n: f"{n:,}"
     env.filters["figure"] = _figure
+    env.filters["gib"] = lambda n: f"{gib(n):,.2f}" if _number(n) else ""
+    env.filters["mib"] = lambda n: f"{mib(n):,.2f}" if _number(n) else ""
     files = {name: env.get_template(f"{name}.j2").render(**context) for name in TEMPLATES}
     return files
 
@@ -162,27 +170,26 @@ def param_expr(name: str, parameter: bool) -> str:
         )
     )
     if not ok:
-        return f'self.get_{"parameter" if parameter else "buffer"}("{name}")'
+        return f"self.get_{'parameter' if parameter else 'buffer'}({literal(name)})"
     return "self" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in parts)
 
 
-def py_tuple(items) -> str:
+def py_tuple(items) -> Source:
     """A tuple of strings as source with double quotes: ("a", "b") or ("a",)."""
-    inner = ", ".join(json.dumps(x) for x in items)
-    return f"({inner},)" if len(items) == 1 else f"({inner})"
+    return literal(tuple(items))
 
 
-def _param_row(p) -> str:
-    shape = "(" + ", ".join(str(s) for s in p.shape) + ("," if len(p.shape) == 1 else "") + ")"
-    return (
-        f"({json.dumps(p.name)}, {shape}, {json.dumps(p.dtype)}, {p.trainable}, "
-        f"{py_tuple(list(p.aliases))})"
-    )
+def _param_row(p) -> Source:
+    return literal((p.name, tuple(p.shape), p.dtype, p.trainable, tuple(p.aliases)))
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _figure(v) -> str:
     """Numbers for the README: 4 significant digits, thousands separated."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    if not _number(v):
         return str(v)
     return f"{v:,}" if isinstance(v, int) else f"{v:,.4g}"
 

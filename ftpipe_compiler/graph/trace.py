@@ -8,7 +8,10 @@ traced.program    # the ExportedProgram (kept in memory for costs and code gener
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import signal
+import sys
 import textwrap
 import threading
 from dataclasses import dataclass, replace
@@ -19,6 +22,7 @@ from ftpipe_runtime.precision import get_precision
 from torch import fx
 
 from ..errors import TraceError
+from ..model.folder import check_weights, read_headers
 from ..model.tasks import Task
 from ..model.zoo import ModelSpec
 from .exported import describe_value, to_graph
@@ -50,27 +54,60 @@ def trace_model(
     if model is None:
         model = spec.build(device, dtype=None if compute == torch.float32 else compute)
     inputs = spec.example_inputs(task, micro_batch, device)
-    with _noting_ctrl_c() as interrupted:
+    with _noting_ctrl_c() as interrupted, _held_output() as said:
         try:
             program = torch.export.export(model, tuple(inputs.values()), strict=False)
         except Exception as e:  # the exporter raises many types; all mean the same to a user
             if interrupted:  # a Ctrl-C the exporter wrapped into an error of its own
                 raise KeyboardInterrupt from None
-            reason = textwrap.shorten(f"{type(e).__name__}: {e}", 600)
-            if spec.kind == "function" and _raised_by_user_code(e):
-                raise TraceError(f"your model's forward raised {reason}") from None
-            raise TraceError(
-                f"torch.export could not trace {spec.spec}: {reason} -- try --granularity layer, "
-                "or give a package.module:function spec whose model returns the loss from plain "
-                "tensors"
-            ) from None
+            raise _trace_error(spec, e, said.getvalue()) from None
+    sys.stderr.write(said.getvalue())  # a successful export's warnings, as it said them
     _check_loss(spec, program)
     inline_regions(program.graph_module)
     if fuse_loss:
         fuse_linear_cross_entropy(program.graph_module)  # the LM head and its loss: one op
     graph, placeholders = to_graph(spec, task, micro_batch, model, inputs, program)
+    if spec.path:  # the folder's weights are those of the traced parameters, or one sentence
+        check_weights(spec.spec, read_headers(Path(spec.path)), graph.params)
     meta = {**graph.meta, "precision": precision, "compute_dtype": str(compute)[6:]}
     return Traced(replace(graph, meta=meta), program, placeholders)
+
+
+@contextlib.contextmanager
+def _held_output():
+    """What the exporter writes to stderr (prints, and torch's own log handlers) goes to a
+    buffer instead: a failed export prints hundreds of lines of partial graph first."""
+    said = io.StringIO()
+    handlers = [
+        h
+        for name, logger in list(logging.Logger.manager.loggerDict.items())
+        if name.split(".")[0] == "torch" and isinstance(logger, logging.Logger)
+        for h in logger.handlers
+        if isinstance(h, logging.StreamHandler) and h.stream in (sys.stderr, sys.__stderr__)
+    ]
+    streams = [h.setStream(said) for h in handlers]
+    try:
+        with contextlib.redirect_stderr(said):
+            yield said
+    finally:
+        for h, stream in zip(handlers, streams):
+            h.setStream(stream)
+
+
+def _trace_error(spec: ModelSpec, e: Exception, printed: str) -> TraceError:
+    """One sentence for a failed export. What the exporter printed (hundreds of lines of
+    partial graph) is kept on the error as its `detail`, which `ftpipe --debug` shows."""
+    reason = textwrap.shorten(f"{type(e).__name__}: {e}", 600)
+    if spec.kind == "function" and _raised_by_user_code(e):
+        error = TraceError(f"your model's forward raised {reason}")
+    else:
+        error = TraceError(
+            f"torch.export could not trace {spec.spec}: {reason} -- try --granularity layer, "
+            "or give a package.module:function spec whose model returns the loss from plain "
+            "tensors"
+        )
+    error.detail = printed
+    return error
 
 
 def inline_regions(gm: fx.GraphModule) -> None:

@@ -26,6 +26,7 @@ from torch import nn
 from ..errors import FtpipeError, unknown
 from ..resources import config_names, load_config
 from . import frozen, hub
+from .folder import check_config, read_headers
 from .tasks import Task
 
 FUNCTION = re.compile(r"[\w.]+:\w+")
@@ -81,7 +82,11 @@ class ModelSpec:
 
     @property
     def package_name(self) -> str:
-        return re.sub(r"\W", "_", self.name).strip("_").lower() + "_pipeline"
+        """The generated package's folder and module: a Python identifier made of the name
+        (a folder's name can hold anything: quotes, newlines, `..`)."""
+        from ..codegen.source import identifier
+
+        return identifier(self.name.lower(), default="model", lead="m") + "_pipeline"
 
     def build(
         self, device="meta", dropout: float | None = None, seed: int = 0, dtype=None
@@ -227,6 +232,7 @@ def _from_folder(spec: str, path: Path, kind: str, head, name: str, **extra) -> 
         raise FtpipeError(f"{cfg_file} is not valid JSON ({e})") from None
     if not isinstance(config, dict) or not isinstance(config.get("model_type", ""), str):
         raise FtpipeError(f"{cfg_file} must hold a JSON object with a model_type string")
+    read_headers(path)  # weights that do not parse: said now, not after the trace
     return _hf_spec(spec, name, kind, config, head, path=str(path.resolve()), **extra)
 
 
@@ -240,6 +246,7 @@ def _hf_spec(spec: str, name: str, kind: str, config: dict, head, **extra) -> Mo
     if not model_type:
         raise FtpipeError(f"{spec}: config.json has no model_type; is it a HuggingFace model?")
     heads = ", ".join(HEADS)
+    check_config(spec, config)
     try:
         cls = hf.class_for_head(model_type, head) if head else _architecture(spec, config)
         if cls is None:
@@ -254,7 +261,7 @@ def _hf_spec(spec: str, name: str, kind: str, config: dict, head, **extra) -> Mo
             )
         hf_config = hf.hf_config(config)
         inputs = hf.forward_inputs(cls, head, hf_config)
-    except (ValueError, KeyError, TypeError, ImportError) as e:
+    except (ValueError, KeyError, TypeError, ImportError, ArithmeticError) as e:
         raise FtpipeError(f"{spec}: cannot use this {model_type} model ({e})") from None
     positions = getattr(hf_config, "max_position_embeddings", 0)
     return ModelSpec(

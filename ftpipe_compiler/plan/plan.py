@@ -34,6 +34,7 @@ from ..costs.cluster import Cluster
 from ..costs.formulas import gpu_memory_bytes, period_s, stage_memory
 from ..errors import FtpipeError, PlanFormatError
 from ..graph.opgraph import _typed, read_json
+from ..units import mib
 from ..version import PLAN_FORMAT, READABLE_FORMATS, __version__
 from .checks import check_plan
 from .parts import PlanParam, Stage, Transfer
@@ -277,5 +278,5 @@ def describe_remat(plan: Plan) -> str:
     where = ", ".join(f"{n} in stage {s}" for s, n in copies.items())
     return (
         f"recomputed instead of sent: {sum(copies.values())} nodes ({where}); "
-        f"{plan.remat_saved_bytes / 1e6:.2f} MB per micro-batch no longer crosses between GPUs"
+        f"{mib(plan.remat_saved_bytes):.2f} MiB per micro-batch no longer crosses between GPUs"
     )

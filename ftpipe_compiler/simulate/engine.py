@@ -1,7 +1,7 @@
 """The event loop under `simulate`: GPUs running action lists, links carrying tensors.
 
     loop = EventLoop(plan, lists, groups, total_mbs=40, timeline_steps=3, micro_batches=4)
-    loop.go()   # then loop.busy, loop.step_end, loop.sent, loop.peak, loop.timeline
+    loop.go()   # then loop.busy, loop.step_end, loop.sent_in, loop.peak, loop.timeline
 
 A GPU starts the head of its list once it is free and the action's inputs are there. A
 finished F puts its tensors on the links (one per ordered GPU pair, one tensor at a time,
@@ -140,7 +140,9 @@ class EventLoop:
         self.start = dict.fromkeys(lists, 0.0)
         self.running = dict.fromkeys(lists, False)
         self.waiting: dict[int, tuple] = {}
-        self.sent = self.net.sent
+        # (GPU, step) -> bytes it sent for that step: the activations and weights its
+        # micro-batches read, the gradients they gave back (per-step figures: `simulator`)
+        self.sent_in: dict[tuple[int, int], int] = {}
         self.busy: dict[int, list[tuple[float, float]]] = {g: [] for g in lists}
         self.step_end: dict[int, dict[int, float]] = {g: {} for g in lists}
         self.held = dict.fromkeys(st, 0)
@@ -214,7 +216,9 @@ class EventLoop:
             self.released.add((grp, step, h))
             self._push(h, t0, t0 + self.step_s[self.lists[h][self.pos[h]].stage])
 
-    def _send(self, src: int, dst: int, nbytes: int, t: float) -> float:
+    def _send(self, src: int, dst: int, nbytes: int, t: float, step: int) -> float:
+        if src != dst:
+            self.sent_in[src, step] = self.sent_in.get((src, step), 0) + nbytes
         return self.net.send(src, dst, nbytes, t)
 
     def complete(self, g: int, t: float) -> None:
@@ -242,7 +246,7 @@ class EventLoop:
     def _deliver(self, g: int, dst: int, nbytes: int, t: float, consumers, mbs) -> None:
         """A tensor leaves GPU g at t for `dst`, where it is an input of `consumers`' forwards
         of micro-batches `mbs`."""
-        arrive = self._send(g, dst, nbytes, t)
+        arrive = self._send(g, dst, nbytes, t, mbs[0] // self.m)
         for c in consumers:
             for i in mbs:
                 self._arrive(self.fcount[c], self.ftime[c], i, arrive, self.need_f[c], ("F", c, i))
@@ -277,7 +281,9 @@ class EventLoop:
             at = m // self.m if per_step else m  # a step's gradients are counted together
             counts[at] += 1
             if counts[at] == n:  # the last consumer on this GPU: send the summed gradient
-                arrive = self._send(g, self.gpu[producer], nbytes, t)
+                arrive = self._send(
+                    g, self.gpu[producer], nbytes, t, at if per_step else at // self.m
+                )
                 to = self.last_b[(producer, at)] if per_step else m
                 self._arrive(
                     self.bcount[producer],

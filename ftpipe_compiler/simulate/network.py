@@ -59,13 +59,11 @@ class Network:
         self.pair_free: dict[tuple[int, int], float] = {}
         self.nic_free: dict[int, float] = {}
         self.dp_free: dict[int, float] = {}
-        self.sent: dict[int, float] = {}
 
     def send(self, src: int, dst: int, nbytes: int, t: float) -> float:
         """When `nbytes` sent from GPU `src` at time t arrive at GPU `dst`."""
         if src == dst:
             return t
-        self.sent[src] = self.sent.get(src, 0) + nbytes
         node = self.node[src]
         if node == self.node[dst]:  # each message costs the link its latency, then its bytes
             start = max(self.pair_free.get((src, dst), 0.0), t)

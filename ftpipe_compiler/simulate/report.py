@@ -16,6 +16,7 @@ from ftpipe_runtime.atomic import write_atomic
 
 from .. import resources
 from ..plan import Plan, describe_remat
+from ..units import gib, mib
 from ..version import __version__
 from .result import SimResult
 
@@ -132,7 +133,7 @@ def memory_chart(plan: Plan, result: SimResult) -> dict:
                 "fill_h": round(level, 2),
                 "over": g.peak_memory_bytes > cap,
                 "label": f"GPU {g.gpu}",
-                "memory": f"{g.peak_memory_bytes / 2**30:.2f} / {cap / 2**30:.2f} GiB",
+                "memory": f"{gib(g.peak_memory_bytes):.2f} / {gib(cap):.2f} GiB",
                 "busy": f"busy {100 * g.busy_fraction:.0f}%",
                 "colour": stage_colour(g.stages[0]) if g.stages else "#ccc",
             }
@@ -173,8 +174,9 @@ def render_report(plan: Plan, result: SimResult, command: str = "", measured=Non
         timeline_steps=min(result.steps, 3),
         competitor_keys=keys,
         competitors=[[_cell(c.get(k, "")) for k in keys] for c in plan.competitors],
-        gib=lambda b: f"{b / 2**30:.2f}",
-        sent_mb=sum(g.bytes_sent for g in result.gpus) / 1e6,
+        gib=lambda b: f"{gib(b):.2f}",
+        mib=lambda b: f"{mib(b):.2f}",
+        sent_bytes=sum(g.bytes_sent for g in result.gpus),
         remat=describe_remat(plan),
     )
 

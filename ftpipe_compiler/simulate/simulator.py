@@ -124,6 +124,7 @@ def _result(plan: Plan, run: EventLoop, name: str, m: int, steps: int, run_steps
     ends = [max(run.step_end[g].get(k, 0.0) for g in lists) for k in range(steps)]
     n = steps // 2
     window = (ends[-1 - n], ends[-1]) if n else (0.0, ends[0])
+    measured = range(steps - n, steps) if n else range(1)  # the steps the window holds
     step_time = (window[1] - window[0]) / max(n, 1)
     busy = {
         g: _overlap(run.busy.get(g, ()), *window) / max(window[1] - window[0], 1e-30)
@@ -137,7 +138,7 @@ def _result(plan: Plan, run: EventLoop, name: str, m: int, steps: int, run_steps
             peak_memory_bytes=plan.gpu_memory(g, in_flight, run.peak_deferred),
             memory_bytes=plan.memory_bytes,
             stages=tuple(s.id for s in plan.stages_on(g)),
-            bytes_sent=round(run.sent.get(g, 0) / run_steps),
+            bytes_sent=round(sum(run.sent_in.get((g, k), 0) for k in measured) / len(measured)),
         )
         for g in range(plan.gpus)
     )

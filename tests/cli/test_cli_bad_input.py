@@ -62,6 +62,40 @@ def _nothing(folder):
     pass
 
 
+def _saved_model(damage):
+    """A tiny GPT-2 folder written by save_pretrained (hf/), then `damage(folder)`."""
+
+    def write(folder):
+        import transformers
+
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                         n_positions=32)  # fmt: skip
+        transformers.GPT2LMHeadModel(config).save_pretrained(folder / "hf")
+        damage(folder / "hf")
+
+    return write
+
+
+def _config_edit(**changes):
+    def edit(hf):
+        config = json.loads((hf / "config.json").read_text())
+        (hf / "config.json").write_text(json.dumps({**config, **changes}))
+
+    return edit
+
+
+def _deberta_classifier(folder):
+    """A DeBERTa-v2 classifier's config without problem_type: its loss picks a branch on the
+    labels' values, which torch.export cannot trace (and prints ~900 lines of graph first)."""
+    import transformers
+
+    config = transformers.DebertaV2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                          intermediate_size=64, vocab_size=128,
+                                          max_position_embeddings=64)  # fmt: skip
+    config.architectures = ["DebertaV2ForSequenceClassification"]
+    config.save_pretrained(folder / "hf")
+
+
 def _set(path, value):
     """An edit setting plan[path[0]][path[1]]... = value."""
 
@@ -129,6 +163,8 @@ CASES = [
     ("profile: --repeats 0", _nothing, [*PROF, "--repeats", "0"], 2, "'--repeats': 0 is not in the range x>=1"),
     ("profile: --memory-limit -1", _nothing, [*PROF, "--memory-limit", "-1"], 2, "'--memory-limit': -1.0 is not in the range x>0"),
     ("profile: -o in a missing folder", _nothing, [*PROF, "-o", "no/g.json"], 1, "cannot write the graph no/g.json: the folder no does not exist"),
+    ("profile: a model torch.export cannot trace", _deberta_classifier, ["profile", "-m", "hf", "--seq-len", "32"], 1, "torch.export could not trace hf: GuardOnDataDependentSymNode"),
+    ("profile: a forward that branches on its data", _nothing, ["profile", "-m", "zoo_fixtures:untraceable_model"], 1, "torch.export could not trace zoo_fixtures:untraceable_model: GuardOnDataDependentSymNode"),
     ("profile: the model function raises", _nothing, ["profile", "-m", "zoo_fixtures:raising_model"], 1, "your model function zoo_fixtures:raising_model raised ValueError: no weights in /nowhere"),
     ("profile: the forward raises", _nothing, ["profile", "-m", "zoo_fixtures:forward_raises_model"], 1, "your model's forward raised RuntimeError"),
     ("profile: a function that is not there", _nothing, ["profile", "-m", "zoo_fixtures:nope"], 1, "cannot load model function 'zoo_fixtures:nope'"),
@@ -139,6 +175,9 @@ CASES = [
     ("compile: --cluster and --gpus-per-node", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "4", "--cluster", "c.json", "--gpus-per-node", "2", "-o", "new"], 2, "give --cluster or --gpus-per-node, not both"),
     ("compile: a missing cluster file", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "4", "--cluster", "none.json", "-o", "new"], 1, "cannot read the cluster file none.json"),
     ("compile: --replicas not dividing --gpus", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "4", "--replicas", "3", "-o", "new"], 2, "--replicas 3 does not divide --gpus 4"),
+    ("compile: -2 layers in config.json", _saved_model(_config_edit(n_layer=-2)), ["compile", "-m", "hf", "-g", "2", "--seq-len", "16", "-o", "new"], 1, "hf: config.json says n_layer -2, which no model can have"),
+    ("compile: weights of random bytes", _saved_model(lambda hf: (hf / "model.safetensors").write_bytes(bytes(range(256)) * 20)), ["compile", "-m", "hf", "-g", "2", "--seq-len", "16", "-o", "new"], 1, "hf/model.safetensors is not a readable safetensors file"),
+    ("compile: a config of fewer layers than its weights", _saved_model(_config_edit(n_layer=1)), ["compile", "-m", "hf", "-g", "2", "--seq-len", "16", "-o", "new"], 1, "hf: the weights are not those of the model its config.json describes: transformer.h.1 not in the model"),
     ("compile: an unknown task", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "2", "-t", "nope", "-o", "new"], 1, "unknown task 'nope'; choose from"),
 ]  # fmt: skip
 
@@ -163,6 +202,15 @@ def test_bad_input(case, setup, argv, code, message, files, tmp_path, monkeypatc
         assert r.output.count("\n") == 1, r.output  # one sentence, on one line
     assert _snapshot(tmp_path) == before
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporaries
+
+
+def test_debug_shows_what_the_exporter_printed(tmp_path, monkeypatch):
+    """The partial graph a failed export prints is dropped, and shown with --debug."""
+    monkeypatch.chdir(tmp_path)
+    _deberta_classifier(tmp_path)
+    r = CliRunner().invoke(cli, ["--debug", "profile", "-m", "hf", "--seq-len", "32"])
+    assert type(r.exception).__name__ == "TraceError"
+    assert "def forward(self" in r.output and r.output.count("\n") > 100
 
 
 def test_one_line_from_the_installed_command_too(files, tmp_path):

@@ -87,6 +87,9 @@ CASES = [
     ("empty text file", {**TOK, "d.jsonl": _bytes(b"")}, ["--data", "d.jsonl", *TOK_ARG], 1, "d.jsonl is empty; give one sample per line or row"),
     ("only empty texts", {**TOK, "d.txt": _lines("", "  ")}, ["--data", "d.txt", *TOK_ARG], 1, "d.txt holds only empty texts"),
     ("over-long text", {**TOK, "d.jsonl": _lines('{"text": "one two"}', '{"text": "one two three four five six seven"}')}, ["--data", "d.jsonl", *TOK_ARG], 1, "d.jsonl sample 2 has 8 tokens of input_ids, more than the 6 the package was compiled for; pass --truncate to cut such texts, or compile again with a longer --seq-len"),
+    ("invalid UTF-8 in .jsonl", {**TOK, "d.jsonl": _bytes(b'{"text": "one two"}\n{"text": "one \xe9 two"}\n')}, ["--data", "d.jsonl", *TOK_ARG], 1, "d.jsonl line 2 \\(byte 34\\) is not UTF-8 text \\(invalid continuation byte\\); save the file as UTF-8"),
+    ("invalid UTF-8 in .csv", {**TOK, "d.csv": _bytes(b"text\none two\n\xff\n")}, ["--data", "d.csv", *TOK_ARG], 1, "d.csv line 3 \\(byte 13\\) is not UTF-8 text"),
+    ("a .txt cut inside a character", {**TOK, "d.txt": _bytes("one two\nthree €".encode()[:-1])}, ["--data", "d.txt", *TOK_ARG], 1, "d.txt line 2 \\(byte 14\\) is not UTF-8 text \\(unexpected end of data\\)"),
     ("a number as text", {**TOK, "d.jsonl": _lines('{"text": 7}')}, ["--data", "d.jsonl", *TOK_ARG], 1, "d.jsonl sample 1: field 'text' holds int, not text"),
     ("unreadable csv", {**TOK, "d.parquet": _bytes(b"PAR1 not really")}, ["--data", "d.parquet", *TOK_ARG], 1, "d.parquet cannot be read as parquet"),
     ("no tokenizer", {"d.jsonl": _lines('{"text": "one two"}')}, ["--data", "d.jsonl"], 1, "text data needs the model's tokenizer, and the plan names no model folder; pass --tokenizer FOLDER"),
@@ -201,6 +204,7 @@ def package(tmp_path_factory):
     return generate_package(traced, graph, plan, spec, tmp_path_factory.mktemp("pkg"), "pytest")
 
 
+@pytest.mark.parametrize("command", [["--steps", "1"], ["--check"]], ids=["train", "check"])
 @pytest.mark.parametrize(
     "damage, message",
     [
@@ -208,14 +212,15 @@ def package(tmp_path_factory):
         (lambda text: text.replace('"format": 2', '"format": 7'), "has format 7"),
     ],
 )
-def test_a_package_with_a_damaged_plan_says_so_in_one_line(package, damage, message, tmp_path):
+def test_a_package_with_a_damaged_plan_says_so_in_one_line(package, damage, message, command):
+    """Training and `--check` read plan.json the same way (`topology.read_plan`)."""
     plan_file = package / "plan.json"
     good = plan_file.read_text()
     try:
         plan_file.write_text(damage(good))
         env = {"PYTHONPATH": RUNTIME_HOME, "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
         out = subprocess.run(
-            [sys.executable, "-m", package.name, "--steps", "1"],
+            [sys.executable, "-m", package.name, *command],
             cwd=package.parent,
             env=env,
             capture_output=True,

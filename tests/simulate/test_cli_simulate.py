@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 
+import pytest
 from click.testing import CliRunner
 
 from ftpipe_compiler.cli import cli
@@ -177,3 +179,31 @@ def test_compare_sets_a_run_beside_the_simulation(plan_factory, tmp_path):
     assert r.exit_code == 1 and "the trace is of 2 GPUs, the plan has 3" in r.output
     r = run(path, "--compare", path)
     assert r.exit_code == 1 and "is not an ftpipe trace" in r.output and "Traceback" not in r.output
+
+
+def test_compile_and_simulate_print_the_same_figures_in_binary_units(tmp_path):
+    """One plan, one set of figures: compile simulates 20 steps, `ftpipe simulate` 10, and
+    both print the same per-step bytes, step time and samples/s; sizes in MiB and GiB."""
+    out = tmp_path / "out"
+    r = CliRunner().invoke(cli, ["compile", "-m", "gpt2-tiny", "-g", "2", "--schedule", "2bw",
+                                 "-p", "even-layers", "-o", str(out), "--json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    compiled = json.loads(r.output[r.output.index("{") :])["simulated"]
+    r = run(out / "plan.json", "--json")
+    assert r.exit_code == 0, r.output
+    simulated = json.loads(r.output)
+    for key in ("step_time_s", "samples_per_s", "bubble_fraction"):
+        assert simulated[key] == pytest.approx(compiled[key], rel=1e-12), key  # sums differ
+    assert [g["bytes_sent"] for g in simulated["gpus"]] == [
+        g["bytes_sent"] for g in compiled["gpus"]
+    ]
+    sent = sum(g["bytes_sent"] for g in compiled["gpus"])
+    # The lines people read: simulate's, compile's report and the package's README.
+    said = run(out / "plan.json").output
+    report = (out / "report.html").read_text()
+    readme = (out / "gpt2_tiny_pipeline" / "README.md").read_text()
+    assert f"{sent / 2**20:10.2f} MiB per step (all GPUs)" in said
+    assert f"<td>sent between GPUs</td><td>{sent / 2**20:.2f} MiB per step</td>" in report
+    assert f"{compiled['gpus'][0]['bytes_sent'] / 2**20:.2f} |" in readme
+    for text in (said, report, readme):
+        assert not re.search(r"\bMB\b", text)

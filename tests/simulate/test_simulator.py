@@ -115,10 +115,9 @@ def test_a_weight_read_by_two_stages_travels_once_per_version(plan_factory, sche
         plan_factory([(1.0, 2.0, 1.0)] * 3, tied=[(0, 2)], tied_bytes=500, **kw), steps=3
     )
     assert tied.step_time_s == pytest.approx(plain.step_time_s, rel=1e-9)
-    # 2BW runs steps 0 and 1 on version 0: 3 versions in the 4 steps it simulates (3 and
-    # one more, so that no measured step is its drain).
-    weight = 375 if schedule == "2bw" else 500
-    assert tied.gpus[0].bytes_sent == plain.gpus[0].bytes_sent + weight  # per step
+    # Per step of the steady state (2BW runs steps 0 and 1 on version 0: its step 1 sends
+    # no weight, and is no step of the measured window).
+    assert tied.gpus[0].bytes_sent == plain.gpus[0].bytes_sent + 500  # per step
     assert tied.gpus[2].bytes_sent == plain.gpus[2].bytes_sent + 500  # its gradient
     # As before weights went once per version: with each micro-batch, and each gradient back.
     each = simulate(
@@ -133,6 +132,19 @@ def test_a_weight_read_by_two_stages_travels_once_per_version(plan_factory, sche
         plan_factory([(1.0, 2.0, 1.0)] * 3, gpu_of=[0, 1, 0], tied=[(0, 2)], **kw), steps=3
     )
     assert local.gpus[0].bytes_sent == plain.gpus[0].bytes_sent
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "ftpipe", "2bw", "zb1p"])
+def test_bytes_per_step_do_not_depend_on_the_steps_simulated(plan_factory, schedule):
+    """Bytes per step are those of the measured (steady) steps: `ftpipe compile` (20 steps)
+    and `ftpipe simulate` (10) say the same of one plan. Before, the bytes of every step run
+    (warm-up, and an asynchronous pipeline's extra steps) were averaged: under 2BW, whose
+    tied weight goes once per version from step 2 on, GPU 0 sent 4,375 bytes per step over 3
+    steps and 4,455 over 10, where a steady step sends 4,500."""
+    plan = plan_factory([(1.0, 2.0, 1.0)] * 3, nbytes=1000, tied=[(0, 2)], tied_bytes=500,
+                        schedule=schedule, micro_batches=4)  # fmt: skip
+    sent = {n: [g.bytes_sent for g in simulate(plan, steps=n).gpus] for n in (3, 10, 20)}
+    assert sent[3] == sent[10] == sent[20] == [4 * 1000 + 500, 4 * 2 * 1000, 4 * 1000 + 500]
 
 
 def test_memory_is_the_plan_memory_model_with_the_schedule_in_flight(plan_factory):
