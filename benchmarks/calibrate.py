@@ -16,6 +16,13 @@ What the simulator charges and where it comes from (`configs/hardware/<name>.jso
   all-reduce apart) on one thread, fastest of `steps`: 16 block-sized tensors, and one
   embedding-sized one.
 
+- `peak_flops_16bit`: what bf16 and fp16 math reach against fp32's `peak_flops`, by the
+  ratio of one thread's `MATMUL` x `MATMUL` matmul times (fastest of `matmul_runs`), with the
+  date and the CPU's 16-bit flags (`avx512_bf16`, `amx_bf16`, `avx512_fp16`, ...) beside
+  it: a CPU without bf16 instructions runs a bf16 matmul tens of times slower than fp32,
+  and a plan costed at the fp32 rate would be that optimistic.
+  `--only matmul` measures and stores this part alone.
+
 - the node section's `intra_node` link (the data-parallel all-reduce): `latency_s` and the
   bandwidth each buffer size reaches, `allreduce_bandwidth`. 2 ranks all-reduce 1 to 100 MB
   (`allreduce.bench`) `allreduce_runs` times; each size's median is fitted by `fit` for the
@@ -27,6 +34,7 @@ Run it on a quiet machine: other processes on the same cores make everything loo
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import re
 import statistics
@@ -38,6 +46,8 @@ import ftpipe_runtime  # noqa: F401 - before torch loads: the CPU allocator a ru
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 SMALL = (256, 1024)  # a transformer block's matrix: its step stays in cache
 LARGE = (50257, 256)  # GPT-2's embedding: its step streams from memory
+MATMUL = 1024  # the side of the square matmul that compares 16-bit math with fp32
+SIXTEEN_BIT = ("bfloat16", "float16")
 
 
 def fit(rows, times) -> tuple[float, float]:
@@ -122,6 +132,43 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=0)
 
 
+def measure_matmul(runs: int) -> dict:
+    """Seconds of one thread's MATMUL x MATMUL matmul in fp32 and each 16-bit dtype (the
+    fastest of `runs`), and the CPU's flags naming 16-bit math."""
+    import torch
+
+    torch.set_num_threads(1)  # as one rank runs
+    out = {"n": MATMUL, "flags": sixteen_bit_flags()}
+    for name in ("float32", *SIXTEEN_BIT):
+        a, b = (torch.randn(MATMUL, MATMUL).to(getattr(torch, name)) for _ in range(2))
+        a @ b  # warm
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - start)
+        out[f"{name}_s"] = min(times)
+    return out
+
+
+def sixteen_bit_flags() -> list[str]:
+    """The CPU's instruction-set flags with bf16 or fp16 in their name (Linux), sorted."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
+                  if line.startswith("flags")), [])  # fmt: skip
+    return sorted({f for f in flags if "bf16" in f or "fp16" in f})
+
+
+def sixteen_bit_peaks(peak_flops: float, matmul: dict) -> dict:
+    """`peak_flops_16bit`: fp32's peak scaled by how much faster (or slower) each 16-bit
+    dtype's matmul ran."""
+    fp32 = matmul["float32_s"]
+    return {name: float(f"{peak_flops * fp32 / matmul[f'{name}_s']:.3g}") for name in SIXTEEN_BIT}
+
+
 def measure_allreduce(runs: int, work: Path) -> dict:
     """2 ranks' all-reduce, each size's median of `runs` runs: the latency `fit` finds, and
     the bandwidth each size reaches after it (ring: 2(d-1)/d of the bytes cross each link)."""
@@ -141,19 +188,26 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=10, help="optimizer steps timed")
     ap.add_argument("--optimizer", default="adamw")
     ap.add_argument("--allreduce-runs", type=int, default=5, help="all-reduce runs (median)")
+    ap.add_argument("--matmul-runs", type=int, default=5, help="matmuls per dtype (fastest)")
+    ap.add_argument("--only", choices=["matmul"], help="measure and store only this part")
     ap.add_argument("--work", default=str(ROOT / "out" / "calibrate"))
     args = ap.parse_args(argv)
     path = ROOT / "configs" / "hardware" / f"{args.write}.json" if args.write else None
     hw = json.loads(path.read_text()) if path else None  # a bad name fails before measuring
     work = Path(args.work)
-    link = measure_link(args.rounds, work)
-    step = measure_step(args.optimizer, args.steps)
-    allreduce = measure_allreduce(args.allreduce_runs, work)
-    print(json.dumps({"link": link, "step": step, "allreduce": allreduce}, indent=1))
+    matmul = measure_matmul(args.matmul_runs)
+    if args.only is None:
+        link = measure_link(args.rounds, work)
+        step = measure_step(args.optimizer, args.steps)
+        allreduce = measure_allreduce(args.allreduce_runs, work)
+        print(json.dumps({"link": link, "step": step, "allreduce": allreduce}, indent=1))
+    print(json.dumps({"matmul": matmul}, indent=1))
     if path:
         from ftpipe_runtime.atomic import write_atomic
 
-        _store(hw, args, link, step, allreduce)
+        if args.only is None:
+            _store(hw, args, link, step, allreduce)
+        _store_matmul(hw, args, matmul)
         text = json.dumps(hw, indent=2)  # one [bytes, bandwidth] pair per line:
         write_atomic(path, re.sub(r"\[\s+(\S+),\s+(\S+)\s+\]", r"[\1, \2]", text) + "\n")
         print(f"wrote {path}")
@@ -182,6 +236,21 @@ def _store(hw: dict, args, link: dict, step: dict, allreduce: dict) -> None:
         "GB/s beyond"
     )
     hw["sources"] = [s for s in hw.get("sources", []) if not s.startswith(note[:40])]
+    hw["sources"].append(note)
+
+
+def _store_matmul(hw: dict, args, matmul: dict) -> None:
+    hw["peak_flops_16bit"] = sixteen_bit_peaks(hw["peak_flops"], matmul)
+    n, fp32 = matmul["n"], matmul["float32_s"]
+    slower = ", ".join(f"{name} {matmul[f'{name}_s'] / fp32:.0f}x" for name in SIXTEEN_BIT)
+    flags = ", ".join(matmul["flags"]) or "none"
+    note = (
+        f"16-bit rates measured by python -m benchmarks.calibrate on {datetime.date.today()}: "
+        f"a {n} x {n} matmul on one thread (fastest of {args.matmul_runs}) took "
+        f"{fp32 * 1e3:.0f} ms in fp32; {slower} slower; the CPU's bf16/fp16 flags: {flags}; "
+        "peak_flops_16bit is peak_flops scaled by those ratios"
+    )
+    hw["sources"] = [s for s in hw.get("sources", []) if not s.startswith(note[:30])]
     hw["sources"].append(note)
 
 

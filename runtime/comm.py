@@ -1,9 +1,9 @@
 """Messages between ranks: point-to-point transfers in a fixed order, and the few collectives.
 
-    init_distributed(rank, world, "cpu", "file:///tmp/x/store", setup_s=60)
-    comm = Comm(gpu, gpus, device, timeout_s, flow, spec_of, replicas, replica)
+    init_distributed(rank, world, "cpu", live.pg_store, backstop(hang_s))
+    comm = Comm(gpu, gpus, device, backstop_s, flow, spec_of, replicas, replica)
     comm.send(1, ("act", "add_7", 3), tensor)      # non-blocking
-    x = comm.recv(0, ("act", "add_7", 3))           # waits at most timeout_s, then PeerFailure
+    x = comm.recv(0, ("act", "add_7", 3))           # waits while rank 0 lives, else PeerFailure
     work = comm.all_reduce_async(flat, ranks)       # gradient buckets with the replicas
 
 Ranks in `send`, `recv` and `all_reduce` are the pipeline's GPUs (`rank`, `world`: this
@@ -23,6 +23,10 @@ would otherwise fill a byte window with thousands of receives, whose buffers and
 derivation would make start-up grow with the run's length. Gloo and NCCL move a message once its receive is posted,
 so a message posted ahead arrives while this rank computes instead of when it asks for it;
 the window bounds the memory that costs (`--post-ahead` MB).
+
+No wait has a deadline of its own: a receive posted long before its send may wait as long
+as its sender lives and progresses (`ftpipe_runtime.liveness` decides that a peer is gone,
+and ends a waiting rank then); the process groups' timeout (`timeout_s`) is a backstop.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from . import liveness
 from .dataflow import Dataflow, Key
 from .errors import PeerFailure
 
@@ -42,23 +47,20 @@ POST_AHEAD_BYTES = 256 * 2**20  # per source: buffers of messages posted before 
 POST_AHEAD_MESSAGES = 64  # per source: a few steps of any plan's messages
 
 
-def init_distributed(rank: int, world: int, device: str, init_method: str, setup_s: float) -> None:
+def init_distributed(rank: int, world: int, device: str, store, timeout: timedelta) -> None:
+    """The default process group on `store` (the liveness store's, after the ranks met), with
+    `timeout` its own deadline: a backstop (`liveness.backstop`), since liveness decides."""
     if world == 1 or dist.is_initialized():
         return
-    backend = "nccl" if device == "cuda" else "gloo"
     try:
-        dist.init_process_group(
-            backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=setup_s),
-        )
-    except Exception as e:  # noqa: BLE001 - any rendezvous failure means a peer never came
-        raise PeerFailure(
-            f"rank {rank} waited {setup_s:g} s (--timeout) for the other {world - 1} rank(s) to "
-            f"meet; is one stopped, or not started? ({_short(e)})"
-        ) from e
+        with liveness.waiting("connecting to the other ranks"):
+            dist.init_process_group(
+                _BACKENDS[device][0], store=store, rank=rank, world_size=world, timeout=timeout
+            )
+    except PeerFailure:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure to connect means a peer is gone
+        raise liveness.failure(f"rank {rank} could not connect to the other ranks", e) from e
 
 
 def describe(key: Key) -> str:
@@ -82,6 +84,9 @@ class _Sent(NamedTuple):
 
 
 class Comm:
+    """This rank's messages; `timeout_s` is the process groups' own deadline, a backstop
+    (`liveness.backstop`: liveness decides that a peer is gone)."""
+
     def __init__(
         self,
         rank: int,
@@ -130,6 +135,16 @@ class Comm:
         the replicas of a GPU), and a loss channel from each replica's loss GPU to rank 0."""
         if self.world_size == 1:
             return
+        what = "creating the process groups with the other ranks"
+        try:
+            with liveness.waiting(what):
+                self._make_groups(rank_sets, loss_rank, job_sets)
+        except PeerFailure:
+            raise
+        except RuntimeError as e:  # torch.distributed's errors: a peer went meanwhile
+            raise liveness.failure(f"gave up {what}", e) from e
+
+    def _make_groups(self, rank_sets, loss_rank: int, job_sets) -> None:
         t = self.timeout
         for r, ranks in enumerate(self.pipelines):
             for src, dst in self.flow.peers():
@@ -140,9 +155,9 @@ class Comm:
         sets |= {tuple(sorted(s)) for s in job_sets}
         for ranks in sorted(s for s in sets if len(s) > 1):
             self.groups[ranks] = dist.new_group(list(ranks), timeout=t)
-        for ranks in self.pipelines:  # steps may take long: losses have no deadline of their own
+        for ranks in self.pipelines:
             if ranks[loss_rank] != 0:
-                group = dist.new_group([0, ranks[loss_rank]], timeout=timedelta(days=1))
+                group = dist.new_group([0, ranks[loss_rank]], timeout=t)
                 self.loss_groups[ranks[loss_rank]] = group
         self._connect()  # needed by NCCL, harmless (and so tested) on gloo
         self.post_ahead()
@@ -297,17 +312,39 @@ class Comm:
         return self.groups[ranks]
 
     def wait(self, work, what: str) -> None:
-        """Wait for `work` at most the timeout; a peer that stopped is a PeerFailure. The
-        seconds add up in `waited` (a trace tells an action's waits from its compute)."""
+        """Wait for `work` as long as the peers live (`liveness`); a peer that stopped is a
+        PeerFailure. The seconds add up in `waited` (a trace tells an action's waits from
+        its compute)."""
         t = time.perf_counter()
         try:
-            work.wait(timeout=self.timeout)
+            with liveness.waiting(what):
+                _BACKENDS[self.device.type][1](work)
+        except PeerFailure:
+            raise
         except Exception as e:  # noqa: BLE001 - gloo and NCCL raise several types
-            raise PeerFailure(f"gave up {what}: {_short(e)}") from e
+            raise liveness.failure(f"gave up {what}", e) from e
         finally:
             self.waited += time.perf_counter() - t
 
 
-def _short(e: Exception) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    return text if len(text) < 200 else text[:200] + "..."
+def _block(work) -> None:
+    """Gloo: wait in C++ (the watchdog ends the process if a peer goes meanwhile). Only a
+    wait tells that a point-to-point message went (`is_completed` stays False until then),
+    and a wait with a timeout that expires closes the pair for good (measured on torch 2.13:
+    "Application timeout caused pair closure"), so no wait here is sliced."""
+    work.wait()
+
+
+def _poll(work) -> None:
+    """NCCL: `wait` only orders the compute stream after the message, and a wait with a
+    timeout may abort the communicator; the CPU polls until the message is there, as
+    the rank used to block for it, where the watchdog sees it wait."""
+    pause = 1e-5
+    while not work.is_completed():
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)
+    work.wait()
+
+
+# Per device: the backend, and how the main thread waits for a message or a collective.
+_BACKENDS = {"cpu": ("gloo", _block), "cuda": ("nccl", _poll)}

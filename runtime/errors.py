@@ -13,7 +13,12 @@ class ScheduleError(PipelineConfigError):
 
 
 class PeerFailure(RuntimeError):
-    """Another rank died or stopped answering; the message names the rank waited for."""
+    """Another rank died, stopped or hung; the message names it and what this rank waited
+    for. `code`: the exit code that follows (130 when the run was interrupted by Ctrl-C)."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
 
 
 class WriteFailed(OSError):

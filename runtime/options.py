@@ -183,7 +183,17 @@ def _running(p, plan: dict) -> None:
         "--timeout",
         type=number(float, 0, above=True),
         default=60.0,
-        help="seconds to wait for a peer before giving up (default 60)",
+        help="seconds without a heartbeat from a rank (killed, stopped, its machine lost) "
+        "before the others give up on it (default 60); a rank that is only slow keeps beating, "
+        "so no single wait has a deadline",
+    )
+    run.add_argument(
+        "--hang-timeout",
+        type=number(float, 0, above=True),
+        default=1800.0,
+        help="seconds in which no rank progresses, one of them busy (a hung kernel, a stuck "
+        "disk), before the others stop naming it (default %(default)g); raise it for a step, "
+        "a checkpoint or --save-hf that takes longer",
     )
     run.add_argument(
         "--post-ahead",
@@ -196,6 +206,9 @@ def _running(p, plan: dict) -> None:
         "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"
     )
     run.add_argument("--init-method", default="env://", help="torch.distributed rendezvous")
+    run.add_argument(
+        "--debug", action="store_true", help="print the traceback of an error before its sentence"
+    )
 
 
 def _outputs(p, plan: dict) -> None:

@@ -5,20 +5,23 @@ the run needs outside the schedule (gather, barrier, agreeing to start), and how
     agree_to_start(failure, rank, world)         # every rank learns who could not start
     first = all_gather(value, world)             # a small picklable value from every rank
 
-A collective whose peer died raises `PeerFailure` naming what the rank waited for; `die`
-ends the process at once (a process group with a dead member cannot be shut down cleanly).
+A collective waits as long as the peers live (`liveness`); one whose peer is gone raises
+`PeerFailure` naming what the rank waited for. `die` (`liveness.die`) is the one way a rank
+stops: peers told, one line, an exit code (a process group with a dead member cannot be
+shut down cleanly).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from . import liveness
 from .errors import PeerFailure, PipelineConfigError
+from .liveness import die
 from .replicas import Replicas, launch_hint
 
 __all__ = ["Place", "agree_to_start", "all_gather", "barrier", "die", "fault_of"]
@@ -58,12 +61,6 @@ class Place:
         return cls(rank, world, replica, gpu, where, reps)
 
 
-def die(message: str, code: int):
-    print(message, file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(code)
-
-
 def agree_to_start(failure: Exception | None, rank: int, world: int) -> None:
     """Every rank learns whether every other could start; the first that could not is named."""
     said = None if failure is None else str(failure) or type(failure).__name__
@@ -83,25 +80,33 @@ def all_gather(value, world: int, what: str = "choosing a checkpoint") -> list:
         return [value]
     out = [None] * world
     try:
-        dist.all_gather_object(out, value)
+        with liveness.waiting(f"waiting for every rank while {what}"):
+            dist.all_gather_object(out, value)
+    except PeerFailure:
+        raise
     except Exception as e:  # noqa: BLE001
-        raise PeerFailure(f"a rank vanished while {what} ({e})") from e
+        raise liveness.failure(f"a rank vanished while {what}", e) from e
     return out
 
 
 def barrier(world: int, what: str) -> None:
     if world > 1:
         try:
-            dist.barrier()
+            with liveness.waiting(f"waiting for every rank while {what}"):
+                dist.barrier()
+        except PeerFailure:
+            raise
         except Exception as e:  # noqa: BLE001
-            raise PeerFailure(f"a rank never arrived while {what} ({e})") from e
+            raise liveness.failure(f"a rank never arrived while {what}", e) from e
 
 
 def fault_of(rank: int):
-    """(step, mode) from FTPIPE_FAULT=rank:step:mode: stop after this rank's last S of step
-    (for the tests of a peer that exits or hangs)."""
+    """(step, mode, seconds) from FTPIPE_FAULT=rank:step:mode[:seconds], after this rank's
+    last action of `step`: exit, hang (alive, never progressing), raise (an unexpected
+    error) or slow (busy that many seconds, then on), for the tests of a peer that fails
+    or is only slow."""
     text = os.environ.get("FTPIPE_FAULT", "")
     if not text:
         return None
-    r, step, mode = text.split(":")
-    return (int(step), mode) if int(r) == rank else None
+    r, step, mode, *seconds = text.split(":")
+    return (int(step), mode, float(seconds[0]) if seconds else 0.0) if int(r) == rank else None

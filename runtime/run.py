@@ -10,11 +10,16 @@ places `replicas` copies of the pipeline on the ranks (`ftpipe_runtime.replicas`
 runs one GPU of one replica, reads that replica's share of every batch, and sums its
 stages' gradients with the same GPU of the other replicas before each step. The actions are
 made a step window at a time (`schedules.Timeline`), so starting takes as long for 100,000 steps as for
-10. A peer that dies or stops answering makes this rank print which rank it waited for and
-exit with status 1 (`os._exit`: a process group with a dead member cannot be shut down
-cleanly); a rank that cannot start (a wrong `--init`, say) tells the others when they meet,
-and they all stop naming it. Every wait, the meeting included, lasts at most --timeout.
-FTPIPE_FAULT=rank:step:exit|hang makes a rank fail after that step, for tests of exactly that.
+10. Whether a peer is gone is decided by its heartbeat (`liveness`), not by how long one
+wait lasted: no heartbeat for --timeout, a rank that said it stopped, or no rank progressing
+for --hang-timeout while one is busy. Every way a rank stops is one line on stderr, the
+peers told, and an exit code: 1 for a failure (bad input, a lost peer, a failed write, an
+unexpected error: --debug shows its traceback), 130 for Ctrl-C (and on the peers of an
+interrupted rank), 3 for FTPIPE_FAULT's exit (`os._exit`: a process group with a dead
+member cannot be shut down cleanly). A rank that cannot start (a wrong `--init`, say) tells
+the others when they meet, and they all stop naming it.
+FTPIPE_FAULT=rank:step:exit|hang|raise|slow[:seconds] makes a rank exit, hang, raise an
+unexpected error or stall after that step, for tests of exactly that.
 """
 
 from __future__ import annotations
@@ -22,11 +27,12 @@ from __future__ import annotations
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch.distributed as dist
 
-from . import checkpoint
+from . import checkpoint, liveness
 from .assemble import load_checkpoint, make_executor, make_stepper
 from .atomic import remove_temporaries
 from .comm import Comm, init_distributed
@@ -35,12 +41,13 @@ from .elastic import Carried, Shrinks, load_carried
 from .errors import PeerFailure, PipelineConfigError, WriteFailed
 from .evaluate import listen_for_losses, splicer
 from .finetune import open_sources
+from .liveness import INTERRUPTED, die
 from .mode import TrainingMode, segment_line, segment_row
 from .optim import lr_at
 from .options import parse_args
 from .precision import for_run, plan_in
 from .prepare import lr_changes, prepare_rank
-from .ranks import Place, agree_to_start, all_gather, barrier, die, fault_of
+from .ranks import Place, agree_to_start, all_gather, barrier, fault_of
 from .replicas import Shard
 from .report import Progress
 from .saver import Saver
@@ -75,13 +82,41 @@ def run(plan: dict | str | os.PathLike, stages: dict, argv: list[str] | None = N
         carried = None
         while isinstance(got := _Run(plan, stages, args, rank, mode, carried).train(), Carried):
             carried, plan, stages = got, got.plan, got.stages
-        return got
-    except PeerFailure as e:
-        die(f"ftpipe rank {rank}: {e}", 1)
-    except (PipelineConfigError, WriteFailed) as e:
-        if dist.is_initialized():  # the others would wait for this rank: do not linger
-            die(f"ftpipe rank {rank}: {e}", 1)
-        raise SystemExit(f"ftpipe: {e}") from None
+    except BaseException as e:  # noqa: BLE001 - every way out: one line, peers told, a code
+        _stop(e, args.debug)
+    if (live := liveness.current()) is not None:
+        live.close()
+    return got
+
+
+def _stop(e: BaseException, debug: bool):
+    """End this rank after `e` with one sentence and its exit code (README: exit codes): at
+    once, the others told, where they watch this rank; else (before the ranks meet, where
+    each finds the same bad input, or on one rank) a plain exit."""
+    why, code = _sentence(e, debug)
+    if liveness.current() is not None or dist.is_initialized():
+        if debug:
+            traceback.print_exception(e)
+        die(why, code)
+    if debug or isinstance(e, SystemExit):
+        raise e
+    if code != 1:
+        print(f"ftpipe: {why}", file=sys.stderr, flush=True)
+        raise SystemExit(code) from None
+    raise SystemExit(f"ftpipe: {why}") from None
+
+
+def _sentence(e: BaseException, debug: bool) -> tuple[str, int]:
+    if isinstance(e, KeyboardInterrupt):
+        return INTERRUPTED
+    if isinstance(e, PeerFailure):
+        return str(e), e.code
+    if isinstance(e, (PipelineConfigError, WriteFailed)):
+        return str(e), 1
+    if isinstance(e, SystemExit):
+        return (e.code, 1) if isinstance(e.code, str) else ("stopped", e.code or 0)
+    where = "" if debug else " (--debug shows where)"
+    return f"unexpected error: {type(e).__name__}: {liveness.short(e)}{where}", 1
 
 
 class _Run:
@@ -155,13 +190,24 @@ class _Run:
         """This rank's own set-up, then the meeting (where a rank that failed is named), then
         the step to start from (--resume)."""
         args, place = self.args, self.place
+        # Beating from the start: a rank that loads its weights for minutes is waited for.
+        live = liveness.start(
+            place.rank,
+            place.world,
+            args.init_method,
+            timeout_s=args.timeout,
+            hang_s=args.hang_timeout,
+        )
         failure = None
         try:
             made = prepare_rank(self, place.rank, place.gpu)
             self.modules, self.optimizers, self.mixed, self.exporter, self.runlog = made
         except Exception as e:  # noqa: BLE001 - told to the other ranks first, then raised
             failure = e
-        init_distributed(place.rank, place.world, place.device.type, args.init_method, args.timeout)
+        if live is not None and not dist.is_initialized():
+            live.meet()
+            backstop = liveness.backstop(args.hang_timeout)
+            init_distributed(place.rank, place.world, place.device.type, live.pg_store, backstop)
         agree_to_start(failure, place.rank, place.world)
         self.manifest = None
         if args.resume:
@@ -191,8 +237,9 @@ class _Run:
         args, topo, place, reps = self.args, self.topo, self.place, self.place.reps
         rounds = dict(data=self.sources.eval, steps=args.steps, every=args.eval_every)
         self.flow = Dataflow(topo, self.timeline, splicer(topo, self.m, first=self.first, **rounds))
+        backstop = liveness.backstop(args.hang_timeout).total_seconds()
         self.comm = Comm(
-            place.gpu, topo.world, place.device, args.timeout, self.flow, _message_specs(topo),
+            place.gpu, topo.world, place.device, backstop, self.flow, _message_specs(topo),
             reps, place.replica, ahead_bytes=int(args.post_ahead * 2**20),
         )  # fmt: skip
         freezing = self.mode.freezing
@@ -250,10 +297,16 @@ class _Run:
 
         def after(i, item):
             if fault and item.ends_step == fault[0]:
+                _, mode, seconds = fault
+                if mode == "slow":  # busy, alive: its peers wait on
+                    time.sleep(seconds)
+                    return
+                if mode == "raise":  # an error nobody foresaw
+                    raise RuntimeError("FTPIPE_FAULT raises")
                 comm.finish()
-                if fault[1] == "hang":
+                if mode == "hang":  # alive (its heartbeat goes on) but never progressing
                     time.sleep(3600)
-                die(f"ftpipe rank {place.rank}: FTPIPE_FAULT stops this rank", 3)
+                die("FTPIPE_FAULT stops this rank", 3)
 
         barrier(place.world, "starting")
         self.executor.tracer = self.tracer = Tracer(comm, keep=bool(args.trace))
@@ -262,10 +315,13 @@ class _Run:
         start = time.perf_counter()
         self.executor.run(self.flow.actions(place.gpu), after)
         if listener is not None:
-            listener.join(args.timeout)
-            if listener.is_alive() or comm.listener_error:
-                why = comm.listener_error or f"nothing for {args.timeout:.0f} s"
-                raise PeerFailure(f"rank 0 gave up waiting for the losses of the loss stage: {why}")
+            loss = ", ".join(map(str, sorted(comm.loss_groups)))
+            with liveness.waiting(f"waiting for the losses of the loss stage (rank {loss})"):
+                listener.join()
+            if comm.listener_error:
+                raise liveness.failure(
+                    "rank 0 gave up waiting for the losses of the loss stage", comm.listener_error
+                )
         comm.finish()
         return time.perf_counter() - start
 

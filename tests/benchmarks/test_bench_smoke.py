@@ -298,6 +298,15 @@ def test_calibration_fits_latency_and_bandwidth_and_counts_the_cache():
     assert last_level_cache_bytes() >= 0
 
 
+def test_16_bit_peaks_are_fp32_peak_scaled_by_the_measured_matmul_times():
+    from benchmarks.calibrate import sixteen_bit_flags, sixteen_bit_peaks
+
+    times = {"float32_s": 0.1, "bfloat16_s": 7.0, "float16_s": 0.05}  # slower; twice as fast
+    peaks = sixteen_bit_peaks(50e9, times)
+    assert peaks == {"bfloat16": float(f"{50e9 / 70:.3g}"), "float16": 1e11}
+    assert all("16" in flag for flag in sixteen_bit_flags())
+
+
 def test_sections_run_compute_parts_two_at_a_time_and_timed_parts_alone():
     from functools import partial
 

@@ -59,3 +59,23 @@ def test_t5_3b_encoder_block_is_about_6x_a_decoder_block():
     attention, mlp = 4 * d * inner, 2 * d * ff
     assert params(enc) == attention + mlp + 2 * d  # + two layer norms
     assert params(dec) == 2 * attention + mlp + 3 * d  # + cross-attention
+
+
+def test_cpu_costs_16_bit_math_at_the_rate_measured_on_it():
+    """configs/hardware/cpu.json describes this machine, whose CPU has no bf16 instructions:
+    a bf16 matmul ran tens of times slower than fp32 (python -m benchmarks.calibrate --only
+    matmul, dated in its sources), so a bf16 op costs that much more than the fp32 one,
+    not the fp32 rate a plan was costed at before."""
+    import re
+
+    from ftpipe_compiler.resources import load_config
+
+    hw = get_hardware("cpu")
+    (note,) = [s for s in load_config("hardware", "cpu")["sources"] if "16-bit rates" in s]
+    assert re.search(r"on \d{4}-\d\d-\d\d", note) and "flags: none" in note
+    flops = 2 * 1024**3  # compute-bound: the kernel overhead is noise
+    fp32 = hw.op_time(flops, 0, "float32")
+    for dtype in ("bfloat16", "float16"):
+        slower = float(re.search(rf"\b{dtype} (\d+)x", note)[1])
+        assert slower > 10
+        assert hw.op_time(flops, 0, dtype) / fp32 == pytest.approx(slower, rel=0.02)
