@@ -31,11 +31,17 @@ from ..resources import templates_dir
 from ..units import gib, mib
 from ..version import __version__
 from .emit import StageEmitter, value_names
-from .source import Source, finalize, literal
+from .source import Source, finalize, identifier, literal
 from .summary import describe
 from .wiring import package_plan, wire
 
 TEMPLATES = ("stages.py", "__init__.py", "__main__.py", "README.md")
+
+
+def package_name(spec) -> str:
+    """The generated package's folder and module: a Python identifier made of the model's
+    name (a folder's name can hold anything: quotes, newlines, `..`)."""
+    return identifier(spec.name.lower(), default="model", lead="m") + "_pipeline"
 
 
 def generate_package(
@@ -49,7 +55,7 @@ def generate_package(
 ) -> Path:
     """Render `plan` into `out_dir/<spec.package_name>/`; returns that folder."""
     out_dir = Path(out_dir)
-    final = out_dir / spec.package_name
+    final = out_dir / package_name(spec)
     if final.exists() and not force:
         raise OutputExistsError(
             f"{final} already exists; pass --force to replace it, or choose another output folder"
@@ -80,7 +86,7 @@ def generate_package(
         "generated_by": generated_by,
         "command": command,
         "version": __version__,
-        "package": spec.package_name,
+        "package": package_name(spec),
         "model_name": spec.name,
         "plan": pplan,
         "stages": stages,

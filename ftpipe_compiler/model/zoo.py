@@ -80,14 +80,6 @@ class ModelSpec:
     def model_type(self) -> str:
         return self.config.get("model_type", "")
 
-    @property
-    def package_name(self) -> str:
-        """The generated package's folder and module: a Python identifier made of the name
-        (a folder's name can hold anything: quotes, newlines, `..`)."""
-        from ..codegen.source import identifier
-
-        return identifier(self.name.lower(), default="model", lead="m") + "_pipeline"
-
     def build(
         self, device="meta", dropout: float | None = None, seed: int = 0, dtype=None
     ) -> nn.Module:

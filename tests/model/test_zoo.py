@@ -3,6 +3,7 @@ import json
 import pytest
 import torch
 
+from ftpipe_compiler.codegen.package import package_name
 from ftpipe_compiler.errors import FtpipeError, UnknownNameError
 from ftpipe_compiler.model.tasks import Task, resolve_task
 from ftpipe_compiler.model.zoo import resolve_model
@@ -124,7 +125,7 @@ def _save(folder, name="gpt2-tiny", **changes):
 def test_local_hf_folder(tmp_path):
     spec = resolve_model(str(_save(tmp_path / "my-gpt")))
     assert spec.kind == "hf-dir" and spec.head == "causal-lm" and spec.name == "my-gpt"
-    assert spec.package_name == "my_gpt_pipeline"
+    assert package_name(spec) == "my_gpt_pipeline"
     assert sum(p.numel() for p in spec.build("meta").parameters()) == 31_616
 
 
@@ -184,7 +185,7 @@ def test_shipped_configs_answer_to_their_hub_ids(tmp_path, monkeypatch):
 def test_module_function_spec():
     spec = resolve_model("zoo_fixtures:linear_model")
     assert spec.kind == "function"
-    assert spec.package_name == "zoo_fixtures_pipeline"  # named after the module
+    assert package_name(spec) == "zoo_fixtures_pipeline"  # named after the module
     task = resolve_task(spec, None)
     assert spec.input_shapes(task)["input_0"][0] == [64]
     with pytest.raises(FtpipeError, match="own example inputs, so --seq-len does not apply"):
