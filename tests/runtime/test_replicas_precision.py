@@ -23,11 +23,8 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 def replicated(schedule: str, dtype: str, gpus: int) -> dict:
     """2 replicas of the toy on `gpus` GPUs each (1: all four stages on one rank)."""
-    plan = toy_plan("two-ranks", schedule, M, DTYPES[dtype])
-    if gpus == 1:
-        plan["gpus"] = 1
-        for s in plan["stages"]:
-            s["gpu"] = 0
+    made = one_rank_plan if gpus == 1 else lambda *a: toy_plan("two-ranks", *a)
+    plan = made(schedule, M, DTYPES[dtype])
     placement = [[r, g] for r in range(2) for g in range(gpus)]
     return {**plan, "replicas": 2, "placement": placement}
 
