@@ -40,16 +40,15 @@ def make_executor(run):
     executor = Executor(
         topo, place.gpu, run.modules, run.flow, run.comm,
         data=run.data, stepper=run.stepper, micro_batches=run.m, device=place.device,
-        on_loss=progress.loss, seed=args.seed,
+        on_loss=progress.loss, seed=args.seed, precision=run.mixed,
     )  # fmt: skip
-    executor.loss_scale = run.mixed.multiplier
     on_eval = reporter(run.plan, args.steps, run.first, args.eval_every, progress)
     if run.sources.eval is not None:  # its results tagged after every step's loss
         evaluator = Evaluator(topo, place.gpu, run.modules, run.comm, run.sources.eval,
                               place.device, args.steps, on_eval)  # fmt: skip
         executor.handlers["E"] = evaluator.forward
     if place.reps.count > 1:
-        sync = GradSync(run.modules, run.comm, place.reps.stage_group(place.gpu), run.m)
+        sync = GradSync(run.mixed, run.comm, place.reps.stage_group(place.gpu), run.m)
         executor.grad_sync = run.stepper.grad_sync = sync
         if run.freezer:
             run.freezer.grad_sync = sync

@@ -1,7 +1,7 @@
 """Executes one rank's actions: forwards, backwards (with recompute) and steps.
 
     ex = Executor(topo, rank, modules, flow, comm, data=data, stepper=stepper,
-                  micro_batches=m, device=device, seed=0)
+                  micro_batches=m, device=device, seed=0, precision=mixed)
     ex.run(flow.actions(rank), after=callback)   # callback(index, planned) after each action
 
 Stage inputs are detached leaves whatever their source (the same rank or a message), so
@@ -17,13 +17,15 @@ parameter's `.grad` through the owner's last backward of the step.
 Split backwards (zero-bubble schedules: the stage's policy says `split`, and a W follows each
 B): B computes the input gradients and
 sends them upstream as a full backward would, keeping the graph; W computes the weight
-gradients later (`split_backward`), and the micro-batch's graph is released then.
+gradients later (`split_backward`), and the micro-batch's graph is released then. W's
+gradients go where autograd's would (`MixedPrecision.add_grad`: under bf16 and fp16 into the
+fp32 masters at once, and the replicas' all-reduce told), not into the 16-bit weights.
 
 Weight versions (`schedules.Versions`, from the schedule's policy): an action whose version
 of its stage's weights is needed after the stage steps past it runs on a copy set aside
 (`torch.func.functional_call`), so kept graphs never see the step's in-place update; the
-copy's gradients are added to the parameters' `.grad`. A resumed run gets the copies its
-first steps need from the checkpoint (`restore_versions`).
+copy's gradients are the parameters': added by the same path (`MixedPrecision.add_grad`).
+A resumed run gets the copies its first steps need from the checkpoint (`restore_versions`).
 
 Frozen weights (`frozen`): a stage with nothing trainable and no gradient crossing its
 borders is forward-only: its forwards run without autograd and keep nothing, its B and W
@@ -44,6 +46,7 @@ import torch
 from .errors import PipelineConfigError
 from .frozen import forward_only_stages
 from .outputs import Outputs
+from .precision import MixedPrecision, get_precision
 from .schedules import Versions
 from .split_backward import backward_input, backward_weight
 from .trace import Tracer
@@ -64,12 +67,16 @@ class Executor:
         device,
         on_loss=None,
         seed: int = 0,
+        precision: MixedPrecision | None = None,
     ):
         self.topo, self.rank, self.modules, self.flow = topo, rank, modules, flow
         self.comm, self.data, self.stepper = comm, data, stepper
         self.m, self.device, self.on_loss = micro_batches, torch.device(device), on_loss
         self.seed = seed
-        self.loss_scale = lambda: 1.0  # fp16: the loss multiplier (precision.MixedPrecision)
+        # Where the weights' gradients go (fp32 masters under bf16/fp16), fp16's loss scale.
+        if precision is None:
+            precision = MixedPrecision(get_precision("fp32"), modules)
+        self.precision = precision
         self.grad_sync = None  # with replicas: a GradSync summing each step's gradients
         self.tracer = Tracer()  # the hook around every action (a profiler range; --trace rows)
         self.start = time.perf_counter()
@@ -165,7 +172,7 @@ class Executor:
         roots, grads = [], []
         if s == self.topo.loss_stage:
             # Gradients accumulate over the step (and carry fp16's loss scale).
-            roots.append(out["loss"] * (self.loss_scale() / self.m))
+            roots.append(out["loss"] * (self.precision.multiplier() / self.m))
             grads.append(None)
         last = self._counted_backward(s)
         split = self.policies[s].split
@@ -221,21 +228,29 @@ class Executor:
         sync = self.grad_sync
         if sync is not None:
             sync.before_backward(a.stage, a.mb)
-        backward_weight(later)
-        self._collect(a.stage, params)
+        own = self._owners(a.stage, params)
+        backward_weight(later, lambda t, g: self.precision.add_grad(own(t), g))
         if sync is not None:
             sync.after_backward(a.stage, a.mb)
 
     def _collect(self, s: int, params) -> None:
-        """A set-aside version's gradients are the stage's: add them to its parameters'."""
+        """A set-aside version's gradients (autograd put them in the copies' `.grad`) are
+        the stage's parameters'."""
         if params is None:
             return
-        own = dict(self.modules[s].named_parameters())
-        for n, t in params.items():
+        own = self._owners(s, params)
+        for t in params.values():
             if t.grad is not None:
-                p = own[n]
-                p.grad = t.grad if p.grad is None else p.grad + t.grad
-                t.grad = None
+                g, t.grad = t.grad, None
+                self.precision.add_grad(own(t), g)
+
+    def _owners(self, s: int, params):
+        """tensor -> the stage's parameter it is (itself) or a set-aside copy of (`params`)."""
+        if params is None:
+            return lambda t: t
+        own = dict(self.modules[s].named_parameters())
+        by_copy = {id(t): own[n] for n, t in params.items()}
+        return lambda t: by_copy[id(t)]
 
     def _counted_backward(self, s: int) -> bool:
         """Counts stage s's backwards: is this one the last of its step (the m-th)?"""

@@ -95,7 +95,6 @@ class TrainingMode:
         place, carried, freezer = run.place, run.carried, run.freezer
         m, reps = run.m, place.reps
         nxt = self.shrinks.after(freezer.frozen, reps.gpus, reps.count, m)
-        tensors, opt = hand_over(run.modules, run.optimizers, run.mixed, place.replica, place.world)
         if nxt is None:
             name, new_plan, stages, new_m = (
                 carried.name if carried else "",
@@ -110,6 +109,9 @@ class TrainingMode:
                 f"step {end}: {freezer.frozen} layers frozen: switching to {nxt.replicas} "
                 f"replicas x {nxt.gpus} GPUs ({nxt.name})"
             )
+        # Only what each rank's stages in the next plan need, point to point.
+        tensors, opt, received = hand_over(run.modules, run.optimizers, run.mixed, new_plan, place)
+        segments[-1]["handed_over_bytes"] = received  # per rank: what it received at the switch
         return Carried(
             first=end, start=carried.start if carried else run.first, name=name, plan=new_plan,
             stages=stages, micro_batches=new_m, frozen=freezer.frozen, tensors=tensors,

@@ -4,6 +4,7 @@
     p.bytes_per_element()                  # {"weight": 2, "grad": 4, "master": 4, "state": 4}
     mixed = MixedPrecision(p, modules, traced="bfloat16")   # this rank's stages
     mixed.trainable(stage)                 # what the optimizer steps and clipping measures
+    mixed.add_grad(weight, g)              # a gradient made outside autograd (W): into its master
     loss * mixed.loss_scale / m            # fp16: backward of the scaled loss
     ok = mixed.unscale_and_check(grads, total_norm_sq)   # False: overflow, skip the step
     mixed.after_step(stage)                # master -> the stage's 16-bit weights
@@ -15,12 +16,17 @@
 | fp16 | float16, dynamic loss scaling | as bf16 | 2 + 4 + 4 master + fp32 state |
 | bf16-pure | bfloat16 | the bf16 weights themselves | 2 + 2 + bf16 state: half the memory; small updates round away |
 
-Under mixed precision a hook on every 16-bit weight adds its gradient into the fp32 master's as
-soon as autograd produces it and frees it, so micro-batches accumulate in fp32 (as DeepSpeed's
-and Megatron's bf16 optimizers do). The masters start from the stages' 16-bit weights (a
-checkpoint loaded at the compute dtype, as `from_pretrained(dtype=...)` loads it); a resumed
-run takes them from its checkpoint, which holds them. A weight traced in fp32 (T5's `wo` under
-fp16: transformers' `_keep_in_fp32_modules`) stays fp32 and is its own master.
+Under mixed precision every gradient of a 16-bit weight is added into the fp32 master's as soon
+as it is made, and the 16-bit one freed, so micro-batches accumulate in fp32 (as DeepSpeed's
+and Megatron's bf16 optimizers do). Gradients come in two ways and land alike: autograd's
+accumulation into the weight (a hook on it), and `add_grad` for those made outside it (a
+split backward's weight pass, a set-aside weight version's backward: the executor's). Each
+arrival then calls `on_grad(stage, name)`: the replicas' all-reduce (`replicas.GradSync`),
+which sums what the optimizer steps, the masters' gradients, in fp32. The masters start from
+the stages' 16-bit weights (a checkpoint loaded at the compute dtype, as
+`from_pretrained(dtype=...)` loads it); a resumed run takes them from its checkpoint, which
+holds them. A weight traced in fp32 (T5's `wo` under fp16: transformers'
+`_keep_in_fp32_modules`) stays fp32 and is its own master.
 
 fp16's overflow check is global: the squared gradient norm every synchronous step sums over
 all ranks (the one collective of the step) is inf or nan on every rank when any gradient
@@ -158,7 +164,9 @@ class MixedPrecision:
         self.skipped: list[int] = []  # steps skipped for an overflow
         self.say = None  # where a skipped step is reported (rank 0)
         self.inject = _injected()
+        self.on_grad = None  # called (stage, name) after each arrival of a weight's gradient
         self._pairs: dict[int, list[tuple[str, torch.nn.Parameter, torch.Tensor]]] = {}
+        self._of: dict[int, tuple[int, str, torch.Tensor]] = {}  # id(weight) -> where it sums
         for s, module in modules.items():
             pairs = []
             for name, p in module.named_parameters():
@@ -167,9 +175,14 @@ class MixedPrecision:
                 master = p
                 if precision.master and p.dtype != torch.float32:
                     master = p.detach().float().requires_grad_(True)
-                    p.register_post_accumulate_grad_hook(_into(master))
+                p.register_post_accumulate_grad_hook(self._accumulated)
+                self._of[id(p)] = (s, name, master)
                 pairs.append((name, p, master))
             self._pairs[s] = pairs
+
+    @property
+    def stages(self) -> list[int]:
+        return list(self._pairs)
 
     def trainable(self, stage: int) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor whose .grad the optimizer reads): the masters, or the weights."""
@@ -192,12 +205,28 @@ class MixedPrecision:
     def multiplier(self) -> float:
         return self.loss_scale.scale if self.loss_scale else 1.0
 
-    def sweep(self, stage: int) -> None:
-        """Move gradients that reached a 16-bit weight without autograd (a set-aside weight
-        version's, added by the executor) into its master."""
-        for _, p, master in self._pairs.get(stage, ()):
-            if master is not p and p.grad is not None:
-                _into(master)(p)
+    def add_grad(self, weight: torch.Tensor, g: torch.Tensor) -> None:
+        """A gradient of `weight` made outside autograd's accumulation into it (a split
+        backward's weight pass, a set-aside weight version's backward): added where the
+        weight's gradients sum, as autograd's hook would add it."""
+        s, name, master = self._of[id(weight)]
+        if master is weight:  # its own master: out of place, `g` may be held elsewhere
+            weight.grad = g if weight.grad is None else weight.grad + g
+        else:
+            _into(master, g)
+        self._arrived(s, name)
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        """Autograd's hook, after it added this backward's gradient into `p.grad`."""
+        s, name, master = self._of[id(p)]
+        if master is not p:
+            g, p.grad = p.grad, None
+            _into(master, g)
+        self._arrived(s, name)
+
+    def _arrived(self, stage: int, name: str) -> None:
+        if self.on_grad is not None:
+            self.on_grad(stage, name)
 
     def checked(self, grads: list, total_sq: torch.Tensor, step: int) -> bool:
         """fp16: undo the loss scale on `grads` and on their summed squared norm (every
@@ -272,13 +301,13 @@ class MixedPrecision:
                 master.copy_(tensors[name])
 
 
-def _into(master: torch.Tensor):
-    def hook(p: torch.Tensor) -> None:
-        g = p.grad.float()
-        master.grad = g if master.grad is None else master.grad.add_(g)
-        p.grad = None
-
-    return hook
+def _into(master: torch.Tensor, g: torch.Tensor) -> None:
+    """Add a 16-bit gradient into an fp32 master's: the first one copied, the next added in
+    place straight from 16 bits (no fp32 temporary)."""
+    if master.grad is None:
+        master.grad = g.to(master.dtype)
+    else:
+        master.grad.add_(g)
 
 
 def _injected() -> tuple[int, int] | None:

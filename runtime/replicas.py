@@ -6,15 +6,20 @@ replicas' before it steps.
     reps.pipeline(replica)              # the ranks of one replica, by pipeline GPU
     reps.stage_group(gpu)               # the ranks holding GPU `gpu`'s stages, one per replica
     data = Shard(data, replica, reps.count, micro_batches)   # this replica's part of each batch
-    sync = GradSync(modules, comm, reps.stage_group(gpu), micro_batches)
+    sync = GradSync(mixed, comm, reps.stage_group(gpu), micro_batches)   # mixed: MixedPrecision
 
 A step's batch is `replicas x micro_batches` micro-batches; replica r reads micro-batches
 r*m .. r*m+m-1 of it, so d replicas together see what one pipeline would over d*m
 micro-batches, and the averaged gradient is that of the whole batch.
 
+What is summed is what the optimizer steps (`precision.MixedPrecision.trainable`): under bf16
+and fp16 the fp32 masters' gradients, which hold the micro-batches' sum in fp32, so the
+replicas' sum is taken in fp32 too (as DeepSpeed's bf16 optimizer reduces; 16-bit messages
+would halve the bytes and round the sum of d replicas' gradients once more).
 Gradients are reduced in buckets of at most `BUCKET_BYTES`, last parameters first (the order
-a backward produces them): during the stage's last backward of a step each parameter's hook
-marks it done, and a bucket whose parameters are all done is handed to an asynchronous
+a backward produces them): during the stage's last backward of a step each gradient's
+arrival (`MixedPrecision.on_grad`: autograd's, or a split backward's weight pass) marks its
+parameter done, and a bucket whose parameters are all done is handed to an asynchronous
 all-reduce at once (after the buckets before it: every replica issues them in one order).
 What the backward never reaches goes when it ends. At the stage's optimizer step
 (`wait`) the sums arrive and are divided by the number of replicas. A weight read by several
@@ -124,52 +129,49 @@ class Shard:
 
 
 class GradSync:
-    """Sums each stage's gradients with its replicas', bucket by bucket (see the module doc)."""
+    """Sums each stage's gradients with its replicas', bucket by bucket (see the module doc).
+    `precision`: the rank's `MixedPrecision`, which says what is stepped and when a gradient
+    arrived."""
 
-    def __init__(self, modules: dict, comm, group: tuple[int, ...], micro_batches: int):
+    def __init__(self, precision, comm, group: tuple[int, ...], micro_batches: int):
+        self.precision = precision
         self.comm, self.group, self.replicas = comm, tuple(sorted(group)), len(group)
         self.last = StepBackwards(micro_batches)  # which backward is its step's last
-        self.params = {
-            s: [p for p in mod.parameters() if p.requires_grad] for s, mod in modules.items()
-        }
-        self.order = {
-            s: bucket_indices([p.numel() * p.element_size() for p in ps])
-            for s, ps in self.params.items()
-        }
+        self.params: dict[int, list[torch.Tensor]] = {}  # stage -> tensors whose .grad is summed
+        self.index: dict[int, dict[str, int]] = {}  # stage -> name -> position in params
+        self.order: dict[int, list[list[int]]] = {}  # stage -> its buckets
+        self.refresh()
+        precision.on_grad = self._ready
         self._armed: dict[int, dict] = {}  # stage -> the backward in progress
         self._works: dict[int, list] = {}  # stage -> [(work, flat, bucket)] of its next step
 
     def refresh(self) -> None:
         """Sum only the parameters that still train (after freeze training froze some)."""
-        for s, ps in self.params.items():
-            self.params[s] = [p for p in ps if p.requires_grad]
-            self.order[s] = bucket_indices([p.numel() * p.element_size() for p in self.params[s]])
+        for s in self.precision.stages:
+            named = self.precision.trainable(s)
+            self.params[s] = [t for _, t in named]
+            self.index[s] = {n: i for i, (n, _) in enumerate(named)}
+            self.order[s] = bucket_indices([t.numel() * t.element_size() for _, t in named])
 
     # --- the last backward of a step ---
     def before_backward(self, stage: int, mb: int) -> None:
         if not self.last.ends_step(stage) or not self.params[stage]:
             return
-        state = {"mb": mb, "done": set(), "next": 0, "hooks": []}
-        self._armed[stage] = state
+        self._armed[stage] = {"mb": mb, "done": set(), "next": 0}
         self._works[stage] = []
-        for i, p in enumerate(self.params[stage]):
-            hook = p.register_post_accumulate_grad_hook(
-                lambda _p, i=i, stage=stage: self._ready(stage, i)
-            )
-            state["hooks"].append(hook)
 
-    def _ready(self, stage: int, i: int) -> None:
-        state = self._armed[stage]
-        state["done"].add(i)
+    def _ready(self, stage: int, name: str) -> None:
+        """A gradient of `stage`'s weight `name` is in (`MixedPrecision.on_grad`)."""
+        state = self._armed.get(stage)
+        if state is None:  # not the step's last backward: nothing to start
+            return
+        state["done"].add(self.index[stage][name])
         self._launch(stage, state, flush=False)
 
     def after_backward(self, stage: int, mb: int) -> None:
         state = self._armed.pop(stage, None)
-        if state is None:
-            return
-        for hook in state["hooks"]:
-            hook.remove()
-        self._launch(stage, state, flush=True)
+        if state is not None:
+            self._launch(stage, state, flush=True)
 
     def _launch(self, stage: int, state: dict, flush: bool) -> None:
         """Start every bucket whose parameters are done (all of them with `flush`), in order."""

@@ -100,13 +100,24 @@ def peak_memory(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
 
 
-def checksums(modules: dict) -> dict[str, list[float]]:
-    """[sum, sum of squares] of every parameter (each lives in exactly one stage)."""
+CHECKSUM_CHUNK = 2**20  # elements: the float64 copy a checksum makes at a time (8 MiB)
+
+
+def checksums(modules: dict, chunk: int = CHECKSUM_CHUNK) -> dict[str, list[float]]:
+    """[sum, sum of squares] of every parameter (each lives in exactly one stage), in float64.
+    A chunk at a time: the run ends with the optimizer state still alive, and a float64 copy
+    of a whole 128k-vocabulary embedding (and of its square) would be GBs more at the peak;
+    each chunk's sums are added up in float64 on the parameter's device (one sync each)."""
     out = {}
     for module in modules.values():
         for name, p in module.named_parameters():
-            x = p.detach().double()
-            out[name] = [float(x.sum()), float((x * x).sum())]
+            sums = torch.zeros(2, dtype=torch.float64, device=p.device)
+            for part in p.detach().reshape(-1).split(chunk):
+                x = part.double()
+                sums[0] += x.sum()
+                sums[1] += torch.dot(x, x)  # no temporary for the squares
+                del x  # before the next chunk's copy is made: one at a time
+            out[name] = sums.tolist()
     return out
 
 

@@ -275,7 +275,7 @@ class _Run:
         )  # fmt: skip
         if carried:  # the same layers frozen, then the weights and state handed over loaded
             freezer.start_frozen(carried.frozen)
-            load_carried(carried, self.modules, self.optimizers, mixed, place.device)
+            load_carried(carried, self.modules, self.optimizers, mixed)
         self.saver = saver = Saver(
             self.ckpt, args.save_every, args.steps, self.m, stages=place.replica == 0
         )

@@ -3,6 +3,7 @@
     later = backward_input(roots, grads, inputs, params)   # inputs' .grad set, nothing else
     ...                                                     # other work; the graph is kept
     backward_weight(later)                                  # params' .grad accumulated; freed
+    backward_weight(later, add)                             # or add(param, grad) for each
 
 Zero-bubble schedules (Qi et al., ICLR'24) run B on the critical path and W when the GPU
 would idle. B differentiates the roots with respect to the stage inputs only, keeping the
@@ -92,8 +93,9 @@ def backward_input(roots, grads, inputs, params) -> Deferred:
     return later
 
 
-def backward_weight(later: Deferred) -> None:
-    """Accumulate the parameters' gradients into their .grad; `later` is spent."""
+def backward_weight(later: Deferred, add=None) -> None:
+    """Accumulate the parameters' gradients into their .grad, or hand each to `add(param,
+    grad)` (the run's: into its fp32 master under mixed precision); `later` is spent."""
     for grp in later.groups:
         outs, gouts = [], []
         for n in grp.frontier:
@@ -118,7 +120,11 @@ def backward_weight(later: Deferred) -> None:
             for h in pins:
                 h.remove()
         for p, g in zip(grp.params, got):
-            if g is not None:
+            if g is None:
+                continue
+            if add is not None:
+                add(p, g)
+            else:
                 p.grad = g if p.grad is None else p.grad + g
     later.groups.clear()
     later.captured.clear()

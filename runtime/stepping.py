@@ -46,10 +46,8 @@ class Stepper:
 
     def on_step(self, action, event=None) -> None:
         """A stage's S: put its gradients aside; apply `event` (a Dataflow StepEvent) if any."""
-        if self.grad_sync is not None:  # before the masters take the gradients
+        if self.grad_sync is not None:  # the replicas' mean gradient, into the masters' .grad
             self.grad_sync.wait(action.stage, action.mb)
-        if self.precision is not None:
-            self.precision.sweep(action.stage)
         self._aside[(action.stage, action.mb)] = {
             n: p.grad for n, p in self._trainable(action.stage)
         }

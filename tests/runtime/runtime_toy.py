@@ -51,9 +51,10 @@ def init_value(name: str) -> torch.Tensor:
 
 
 class _Holder(nn.Module):
-    """Registers parameters under dotted canonical names, like generated stages do."""
+    """Registers parameters under dotted canonical names, like generated stages do, in the
+    compute dtype the run asks for (`dtype`; None: fp32)."""
 
-    def __init__(self, names, device="cpu"):
+    def __init__(self, names, device="cpu", dtype=None):
         super().__init__()
         for name in names:
             owner: nn.Module = self
@@ -62,7 +63,8 @@ class _Holder(nn.Module):
                 if part not in owner._modules:
                     owner.add_module(part, nn.Module())
                 owner = owner._modules[part]
-            owner.register_parameter(leaf, nn.Parameter(init_value(name).to(device)))
+            value = init_value(name).to(device, dtype or torch.float32)
+            owner.register_parameter(leaf, nn.Parameter(value))
 
 
 def _linear(module, x):
@@ -81,7 +83,7 @@ class Stage0(_Holder):
     OUTPUTS = ("h0", "x0", "keep", "emb.weight")
 
     def __init__(self, device="cpu", dtype=None, materialize=True):
-        super().__init__(STAGE_PARAMS[0], device)
+        super().__init__(STAGE_PARAMS[0], device, dtype)
 
     def forward(self, input_ids, attention_mask):
         x0 = self.emb.weight[input_ids]
@@ -93,7 +95,7 @@ class Stage1(_Holder):
     STAGE, INPUTS, OUTPUTS = 1, ("h0", "x0"), ("h1",)
 
     def __init__(self, device="cpu", dtype=None, materialize=True):
-        super().__init__(STAGE_PARAMS[1], device)
+        super().__init__(STAGE_PARAMS[1], device, dtype)
 
     def forward(self, h0, x0):
         return {"h1": torch.tanh(_linear(self.l1, h0 + x0))}
@@ -103,7 +105,7 @@ class Stage2(_Holder):
     STAGE, INPUTS, OUTPUTS = 2, ("h1", "h0"), ("h2",)
 
     def __init__(self, device="cpu", dtype=None, materialize=True):
-        super().__init__(STAGE_PARAMS[2], device)
+        super().__init__(STAGE_PARAMS[2], device, dtype)
 
     def forward(self, h1, h0):
         return {"h2": torch.tanh(_linear(self.l2, h1)) + h0}
@@ -113,7 +115,7 @@ class Stage3(_Holder):
     STAGE, INPUTS, OUTPUTS = 3, ("h2", "x0", "keep", "labels", "emb.weight"), ("loss",)
 
     def __init__(self, device="cpu", dtype=None, materialize=True):
-        super().__init__(STAGE_PARAMS[3], device)
+        super().__init__(STAGE_PARAMS[3], device, dtype)
 
     def forward(self, h2, x0, keep, labels, **received):
         return {"loss": _loss(h2, x0, keep, labels, received["emb.weight"], self.head)}
@@ -146,16 +148,21 @@ class ToyModel(_Holder):
         return _loss(h2, x0, attention_mask, labels, self.emb.weight, self.head)
 
 
-def toy_plan(layout: str = "two-ranks", schedule: str = "gpipe", micro_batches: int = 4) -> dict:
+def toy_plan(
+    layout: str = "two-ranks", schedule: str = "gpipe", micro_batches: int = 4, dtype="float32"
+) -> dict:
+    """The toy's plan; `dtype`: the compute dtype it is "compiled" for (its weights and
+    floating-point messages), which `--dtype` must match (bf16: bfloat16)."""
     gpu = LAYOUTS[layout]
+    size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     act = [B, L, D]
     transfers = [
-        ("h0", 0, (1, 2), act, "float32", True),
-        ("x0", 0, (1, 3), act, "float32", True),
+        ("h0", 0, (1, 2), act, dtype, True),
+        ("x0", 0, (1, 3), act, dtype, True),
         ("keep", 0, (3,), [B, L], "int64", False),
-        ("h1", 1, (2,), act, "float32", True),
-        ("h2", 2, (3,), act, "float32", True),
-        ("emb.weight", 0, (3,), [V, D], "float32", True),
+        ("h1", 1, (2,), act, dtype, True),
+        ("h2", 2, (3,), act, dtype, True),
+        ("emb.weight", 0, (3,), [V, D], dtype, True),
     ]
     inputs = {0: ["h0", "x0", "keep", "emb.weight"], 1: ["h1"], 2: ["h2"], 3: ["loss"]}
     received = {s: [t[0] for t in transfers if s in t[2]] for s in range(4)}
@@ -187,7 +194,7 @@ def toy_plan(layout: str = "two-ranks", schedule: str = "gpipe", micro_batches: 
                 "consumers": list(c),
                 "shape": shape,
                 "dtype": dt,
-                "bytes": 4 * (V * D if n == "emb.weight" else B * L * D),
+                "bytes": size * (V * D if n == "emb.weight" else B * L * D),
                 "requires_grad": rg,
             }
             for n, p, c, shape, dt, rg in transfers
@@ -196,7 +203,7 @@ def toy_plan(layout: str = "two-ranks", schedule: str = "gpipe", micro_batches: 
             {
                 "name": n,
                 "shape": list(shape),
-                "dtype": "float32",
+                "dtype": dtype,
                 "trainable": True,
                 "aliases": [],
                 "stages": [s for s in range(4) if n in STAGE_PARAMS[s]],  # its one owner
@@ -211,6 +218,7 @@ def toy_plan(layout: str = "two-ranks", schedule: str = "gpipe", micro_batches: 
             "optimizer": "adamw",
             "vocab": {"vocab_size": V},
             "task": "toy",
+            "compute_dtype": dtype,
             "inputs": {
                 "input_ids": [[B, L], "int64"],
                 "attention_mask": [[B, L], "int64"],
@@ -220,9 +228,9 @@ def toy_plan(layout: str = "two-ranks", schedule: str = "gpipe", micro_batches: 
     }
 
 
-def one_rank_plan(schedule: str = "gpipe", micro_batches: int = 4) -> dict:
+def one_rank_plan(schedule: str = "gpipe", micro_batches: int = 4, dtype="float32") -> dict:
     """The toy's four stages all on one rank: `run` needs no torch.distributed then."""
-    plan = toy_plan("two-ranks", schedule, micro_batches)
+    plan = toy_plan("two-ranks", schedule, micro_batches, dtype)
     plan["gpus"] = 1
     for s in plan["stages"]:
         s["gpu"] = 0

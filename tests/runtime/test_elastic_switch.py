@@ -8,6 +8,7 @@ test_freeze_training: Adam turns rounding noise on weights of zero gradient into
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -132,3 +133,51 @@ def test_no_shrink_freezes_on_the_same_plan(run_pipeline, package, tmp_path):
     assert [(f["step"], f["frozen"]) for f in got["freezes"]] == [(2, 2)]
     losses, _, _, _ = _train_frozen(plan, "sgd", freeze_after=2, layers=2)
     assert got["losses"] == pytest.approx(losses, rel=1e-5)
+
+
+def _names_on(plan: dict, rank: int) -> set[str]:
+    """The tensors of the stages `plan` puts on `rank` (its state dicts' keys)."""
+    placement = plan.get("placement") or [[0, g] for g in range(plan["gpus"])]
+    gpu = placement[rank][1]
+    return {n for s in plan["stages"] if s["gpu"] == gpu for n in s["params"]}
+
+
+def test_the_switch_moves_only_each_ranks_new_stages_point_to_point(
+    run_pipeline, package, tmp_path
+):
+    """AdamW, so that state moves too: each rank receives exactly the weights and AdamW state
+    of its stages in the shorter plan that it did not hold (the hand-over used to gather
+    the whole model and state on every rank), and training goes on as in one process (the
+    state arrived with its step: a fresh AdamW would step otherwise)."""
+    plan = json.loads((package / "plan.json").read_text())
+    shrunk = json.loads((package / "elastic" / "d2x2" / "plan.json").read_text())
+    log = tmp_path / "run.json"
+    argv = ["--steps", str(STEPS), "--optimizer", "adamw", "--lr", str(LR), "--clip", str(CLIP),
+            "--schedule", "gpipe", "--device", "cpu", "--freeze-at", "2:2",
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-json", str(log)]  # fmt: skip
+    env = {"PYTHONPATH": os.pathsep.join([str(package.parent), os.environ.get("PYTHONPATH", "")])}
+    codes, ranks = run_pipeline(plan, argv, name="adamw", module=package.name,
+                                cwd=package.parent, env=env)  # fmt: skip
+    assert codes == [0] * 4, ranks.stderr()
+    got = json.loads(log.read_text())
+    assert [(s["replicas"], s["gpus"]) for s in got["segments"]] == [(1, 4), (2, 2)]
+
+    size = {
+        p["name"]: math.prod(p["shape"])
+        * torch.empty((), dtype=getattr(torch, p["dtype"])).itemsize
+        for p in plan["params"]
+    }
+    frozen = {n for u in layer_units([p["name"] for p in plan["params"]])[:2] for n in u}
+    trained = {p["name"] for p in plan["params"] if p["trainable"]} - frozen
+
+    def bytes_of(names):  # weights, and AdamW's two moments of those still trained
+        return sum(size[n] for n in names) + sum(2 * size[n] for n in names & trained)
+
+    want = [bytes_of(_names_on(shrunk, r) - _names_on(plan, r)) for r in range(4)]
+    assert got["segments"][0]["handed_over_bytes"] == want
+    gathered = [bytes_of(set(size) - _names_on(plan, r)) for r in range(4)]  # all the others'
+    assert all(0 < w < g for w, g in zip(want, gathered)), (want, gathered)
+
+    losses, _, _, _ = _train_frozen(plan, "adamw", freeze_after=2, layers=2)
+    assert got["losses"] == pytest.approx(losses, rel=1e-5)
+    assert got["replica_difference"] == 0.0

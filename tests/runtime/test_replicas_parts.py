@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ftpipe_runtime.errors import PipelineConfigError
+from ftpipe_runtime.precision import MixedPrecision, get_precision
 from ftpipe_runtime.replicas import (
     GradSync,
     LossGather,
@@ -16,6 +17,7 @@ from ftpipe_runtime.replicas import (
     launch_hint,
 )
 from ftpipe_runtime.schedules import StageInfo, actions
+from ftpipe_runtime.split_backward import backward_input, backward_weight
 from torch import nn
 
 
@@ -96,10 +98,11 @@ class _Twice:
     """A pretend group of two identical replicas: a sum is twice the value."""
 
     def __init__(self):
-        self.started, self.finished = [], False
+        self.started, self.finished, self.sent = [], False, []
 
     def all_reduce_async(self, tensor, ranks):
         self.started.append((tensor.numel(), self.finished))
+        self.sent.append(tensor.clone())
         tensor.mul_(2)
         return None
 
@@ -112,7 +115,8 @@ def test_buckets_start_during_the_last_backward_and_average():
     net = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 4))
     comm = _Twice()
     limit = 64 * 64 * 4  # one weight per bucket
-    sync = GradSync({0: net}, comm, (0, 1), 2)  # 2 micro-batches: the second ends the step
+    mixed = MixedPrecision(get_precision("fp32"), {0: net})
+    sync = GradSync(mixed, comm, (0, 1), 2)  # 2 micro-batches: the second ends the step
     sync.order = {0: bucket_indices([p.numel() * 4 for p in sync.params[0]], limit)}
     for mb in range(2):
         x = torch.randn(8, 64)
@@ -131,3 +135,39 @@ def test_buckets_start_during_the_last_backward_and_average():
     sync.wait(0, 0)
     for p, w in zip(net.parameters(), want):  # twice the sum, halved: the mean
         torch.testing.assert_close(p.grad, w)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["backward", "B-then-W"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_16_bit_replicas_sum_the_fp32_master_gradients(dtype, split):
+    """What the replicas sum is the masters' fp32 gradient of the step's micro-batches (not
+    the 16-bit weights', which the masters took), whichever way the gradients came: autograd's
+    backward, or a split backward's W; the mean lands in the masters."""
+    torch.manual_seed(0)
+    precision = get_precision(dtype)
+    net = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).to(precision.dtype)
+    mixed = MixedPrecision(precision, {0: net})
+    comm = _Twice()
+    sync = GradSync(mixed, comm, (0, 1), 2)
+    sync.order = {0: bucket_indices([t.numel() * 4 for t in sync.params[0]], 16 * 16 * 4)}
+    for mb in range(2):
+        x = torch.randn(8, 16, dtype=precision.dtype, requires_grad=True)
+        loss = net(x).float().square().mean()
+        if split:
+            later = backward_input([loss], [None], [x], list(net.parameters()))
+            sync.before_backward(0, mb)  # with a split backward, GradSync is armed at W
+            backward_weight(later, mixed.add_grad)
+        else:
+            sync.before_backward(0, mb)
+            loss.backward()
+        sync.after_backward(0, mb)
+    masters = [t for _, t in mixed.trainable(0)]
+    assert all(p.grad is None for p in net.parameters())  # the masters took them
+    summed = torch.cat(comm.sent)
+    assert summed.dtype == torch.float32 and summed.abs().sum() > 0
+    want = torch.cat([t.grad.reshape(-1) for t in reversed(masters)])  # last buckets first
+    assert torch.equal(summed, want)
+    before = [t.grad.clone() for t in masters]
+    sync.wait(0, 0)
+    for t, b in zip(masters, before):  # twice the sum, halved: the mean
+        torch.testing.assert_close(t.grad, b, rtol=0, atol=0)

@@ -14,6 +14,7 @@ import weakref
 import pytest
 import torch
 from ftpipe_runtime.check import synthetic_inputs
+from ftpipe_runtime.precision import MixedPrecision, get_precision
 from ftpipe_runtime.split_backward import backward_input, backward_weight
 
 pytest.importorskip("transformers")
@@ -119,6 +120,50 @@ def test_the_graph_is_released_after_w():
     del later
     gc.collect()
     assert sum(r() is not None for r in alive) == 0
+
+
+def _backwards(net, dtype, count: int):
+    """`count` micro-batches' (roots, their gradients, the input) for `net` in `dtype`."""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(count):
+        x = torch.randn(3, 5, 8, generator=gen).to(dtype).requires_grad_(True)
+        out = net(x, torch.randint(0, 16, (3, 5), generator=gen))
+        grads = [None, torch.randn(3, 5, 8, generator=gen), torch.randn(16, 8, generator=gen)]
+        grads[1:] = [g.to(dtype) for g in grads[1:]]
+        yield [out["loss"], out["y"], out["emb"]], grads, x
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_w_in_16_bits_accumulates_into_the_fp32_masters_like_one_backward(dtype):
+    """Micro-batch after micro-batch, W hands each gradient to its fp32 master (the run's
+    `MixedPrecision.add_grad`) as autograd's hook does for a whole backward: the masters
+    hold the fp32 sum of every micro-batch's 16-bit gradient, the same either way, and the
+    16-bit weights hold none (summing them in 16 bits until the step would round)."""
+    precision, count = get_precision(dtype), 4
+
+    def masters(split: bool) -> dict[str, torch.Tensor]:
+        net = Net().to(precision.dtype)
+        mixed = MixedPrecision(precision, {0: net})
+        for roots, grads, x in _backwards(net, precision.dtype, count):
+            if split:
+                later = backward_input(roots, grads, [x], list(net.parameters()))
+                backward_weight(later, mixed.add_grad)
+            else:
+                torch.autograd.backward(roots, grads)
+            assert all(p.grad is None for p in net.parameters())
+        return {n: t.grad for n, t in mixed.trainable(0)}
+
+    net = Net().to(precision.dtype)  # the reference: each micro-batch's gradient, fp32 sum
+    want = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in net.named_parameters()}
+    for roots, grads, _ in _backwards(net, precision.dtype, count):
+        for n, g in zip(want, torch.autograd.grad(roots, list(net.parameters()), grads)):
+            want[n] += g.float()
+    whole, split = masters(False), masters(True)
+    assert whole.keys() == split.keys() == want.keys()
+    for name, g in want.items():
+        assert whole[name].dtype == split[name].dtype == torch.float32
+        torch.testing.assert_close(whole[name], g, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(split[name], g, rtol=0, atol=0, msg=name)
 
 
 def _chain(stages, plan, inputs, split: bool, recompute: bool):
