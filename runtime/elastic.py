@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import liveness
 from .errors import PeerFailure, PipelineConfigError
 from .ranks import all_gather
 from .replicas import Replicas
@@ -174,10 +175,13 @@ def hand_over(modules, optimizers, mixed, plan: dict, place) -> tuple[dict, dict
                 opt[n] = got
     if ops:
         try:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            with liveness.waiting("handing over the weights"):
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+        except PeerFailure:
+            raise
         except Exception as e:  # noqa: BLE001
-            raise PeerFailure(f"a rank vanished while handing over the weights ({e})") from e
+            raise liveness.failure("a rank vanished while handing over the weights", e) from e
     received = sum(t.numel() * t.element_size() for t in inbound)
     return tensors, opt, all_gather(received, place.world, "handing over the weights")
 

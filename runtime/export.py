@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import liveness
 from .atomic import new_folder
 from .checkpoint import Checkpoints, default_dir, plan_hash, read_tensors, step_dir
 from .errors import PeerFailure, PipelineConfigError, WriteFailed
@@ -72,20 +73,23 @@ def gather_tensors(plan: dict, mine: dict, rank: int, world: int, device, dtype_
     params = {p["name"]: p for p in plan["params"]}
     out: dict = {}
     try:
-        for name, stage in owners(plan).items():
-            src = rank_of[stage]
-            if src == 0 == rank:
-                out[name] = mine[name].detach().cpu()
-            elif rank == src:
-                dist.send(mine[name].detach().to(device).contiguous(), dst=0)
-            elif rank == 0:
-                buf = torch.empty(
-                    params[name]["shape"], dtype=dtype_of(params[name]), device=device
-                )
-                dist.recv(buf, src=src)
-                out[name] = buf.cpu()
+        with liveness.waiting("gathering the weights for the export"):
+            for name, stage in owners(plan).items():
+                src = rank_of[stage]
+                if src == 0 == rank:
+                    out[name] = mine[name].detach().cpu()
+                elif rank == src:
+                    dist.send(mine[name].detach().to(device).contiguous(), dst=0)
+                elif rank == 0:
+                    buf = torch.empty(
+                        params[name]["shape"], dtype=dtype_of(params[name]), device=device
+                    )
+                    dist.recv(buf, src=src)
+                    out[name] = buf.cpu()
+    except PeerFailure:
+        raise
     except RuntimeError as e:
-        raise PeerFailure(f"a rank vanished while gathering the weights ({e})") from e
+        raise liveness.failure("a rank vanished while gathering the weights", e) from e
     return out if rank == 0 else None
 
 
