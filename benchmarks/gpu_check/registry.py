@@ -24,6 +24,8 @@ from pathlib import Path
 
 __all__ = ["PARTS", "Check", "Findings", "Part", "Skip", "part", "run_parts"]
 
+# A part's `needs` -> the modules it takes (the compiler imports pymetis on import).
+NEEDS = {"compiler": ("ftpipe_compiler", "pymetis")}
 MIN_BUDGET_S = 3.0  # a part with less time than this left is skipped, not started
 
 
@@ -77,7 +79,7 @@ class Part:
     title: str
     run: Callable[[Check, Findings], None]
     budget_s: dict  # device -> seconds at most
-    needs: tuple[str, ...] = ()  # modules it imports ("compiler": ftpipe_compiler)
+    needs: tuple[str, ...] = ()  # modules it imports ("compiler": `NEEDS`)
 
 
 PARTS: dict[str, Part] = {}
@@ -103,13 +105,13 @@ def run_one(check: Check, p: Part) -> dict:
 
     row = {"name": p.name, "title": p.title, "budget_s": 0.0, "seconds": 0.0, "problems": []}
     found = Findings()
-    lacking = missing(*("ftpipe_compiler" if n == "compiler" else n for n in p.needs))
+    lacking = missing(*(m for n in p.needs for m in NEEDS.get(n, (n,))))
     budget = min(p.budget_s[check.device] * check.slack, check.left())
     row["budget_s"] = round(budget, 1)
     if lacking:
         reason = f"{', '.join(lacking)} cannot be imported here"
-        if "ftpipe_compiler" in lacking:
-            reason += " (the compiler needs pymetis: `make gpu-wheels`, then carry .whl)"
+        if "pymetis" in lacking:
+            reason += " (the compiler imports it: `make gpu-wheels` here, then carry .whl)"
         return {**row, "status": "skipped", "reason": reason, "figures": {}}
     if budget < MIN_BUDGET_S:
         return {**row, "status": "skipped", "reason": "out of time: the check's budget is spent",

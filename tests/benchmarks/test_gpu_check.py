@@ -146,6 +146,22 @@ def test_parts_past_the_whole_budget_are_skipped_saying_so(parts, tmp_path):
     assert row["status"] == "skipped" and "no_such_module_here" in row["reason"]
 
 
+def test_a_part_needing_the_compiler_is_skipped_without_pymetis(parts, tmp_path, monkeypatch):
+    """The GPU machine has no pymetis, which the compiler imports: say so, and how to carry it."""
+    from benchmarks.gpu_check import bootstrap
+
+    real = bootstrap.missing
+    monkeypatch.setattr(bootstrap, "missing", lambda *n: real(*n) + ["pymetis"] * ("pymetis" in n))
+
+    @registry.part("compiles", "needs the compiler", cuda_s=5, cpu_s=5, needs=("compiler",))
+    def compiles(check, found):
+        raise AssertionError("must not run")
+
+    (row,) = run_parts(_check(tmp_path), ["compiles"])
+    assert row["status"] == "skipped" and "pymetis" in row["reason"]
+    assert "make gpu-wheels" in row["reason"]
+
+
 def _gpu_parts(simulated=0.5, measured=0.8) -> list[dict]:
     rates = {
         "gemm_n": 8192,
