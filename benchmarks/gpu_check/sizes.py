@@ -64,7 +64,7 @@ SIZES = {
         op_launches=2000,
         profile_model="llama-3.2-1b",
         profile_seq=512,
-        profile_memory_gb=3.0,
+        profile_memory_gb=4.0,
         eager_repeats=5,
     ),
     "cpu": Sizes(
