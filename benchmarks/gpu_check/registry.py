@@ -153,8 +153,11 @@ def _free(check: Check) -> None:
     if check.device == "cuda":
         import torch
 
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except RuntimeError as e:  # a part left the GPU broken: the next parts will say so
+            check.say(f"the GPU after that part: {e}")
 
 
 def run_parts(check: Check, names: list[str]) -> list[dict]:
