@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 CONSTRAINTS ?= constraints.txt
 LATEST ?= .venv-latest
 
-.PHONY: install test test-latest constraints lint format demo bench clean
+.PHONY: install test test-latest constraints lint format demo bench gpu-check gpu-wheels clean
 
 install: $(VENV)/.installed
 
@@ -65,6 +65,25 @@ demo: install
 
 bench: install
 	$(BIN)/python -m benchmarks --out BENCHMARKS.md
+
+# One command on a lent GPU (docs/gpu-check.md): GPU_CHECK.md and .json, in under 8 minutes
+# on one H100 or H200; on a CPU the small version, into out/. It installs nothing: the venv's
+# python where there is one, else the machine's python3 with the checkout as it is (the GPU
+# machine's; benchmarks/gpu_check/bootstrap.py maps ftpipe_runtime to runtime/ and installs
+# the wheels carried in .whl/, offline).
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+
+# The wheels the GPU machine lacks (Python 3.12, x86-64), into .whl/ for the device call to
+# carry (the device tool's README: `carry: [".whl"]`).
+GPU_WHEELS ?= pymetis==2025.2.2
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+		--platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(OUT) build *.egg-info .pytest_cache .ruff_cache

@@ -4,7 +4,8 @@ Generated packages import this and torch, never the compiler. The modules, in th
 run meets them:
 
 - entry: `cli` (a package's command line), `options` (its arguments), `run` (the run in
-  phases), `ranks` (where this rank runs, how the ranks meet), `mode` (freeze training and
+  phases), `ranks` (where this rank runs, how the ranks meet), `device` (its GPU, CPU
+  threads and TF32), `mode` (freeze training and
   the shorter plans it switches to: `freezing`, `elastic`).
 - the plan and the stages: `topology`, `stage_api` (what generated stages build on),
   `weights` (initial values, checkpoint keys, the traced wrapper's prefix), `stages`,

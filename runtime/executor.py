@@ -151,9 +151,13 @@ class Executor:
         step[m] = loss.reshape(())
         if len(step) < self.m:
             return
-        # The losses and when this rank finished the step's forwards (ranks start together).
-        values = torch.stack([step[j] for j in sorted(step)]).double().cpu()
-        message = torch.cat([values, torch.tensor([time.perf_counter() - self.start])])
+        # The losses and when this rank finished the step's forwards (ranks start together),
+        # left on the device: reading them here would wait for the GPU every step
+        # (`report.Progress` reads them when they are there).
+        values = torch.stack([step[j] for j in sorted(step)]).double()
+        when = torch.full((1,), time.perf_counter() - self.start, dtype=values.dtype,
+                          device=values.device)  # fmt: skip
+        message = torch.cat([values, when])
         del self.losses[k]
         if self.comm.global_rank != 0:
             self.comm.send_loss(k, message.to(self.device))

@@ -8,7 +8,7 @@ An LM head's logits are tokens x vocabulary: 51 MB for a GPT-2 micro-batch of 25
 for 8,192 tokens of Llama 3's 128k vocabulary, and the unfused loss makes four such tensors per
 micro-batch (the logits, their log-softmax kept for backward, the gradient of each). This op
 makes one: the logits, in one product (a CPU core runs chunked products well below a whole
-one's speed), read by the loss `CHUNK_BYTES` at a time (the log-softmax of a chunk only) and,
+one's speed), read by the loss a chunk at a time (the log-softmax of a chunk only) and,
 with gradients wanted, kept with each token's log-sum-exp; the backward overwrites them in
 place, chunk by chunk, with their gradient (the softmax minus the one-hot target, over the
 counted tokens) and computes from it the input's and the weight's gradients, each only where
@@ -18,6 +18,11 @@ tensors, and split the same way (a profile's forward, timed without gradients, s
 forward a run times). The compiler puts it in place of linear -> [to] -> view ->
 cross_entropy_loss in the traced graph (`ftpipe_compiler.graph.fuse`), so a profile times
 what the run runs.
+
+A chunk's size depends on the device (`CHUNK_BYTES`): on a CPU 8 MB, whose log-softmax stays
+in malloc's heap; on a GPU 256 MB, as each chunk costs ~10 kernel launches and a GPU streams
+256 MB in well under a millisecond: 8,192 tokens of a 128k vocabulary in fp32 (4 GB of
+logits) are 16 chunks, not 512, for one 256 MB temporary at a time.
 
 On a CPU the logits and the weight's gradient live in buffers kept from one micro-batch to
 the next (`_Buffers`): torch's CPU allocator maps each block above 32 MB afresh, and zeroing
@@ -31,9 +36,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CHUNK_BYTES", "linear_cross_entropy"]
+__all__ = ["CHUNK_BYTES", "chunk_bytes", "linear_cross_entropy"]
 
-CHUNK_BYTES = 8 << 20  # logits of one chunk: below glibc's largest mmap threshold (32 MB)
+# Bytes of logits the loss reads at a time, by device type; others take the GPU's.
+CHUNK_BYTES = {
+    "cpu": 8 << 20,  # below glibc's largest mmap threshold (32 MB): no fresh pages per chunk
+    "cuda": 256 << 20,  # few launches; one bounded temporary (a chunk's log-softmax)
+}
 
 _SCHEMA = (
     "linear_cross_entropy(Tensor input, Tensor weight, Tensor? bias, Tensor target, "
@@ -41,8 +50,14 @@ _SCHEMA = (
 )
 
 
-def _chunks(tokens: int, vocab: int, itemsize: int):
-    rows = max(1, CHUNK_BYTES // max(1, vocab * itemsize))
+def chunk_bytes(device) -> int:
+    """Bytes of logits read at a time on `device` (a torch.device or its name)."""
+    kind = torch.device(device).type
+    return CHUNK_BYTES.get(kind, CHUNK_BYTES["cuda"])
+
+
+def _chunks(tokens: int, vocab: int, itemsize: int, device):
+    rows = max(1, chunk_bytes(device) // max(1, vocab * itemsize))
     return ((i, min(i + rows, tokens)) for i in range(0, tokens, rows))
 
 
@@ -90,7 +105,7 @@ def _cross_entropy(z, t, ignore_index, logits_dtype, lse=None):
     tokens), each token's log-sum-exp written into it."""
     dtype = logits_dtype or z.dtype
     total = torch.zeros((), dtype=dtype, device=z.device)
-    for i, j in _chunks(z.shape[0], z.shape[1], dtype.itemsize):
+    for i, j in _chunks(z.shape[0], z.shape[1], dtype.itemsize, z.device):
         zc = z[i:j].to(dtype)
         logp = torch.log_softmax(zc, dim=-1)  # one chunk: malloc's heap, not fresh pages
         tc = t[i:j]
@@ -122,7 +137,7 @@ def _into_gradient(ctx, upstream) -> tuple[torch.Tensor, list]:
         z, lse, t, *rest = ctx.saved_tensors
         keep = t != ctx.ignore_index
         scale = upstream.to(lse.dtype) / keep.sum().to(lse.dtype)
-        for i, j in _chunks(z.shape[0], z.shape[1], lse.dtype.itemsize):
+        for i, j in _chunks(z.shape[0], z.shape[1], lse.dtype.itemsize, z.device):
             zc = z[i:j].to(lse.dtype)  # the same memory unless the loss read them upcast
             zc.sub_(lse[i:j, None]).exp_()  # the softmax
             zc[torch.arange(j - i, device=z.device), t[i:j].clamp(min=0)] -= 1.0

@@ -205,6 +205,13 @@ def _running(p, plan: dict) -> None:
     run.add_argument(
         "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"
     )
+    run.add_argument(
+        "--tf32",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fp32 matrix products on TF32 tensor cores (Ampere and later GPUs; the plan's fp32 "
+        "costs assume it); --no-tf32: full fp32 (ftpipe_runtime.device)",
+    )
     run.add_argument("--init-method", default="env://", help="torch.distributed rendezvous")
     run.add_argument(
         "--debug", action="store_true", help="print the traceback of an error before its sentence"

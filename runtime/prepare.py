@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .atomic import check_writable_file, check_writable_folder
+from .device import use_tf32
 from .errors import PipelineConfigError
 from .finetune import HFExporter
 from .optim import lr_at, make_optimizer
@@ -41,6 +42,7 @@ def prepare_rank(run, rank: int, gpu: int):
     exporter = HFExporter(plan, args, ckpt, say) if args.save_hf else None
     runlog = RunLog(args.log_dir, rank, say=say) if args.log_dir and not carried else None
     runlog = carried.runlog if carried else runlog
+    use_tf32(run.place.device, args.tf32)
     modules = build_stages(run.topo, run.stage_classes, gpu, run.place.device, run.precision.dtype)
     if args.init:
         load_init(modules, args.init, plan)

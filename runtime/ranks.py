@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import liveness
+from .device import cap_threads, pick_device
 from .errors import PeerFailure, PipelineConfigError
 from .liveness import die
 from .replicas import Replicas, launch_hint
@@ -52,12 +53,10 @@ class Place:
         replica, gpu = reps.where(rank)
         if device == "cuda" and not torch.cuda.is_available():
             raise PipelineConfigError("--device cuda, but torch sees no GPU here; use --device cpu")
-        where = torch.device(f"cuda:{local_rank}" if device == "cuda" else "cpu")
+        where = pick_device(device, local_rank)
         if where.type == "cuda":
             torch.cuda.set_device(where)
-        elif "OMP_NUM_THREADS" not in os.environ:  # the node's cores shared by its ranks
-            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+        cap_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         return cls(rank, world, replica, gpu, where, reps)
 
 

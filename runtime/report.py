@@ -6,12 +6,18 @@ progress.close()
 
 A progress bar only when stderr is a terminal; otherwise (a log file, a CI job, torchrun's
 captured output) a plain line every `log_every` steps and nothing else.
+
+A step's losses may come as a GPU tensor: they are copied to pinned host memory without
+waiting and read once the GPU has made them (at a later step's losses, or at `close`), so
+reporting a loss never stalls the rank that queues the GPU's work.
 """
 
 from __future__ import annotations
 
+import collections
 import resource
 import sys
+import threading
 
 import torch
 from tqdm import tqdm
@@ -29,6 +35,8 @@ class Progress:
         self.evals: dict[int, dict] = {}  # step -> {"loss", "perplexity", "samples"}
         self.times: dict[int, float] = {}  # seconds from the start to each step's end
         self.bar = None
+        self.pending = collections.deque()  # (step, host tensor, CUDA event or None)
+        self.lock = threading.Lock()  # the loss rank's thread and rank 0's listener both report
         if enabled and sys.stderr.isatty():
             self.bar = tqdm(
                 total=steps - first,
@@ -40,7 +48,32 @@ class Progress:
             )
 
     def loss(self, step: int, message: torch.Tensor) -> None:
-        """`message`: the step's micro-batch losses, then seconds since training started."""
+        """`message`: the step's micro-batch losses, then seconds since training started; on
+        a GPU, read when it is there (in step order: `drain`)."""
+        with self.lock:
+            ready = None
+            if message.device.type == "cuda":
+                with torch.cuda.device(message.device):
+                    host = torch.empty(message.shape, dtype=torch.float64, pin_memory=True)
+                    host.copy_(message, non_blocking=True)
+                    ready = torch.cuda.Event()
+                    ready.record()
+                message = host
+            self.pending.append((step, message, ready))
+            self.drain(wait=False)
+
+    def drain(self, wait: bool = True) -> None:
+        """Report the losses that are on the host by now, in order (all of them: `wait`)."""
+        while self.pending:
+            step, message, ready = self.pending[0]
+            if ready is not None and not wait and not ready.query():
+                return
+            if ready is not None:
+                ready.synchronize()
+            self.pending.popleft()
+            self._report(step, message)
+
+    def _report(self, step: int, message: torch.Tensor) -> None:
         message = message.double().cpu()
         self.losses[step] = float(message[:-1].mean())
         self.times[step] = float(message[-1])
@@ -89,6 +122,8 @@ class Progress:
             print(line, file=sys.stderr, flush=True)
 
     def close(self) -> None:
+        with self.lock:
+            self.drain(wait=True)
         if self.bar is not None:
             self.bar.close()
 

@@ -50,6 +50,10 @@ class Deferred:
 
     groups: list[_Group]
     captured: dict = field(default_factory=dict)  # frontier node -> its grad_outputs in B
+    # The graph held until W: a custom Function's node (the fused loss's) is reached from
+    # Python through its ctx, which holds it weakly (torch 2.11: dead once the roots are
+    # dropped); a view's node holds its root's node strongly, and no tensor.
+    anchors: list = field(default_factory=list)
 
 
 def node_of(t: torch.Tensor):
@@ -71,7 +75,7 @@ def backward_input(roots, grads, inputs, params) -> Deferred:
         nodes.setdefault(node_of(r), []).append((r, g))
     parents, reach = _walk(list(nodes), {node_of(x) for x in inputs})
     groups = _groups(params, parents, reach, nodes)
-    later = Deferred(groups)
+    later = Deferred(groups, anchors=[r.view_as(r).grad_fn for r, _ in pairs])
     frontier = {n for grp in groups for n in grp.frontier}
     hooks = [n.register_prehook(_capture(later.captured, n)) for n in frontier]
     try:
@@ -128,6 +132,7 @@ def backward_weight(later: Deferred, add=None) -> None:
                 p.grad = g if p.grad is None else p.grad + g
     later.groups.clear()
     later.captured.clear()
+    later.anchors.clear()
 
 
 def _walk(roots, targets):

@@ -37,6 +37,15 @@ HW_KEYS = {
     "node",
     "sources",
 }
+# Measured per machine (python -m benchmarks.calibrate), or only where a GPU has it (TF32).
+HW_OPTIONAL = {
+    "peak_flops_tf32",
+    "link_latency_s",
+    "optimizer_bandwidth",
+    "optimizer_cache_bandwidth",
+    "cache_bytes",
+    "calibration",
+}
 NODE_KEYS = {"gpus", "intra_node", "inter_node", "sources"}
 
 
@@ -79,8 +88,11 @@ def check_tasks(folder: Path, errors: list[str]) -> dict:
 def check_hardware(folder: Path, errors: list[str]) -> None:
     for p in sorted(folder.glob("*.json")):
         h = json.loads(p.read_text())
-        if set(h) != HW_KEYS:
-            errors.append(f"hardware {p.name}: keys {sorted(set(h) ^ HW_KEYS)} differ")
+        if not HW_KEYS <= set(h) <= HW_KEYS | HW_OPTIONAL:
+            wrong = (HW_KEYS - set(h)) | (set(h) - HW_KEYS - HW_OPTIONAL)
+            errors.append(f"hardware {p.name}: keys {sorted(wrong)} differ")
+        if h.get("peak_flops_tf32", h.get("peak_flops", 0)) < h.get("peak_flops", 0):
+            errors.append(f"hardware {p.name}: peak_flops_tf32 below the plain fp32 peak_flops")
         if h.get("name") != p.stem:
             errors.append(f"hardware {p.name}: name {h.get('name')!r} != file stem")
         if not h.get("sources"):

@@ -61,7 +61,7 @@ def describe(precision: Precision, hardware=None) -> str:
     line = f"precision {p.name}: {kept} per parameter, {p.state} B per optimizer-state element"
     if hardware is not None and p.compute != "float32":
         peak = hardware.peak(p.compute)
-        slow = " (no tensor cores for it: the fp32 rate)" if peak <= hardware.peak_flops else ""
+        slow = " (no tensor cores for it: the fp32 rate)" if peak <= hardware.fp32_peak() else ""
         line += f"; {p.compute} math at {peak / 1e12:.1f} TFLOP/s on {hardware.name}{slow}"
     return line
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from ..errors import unknown
 from ..resources import config_names, load_config
@@ -12,7 +12,7 @@ from ..resources import config_names, load_config
 class Hardware:
     name: str
     memory_bytes: int
-    peak_flops: float  # fp32
+    peak_flops: float  # fp32 on the plain (non-tensor-core) units
     memory_bandwidth: float  # bytes/s
     link_bandwidth: float  # bytes/s between two devices
     efficiency: float = 0.5  # fraction of peak that real kernels reach
@@ -29,6 +29,10 @@ class Hardware:
     optimizer_bandwidth: float = 0.0
     optimizer_cache_bandwidth: float = 0.0
     cache_bytes: int = 0  # the last-level cache a parameter's step may stay in
+    # fp32 products on TF32 tensor cores (Ampere and later; dense): what a run with --tf32,
+    # its default (ftpipe_runtime.device), reaches in fp32; 0: the GPU has no TF32.
+    peak_flops_tf32: float = 0.0
+    tf32: bool = True  # the run lets fp32 products use TF32 (its --tf32, default on)
 
     def step_bandwidth(self, held_bytes: int) -> float:
         """What the optimizer step of a parameter holding `held_bytes` (weights, gradient,
@@ -38,8 +42,14 @@ class Hardware:
         return self.optimizer_bandwidth or self.memory_bandwidth * self.efficiency
 
     def peak(self, dtype: str = "float32") -> float:
-        """Peak FLOP/s of math in `dtype` (an op computing in bf16 runs on bf16 tensor cores)."""
-        return dict(self.peak_flops_16bit).get(dtype, self.peak_flops)
+        """Peak FLOP/s of math in `dtype` (an op computing in bf16 runs on bf16 tensor cores;
+        one in fp32 on TF32 tensor cores where the GPU has them and the run allows them)."""
+        return dict(self.peak_flops_16bit).get(dtype, self.fp32_peak())
+
+    def fp32_peak(self) -> float:
+        """The fp32 rate the run will use: TF32's with --tf32 (the runtime's default) on a GPU
+        that has it, else the plain fp32 units'."""
+        return self.peak_flops_tf32 if self.tf32 and self.peak_flops_tf32 else self.peak_flops
 
     def op_time(self, flops: float, bytes_moved: float, dtype: str = "float32") -> float:
         """Roofline time of one kernel: compute- or memory-bound, whichever is slower."""
@@ -59,8 +69,10 @@ class Hardware:
         return cls(**d)
 
 
-def get_hardware(name: str) -> Hardware:
+def get_hardware(name: str, *, tf32: bool = True) -> Hardware:
+    """The hardware file `name`, costed for a run with TF32 on (`tf32`, the runtime's
+    default --tf32) or off (--no-tf32)."""
     d = load_config("hardware", name)
     if d is None:
         raise unknown("hardware", name, config_names("hardware"))
-    return Hardware.from_json(d)
+    return replace(Hardware.from_json(d), tf32=tf32)

@@ -43,6 +43,7 @@ import time
 from dataclasses import replace
 
 import torch
+from ftpipe_runtime.device import use_tf32
 from ftpipe_runtime.errors import WriteFailed
 from tqdm import tqdm
 
@@ -91,6 +92,7 @@ class CudaClock:
             raise FtpipeError("CUDA is not available on this machine; use --device cpu")
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.name = self.identity = torch.cuda.get_device_name(self.device)
+        use_tf32(self.device, True)  # fp32 products as a run makes them (its default --tf32)
         self.per_block_peak = True
 
     def time(self, fn, *args):

@@ -34,7 +34,7 @@ def _grads(loss, tensors):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(fused_loss, "CHUNK_BYTES", 4 * VOCAB * 4)  # 4 tokens a chunk: 5 chunks
+    monkeypatch.setitem(fused_loss.CHUNK_BYTES, "cpu", 4 * VOCAB * 4)  # 4 tokens a chunk: 5
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -200,3 +200,46 @@ def test_a_backward_asking_for_one_side_runs_one_product():
         with Products() as both:
             torch.autograd.grad(loss, [wanted, other])
         assert len(one.shapes) == 1 and len(both.shapes) == 2
+
+
+def test_a_gpu_reads_the_logits_in_few_big_chunks():
+    """8,192 tokens of a 128k vocabulary in fp32 (4 GB of logits): 512 chunks of 8 MB on a
+    CPU (the cache-sized ones), 16 of 256 MB on a GPU (each chunk is ~10 kernel launches)."""
+    tokens, vocab = 8192, 128256
+
+    def count(device):
+        return len(list(fused_loss._chunks(tokens, vocab, 4, device)))
+
+    assert count("cpu") == -(-tokens // (fused_loss.CHUNK_BYTES["cpu"] // (vocab * 4)))
+    assert count(torch.device("cuda", 1)) == -(-tokens // ((256 << 20) // (vocab * 4)))
+    assert count("cpu") >= 512 and count("cuda") <= 16
+    assert fused_loss.chunk_bytes("cuda:0") == 256 << 20
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_a_gpu_the_loss_and_gradients_are_the_unfused_ones(dtype):
+    """The CUDA path (torch's own product, the loss in 256 MB chunks): several chunks of a
+    wide vocabulary, against the unfused ops on the same GPU with TF32 off."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        _check_on_gpu(dtype)
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def _check_on_gpu(dtype):
+    g = torch.Generator().manual_seed(0)
+    tokens, width, vocab = (4, 1024), 256, 32768  # 4,096 x 32k fp32 logits: 512 MB, 2 chunks
+    x = torch.randn(*tokens, width, generator=g).to("cuda", dtype).requires_grad_()
+    w = (torch.randn(vocab, width, generator=g) * 0.05).to("cuda", dtype).requires_grad_()
+    t = torch.randint(0, vocab, tokens, generator=g).cuda()
+    t[0, :7] = -100
+    got = linear_cross_entropy(x, w, None, t, -100, torch.float32)
+    want = F.cross_entropy(F.linear(x, w).float().view(-1, vocab), t.view(-1))
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(got, want, **tol)
+    for a, b in zip(torch.autograd.grad(got, (x, w)), torch.autograd.grad(want, (x, w))):
+        torch.testing.assert_close(a, b, **tol)
