@@ -202,15 +202,18 @@ class _GlooSend:
         return self.waited
 
 
-def test_sent_tensors_are_let_go_a_step_later_though_gloo_never_says_they_went(monkeypatch):
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_sent_tensors_are_let_go_though_gloo_never_says_they_went(monkeypatch, schedule):
     """Gloo's isend reports completion only once waited for: the sender held every tensor it
-    sent until the run's end. A rank's first step action waits for the sends made before its
-    previous one (their receivers took them in that step) and lets them go."""
+    sent until the run's end. Under a synchronous schedule a rank's last step action of a step
+    waits for every send so far (their receivers take them within the step); under an
+    asynchronous one its first step action waits for the sends made before its previous one
+    (their receivers took them in that step) and lets them go."""
     import torch
     from ftpipe_runtime import comm as comm_mod
 
-    topo = Topology(toy_plan("two-ranks"))
-    flow = _flow(topo, get_schedule("1f1b"), 4, 3)
+    topo = Topology(toy_plan("two-ranks"))  # two stages on rank 0: two step actions a step
+    flow = _flow(topo, get_schedule(schedule), 4, 3)
     works = []
     monkeypatch.setattr(
         comm_mod.dist, "isend", lambda t, **kw: works.append(_GlooSend()) or works[-1]
@@ -226,12 +229,20 @@ def test_sent_tensors_are_let_go_a_step_later_though_gloo_never_says_they_went(m
 
     send(4)  # step 0
     c.settle(0)
-    c.settle(0)  # a second stage's step on this rank: nothing more
     assert not any(w.waited for w in works) and len(c._sends) == 4
+    c.settle(0)  # the rank's second stage's step
+    if schedule == "1f1b":
+        assert all(w.waited for w in works) and not c._sends  # the step's sends are taken
+    else:
+        assert not any(w.waited for w in works) and len(c._sends) == 4
     send(4)  # step 1
     c.settle(1)
-    assert [w.waited for w in works] == [True] * 4 + [False] * 4
-    assert len(c._sends) == 4  # step 0's tensors let go
+    c.settle(1)
+    if schedule == "1f1b":
+        assert all(w.waited for w in works) and not c._sends
+    else:
+        assert [w.waited for w in works] == [True] * 4 + [False] * 4
+        assert len(c._sends) == 4  # step 0's tensors let go
     send(1)
     c.finish()
     assert all(w.waited for w in works) and not c._sends
