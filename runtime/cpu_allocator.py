@@ -22,8 +22,8 @@ GLIBC_TUNABLES or a MALLOC_* variable the user set wins. `release_free_heap` han
 free back on demand: the measured profiler reads RSS as the live tensors, and a run calls it
 after every optimizer step, since a heap kept whole grows past what is live: tensors that
 outlive a step (weight versions, gradients, receive buffers) land past holes that smaller
-ones split (a 2-rank PipeDream-2BW run of 8 MB tensors held 2.4x its live tensors after 40
-steps).
+ones split (a 2-rank PipeDream-2BW run of 8 MB tensors grew from 90 to 294 MB in 40 steps
+with under 100 MB of tensors live; given back every step, it stayed at ~190 MB).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 
 from ..errors import unknown
 from ..resources import config_names, load_config
+from .formulas import MemoryReserve
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class Hardware:
     optimizer_bandwidth: float = 0.0
     optimizer_cache_bandwidth: float = 0.0
     cache_bytes: int = 0  # the last-level cache a parameter's step may stay in
+    # What the device holds besides a run's tensors: context, communicators, fragmentation.
+    memory_reserve: MemoryReserve = MemoryReserve()
 
     def step_bandwidth(self, held_bytes: int) -> float:
         """What the optimizer step of a parameter holding `held_bytes` (weights, gradient,
@@ -56,6 +59,9 @@ class Hardware:
     def from_json(cls, d: dict) -> Hardware:
         d = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         d["peak_flops_16bit"] = tuple(sorted(dict(d.get("peak_flops_16bit") or {}).items()))
+        reserve = d.get("memory_reserve") or {}
+        fields = MemoryReserve.__dataclass_fields__
+        d["memory_reserve"] = MemoryReserve(**{k: v for k, v in reserve.items() if k in fields})
         return cls(**d)
 
 
