@@ -17,8 +17,8 @@ An evaluation round is one `E` action (`schedules.KINDS`) per stage and evaluati
 a forward in eval mode (dropout off), under no_grad, that keeps nothing and sends its
 outputs on as ("eval", tensor, batch) messages; a weight read by other stages (a tied
 embedding) goes once per round, as training sends it once per version: the message of the
-round's first batch, kept by its readers for all of the round's batches. On every GPU the round after step k sits just
-before the stage's first forward of step k + 1, so an evaluation needs exactly what that
+round's first batch, kept by its readers for all of the round's batches. On every GPU the
+round after step k sits just before the stage's first forward of step k + 1, so an evaluation needs exactly what that
 forward needs and the lists stay deadlock-free (the validator checks them all the same); under
 a synchronous schedule every stage has then taken step k, under an asynchronous one each stage
 evaluates the weights it holds at that point (a stage that forwards ahead may not have applied
@@ -107,9 +107,9 @@ class Rounds:
 
     def key(self, t: str, j: int) -> tuple | None:
         """An activation every batch; a weight once per round, with its first batch."""
-        if not self.topo.transfers[t].weight:
-            return ("eval", t, j)
-        return ("eval", t, j) if j % self.batches == 0 else None
+        if self.topo.transfers[t].weight and _round_start(j, self.batches) != j:
+            return None
+        return ("eval", t, j)
 
 
 class RoundWeights:
@@ -130,10 +130,15 @@ class RoundWeights:
         return (t, -1 - j // self.batches)
 
     def weight_key(self, t: str, j: int) -> tuple:
-        return ("eval", t, j - j % self.batches)
+        return ("eval", t, _round_start(j, self.batches))
 
     def uses(self, t: str, rank: int, j: int) -> int:
         return len(self.topo.local_consumers(t, rank)) * self.batches
+
+
+def _round_start(j: int, batches: int) -> int:
+    """The first batch of evaluation batch j's round (the one that carries its weights)."""
+    return j - j % batches
 
 
 def reporter(plan: dict, steps: int, first: int, every: int, progress):

@@ -299,3 +299,23 @@ def test_an_asynchronous_step_leaves_its_weights_to_the_next_forward():
     flow = _flow(topo, get_schedule("ftpipe"), m, steps)
     sent_at = {i.action.kind for i in flow.actions(0) for _, k in i.sends if k[0] == "weight"}
     assert sent_at == {"F"}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "2bw"])
+def test_evaluation_sends_a_tied_weight_once_per_round(schedule):
+    """Issue 32: every evaluation batch sent (and copied) the tied embedding. A round sends it
+    once, with its first batch; the activations go every batch."""
+    from ftpipe_runtime.evaluate import Rounds, eval_points
+
+    topo = Topology(toy_plan("two-ranks"))  # emb.weight: stage 0 (rank 0) -> stage 3 (rank 1)
+    m, steps, batches = 2, 4, 3
+    timeline = Timeline(get_schedule(schedule), topo.stage_infos(), m, steps)
+    rounds = Rounds(topo, m, batches, eval_points(steps, 0, 2), 0)  # after steps 2 and 4
+    flow = Dataflow(topo, timeline, rounds)
+    sent = [key for it in flow.actions(0) if it.action.kind == "E" for _, key in it.sends]
+    assert [k for k in sent if k[1] == "emb.weight"] == [
+        ("eval", "emb.weight", 0),
+        ("eval", "emb.weight", 3),
+    ]
+    assert [k[2] for k in sent if k[1] == "x0"] == list(range(2 * batches))
+    assert _keys(flow, 0, 1).count(("eval", "emb.weight", 1)) == 0
