@@ -17,6 +17,8 @@ Sections:
   planner   the data x pipeline shape for T5-11B on 64 and T5-3B on 16 GPUs, planning time
   allreduce gloo all-reduce on this machine against the simulator's ring model
   lora      Llama-3.1-8B on 4 x RTX 4090: full fine-tuning against LoRA, simulated
+  memory    each rank's peak memory against its plan: a Qwen2.5-0.5B-shaped model on 2 CPU
+            ranks under gpipe and 2bw, with evaluation (needs ~17 GB free)
 
 Parts of sections that only compute (planning, simulating: one thread each) run first, two at
 a time, one per core of this 2-core machine; then every part that times processes on the

@@ -7,23 +7,30 @@ resumed run's state loaded into them.
 
 from __future__ import annotations
 
+from .cpu_allocator import release_free_heap
 from .evaluate import Evaluator, reporter
 from .executor import Executor
 from .replicas import GradSync
-from .report import peak_memory
+from .report import memory_meter
 from .stepping import Stepper
 
 __all__ = ["after_steps", "load_checkpoint", "make_executor", "make_stepper"]
 
 
 def make_stepper(run) -> Stepper:
-    """The optimizer steps, with the hooks after each: checkpoint, export, memory log, freeze."""
+    """The optimizer steps, with the hooks after each: the CPU heap handed back, checkpoint,
+    export, memory log, freeze."""
     args, place, freezer, runlog = run.args, run.place, run.freezer, run.runlog
     exporter = run.exporter if place.rank == 0 else None
+    meter = memory_meter(str(place.device))
     on_stepped = after_steps(
+        # glibc keeps what a step freed (cpu_allocator.keep_heap), and tensors that outlive a
+        # step (weight versions, gradients, receive buffers) then land past the holes: given
+        # back once a step, the resident set follows the live tensors instead of growing.
+        (lambda ev, k: release_free_heap()) if place.device.type == "cpu" else None,
         run.saver if args.save_every else None,
         (lambda ev, k: exporter.after_checkpoint()) if exporter else None,
-        (lambda ev, k: runlog.memory(k + 1, peak_memory(place.device))) if runlog else None,
+        (lambda ev, k: runlog.memory(k + 1, meter.peaks())) if runlog else None,
         freezer.after_step if freezer else None,
     )
     stepper = Stepper(
@@ -45,7 +52,8 @@ def make_executor(run):
     on_eval = reporter(run.plan, args.steps, run.first, args.eval_every, progress)
     if run.sources.eval is not None:  # its results tagged after every step's loss
         evaluator = Evaluator(topo, place.gpu, run.modules, run.comm, run.sources.eval,
-                              place.device, args.steps, on_eval)  # fmt: skip
+                              place.device, args.steps, on_eval,
+                              synchronous=run.sched.synchronous)  # fmt: skip
         executor.handlers["E"] = evaluator.forward
     if place.reps.count > 1:
         sync = GradSync(run.mixed, run.comm, place.reps.stage_group(place.gpu), run.m)

@@ -65,8 +65,8 @@ def init_distributed(rank: int, world: int, device: str, store, timeout: timedel
 
 def describe(key: Key) -> str:
     kind, name, index = key
-    if kind == "eval":
-        return f"activation {name!r} of evaluation batch {index}"
+    if kind == "eval":  # an activation, or a weight for a whole round from its first batch
+        return f"{name!r} of evaluation batch {index}"
     if kind == "weight":
         return f"weight {name!r} after {index} steps of its stage"
     if kind == "wgrad":
@@ -124,7 +124,9 @@ class Comm:
         # Sends not yet known delivered: gloo reports one complete only once waited for.
         self._sends: list[_Sent] = []
         self._numbered = 0
-        self._settled = (None, 0)  # (step, sends made before it) of the last settle
+        self._settled = 0  # sends made before the last settle (asynchronous schedules)
+        self._stepped = (None, 0)  # (step, this rank's S actions of it so far)
+        self._local_stages = len(flow.topo.stages_on(rank))
         self.sent: dict[str, list[int]] = {}  # message kind -> [messages, bytes] sent
         self.loss_groups: dict[int, object] = {}  # job rank of a loss stage -> its group with 0
         self.listener_error: Exception | None = None
@@ -279,15 +281,26 @@ class Comm:
         self._sends = pending
 
     def settle(self, step: int) -> None:
-        """At a rank's first optimizer step of `step`: wait for the sends made before its
-        previous step (held otherwise till the end on gloo: every tensor a run sent). Their
-        receivers took them by now: a synchronous step consumes what it sent, and the
-        weights sent at a step go in the next; an asynchronous rank more than a step ahead
-        of its peer waits here for it."""
-        if self._settled[0] == step:
+        """At each optimizer step (S) of this rank, of `step`: wait for the sends whose
+        receivers have taken them by now, or will without anything this rank does later, and
+        drop them (held otherwise till the end on gloo: every tensor a run sent). Under a
+        synchronous schedule, at the rank's last S of the step, every send so far: a flushed
+        step's messages are all taken by their receivers' actions of that step (the weights
+        sent at a step go in the next), so the wait ends as they arrive, and nothing a step
+        sent (its activations, gradients, a tied weight's gradient summed over the step) is
+        held through the next. Under an asynchronous one, at the rank's first S of the step,
+        the sends made before its previous step: a rank more than a step ahead of its peer
+        waits here for it."""
+        last, n = self._stepped
+        n = n + 1 if last == step else 1
+        self._stepped = (step, n)
+        if self.flow.synchronous:
+            if n == self._local_stages:
+                self._let_go(lambda s: True)
             return
-        before, self._settled = self._settled[1], (step, self._numbered)
-        self._let_go(lambda s: s.number < before)
+        if n == 1:
+            before, self._settled = self._settled, self._numbered
+            self._let_go(lambda s: s.number < before)
 
     def finish(self) -> None:
         """Wait for every send to be delivered (a sender's buffers must outlive its sends)."""

@@ -2,7 +2,7 @@
 where each step window ends.
 
     flow = Dataflow(topo, Timeline(schedule, topo.stage_infos(), micro_batches, steps))
-    flow = Dataflow(topo, timeline, evaluation=lambda rank, acts: ...)  # rounds spliced in
+    flow = Dataflow(topo, timeline, evaluation=rounds)  # evaluate.Rounds spliced in
     for item in flow.actions(rank):  # Planned: item.action, item.sends, item.event, item.ends_step
         ...
     flow.listed(rank)                # the rank's bare actions (rank 0's loss listener reads them)
@@ -12,8 +12,9 @@ where each step window ends.
 Receivers post their receives in the sender's order (NCCL matches point-to-point messages
 by order, not tag), so both ends derive that order from the same lists: every rank makes
 the sender's actions itself (`Timeline` is a pure function of the plan and the options).
-Keys: ("act", tensor, mb), ("grad", tensor, mb), ("eval", tensor, evaluation batch), and
-("weight", parameter, version), ("wgrad", parameter, step) (below).
+Keys: ("act", tensor, mb), ("grad", tensor, mb), ("eval", tensor, evaluation batch: a
+weight once per round, under its first batch), and ("weight", parameter, version),
+("wgrad", parameter, step) (below).
 Nothing is derived ahead of need, so a run of any length costs the same to start.
 
 Weights read by other stages (tied embeddings): a weight changes only at its owner's
@@ -99,6 +100,7 @@ class Dataflow:
     def __init__(self, topo: Topology, timeline: Timeline, evaluation=None):
         self.topo, self.timeline, self.evaluation = topo, timeline, evaluation
         self.micro_batches = timeline.m
+        self.synchronous = timeline.schedule.synchronous
         self.policies = timeline.schedule.policies(topo.stage_infos(), timeline.m)
         self._versions: dict[str, ForwardVersions] = {}  # weight -> its owner's forwards
 
@@ -119,6 +121,10 @@ class Dataflow:
                 self.timeline.first,
             )
         return versions.version(mb)
+
+    def weight_key(self, tensor: str, mb: int) -> Key:
+        """The message carrying the version of weight `tensor` that micro-batch `mb` reads."""
+        return ("weight", tensor, self.version(tensor, mb))
 
     def slot(self, tensor: str, mb: int) -> tuple[str, int]:
         """What the value of `tensor` micro-batch `mb` reads is kept under: (tensor, mb), or for
@@ -164,10 +170,11 @@ class Dataflow:
         steps: dict[int, int] = {}  # step -> this rank's S actions of it so far
         sent: dict[str, int] = {}  # weight -> the last version sent
         for a in self.listed(rank):
-            if a.kind == "E":
+            if a.kind == "E":  # a weight once per round (`evaluate.Rounds.key`)
                 out = [
-                    (dst, ("eval", t, a.mb))
+                    (dst, key)
                     for t in topo.outputs[a.stage]
+                    if (key := self.evaluation.key(t, a.mb)) is not None
                     for dst in topo.remote_ranks(t)
                 ]
                 yield Planned(a, tuple(out))
@@ -235,7 +242,7 @@ class Dataflow:
     def listed(self, rank: int) -> Iterator[Action]:
         """The rank's actions alone: the schedule's, with the evaluation rounds spliced in."""
         acts = self.timeline.actions(rank)
-        if self.evaluation is not None:  # (rank, actions) -> actions with evaluation rounds
+        if self.evaluation is not None:  # evaluate.Rounds: (rank, actions) -> with rounds
             acts = self.evaluation(rank, acts)
         return acts
 

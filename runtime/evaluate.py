@@ -2,7 +2,8 @@
 
     points = eval_points(steps=40, first=0, every=5)          # after steps 5, 10, ..., 40
     acts = with_evaluation(acts, stages, micro_batches, points, batches, first=0)  # one GPU's
-    add = splicer(topo, m, eval_data, steps=40, first=0, every=5)   # add(gpu, acts), or None
+    rounds = splicer(topo, m, eval_data, steps=40, first=0, every=5)  # Rounds, or None
+    rounds(gpu, acts); rounds.key("add_7", 3)                  # one GPU's, with its rounds
     evaluator = Evaluator(topo, rank, modules, comm, eval_data, device, tag_base=steps)
     executor.handlers["E"] = evaluator.forward                 # the handler of kind E
     loss_messages(loss_rank_actions, topo.loss_stage, m, n)    # what rank 0 receives, in order
@@ -14,8 +15,10 @@ the run's own numbers (a run resumed at step k starts at micro-batch k * m).
 
 An evaluation round is one `E` action (`schedules.KINDS`) per stage and evaluation batch:
 a forward in eval mode (dropout off), under no_grad, that keeps nothing and sends its
-outputs on as ("eval", tensor, batch) messages. On every GPU the round after step k sits just
-before the stage's first forward of step k + 1, so an evaluation needs exactly what that
+outputs on as ("eval", tensor, batch) messages; a weight read by other stages (a tied
+embedding) goes once per round, as training sends it once per version: the message of the
+round's first batch, kept by its readers for all of the round's batches. On every GPU the
+round after step k sits just before the stage's first forward of step k + 1, so an evaluation needs exactly what that
 forward needs and the lists stay deadlock-free (the validator checks them all the same); under
 a synchronous schedule every stage has then taken step k, under an asynchronous one each stage
 evaluates the weights it holds at that point (a stage that forwards ahead may not have applied
@@ -38,6 +41,8 @@ from .schedules import Action
 
 __all__ = [
     "Evaluator",
+    "RoundWeights",
+    "Rounds",
     "eval_points",
     "listen_for_losses",
     "loss_messages",
@@ -80,17 +85,60 @@ def with_evaluation(
 
 
 def splicer(topo, micro_batches: int, data, steps: int, first: int, every: int):
-    """(gpu, actions) -> those actions with the run's evaluation rounds; None without an
-    evaluation set."""
+    """The run's evaluation `Rounds`; None without an evaluation set."""
     if data is None:
         return None
     points = eval_points(steps, first, every)
+    return Rounds(topo, micro_batches, data.micro_batches, points, first)
 
-    def add(gpu: int, acts: Iterable[Action]) -> Iterator[Action]:
-        stages = topo.stages_on(gpu)
-        return with_evaluation(acts, stages, micro_batches, points, data.micro_batches, first)
 
-    return add
+class Rounds:
+    """A run's evaluation rounds: `rounds(gpu, acts)` is one GPU's actions with them spliced
+    in (`with_evaluation`), `rounds.key(t, j)` the message of output t that evaluation batch
+    j sends (None: none)."""
+
+    def __init__(self, topo, micro_batches: int, batches: int, points: list[int], first: int):
+        self.topo, self.m, self.batches = topo, micro_batches, batches
+        self.points, self.first = points, first
+
+    def __call__(self, gpu: int, acts: Iterable[Action]) -> Iterator[Action]:
+        stages = self.topo.stages_on(gpu)
+        return with_evaluation(acts, stages, self.m, self.points, self.batches, self.first)
+
+    def key(self, t: str, j: int) -> tuple | None:
+        """An activation every batch; a weight once per round, with its first batch."""
+        if self.topo.transfers[t].weight and _round_start(j, self.batches) != j:
+            return None
+        return ("eval", t, j)
+
+
+class RoundWeights:
+    """What `Outputs` asks a flow about weights, for evaluation: a weight read by other
+    stages is one value for a whole round (its owner steps between rounds, never inside
+    one), kept under (tensor, -1 - round) for every batch of the round on each local reader
+    and sent with the round's first batch (`Rounds.key`). Under a synchronous schedule the
+    owner's next step waits for every reader's round (it needs their gradients of the step
+    after it), so the parameter itself goes; otherwise a copy (`Outputs._settled`)."""
+
+    def __init__(self, topo, batches: int, synchronous: bool):
+        self.topo, self.batches, self.synchronous = topo, batches, synchronous
+
+    def shared(self, t: str) -> bool:
+        return self.topo.transfers[t].weight
+
+    def slot(self, t: str, j: int) -> tuple[str, int]:
+        return (t, -1 - j // self.batches)
+
+    def weight_key(self, t: str, j: int) -> tuple:
+        return ("eval", t, _round_start(j, self.batches))
+
+    def uses(self, t: str, rank: int, j: int) -> int:
+        return len(self.topo.local_consumers(t, rank)) * self.batches
+
+
+def _round_start(j: int, batches: int) -> int:
+    """The first batch of evaluation batch j's round (the one that carries its weights)."""
+    return j - j % batches
 
 
 def reporter(plan: dict, steps: int, first: int, every: int, progress):
@@ -166,12 +214,24 @@ def perplexity(head: str, loss: float) -> float | None:
 class Evaluator:
     """The E handler of one rank: forward-only, nothing kept, the loss stage sums."""
 
-    def __init__(self, topo, rank, modules, comm, data, device, tag_base: int, on_result=None):
+    def __init__(
+        self,
+        topo,
+        rank,
+        modules,
+        comm,
+        data,
+        device,
+        tag_base: int,
+        on_result=None,
+        synchronous: bool = False,
+    ):
         self.topo, self.rank, self.modules, self.comm = topo, rank, modules, comm
         self.data, self.device = data, torch.device(device)
         self.batches = data.micro_batches
         self.tag_base, self.on_result = tag_base, on_result
-        self.outputs = Outputs(topo, rank, comm, "eval")
+        weights = RoundWeights(topo, self.batches, synchronous)
+        self.outputs = Outputs(topo, rank, comm, "eval", weights)
         self.sums: dict[int, list[float]] = {}  # round -> [weighted loss, samples, batches]
         self.start = time.perf_counter()
 

@@ -2,6 +2,7 @@
 use, sent once to every other rank that reads them, received where they are taken.
 
     acts = Outputs(topo, rank, comm, "act", flow)   # training forwards (weights per version)
+    evals = Outputs(topo, rank, comm, "eval", RoundWeights(topo, batches=16, synchronous=True))
     acts.put("hidden_3", mb, tensor); acts.take("hidden_3", mb)
 """
 
@@ -15,8 +16,10 @@ __all__ = ["Outputs"]
 class Outputs:
     """Stage outputs of one kind of forward ("act": training, "eval": evaluation), by (tensor,
     micro-batch): kept for this rank's consumers until their last use, and sent once to
-    every other rank that consumes them. With `flow` (training), a weight is kept and sent
-    once per version, under `flow.slot`."""
+    every other rank that consumes them. With `flow`, a weight is kept and sent once for all
+    the forwards that read the same value of it, under `flow.slot` and `flow.weight_key`
+    (training: `Dataflow`, once per version; evaluation: `evaluate.RoundWeights`, once per
+    round); `flow.synchronous` says whether the owner's next step waits for every reader."""
 
     def __init__(self, topo, rank: int, comm, kind: str, flow=None):
         self.topo, self.rank, self.comm, self.kind, self.flow = topo, rank, comm, kind, flow
@@ -27,8 +30,7 @@ class Outputs:
         """(slot, message key, uses on this rank) of tensor t's value for micro-batch m."""
         flow = self.flow
         if flow is not None and flow.shared(t):
-            key = ("weight", t, flow.version(t, m))
-            return flow.slot(t, m), key, flow.uses(t, self.rank, m)
+            return flow.slot(t, m), flow.weight_key(t, m), flow.uses(t, self.rank, m)
         return (t, m), (self.kind, t, m), len(self.topo.local_consumers(t, self.rank))
 
     def put(self, t: str, m: int, value: torch.Tensor) -> None:
@@ -50,7 +52,7 @@ class Outputs:
         the step, which waits for every reader's gradient, so every reader has received
         the weight and run its forwards by then (no copy needed for the messages or the
         local readers). Otherwise a reader may run after the owner's step: send a copy."""
-        return self.flow is not None and self.flow.timeline.schedule.synchronous
+        return self.flow is not None and self.flow.synchronous
 
     def take(self, t: str, m: int) -> torch.Tensor:
         slot, key, uses = self._slot(t, m)

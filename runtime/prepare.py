@@ -20,6 +20,7 @@ from .errors import PipelineConfigError
 from .finetune import HFExporter
 from .optim import lr_at, make_optimizer
 from .precision import MixedPrecision
+from .report import memory_meter
 from .runlog import RunLog
 from .stages import build_stages, load_init
 
@@ -42,6 +43,7 @@ def prepare_rank(run, rank: int, gpu: int):
     exporter = HFExporter(plan, args, ckpt, say) if args.save_hf else None
     runlog = RunLog(args.log_dir, rank, say=say) if args.log_dir and not carried else None
     runlog = carried.runlog if carried else runlog
+    memory_meter(str(run.place.device))  # started before any stage exists: what they add counts
     use_tf32(run.place.device, args.tf32)
     modules = build_stages(run.topo, run.stage_classes, gpu, run.place.device, run.precision.dtype)
     if args.init:

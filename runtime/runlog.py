@@ -3,11 +3,12 @@
     log = RunLog("runs/exp1", rank=0)     # runs/exp1/log.jsonl and runs/exp1/tensorboard/
     log.record("train", step=3, loss=4.1, lr=1e-3, samples_per_s=812.0)
     log.record("eval", step=5, loss=3.9, perplexity=49.4)
-    log.memory(step=3, peak_bytes=2**30)  # every rank: tensorboard/rank-<r>/
+    log.memory(step=3, peaks={"allocated": 2**30, "reserved": 2**31})  # every rank
     log.close()
 
 Rank 0 writes `log.jsonl` (one object per line: kind, step, figures) and the scalars `train/*`,
-`eval/*`; every rank writes its own peak memory under `tensorboard/rank-<r>`. The JSON-lines
+`eval/*`; every rank writes its own peak memory (`report.Memory`: allocated and reserved)
+under `tensorboard/rank-<r>`. The JSON-lines
 file is rewritten whole through the atomic writer, at most every `flush_s` seconds and at
 the end, so a crash leaves the previous complete file. TensorBoard is optional
 (`pip install tensorboard`): without it the scalars are skipped, said once. A write that
@@ -76,10 +77,12 @@ class RunLog:
         if time.monotonic() - self._flushed >= self.flush_s:
             self.flush()
 
-    def memory(self, step: int, peak_bytes: int) -> None:
-        """This rank's peak memory, as a scalar of its own TensorBoard run."""
+    def memory(self, step: int, peaks: dict[str, int]) -> None:
+        """This rank's peak memory so far (`report.Memory.peaks`), as scalars of its own
+        TensorBoard run: memory/allocated_GiB, memory/reserved_GiB."""
         if self.board is not None:
-            self._board(self.board.add_scalar, "memory/peak_GiB", peak_bytes / 2**30, step)
+            for what, n in peaks.items():
+                self._board(self.board.add_scalar, f"memory/{what}_GiB", n / 2**30, step)
 
     def flush(self) -> None:
         if self.rank == 0 and self.lines:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from .atomic import write_atomic
 from .ranks import all_gather, barrier
-from .report import checksums, human_bytes, peak_memory
+from .report import checksums, human_bytes, memory_meter
 from .trace import write_trace
 
 __all__ = ["finish", "gather_trace", "save_hf"]
@@ -57,7 +57,7 @@ def finish(run, first: int, wall: float, segments: list) -> dict:
     """The run's summary (see the module's docstring); rank 0 says it and writes --log-json."""
     args, place, progress = run.args, run.place, run.progress
     mine = {
-        "memory": peak_memory(place.device),
+        "memory": memory_meter(str(place.device)).peaks(),
         "checksums": checksums(run.modules),
         "skipped_steps": run.mixed.skipped,
         "replica": place.replica,
@@ -72,7 +72,10 @@ def finish(run, first: int, wall: float, segments: list) -> dict:
         "losses": [progress.losses.get(k) for k in range(first, args.steps)],
         "samples_per_s": progress.samples_per_s(),
         "steady_samples_per_s": progress.steady_samples_per_s(),
-        "memory_bytes": [e["memory"] for e in everyone],
+        # Per rank: the peak the plan predicts (CUDA: allocated; CPU: resident set grown
+        # since before the stages were built), and what the device held (report.Memory).
+        "memory_bytes": [e["memory"]["allocated"] for e in everyone],
+        "memory_reserved_bytes": [e["memory"]["reserved"] for e in everyone],
         "dtype": args.dtype,
         "evals": [{"step": k, **v} for k, v in sorted(progress.evals.items())],
         "skipped_steps": [e["skipped_steps"] for e in everyone],  # per rank: the same
@@ -84,7 +87,12 @@ def finish(run, first: int, wall: float, segments: list) -> dict:
         "segments": segments,  # one per plan the run trained on
     }
     if place.rank == 0:
-        mem = ", ".join(f"rank {r} {human_bytes(b)}" for r, b in enumerate(summary["memory_bytes"]))
+        mem = ", ".join(
+            f"rank {r} {human_bytes(a)} ({human_bytes(b)} reserved)"
+            for r, (a, b) in enumerate(
+                zip(summary["memory_bytes"], summary["memory_reserved_bytes"])
+            )
+        )
         progress.write(
             f"done: {args.steps - first} steps in {wall:.1f} s, "
             f"{summary['samples_per_s']:.1f} samples/s; peak memory {mem}"

@@ -86,17 +86,23 @@ def compile_plan(out: Path, model: str, gpus: int, threads: int = 1, **options) 
 
 
 def torchrun(
-    args: list[str], log: Path, cwd=ROOT, nproc: int = 2, pythonpath=(), extra=None
+    args: list[str], log: Path, cwd=ROOT, nproc: int = 2, pythonpath=(), extra=None, timeout=600
 ) -> str:
     """`torchrun --standalone --nproc_per_node nproc ARGS`, one thread per rank (`extra`:
     environment variables, `child_env`)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += ["--nproc_per_node", str(nproc), *map(str, args)]
-    return run_child(cmd, log, cwd=cwd, pythonpath=pythonpath, extra=extra)
+    return run_child(cmd, log, cwd=cwd, pythonpath=pythonpath, extra=extra, timeout=timeout)
 
 
 def run_package(
-    out: Path, package: str, argv: list[str], result: Path, gpus: int = 2, actions: bool = False
+    out: Path,
+    package: str,
+    argv: list[str],
+    result: Path,
+    gpus: int = 2,
+    actions: bool = False,
+    timeout: float = 600,
 ) -> dict:
     """Train the generated package in `out` on `gpus` ranks, as its users run it; returns the
     runtime's summary (`--log-json`) plus `step_ends_s`: its segments' step ends, one after
@@ -109,6 +115,7 @@ def run_package(
         cwd=out,
         nproc=gpus,
         pythonpath=[out],
+        timeout=timeout,
     )
     summary = json.loads(result.read_text())
     summary["step_ends_s"] = [t for g in summary["segments"] for t in g["step_ends_s"]]

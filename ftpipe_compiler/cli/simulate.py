@@ -125,12 +125,12 @@ def _lines(plan: Plan, result, steps: int, run) -> list[str]:
         lines.append(f"  {describe_remat(plan)}")
     if run is not None:
         lines.append(f"  {compare_line(run, result)}")
-    lines.append("\n  GPU   busy   memory GiB / capacity   stages")
+    lines.append("\n  GPU   busy   memory GiB / capacity   headroom   stages")
     for g in result.gpus:
         flag = "  over capacity" if not g.fits else ""
         stages = ", ".join(map(str, g.stages)) or "-"
         lines.append(
             f"  {g.gpu:>3} {100 * g.busy_fraction:5.1f} %   {g.peak_memory_bytes / 2**30:7.2f} / "
-            f"{g.memory_bytes / 2**30:<7.2f}      {stages}{flag}"
+            f"{g.memory_bytes / 2**30:<7.2f}   {g.headroom_bytes / 2**30:8.2f}   {stages}{flag}"
         )
     return lines

@@ -5,18 +5,22 @@
     held, transient = stage_memory(trainable_bytes=w, frozen_bytes=0, state_bytes=s,
                                    input_bytes=i, act_bytes=a, policy=policy)
     gpu_memory_bytes([(held, transient), ...])                # held summed, largest transient
+    posted_bytes([8192] * 4 + [2**23], ahead_bytes=2**28, most=64)  # receive buffers posted ahead
+    MemoryReserve(context_bytes=2**29, communicator_bytes=2**26, fragmentation=0.05).bytes(t, 3)
     ring_allreduce_s(nbytes=2**30, replicas=8, bandwidth=40e9, latency_s=1e-5)
 
 Every partitioner, `Plan`, the planner and the simulator call these; partitioners may cache
 or batch the calls (the functions are plain arithmetic, so numpy arrays pass through), never
 write the formulas again. What a stage keeps comes from its schedule's `StagePolicy` (the
-runtime's statement): trainable weights times the versions kept, gradients and optimizer
-state once (frozen parameters have neither), and activations: a stage that recomputes keeps
+runtime's statement): trainable weights times the copies the runtime holds (`weight_copies`),
+gradients and optimizer state once (frozen parameters have neither), and activations: a stage that recomputes keeps
 only its inputs for each in-flight micro-batch and needs its full activations for one
 micro-batch while it recomputes; one that does not recompute keeps full activations for
 every in-flight micro-batch. A split backward (zero-bubble) keeps a micro-batch in flight
 until its W, and a recomputing stage keeps the rebuilt activations of the `deferred`
-micro-batches whose B ran and W has not. Bytes per element come from a `Precision`.
+micro-batches whose B ran and W has not. Bytes per element come from a `Precision`. What a GPU
+holds beyond its stages (messages, receive buffers, the device's own reserve) is added up by
+`gpu_memory.gpu_memory` from a plan, with `posted_bytes` and `MemoryReserve` from here.
 """
 
 from __future__ import annotations
@@ -104,11 +108,22 @@ def param_bytes(
     return weight, numel * (precision.grad + precision.master) + state
 
 
+def weight_copies(policy) -> int:
+    """Copies of a stage's trainable weights the runtime holds at once. A schedule that pins
+    versions (`weight_delay` > 0: PipeDream-2BW, WPipe) keeps `weight_versions` of them (the
+    paper's count, the live weights among them), and one more where the stage holds several
+    micro-batches in flight: it then starts a step's forwards before it takes the step before,
+    and the executor sets the version they read aside at their first use, a copy of the live
+    weights until that step replaces them."""
+    ahead = bool(policy.weight_delay) and policy.in_flight > 1
+    return policy.weight_versions + ahead
+
+
 def stage_memory(
     *, trainable_bytes, frozen_bytes, state_bytes, input_bytes, act_bytes, policy
 ) -> tuple:
     """(bytes a stage holds throughout, bytes it needs on top while one backward runs)."""
-    static = trainable_bytes * policy.weight_versions + frozen_bytes + state_bytes
+    static = trainable_bytes * weight_copies(policy) + frozen_bytes + state_bytes
     if policy.recompute:
         kept = policy.deferred * act_bytes if policy.split else 0 * act_bytes
         return static + policy.in_flight * input_bytes + kept, act_bytes
@@ -122,6 +137,53 @@ def gpu_memory_bytes(stages) -> int:
         held += h
         transient = max(transient, t)
     return held + transient
+
+
+def posted_bytes(sizes, ahead_bytes: int, most: int) -> int:
+    """Bytes of receive buffers one source's messages keep posted ahead of need, by the
+    runtime's rule (`ftpipe_runtime.comm.Comm.post_ahead`): after each receive the next
+    messages are posted while fewer than `ahead_bytes` wait (so one message more than the
+    window when it falls short), at most `most` of them. `sizes`: one step's messages in
+    sending order, repeating; the most that waits after any receive."""
+    n = len(sizes)
+    if not n or most < 1:
+        return 0
+    stream = [sizes[i % n] for i in range(n + most)]  # every window starting in one step
+    best = waiting = end = 0  # the window [start, end): its end only moves on as its start does
+    for start in range(n):
+        end = max(end, start)
+        while end - start < most and waiting < ahead_bytes:
+            waiting += stream[end]
+            end += 1
+        best = max(best, waiting)
+        if end > start:
+            waiting -= stream[start]
+    return best
+
+
+@dataclass(frozen=True)
+class MemoryReserve:
+    """What a device holds besides the run's tensors (`memory_reserve` of a hardware file):
+    its context (CUDA's, before any tensor), one communicator per process group it is in
+    (NCCL: buffers per peer), and what the caching allocator holds beyond the live tensors,
+    as a fraction of them (fragmentation). A CPU rank has none of these, but its messages
+    (gloo's) report delivery only when waited for, so the runtime holds what it sent until
+    a step waits for it (`sends_held`); NCCL's are let go as they complete."""
+
+    context_bytes: int = 0
+    communicator_bytes: int = 0
+    fragmentation: float = 0.0
+    sends_held: bool = False
+
+    def bytes(self, tensor_bytes, communicators: int):
+        """The reserve of a device holding `tensor_bytes` of tensors in `communicators` groups."""
+        fixed = self.context_bytes + communicators * self.communicator_bytes
+        return fixed + self.fragmentation * tensor_bytes
+
+    def usable(self, capacity: int, communicators: int) -> int:
+        """The tensor bytes that fit in `capacity` beside the reserve."""
+        fixed = self.context_bytes + communicators * self.communicator_bytes
+        return max(0, int((capacity - fixed) / (1 + self.fragmentation)))
 
 
 def ring_allreduce_s(

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, replace
 
 from ..errors import unknown
 from ..resources import config_names, load_config
+from .formulas import MemoryReserve
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class Hardware:
     # its default (ftpipe_runtime.device), reaches in fp32; 0: the GPU has no TF32.
     peak_flops_tf32: float = 0.0
     tf32: bool = True  # the run lets fp32 products use TF32 (its --tf32, default on)
+    # What the device holds besides a run's tensors: context, communicators, fragmentation.
+    memory_reserve: MemoryReserve = MemoryReserve()
 
     def step_bandwidth(self, held_bytes: int) -> float:
         """What the optimizer step of a parameter holding `held_bytes` (weights, gradient,
@@ -66,6 +69,9 @@ class Hardware:
     def from_json(cls, d: dict) -> Hardware:
         d = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         d["peak_flops_16bit"] = tuple(sorted(dict(d.get("peak_flops_16bit") or {}).items()))
+        reserve = d.get("memory_reserve") or {}
+        fields = MemoryReserve.__dataclass_fields__
+        d["memory_reserve"] = MemoryReserve(**{k: v for k, v in reserve.items() if k in fields})
         return cls(**d)
 
 

@@ -126,8 +126,10 @@ def infeasible(problem: Problem, partitioner: str, why: str = "") -> InfeasibleE
     """'infeasible: needs 3 GPUs / 31.2 GB' when the weights alone need more GPUs; when they
     would fit, activations or indivisible layers are what is missing: 'needs more than P'."""
     total = sum(problem.static_bytes.values())
-    need = max(1, -(-total // problem.memory))
+    need = max(1, -(-total // problem.memory)) if problem.memory > 0 else problem.gpus + 1
     have = f"have {problem.gpus} x {problem.memory / 1e9:.1f} GB"
+    if problem.memory < problem.capacity:  # the device's reserve and a backward's gradient
+        have += f" ({problem.capacity / 1e9:.1f} GB less the device's reserve)"
     tail = f" ({why})" if why else ""
     if need > problem.gpus:
         return InfeasibleError(

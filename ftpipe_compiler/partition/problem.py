@@ -14,6 +14,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from ftpipe_runtime.comm import POST_AHEAD_BYTES, POST_AHEAD_MESSAGES
 from ftpipe_runtime.schedules import SCHEDULES, Schedule, ScheduleError, StageInfo, StagePolicy
 
 from ..costs.formulas import FP32, OPTIMIZERS, Precision, param_bytes
@@ -59,8 +60,25 @@ class Problem:
             raise FtpipeError("the graph has no costs; profile it first (ftpipe profile)")
 
     @property
-    def memory(self) -> int:
+    def capacity(self) -> int:
+        """Bytes of one GPU: `memory_bytes`, or the hardware's."""
         return self.memory_bytes or self.hardware.memory_bytes
+
+    @functools.cached_property
+    def memory(self) -> int:
+        """What the partitioners may fill with their stages on one GPU: its capacity less the
+        device's reserve (a GPU exchanging messages with two neighbours both ways), the largest
+        gradient a backward makes before adding it in (with its fp32 copy under mixed
+        precision), and the receive buffers two neighbours' messages keep posted (at most the
+        runtime's window of the largest ones). The plan then counts its own communicators and
+        buffers (`Plan.gpu_memory`); what does not fit there is no plan."""
+        pairs = min(4, 2 * (self.gpus - 1))
+        usable = self.hardware.memory_reserve.usable(self.capacity, pairs + 1)
+        largest = max((w for w, s in self.param_split.values() if s), default=0)
+        fp32_copy = 4 * largest // self.precision.weight if self.precision.master else 0
+        message = max((n.out_bytes for n in self.graph.nodes), default=0)
+        posted = min(2, self.gpus - 1) * min(POST_AHEAD_BYTES, POST_AHEAD_MESSAGES * message)
+        return max(0, usable - largest - fp32_copy - posted)
 
     @property
     def bandwidth(self) -> float:

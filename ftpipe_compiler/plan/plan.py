@@ -31,7 +31,8 @@ from ftpipe_runtime.schedules import (
 )
 
 from ..costs.cluster import Cluster
-from ..costs.formulas import gpu_memory_bytes, period_s, stage_memory
+from ..costs.formulas import MemoryReserve, period_s
+from ..costs.gpu_memory import GpuMemory, gpu_memory
 from ..errors import FtpipeError, PlanFormatError
 from ..graph.opgraph import _typed, read_json
 from ..units import mib
@@ -71,6 +72,8 @@ class Plan:
     remat_saved_bytes: int = 0
     # The machine's point-to-point message cost beside `bandwidth` (Hardware.link_latency_s).
     latency_s: float = 0.0
+    # What each GPU holds besides the run's tensors (the hardware's context, communicators).
+    reserve: MemoryReserve = MemoryReserve()
     version: str = __version__
 
     # --- where the ranks are ---
@@ -144,28 +147,16 @@ class Plan:
     def gpu_memory(
         self, gpu: int, in_flight: dict[int, int] | None = None, deferred: dict | None = None
     ) -> int:
-        """Peak bytes on a GPU; micro-batches in flight (and, split, between B and W) per stage
-        from the schedule unless given."""
-        by_name = {p.name: p for p in self.params}
-        parts = []
-        for s in self.stages_on(gpu):
-            policy = self.policies[s.id]
-            if in_flight:
-                policy = replace(policy, in_flight=in_flight[s.id])
-            if deferred:
-                policy = replace(policy, deferred=deferred[s.id])
-            owned = [by_name[n] for n in s.params]
-            parts.append(
-                stage_memory(
-                    trainable_bytes=sum(p.bytes for p in owned if p.trainable),
-                    frozen_bytes=sum(p.bytes for p in owned if not p.trainable),
-                    state_bytes=sum(p.static_bytes - p.bytes for p in owned),
-                    input_bytes=0 if s.forward_only else s.input_bytes,
-                    act_bytes=s.act_bytes,
-                    policy=policy,
-                )
-            )
-        return gpu_memory_bytes(parts)
+        """Peak bytes on a GPU (`costs.gpu_memory`: its stages, the runtime's messages and
+        buffers, the device's reserve); micro-batches in flight (and, split, between B and W)
+        per stage from the schedule unless given."""
+        return self.gpu_memory_parts(gpu, in_flight, deferred).total
+
+    def gpu_memory_parts(
+        self, gpu: int, in_flight: dict[int, int] | None = None, deferred: dict | None = None
+    ) -> GpuMemory:
+        """The same peak, by what holds it."""
+        return gpu_memory(self, gpu, in_flight, deferred)
 
     @property
     def max_memory_bytes(self) -> int:
@@ -226,7 +217,7 @@ class Plan:
                 f"ftpipe reads formats {' and '.join(map(str, READABLE_FORMATS))}: run `ftpipe compile` "
                 "again with this version"
             )
-        nested = ("stages", "transfers", "params", "cluster")
+        nested = ("stages", "transfers", "params", "cluster", "reserve")
         flat = [f.name for f in fields(cls) if f.name not in nested]
         try:
             plan = _typed(
@@ -237,6 +228,7 @@ class Plan:
                     "transfers": tuple(_typed(Transfer, t) for t in d["transfers"]),
                     "params": tuple(_typed(PlanParam, p) for p in d["params"]),
                     "cluster": Cluster.from_json(d["cluster"]) if d.get("cluster") else None,
+                    "reserve": _typed(MemoryReserve, d.get("reserve") or {}),
                 },
             )
         except (KeyError, TypeError, ValueError, AttributeError, FtpipeError) as e:

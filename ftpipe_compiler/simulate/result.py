@@ -17,7 +17,9 @@ from ..errors import PlanFormatError
 class GpuResult:
     gpu: int
     busy_fraction: float  # compute time / steady-state window
-    peak_memory_bytes: int  # weights, grads, optimizer state, in-flight activations
+    # Weights, grads, optimizer state, in-flight activations, the runtime's buffers and the
+    # device's reserve (`Plan.gpu_memory`).
+    peak_memory_bytes: int
     memory_bytes: int  # capacity
     stages: tuple[int, ...]
     bytes_sent: int  # per step: activations, weights and their gradients
@@ -25,6 +27,11 @@ class GpuResult:
     @property
     def fits(self) -> bool:
         return self.peak_memory_bytes <= self.memory_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        """Capacity left at the peak (negative: over capacity)."""
+        return self.memory_bytes - self.peak_memory_bytes
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,7 @@ class SimResult:
                     "busy_fraction": g.busy_fraction,
                     "peak_memory_bytes": g.peak_memory_bytes,
                     "memory_bytes": g.memory_bytes,
+                    "headroom_bytes": g.headroom_bytes,
                     "stages": list(g.stages),
                     "bytes_sent": g.bytes_sent,
                 }

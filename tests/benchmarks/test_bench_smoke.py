@@ -345,3 +345,23 @@ def test_ungroup_gives_each_configuration_of_a_shared_launch_its_own_results():
         "a": [{"losses": [2.0], "other_cores": 0.2}],
         "b": [{"losses": [3.0], "other_cores": 0.2}],
     }
+
+
+def test_memory_rows_say_planned_against_measured_and_the_verdict():
+    from benchmarks.memory import bench as bench_memory
+
+    gib = 2**30
+    parts = {"stages": 5 * gib, "posted": gib // 2, "reserve": gib // 4, "replicas": 0}
+    row = {"schedule": "gpipe", "rank": 0, "planned_bytes": 6 * gib, "measured_bytes": 5.7 * gib,
+           "resident_bytes": 6.2 * gib, "parts": {**parts, "total": 6 * gib}, "ratio": 0.95}  # fmt: skip
+    data = {"model": "m", "parameters": 494_032_768, "shards": 5, "gpus": 2, "steps": 6,
+            "eval_every": 3, "seq_len": 128, "micro_batches": 2, "target": 0.15}  # fmt: skip
+    text = bench_memory.markdown({**data, "rows": [row], "met": True})
+    assert (
+        "| gpipe | 0 | 6.00 | 5.70 | 0.950 | 6.20 | stages 5.00, posted 0.50, reserve 0.25 |"
+        in text
+    )
+    assert (
+        "494 M parameters, 5 bf16 safetensors shards" in text
+        and "Target met on every rank." in text
+    )

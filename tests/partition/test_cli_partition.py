@@ -79,10 +79,11 @@ def test_bad_input_is_one_clear_line(graph_file, tmp_path):
 
 
 def test_infeasible_everywhere_says_what_is_needed(tmp_path):
-    # Four layers of 2.5 GB of weights: 10 GB each with AdamW state, 40 GB in all, so two
-    # 11 GiB GPUs cannot hold it and four could.
+    # Four layers of 2 GB of weights: 8 GB each with AdamW state, 32 GB in all, so two 11 GiB
+    # GPUs cannot hold it and four could, beside each card's reserve and a backward's 2 GB
+    # gradient.
     path = tmp_path / "g.json"
-    crafted_graph([1e-3] * 4, [2_500_000_000] * 4).save(path)
+    crafted_graph([1e-3] * 4, [2_000_000_000] * 4).save(path)
     res = CliRunner().invoke(
         cli,
         [
@@ -98,7 +99,8 @@ def test_infeasible_everywhere_says_what_is_needed(tmp_path):
     )
     assert res.exit_code == 1
     assert "no partitioner found a plan that fits" in res.output
-    assert "even-layers: infeasible: needs 4 GPUs / 40.0 GB" in res.output
+    assert "even-layers: infeasible: needs 4 GPUs / 32.0 GB" in res.output
+    assert "less the device's reserve" in res.output
     res = CliRunner().invoke(
         cli,
         [

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from partition_helpers import make_graph, make_problem
+from partition_helpers import crafted_graph, make_graph, make_problem
 
+from ftpipe_compiler.costs.hardware import get_hardware
 from ftpipe_compiler.errors import InfeasibleError, UnknownNameError
 from ftpipe_compiler.partition import (
     PARTITIONERS,
@@ -15,6 +18,7 @@ from ftpipe_compiler.partition import (
     pick_best,
     run_partitioners,
 )
+from ftpipe_compiler.partition.problem import Problem
 
 
 def _assignment(plan):
@@ -80,7 +84,9 @@ def test_all_partitioners_on_tiny_t5_costed(tiny_t5_costed):
 def test_too_little_memory_is_a_clear_infeasible_result(seed):
     graph = make_graph(20, seed)
     total = sum(make_problem(graph, 1).static_bytes.values())
-    problem = make_problem(graph, 2, memory=total // 4)
+    loose = make_problem(graph, 2)  # what a GPU holds beside its stages' weights and state:
+    beside = loose.capacity - loose.memory  # a backward's gradient, receive buffers
+    problem = make_problem(graph, 2, memory=total // 4 + beside)
     results = run_partitioners(problem, progress=False)
     for r in results:
         assert not r.feasible and r.plan is None
@@ -123,3 +129,19 @@ def test_pick_best_uses_the_score_then_bytes_then_name(seed):
     }
     assert d["stages"] == len(by_period.plan.stages) and d["feasible"] is True
     assert isinstance(Result("x", None, False, "x: infeasible", 0.1).to_json()["error"], str)
+
+
+def test_a_card_its_reserve_fills_is_infeasible_with_the_reason():
+    """Issue 31: a GPU holds its CUDA context and communicators beside the run's tensors; a
+    card no bigger than its context holds nothing, and a plan on a real card carries the
+    reserve it counts (`Plan.gpu_memory_parts`)."""
+    graph = crafted_graph([1e-3] * 4, [4_000_000] * 4)
+    gpu = get_hardware("rtx2080ti")
+    problem = Problem(graph, 2, gpu, "gpipe", memory_bytes=gpu.memory_reserve.context_bytes)
+    assert problem.memory == 0
+    (r,) = run_partitioners(problem, ["even-layers"], progress=False)
+    assert not r.feasible and "less the device's reserve" in r.error
+    (r,) = run_partitioners(replace(problem, memory_bytes=0), ["even-layers"], progress=False)
+    assert r.feasible and r.plan.reserve == gpu.memory_reserve
+    fixed = gpu.memory_reserve.context_bytes + 3 * gpu.memory_reserve.communicator_bytes
+    assert r.plan.gpu_memory_parts(0).reserve > fixed  # and the fragmentation

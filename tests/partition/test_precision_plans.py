@@ -5,12 +5,14 @@ GPipe and parameter-balanced baselines), the busiest GPU needs less memory in bf
 halves the activations and what stages hold in flight), though the memory model counts an
 fp32 master copy, fp32 gradient sums and fp32 optimizer state per parameter: the decoder's
 weight-heavy GPUs need more than in fp32. Llama-3.1-8B fits
-8 x RTX 4090 in bf16 at 18 bytes per AdamW parameter.
+9 x RTX 4090 in bf16 at 18 bytes per AdamW parameter (8 once did, before each card's reserve
+and the runtime's buffers were counted).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from ftpipe_runtime.precision import PRECISIONS as RUNTIME
@@ -63,7 +65,9 @@ def t5_3b():
 def test_bf16_needs_less_memory_per_gpu_with_fp32_masters_counted(t5_3b):
     plans = {}
     for dt, graph in t5_3b.items():
-        problem = problem_from_graph(graph, 8)
+        # Room enough that the baselines cut the same way in both precisions (`params`
+        # balances within what fits): the bytes are compared here, not the fit.
+        problem = replace(problem_from_graph(graph, 8), memory_bytes=2**40)
         assert problem.precision.name == dt and graph.meta["compute_dtype"] == (
             "float32" if dt == "fp32" else "bfloat16"
         )
@@ -91,12 +95,17 @@ def test_bf16_needs_less_memory_per_gpu_with_fp32_masters_counted(t5_3b):
         assert bf16.model["precision"] == "bf16"
 
 
-def test_llama_3_1_8b_fits_8_rtx4090_in_bf16():
+def test_llama_3_1_8b_fits_9_rtx4090_in_bf16_not_8():
+    """144.5 GB of weights, gradients and state: 18 GB a GPU on 8, which left no room for
+    each card's CUDA context, communicators, fragmentation, the receive buffers and the 3 GB
+    the embedding's gradient takes in a backward (bf16, and its fp32 copy)."""
     graph = costed_graph("llama-3.1-8b", hardware="rtx4090", precision="bf16")[3]
-    problem = problem_from_graph(graph, 8)
+    problem = problem_from_graph(graph, 9)
     static = sum(problem.static_bytes[p.name] for p in graph.params if p.trainable)
     trainable = sum(math.prod(p.shape) for p in graph.params if p.trainable)
     assert static == 18 * trainable  # 2 bf16 + 4 grad + 4 master + 8 AdamW
     (result,) = run_partitioners(problem, ["pipedream"], progress=False)
     assert result.feasible, result.error
-    assert result.plan.max_memory_bytes <= problem.memory
+    assert result.plan.max_memory_bytes <= result.plan.memory_bytes
+    (eight,) = run_partitioners(replace(problem, gpus=8), ["pipedream"], progress=False)
+    assert not eight.feasible and "less the device's reserve" in eight.error

@@ -63,8 +63,16 @@ def test_readers_on_two_gpus_one_owner_and_a_transfer_of_the_weight(seed):
         static = sum(owned[n] for n in st.nodes)
         pol = plan.policies[st.id]
         kept = pol.in_flight * (st.input_bytes if pol.recompute else st.act_bytes)
-        assert plan.gpu_memory(st.gpu) == static + kept + (st.act_bytes if pol.recompute else 0)
+        parts = plan.gpu_memory_parts(st.gpu)
+        assert parts.stages == static + kept + (st.act_bytes if pol.recompute else 0)
     assert owned[graph.nodes[0].id] >= problem.static_bytes["tied"]
+    # Beside its stage, the reader's GPU sums the weight's gradient over the step, and holds
+    # the weight itself where its stage keeps activations instead of inputs.
+    reader_gpu = plan.gpu_memory_parts(1)
+    assert reader_gpu.weight_grads == tied.bytes
+    copies = 0 if plan.policies[1].recompute else tied.bytes
+    assert reader_gpu.received_weights == copies
+    assert plan.gpu_memory_parts(0).weight_grads == 0
 
 
 def test_readers_on_one_gpu_hand_the_weight_over_without_traffic(seed):

@@ -202,15 +202,18 @@ class _GlooSend:
         return self.waited
 
 
-def test_sent_tensors_are_let_go_a_step_later_though_gloo_never_says_they_went(monkeypatch):
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_sent_tensors_are_let_go_though_gloo_never_says_they_went(monkeypatch, schedule):
     """Gloo's isend reports completion only once waited for: the sender held every tensor it
-    sent until the run's end. A rank's first step action waits for the sends made before its
-    previous one (their receivers took them in that step) and lets them go."""
+    sent until the run's end. Under a synchronous schedule a rank's last step action of a step
+    waits for every send so far (their receivers take them within the step); under an
+    asynchronous one its first step action waits for the sends made before its previous one
+    (their receivers took them in that step) and lets them go."""
     import torch
     from ftpipe_runtime import comm as comm_mod
 
-    topo = Topology(toy_plan("two-ranks"))
-    flow = _flow(topo, get_schedule("1f1b"), 4, 3)
+    topo = Topology(toy_plan("two-ranks"))  # two stages on rank 0: two step actions a step
+    flow = _flow(topo, get_schedule(schedule), 4, 3)
     works = []
     monkeypatch.setattr(
         comm_mod.dist, "isend", lambda t, **kw: works.append(_GlooSend()) or works[-1]
@@ -226,12 +229,20 @@ def test_sent_tensors_are_let_go_a_step_later_though_gloo_never_says_they_went(m
 
     send(4)  # step 0
     c.settle(0)
-    c.settle(0)  # a second stage's step on this rank: nothing more
     assert not any(w.waited for w in works) and len(c._sends) == 4
+    c.settle(0)  # the rank's second stage's step
+    if schedule == "1f1b":
+        assert all(w.waited for w in works) and not c._sends  # the step's sends are taken
+    else:
+        assert not any(w.waited for w in works) and len(c._sends) == 4
     send(4)  # step 1
     c.settle(1)
-    assert [w.waited for w in works] == [True] * 4 + [False] * 4
-    assert len(c._sends) == 4  # step 0's tensors let go
+    c.settle(1)
+    if schedule == "1f1b":
+        assert all(w.waited for w in works) and not c._sends
+    else:
+        assert [w.waited for w in works] == [True] * 4 + [False] * 4
+        assert len(c._sends) == 4  # step 0's tensors let go
     send(1)
     c.finish()
     assert all(w.waited for w in works) and not c._sends
@@ -288,3 +299,23 @@ def test_an_asynchronous_step_leaves_its_weights_to_the_next_forward():
     flow = _flow(topo, get_schedule("ftpipe"), m, steps)
     sent_at = {i.action.kind for i in flow.actions(0) for _, k in i.sends if k[0] == "weight"}
     assert sent_at == {"F"}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "2bw"])
+def test_evaluation_sends_a_tied_weight_once_per_round(schedule):
+    """Issue 32: every evaluation batch sent (and copied) the tied embedding. A round sends it
+    once, with its first batch; the activations go every batch."""
+    from ftpipe_runtime.evaluate import Rounds, eval_points
+
+    topo = Topology(toy_plan("two-ranks"))  # emb.weight: stage 0 (rank 0) -> stage 3 (rank 1)
+    m, steps, batches = 2, 4, 3
+    timeline = Timeline(get_schedule(schedule), topo.stage_infos(), m, steps)
+    rounds = Rounds(topo, m, batches, eval_points(steps, 0, 2), 0)  # after steps 2 and 4
+    flow = Dataflow(topo, timeline, rounds)
+    sent = [key for it in flow.actions(0) if it.action.kind == "E" for _, key in it.sends]
+    assert [k for k in sent if k[1] == "emb.weight"] == [
+        ("eval", "emb.weight", 0),
+        ("eval", "emb.weight", 3),
+    ]
+    assert [k[2] for k in sent if k[1] == "x0"] == list(range(2 * batches))
+    assert _keys(flow, 0, 1).count(("eval", "emb.weight", 1)) == 0

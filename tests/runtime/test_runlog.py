@@ -16,7 +16,7 @@ def test_json_lines_and_scalars(tmp_path):
     }  # fmt: skip
     log.flush_s = 3600.0
     log.record("eval", 5, loss=3.25, perplexity=25.79)
-    log.memory(5, 2**30)
+    log.memory(5, {"allocated": 2**30, "reserved": 2**31})
     assert len(log.path.read_text().splitlines()) == 1  # not yet: at most every flush_s
     log.close()
     lines = [json.loads(x) for x in log.path.read_text().splitlines()]
@@ -29,7 +29,8 @@ def test_json_lines_and_scalars(tmp_path):
     events.Reload()
     assert [e.value for e in events.Scalars("eval/loss")] == [3.25]
     assert [e.step for e in events.Scalars("train/lr")] == [1]
-    assert [e.value for e in events.Scalars("memory/peak_GiB")] == [1.0]
+    assert [e.value for e in events.Scalars("memory/allocated_GiB")] == [1.0]
+    assert [e.value for e in events.Scalars("memory/reserved_GiB")] == [2.0]
 
 
 def test_other_ranks_write_only_their_memory(tmp_path):

@@ -2,7 +2,10 @@
 
 Hand-built uniform pipelines: d stages (2BW) or 2d half-size stages in a loop (WPipe), each
 stage with `W` bytes of weights (SGD: one gradient buffer, no optimizer state), `INP` bytes
-of stage inputs and `ACT` bytes of activations per micro-batch.
+of stage inputs and `ACT` bytes of activations per micro-batch. The figures are the stages'
+own (`GpuMemory.stages`: what the papers count), with one copy of the weights more than the
+papers where the runtime holds it (`formulas.weight_copies`: a stage running the next step's
+forwards before it steps sets their version aside, a copy of the live weights meanwhile).
 """
 
 from __future__ import annotations
@@ -41,9 +44,13 @@ def uniform(make_plan, schedule: str, d: int, m: int, inputs: int = INP):
 
 
 def both(plan) -> list[tuple[int, int]]:
-    """(simulated, planned) peak bytes of every GPU."""
+    """(simulated, planned) peak bytes of every GPU's stages."""
     sim = simulate(plan, steps=6)
-    return [(g.peak_memory_bytes, plan.gpu_memory(g.gpu)) for g in sim.gpus]
+    flight = {s.id: n for s, n in zip(plan.stages, sim.in_flight)}
+    return [
+        (plan.gpu_memory_parts(g, flight).stages, plan.gpu_memory_parts(g).stages)
+        for g in range(plan.gpus)
+    ]
 
 
 @pytest.mark.parametrize("d,m", [(4, 4), (4, 8), (8, 8)])
@@ -56,10 +63,11 @@ def test_2bw_matches_its_worst_case_formula(plan_factory, d, m):
     model_w, model_inp, model_act = d * W, d * INP, d * (ACT + INP)
     paper = (2 * model_w + d * model_inp + model_act - model_inp) // d + W
     got = both(plan)
-    assert got[0] == (paper, paper)  # stage 0: the worst case
+    assert got[0] == (paper + W, paper + W)  # stage 0: the worst case, and the runtime's copy
     for i, (sim, planned) in enumerate(got[:-1]):
-        assert sim == planned == 2 * W + W + min(m, d - i) * INP + ACT
-    # The loss stage keeps its activations for its one micro-batch instead of recomputing.
+        assert sim == planned == 3 * W + W + min(m, d - i) * INP + ACT
+    # The loss stage keeps its activations for its one micro-batch instead of recomputing, and
+    # steps before it runs ahead: the paper's two copies.
     assert got[-1] == (3 * W + ACT,) * 2
 
 
@@ -73,11 +81,14 @@ def test_wpipe_halves_2bw_weight_and_activation_redundancy(plan_factory, d, m):
         both(uniform(plan_factory, "wpipe", d, m, inputs=0)),
     )
     for g in range(d - 1):  # the last GPU holds the loss stage, which does not recompute
-        assert two_bw[g] == (2 * W + W + ACT,) * 2  # two versions, gradients, one activation
-        # G0: two versions of half the weights; G1: one; gradients of both; half an activation.
-        assert wpipe[g] == (2 * (W // 2) + W // 2 + W + ACT // 2,) * 2
-        # 2BW's redundancy on a GPU: W (a second copy) + ACT (active activation); WPipe half.
-        assert two_bw[g][0] - wpipe[g][0] == (W + ACT) // 2
+        # Two versions and the runtime's copy, gradients, one activation.
+        assert two_bw[g] == (3 * W + W + ACT,) * 2
+        # G0: the same three copies of half the weights; G1: one; gradients of both; half an
+        # activation.
+        assert wpipe[g] == (3 * (W // 2) + W // 2 + W + ACT // 2,) * 2
+        # 2BW's redundancy on a GPU: 2 W (copies beyond the live weights) + ACT (the active
+        # activation); WPipe's half of it.
+        assert two_bw[g][0] - wpipe[g][0] == (2 * W + ACT) // 2
     # Summed over the GPUs: weight copies beyond the first, |W| for 2BW and |W| / 2 for WPipe.
     extra = {
         name: sum(
@@ -103,10 +114,10 @@ def test_wpipe_holds_the_inputs_its_streams_keep(plan_factory):
     )
     for g in sim.gpus:
         held = INP * (sim.in_flight[g.gpu] + sim.in_flight[d + g.gpu])
-        weights = 2 * (W // 2) + W // 2 + W
+        weights = 3 * (W // 2) + W // 2 + W  # G0's versions and the runtime's copy, G1's
         act = ACT // 2 * (2 if g.gpu == d - 1 else 1)  # the loss stage keeps its activation
         assert (
-            g.peak_memory_bytes
-            == plan.gpu_memory(g.gpu)
+            plan.gpu_memory_parts(g.gpu, dict(enumerate(sim.in_flight))).stages
+            == plan.gpu_memory_parts(g.gpu).stages
             == weights + held + act - (INP if g.gpu == d - 1 else 0)
         )

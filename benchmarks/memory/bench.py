@@ -1,0 +1,181 @@
+"""Section `memory` of BENCHMARKS.md: each rank's peak memory against its plan, real-sized.
+
+    python -m benchmarks --sections memory --out /tmp/memory.md
+
+A Qwen2.5-0.5B-shaped model (494 M parameters; its tied 151,936 x 896 embedding is 545 MB in
+fp32), random weights written in bf16 by `save_pretrained` as 5 safetensors shards, compiled
+for 2 CPU ranks (even layers: the embedding on rank 0, the LM head reading it on rank 1) and
+trained in fp32 for 6 steps with an evaluation every 3, under GPipe and PipeDream-2BW.
+Planned: `ftpipe_compiler.costs.gpu_memory` of the plan under that schedule, by part (the
+stages' weights, gradients, optimizer state and activations; the tied weight's copy and its
+gradient on the reader; sends held; receive buffers posted ahead; a backward's largest
+gradient; the device's reserve). Measured: the runtime's own report (`--log-json`'s
+`memory_bytes`: the resident set grown since before the rank built its stages,
+`ftpipe_runtime.report.Memory`), with the whole resident set beside it. Target (issue 32):
+every rank within 15% of its plan.
+
+Sequences of 128 tokens, 2 micro-batches of 1 per step: the memory is the weights' (16 bytes a
+parameter with AdamW), and 2 CPU cores train 0.5 B parameters at seconds per sequence. The
+runs need about 2 x 8 GB: a machine with less free memory than NEED_GB is refused up front.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from benchmarks.harness.launch import ROOT, compile_plan, run_package
+from ftpipe_compiler.costs.gpu_memory import gpu_memory
+from ftpipe_compiler.plan import Plan
+
+ALONE = True  # the machine's memory to itself (benchmarks.sections)
+
+SHAPE = {  # Qwen/Qwen2.5-0.5B's config.json, less its weights
+    "vocab_size": 151_936,
+    "hidden_size": 896,
+    "intermediate_size": 4_864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32_768,
+    "rope_theta": 1_000_000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
+SHARD = "200MB"  # 988 MB of bf16 weights: 5 shards
+SCHEDULES = ("gpipe", "2bw")
+GPUS, STEPS, EVERY = 2, 6, 3
+SEQ, MICRO_BATCHES, EVAL_SAMPLES = 128, 2, 4
+TARGET = 0.15
+NEED_GB = 17
+TIMEOUT_S = 3600  # a run: loading 0.5 B parameters and 6 steps on 2 cores
+
+
+def measure(work: Path | None = None, shape: dict = SHAPE, shard: str = SHARD) -> dict:
+    work = Path(work or ROOT / "out" / "bench" / "memory")
+    work.mkdir(parents=True, exist_ok=True)
+    if shape is SHAPE:
+        _check_free_memory()
+    folder = _write_model(work / "model", shape, shard)
+    info = compile_plan(work / "pkg", str(folder), GPUS, hardware="cpu", schedule="gpipe",
+                        partitioners="even-layers", task="wikitext2", seq_len=SEQ,
+                        micro_batch=1, batch=MICRO_BATCHES)  # fmt: skip
+    plan = Plan.load(Path(info["output"]) / "plan.json")
+    package = Path(info["package"])
+    val = _eval_set(work / "val.pt", shape["vocab_size"])
+    rows = []
+    for schedule in SCHEDULES:
+        argv = ["--steps", str(STEPS), "--schedule", schedule, "--eval-data", str(val)]
+        argv += ["--eval-every", str(EVERY), "--checkpoint-dir", str(work / "ckpt" / schedule)]
+        result = work / f"{schedule}.json"
+        summary = run_package(package.parent, package.name, argv, result, timeout=TIMEOUT_S)
+        planned = replace(plan, schedule=schedule)
+        for rank in range(GPUS):
+            parts = gpu_memory(planned, rank)  # the runtime's default --post-ahead
+            rows.append(
+                {
+                    "schedule": schedule,
+                    "rank": rank,
+                    "planned_bytes": parts.total,
+                    "parts": parts.to_json(),
+                    "measured_bytes": summary["memory_bytes"][rank],
+                    "resident_bytes": summary["memory_reserved_bytes"][rank],
+                    "evals": [e["step"] for e in summary["evals"]],
+                }
+            )
+    for r in rows:
+        r["ratio"] = r["measured_bytes"] / r["planned_bytes"]
+    return {
+        "model": "Qwen2.5-0.5B shape, random weights",
+        "parameters": _parameters(folder),
+        "shards": len(list(folder.glob("*.safetensors"))),
+        "gpus": GPUS,
+        "steps": STEPS,
+        "eval_every": EVERY,
+        "seq_len": SEQ,
+        "micro_batches": MICRO_BATCHES,
+        "target": TARGET,
+        "rows": rows,
+        "met": all(abs(r["ratio"] - 1) <= TARGET for r in rows),
+    }
+
+
+def _check_free_memory() -> None:
+    """Refuse to start two 8 GB ranks on a machine without the memory (they would be killed
+    half-way, or take another process's memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            free = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)}
+    except OSError:
+        return
+    gb = free.get("MemAvailable", 0) / 2**20
+    if gb < NEED_GB:
+        raise RuntimeError(
+            f"the memory section needs about {NEED_GB} GB free, {gb:.1f} GB is: run it when "
+            "the machine is quieter"
+        )
+
+
+def _write_model(folder: Path, shape: dict, shard: str) -> Path:
+    """The model's folder, random weights in bf16 sharded by `save_pretrained` (kept when
+    there: the same seed writes the same weights)."""
+    if (folder / "config.json").exists():
+        return folder
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**shape)).to(torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size=shard)
+    return folder
+
+
+def _eval_set(path: Path, vocab: int) -> Path:
+    import torch
+
+    ids = torch.randint(0, vocab, (EVAL_SAMPLES, SEQ), generator=torch.Generator().manual_seed(1))
+    torch.save({"input_ids": ids, "labels": ids}, path)
+    return path
+
+
+def _parameters(folder: Path) -> int:
+    """Parameters in the folder's shards (the tied embedding once)."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        if total:
+            return int(total) // 2  # bf16
+    return sum(os.path.getsize(p) for p in folder.glob("*.safetensors")) // 2
+
+
+def markdown(data: dict) -> str:
+    gib = 2**30
+    lines = [
+        "## Memory: each rank's peak against its plan",
+        "",
+        f"A {data['model']} ({data['parameters'] / 1e6:,.0f} M parameters, {data['shards']} "
+        f"bf16 safetensors shards, a tied embedding), trained in fp32 on {data['gpus']} CPU "
+        f"ranks for {data['steps']} steps of {data['micro_batches']} micro-batches of 1 x "
+        f"{data['seq_len']} tokens, with an evaluation every {data['eval_every']}. Planned: the "
+        "compiler's memory model for that rank and schedule (`costs.gpu_memory`); measured: the "
+        "runtime's own report (the resident set grown since before the rank built its stages), "
+        f"and the whole resident set. Target: within {data['target']:.0%} of the plan.",
+        "",
+        "| schedule | rank | planned GiB | measured GiB | measured / planned | resident GiB | "
+        "largest parts planned (GiB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        parts = {k: v for k, v in r["parts"].items() if k != "total" and v}
+        top = sorted(parts.items(), key=lambda kv: -kv[1])[:4]
+        said = ", ".join(f"{k.replace('_', ' ')} {v / gib:.2f}" for k, v in top)
+        lines.append(
+            f"| {r['schedule']} | {r['rank']} | {r['planned_bytes'] / gib:.2f} | "
+            f"{r['measured_bytes'] / gib:.2f} | {r['ratio']:.3f} | "
+            f"{r['resident_bytes'] / gib:.2f} | {said} |"
+        )
+    verdict = "met on every rank" if data["met"] else "NOT met"
+    lines += ["", f"Target {verdict}.", ""]
+    return "\n".join(lines)

@@ -1,0 +1,256 @@
+"""What one GPU of a plan holds at its peak, by what holds it: its stages, and what the runtime
+keeps around them.
+
+    parts = gpu_memory(plan, gpu)                      # GpuMemory: .stages, .sends, ..., .total
+    parts = gpu_memory(plan, gpu, in_flight={0: 4, 1: 1}, post_ahead_bytes=2**20)
+
+The stages' own memory is `formulas.stage_memory` (weights, gradients, optimizer state,
+in-flight inputs or activations, one backward's recompute), as the partitioners count it. Beside
+it, each by the rule of the runtime code that holds it:
+
+- received weights: a weight of another GPU's stage read here (a tied embedding), held from
+  the first forward reading a version to the last backward of it (`outputs.Outputs`): the
+  versions the readers' micro-batches in flight span; a stage that recomputes already counts
+  it with its inputs;
+- their gradient, summed over the step by the readers here before it goes to the owner's
+  backward (`executor`);
+- sends held until delivered: an asynchronous schedule sends each weight version as a copy;
+  gloo (`MemoryReserve.sends_held`) reports a send delivered only when waited for, so the
+  runtime holds the activations and gradients a step sends until its step (`comm.Comm.settle`;
+  two steps' under an asynchronous schedule, with the previous step's weight gradient);
+- receive buffers posted ahead of need, per source `formulas.posted_bytes` of one step's
+  messages (`comm.Comm.post_ahead`, `--post-ahead`);
+- with replicas, a flat copy of every trainable gradient for their all-reduce
+  (`replicas.GradSync`);
+- during a backward, autograd's gradient of the largest tensor before it is added into its sum
+  (in the tensor's dtype; a stage on a set-aside version makes the new sum beside the old,
+  `executor._collect`), and under mixed precision its fp32 copy (the hook of `precision`);
+- the device's reserve (`formulas.MemoryReserve`): context, a communicator per process group
+  (one per directed pair of GPUs that exchange messages, and the job's own), fragmentation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+
+from ftpipe_runtime.comm import POST_AHEAD_BYTES, POST_AHEAD_MESSAGES
+from ftpipe_runtime.schedules import resolve_schedule
+
+from .formulas import PRECISIONS, gpu_memory_bytes, posted_bytes, stage_memory
+
+__all__ = ["GpuMemory", "gpu_memory"]
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """Peak bytes of one GPU by what holds them (all but `reserve` are tensors)."""
+
+    stages: int  # weights, gradients, optimizer state, in-flight inputs or activations
+    received_weights: int  # other GPUs' weights read here, the versions in use
+    weight_grads: int  # their gradients summed over a step here
+    sends: int  # messages sent, held until delivered
+    posted: int  # receive buffers posted ahead of need
+    replicas: int  # flat gradient copies for the replicas' all-reduce
+    transient: int  # one backward's gradient of the largest tensor (and its fp32 copy)
+    reserve: int  # context, communicators, fragmentation
+
+    @property
+    def tensors(self) -> int:
+        return self.total - self.reserve
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "total": self.total}
+
+
+def gpu_memory(
+    plan,
+    gpu: int,
+    in_flight: dict[int, int] | None = None,
+    deferred: dict[int, int] | None = None,
+    post_ahead_bytes: int = POST_AHEAD_BYTES,
+) -> GpuMemory:
+    """GPU `gpu` of `plan` at its peak; micro-batches in flight (and, split, between B and W)
+    per stage from the schedule unless given (the simulator's peaks)."""
+    view = _View(plan)
+    mine = plan.stages_on(gpu)
+    policies = {}
+    for s in mine:
+        policy = plan.policies[s.id]
+        if in_flight:
+            policy = replace(policy, in_flight=in_flight[s.id])
+        if deferred:
+            policy = replace(policy, deferred=deferred[s.id])
+        policies[s.id] = policy
+    parts = []
+    for s in mine:
+        owned = [view.params[n] for n in s.params]
+        parts.append(
+            stage_memory(
+                trainable_bytes=sum(p.bytes for p in owned if p.trainable),
+                frozen_bytes=sum(p.bytes for p in owned if not p.trainable),
+                state_bytes=sum(p.static_bytes - p.bytes for p in owned),
+                input_bytes=0 if s.forward_only else s.input_bytes,
+                act_bytes=s.act_bytes,
+                policy=policies[s.id],
+            )
+        )
+    stages = gpu_memory_bytes(parts)
+    read = [t for t in view.weights if view.read_on(t, gpu)]
+    copies = sum(
+        t.bytes * view.versions_read(t, gpu, policies) for t in read if view.copied(t, gpu)
+    )
+    wgrads = [t.bytes for t in read if t.requires_grad]
+    # Autograd's gradient of one tensor, in its own dtype, before it is added into its sum;
+    # a stage running on a set-aside version adds it to the weights' gradient out of place
+    # (`executor._collect`): the sum is made beside the old one.
+    temps = [view.params[n].bytes for s in mine for n in s.params if view.params[n].trainable]
+    aside = any(policies[s.id].weight_delay for s in mine)
+    largest = max(temps, default=0) * (2 if aside else 1)
+    largest = max([largest, *wgrads])
+    tensors = GpuMemory(
+        stages=int(stages),
+        received_weights=copies,
+        weight_grads=sum(wgrads),
+        sends=view.sends(gpu, held=plan.reserve.sends_held),
+        posted=sum(
+            posted_bytes(sizes, post_ahead_bytes, POST_AHEAD_MESSAGES)
+            for sizes in view.messages_to(gpu).values()
+        ),
+        replicas=view.replica_buffers(mine),
+        transient=largest + view.master_copy(mine),
+        reserve=0,
+    )
+    reserve = plan.reserve.bytes(tensors.total, view.communicators(gpu))
+    return replace(tensors, reserve=math.ceil(reserve))
+
+
+class _View:
+    """The plan as the runtime sees it: which transfers are weights, who sends what to whom."""
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.params = {p.name: p for p in plan.params}
+        self.gpu_of = {s.id: s.gpu for s in plan.stages}
+        self.m = plan.micro_batches
+        self.synchronous = resolve_schedule(plan.schedule).synchronous
+        self.precision = PRECISIONS[plan.model.get("precision") or "fp32"]
+        self.weights = [t for t in plan.transfers if t.tensor in self.params]
+        self.activations = [t for t in plan.transfers if t.tensor not in self.params]
+
+    def dests(self, t) -> set[int]:
+        """GPUs other than its producer's that read transfer t."""
+        return {self.gpu_of[c] for c in t.consumers} - {self.gpu_of[t.producer]}
+
+    def remote(self, t, gpu: int) -> bool:
+        return self.gpu_of[t.producer] != gpu
+
+    def read_on(self, t, gpu: int) -> bool:
+        return any(self.gpu_of[c] == gpu for c in t.consumers)
+
+    def copied(self, t, gpu: int) -> bool:
+        """Do the readers of weight t on `gpu` hold a copy of it? Received from another GPU,
+        or made on its owner's (an asynchronous schedule passes each version as a copy)."""
+        return self.remote(t, gpu) or not self.synchronous
+
+    def versions_read(self, t, gpu: int, policies: dict) -> int:
+        """Copies of weight t the readers on `gpu` hold that their stage memory does not count
+        (a recomputing reader keeps it with each in-flight micro-batch's inputs): the versions
+        their micro-batches in flight span (the owner steps once every m of them), at most
+        the pinned delay's (a newer version waits in a receive buffer, counted there)."""
+        readers = [c for c in t.consumers if self.gpu_of[c] == gpu]
+        if all(policies[c].recompute for c in readers):
+            return 0
+        most = max(policies[c].in_flight for c in readers)
+        spanned = 1 + math.ceil((most - 1) / self.m)
+        delay = self.plan.policies[t.producer].weight_delay
+        return spanned if delay is None else min(spanned, delay + 1)
+
+    def grad_bytes(self, p) -> int:
+        """A trainable parameter's gradient: its weight's bytes, at the precision's gradient
+        size for its compute dtype (a tensor of another dtype keeps its own)."""
+        if not p.trainable:
+            return 0
+        if p.dtype == self.precision.compute:
+            return p.bytes * self.precision.grad // self.precision.weight
+        return p.bytes
+
+    def master_copy(self, stages) -> int:
+        """Mixed precision: the fp32 copy of the largest 16-bit gradient the hook makes."""
+        if not self.precision.master:
+            return 0
+        return max(
+            (
+                p.bytes * 4 // self.precision.weight
+                for s in stages
+                for p in (self.params[n] for n in s.params)
+                if p.trainable and p.dtype == self.precision.compute
+            ),
+            default=0,
+        )
+
+    def sends(self, gpu: int, held: bool) -> int:
+        """Messages sent and not yet let go (`comm.Comm`): the copies of each weight version
+        an asynchronous schedule sends, and where sends are `held` till a step waits for them
+        everything a step sent (the activations and input gradients; a synchronous step's
+        weights are the parameters and its weight gradient the sum counted already)."""
+        mine = [t for t in self.weights if not self.remote(t, gpu) and self.dests(t)]
+        clones = 0 if self.synchronous else sum(t.bytes for t in mine)
+        if not held:
+            return clones
+        per_step = sum(
+            self.m * t.bytes for t in self.activations if not self.remote(t, gpu) and self.dests(t)
+        ) + sum(
+            self.m * t.bytes
+            for t in self.activations
+            if t.requires_grad and self.remote(t, gpu) and gpu in self.dests(t)
+        )
+        if self.synchronous:
+            return per_step
+        wgrads = sum(
+            t.bytes
+            for t in self.weights
+            if t.requires_grad and self.remote(t, gpu) and gpu in self.dests(t)
+        )
+        return 2 * (per_step + clones) + wgrads
+
+    def messages_to(self, gpu: int) -> dict[int, list[int]]:
+        """Per source GPU: the sizes of one step's messages to `gpu`, in sending order."""
+        out: dict[int, list[int]] = {}
+        for _ in range(self.m):
+            for t in self.activations:  # activations down, each micro-batch
+                src = self.gpu_of[t.producer]
+                if gpu in self.dests(t):
+                    out.setdefault(src, []).append(t.bytes)
+            for t in self.activations:  # their gradients back
+                if t.requires_grad and not self.remote(t, gpu):
+                    for src in self.dests(t):
+                        out.setdefault(src, []).append(t.bytes)
+        for t in self.weights:  # a weight once per version, its gradient once per step
+            if gpu in self.dests(t):
+                out.setdefault(self.gpu_of[t.producer], []).append(t.bytes)
+            if t.requires_grad and not self.remote(t, gpu):
+                for src in self.dests(t):
+                    out.setdefault(src, []).append(t.bytes)
+        return out
+
+    def communicators(self, gpu: int) -> int:
+        """Process groups this GPU is in: one per directed pair it exchanges messages in
+        (`comm.Comm.make_groups`), the job's own, and with replicas theirs."""
+        pairs = set()
+        for t in self.plan.transfers:
+            src = self.gpu_of[t.producer]
+            for dst in self.dests(t):
+                pairs.add((src, dst))
+                if t.requires_grad:
+                    pairs.add((dst, src))
+        return sum(1 for p in pairs if gpu in p) + 1 + (self.plan.replicas > 1)
+
+    def replica_buffers(self, stages) -> int:
+        if self.plan.replicas <= 1:
+            return 0
+        return sum(self.grad_bytes(self.params[n]) for s in stages for n in s.params)
