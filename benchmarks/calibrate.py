@@ -96,7 +96,7 @@ def measure_step(optimizer: str, steps: int) -> dict:
 def time_step(optimizer: str, shape, count: int, steps: int) -> tuple[float, int]:
     """(median seconds of the runtime's step over `count` tensors of `shape`, bytes held)."""
     import torch
-    from ftpipe_runtime.optim import clip_coef, make_optimizer, squared_norm
+    from ftpipe_runtime.train.optim import clip_coef, make_optimizer, squared_norm
 
     from ftpipe_compiler.costs.formulas import param_bytes
 

@@ -86,7 +86,7 @@ def failure_reason(err: OSError, where, needs: int | None = None, at_least: bool
     (bytes; `at_least`: what was written before it failed) and what to do."""
     if err.errno not in FULL:
         return str(err.strerror or err)
-    from .report import human_bytes  # (torch-heavy: only when a disk is full)
+    from .job.report import human_bytes  # (torch-heavy: only when a disk is full)
 
     free = _free_bytes(Path(where))
     space = [f"{human_bytes(free)} free there"] if free is not None else []

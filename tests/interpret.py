@@ -10,7 +10,7 @@ misordered by tracing or collapsing shows up as a wrong loss or a missing value.
 from __future__ import annotations
 
 import torch
-from ftpipe_runtime.weights import WRAPPER_PREFIX
+from ftpipe_runtime.spec.weights import WRAPPER_PREFIX
 from torch import fx
 
 from ftpipe_compiler.graph.exported import retarget

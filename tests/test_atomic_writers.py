@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from ftpipe_runtime import run
-from ftpipe_runtime.checkpoint import Checkpoints
+from ftpipe_runtime.checkpoint.store import Checkpoints
 from ftpipe_runtime.errors import WriteFailed
 from tiny_disk import fill, snapshot
 

@@ -27,8 +27,8 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ftpipe_runtime.engine.trace import read_trace
 from ftpipe_runtime.schedules import get_schedule
-from ftpipe_runtime.trace import read_trace
 from tqdm import tqdm
 
 from benchmarks.calibrate import fit

@@ -74,7 +74,7 @@ def compiled(check, key: str, args: list[str]) -> Package:
             raise RuntimeError(f"ftpipe compile failed: {said.getvalue()[-1500:]}") from None
     except Exception as e:  # noqa: BLE001 - click raises its own errors without exiting
         raise RuntimeError(f"ftpipe compile failed ({e}): {said.getvalue()[-1500:]}") from None
-    from ftpipe_runtime.stages import import_package
+    from ftpipe_runtime.stage.package import import_package
 
     folder = next(p for p in out.iterdir() if (p / "stages.py").is_file())
     module = import_package(folder, prefix="gpu_check")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ftpipe_runtime.trace import read_trace
+from ftpipe_runtime.engine.trace import read_trace
 
 
 def load_actions(paths) -> list:

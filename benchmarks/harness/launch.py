@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ftpipe_runtime.cpu_allocator import VARIABLE
+from ftpipe_runtime.job.cpu_allocator import VARIABLE
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: `benchmarks` imports from here
 

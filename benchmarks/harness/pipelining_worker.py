@@ -31,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 from ftpipe_runtime.atomic import write_atomic
-from ftpipe_runtime.cpu_allocator import VARIABLE
+from ftpipe_runtime.job.cpu_allocator import VARIABLE
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -99,7 +99,7 @@ def main(argv=None) -> None:
 
 def train(run: dict, args, rank: int) -> None:
     """One configuration: this rank's stages of a fresh model from the weights file."""
-    from ftpipe_runtime.data import make_data
+    from ftpipe_runtime.data.batches import make_data
 
     with open(run["plan"]) as f:
         plan = json.load(f)

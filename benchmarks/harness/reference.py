@@ -5,7 +5,7 @@
     loss = lm_loss(last(first(ids)), labels)          # == model(input_ids=ids, labels=labels).loss
     ids, labels = step_batch(make_data(plan["model"], None, 0), step=0, micro_batches=4)
 
-Every contender reads the runtime's own synthetic data (`ftpipe_runtime.data`), so step k
+Every contender reads the runtime's own synthetic data (`ftpipe_runtime.data.batches`), so step k
 sees the same micro-batches everywhere. Stages are built by hand: pipelining's tracer
 (`pipeline()`) fails on backward through skip connections.
 
@@ -128,7 +128,7 @@ def step_batch(data, step: int, micro_batches: int) -> tuple[torch.Tensor, torch
 
 def train_single(plan: dict, weights: str, steps: int, lr: float, seed: int) -> dict:
     """The unpartitioned model, the whole batch at once, AdamW: losses and step end times."""
-    from ftpipe_runtime.data import make_data
+    from ftpipe_runtime.data.batches import make_data
 
     model = load_weights(build_model(plan["model"]["model_name"]), weights)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)

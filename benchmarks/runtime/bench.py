@@ -9,7 +9,7 @@ starting from one weights file and reading the same micro-batches, one thread pe
 
   a. the package vs torch.distributed.pipelining on the same 4 + 4 block split, under GPipe
      and 1F1B: pipelining with PyTorch's defaults, and tuned as the package tunes itself on
-     a CPU (huge pages for large tensors, `ftpipe_runtime.cpu_allocator`; fused AdamW);
+     a CPU (huge pages for large tensors, `ftpipe_runtime.job.cpu_allocator`; fused AdamW);
   b. ftpipe's compiled plan vs that even split, both in ftpipe's runtime, same schedule;
   c. the unpartitioned model in one process on both cores.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 from ftpipe_runtime.atomic import atomic_open
-from ftpipe_runtime.cpu_allocator import VARIABLE
+from ftpipe_runtime.job.cpu_allocator import VARIABLE
 
 from benchmarks.harness.actions import load_actions, summarise
 from benchmarks.harness.launch import ROOT, compile_plan, flags, run_child, run_package, torchrun

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import click
 from ftpipe_runtime.atomic import write_atomic
-from ftpipe_runtime.replicas import launch_hint
+from ftpipe_runtime.train.replicas import launch_hint
 
 from ..codegen import generate_package
 from ..costs.cluster import Cluster

@@ -11,7 +11,7 @@ from __future__ import annotations
 import click
 from ftpipe_runtime.models import HEADS
 from ftpipe_runtime.models.lora import LoraSpec
-from ftpipe_runtime.precision import PRECISIONS
+from ftpipe_runtime.train.precision import PRECISIONS
 
 from ..costs.measured import DEVICES
 from ..costs.profilers import GRANULARITIES, PROFILERS
@@ -173,7 +173,7 @@ _costs = _all(
         "--fuse-loss/--no-fuse-loss",
         default=True,
         show_default=True,
-        help="Make an LM head and its cross-entropy one op (ftpipe_runtime.fused_loss: one "
+        help="Make an LM head and its cross-entropy one op (ftpipe_runtime.stage.fused_loss: one "
         "logits-sized tensor per micro-batch instead of four, the same loss and gradients); "
         "--no-fuse-loss keeps the model's own ops.",
     ),

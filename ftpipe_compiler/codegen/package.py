@@ -17,7 +17,7 @@ from pathlib import Path
 import jinja2
 import torch
 from ftpipe_runtime.atomic import atomic_open, write_atomic
-from ftpipe_runtime.weights import WRAPPER_PREFIX, parameters_on_meta
+from ftpipe_runtime.spec.weights import WRAPPER_PREFIX, parameters_on_meta
 from torch import nn
 from tqdm import tqdm
 
@@ -163,7 +163,7 @@ def _render(context: dict) -> dict[str, str]:
 def param_expr(name: str, parameter: bool) -> str:
     """`self.encoder.block[3].layer[0].SelfAttention.q.weight`, or a lookup by name when a
     part cannot be an attribute (a keyword, or a name nn.Module already uses)."""
-    from ftpipe_runtime.stage_api import Scope, StageModule
+    from ftpipe_runtime.stage.api import Scope, StageModule
 
     parts = name.split(".")
     taken = set(dir(StageModule)) | set(dir(Scope)) | {"training"}

@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass, field
 
 import torch
-from ftpipe_runtime.cpu_allocator import release_free_heap
+from ftpipe_runtime.job.cpu_allocator import release_free_heap
 from torch import fx
 
 from ..graph.exported import VIEW_OPS, describe_value, op_name, retarget

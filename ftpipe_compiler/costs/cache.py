@@ -18,8 +18,8 @@ import os
 from pathlib import Path
 
 import torch
-from ftpipe_runtime.cpu_allocator import VARIABLE
 from ftpipe_runtime.errors import WriteFailed
+from ftpipe_runtime.job.cpu_allocator import VARIABLE
 
 from ..errors import PlanFormatError
 from ..graph.opgraph import OpGraph

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 
 import torch
-from ftpipe_runtime.precision import PRECISIONS as RUNTIME_PRECISIONS
+from ftpipe_runtime.train.precision import PRECISIONS as RUNTIME_PRECISIONS
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "adafactor")
 
@@ -47,7 +47,7 @@ class Precision:
 
     @classmethod
     def of(cls, runtime) -> Precision:
-        """The sizes of a runtime precision (`ftpipe_runtime.precision`: what training does)."""
+        """The sizes of a runtime precision (`ftpipe_runtime.train.precision`: what training does)."""
         b = runtime.bytes_per_element()
         return cls(runtime.name, b["weight"], b["grad"], b["state"], b["master"], runtime.compute)
 
@@ -141,7 +141,7 @@ def gpu_memory_bytes(stages) -> int:
 
 def posted_bytes(sizes, ahead_bytes: int, most: int) -> int:
     """Bytes of receive buffers one source's messages keep posted ahead of need, by the
-    runtime's rule (`ftpipe_runtime.comm.Comm.post_ahead`): after each receive the next
+    runtime's rule (`ftpipe_runtime.engine.comm.Comm.post_ahead`): after each receive the next
     messages are posted while fewer than `ahead_bytes` wait (so one message more than the
     window when it falls short), at most `most` of them. `sizes`: one step's messages in
     sending order, repeating; the most that waits after any receive."""

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
-from ftpipe_runtime.comm import POST_AHEAD_BYTES, POST_AHEAD_MESSAGES
+from ftpipe_runtime.engine.comm import POST_AHEAD_BYTES, POST_AHEAD_MESSAGES
 from ftpipe_runtime.schedules import resolve_schedule
 
 from .formulas import PRECISIONS, gpu_memory_bytes, posted_bytes, stage_memory

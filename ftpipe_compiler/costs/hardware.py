@@ -31,7 +31,7 @@ class Hardware:
     optimizer_cache_bandwidth: float = 0.0
     cache_bytes: int = 0  # the last-level cache a parameter's step may stay in
     # fp32 products on TF32 tensor cores (Ampere and later; dense): what a run with --tf32,
-    # its default (ftpipe_runtime.device), reaches in fp32; 0: the GPU has no TF32.
+    # its default (ftpipe_runtime.job.device), reaches in fp32; 0: the GPU has no TF32.
     peak_flops_tf32: float = 0.0
     tf32: bool = True  # the run lets fp32 products use TF32 (its --tf32, default on)
     # What the device holds besides a run's tensors: context, communicators, fragmentation.

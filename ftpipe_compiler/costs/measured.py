@@ -43,8 +43,8 @@ import time
 from dataclasses import replace
 
 import torch
-from ftpipe_runtime.device import use_tf32
 from ftpipe_runtime.errors import WriteFailed
+from ftpipe_runtime.job.device import use_tf32
 from tqdm import tqdm
 
 from ..errors import FtpipeError, unknown

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ftpipe_runtime.precision import PRECISIONS
+from ftpipe_runtime.train.precision import PRECISIONS
 
 from ..errors import FtpipeError
 from ..graph.opgraph import OpGraph

@@ -6,7 +6,7 @@
 Weights come, in this order, from the model folder's *.safetensors (only the tensors asked
 for are read), from the traced program when it holds real tensors (traced on a real
 device), from the model's own buffers (built with its parameters left on `meta`), or from
-the runtime's seeded initial value (`ftpipe_runtime.weights.initial_value`: the one the
+the runtime's seeded initial value (`ftpipe_runtime.spec.weights.initial_value`: the one the
 generated stages start from). The init of a tensor depends only on its name and the seed,
 so the parameter shared by several blocks (tied weights) is the same tensor in all of them.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from ftpipe_runtime.models import synthetic_batch
-from ftpipe_runtime.weights import (
+from ftpipe_runtime.spec.weights import (
     WRAPPER_PREFIX,
     checkpoint_keys,
     initial_value,

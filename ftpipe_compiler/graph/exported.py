@@ -8,7 +8,7 @@ bytes and the parameters it reads (what `trace.trace_model` returns as `Traced.g
 from __future__ import annotations
 
 import torch
-from ftpipe_runtime.weights import WRAPPER_PREFIX
+from ftpipe_runtime.spec.weights import WRAPPER_PREFIX
 from torch import fx
 
 from ..model.tasks import Task

@@ -5,7 +5,7 @@
 `linear(h, W[, b]) -> [to(dtype)] -> view(-1, V) -> cross_entropy_loss(., target)` with the
 default reduction (mean), weight and label smoothing, and no other use of the logits, becomes
 `torch.ops.ftpipe.linear_cross_entropy(h, W, b, target, ignore_index, dtype)`
-(`ftpipe_runtime.fused_loss`): the same loss and gradients with one tokens x vocabulary
+(`ftpipe_runtime.stage.fused_loss`): the same loss and gradients with one tokens x vocabulary
 tensor instead of four. The profile then times the fused op and the generated stage calls
 it, so plans, simulation and run agree. Heads with anything between the product and the loss (BART's
 final logits bias) keep the unfused ops.

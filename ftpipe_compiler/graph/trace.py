@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from ftpipe_runtime.precision import get_precision
+from ftpipe_runtime.train.precision import get_precision
 from torch import fx
 
 from ..errors import TraceError

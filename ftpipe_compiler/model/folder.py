@@ -7,7 +7,7 @@ weights of the model the config describes.
     check_weights("models/llama", headers, traced.graph.params)   # after the export
 
 A folder the runtime would refuse (a weight missing, a shape that differs) is refused here,
-by the same lookup (`ftpipe_runtime.weights.checkpoint_keys`), before minutes of planning;
+by the same lookup (`ftpipe_runtime.spec.weights.checkpoint_keys`), before minutes of planning;
 a folder it would accept in silence (more layers in the weights than in the config) too.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ftpipe_runtime.models.lora import is_adapter
-from ftpipe_runtime.weights import checkpoint_keys
+from ftpipe_runtime.spec.weights import checkpoint_keys
 
 from ..errors import FtpipeError
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 
 from ftpipe_runtime.models.lora import LoraSpec, is_adapter, wrap
-from ftpipe_runtime.weights import WRAPPER_PREFIX
+from ftpipe_runtime.spec.weights import WRAPPER_PREFIX
 
 from ..errors import FtpipeError
 

@@ -14,7 +14,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from ftpipe_runtime.comm import POST_AHEAD_BYTES, POST_AHEAD_MESSAGES
+from ftpipe_runtime.engine.comm import POST_AHEAD_BYTES, POST_AHEAD_MESSAGES
 from ftpipe_runtime.schedules import SCHEDULES, Schedule, ScheduleError, StageInfo, StagePolicy
 
 from ..costs.formulas import FP32, OPTIMIZERS, Precision, param_bytes

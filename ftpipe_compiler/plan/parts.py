@@ -30,7 +30,7 @@ class Stage:
     # Nodes of other stages it recomputes instead of receiving their outputs (partition/remat;
     # their costs are in the figures above), in graph order.
     copies: tuple[str, ...] = ()
-    # Nothing trainable in it or before it: no backward, nothing kept (ftpipe_runtime.frozen).
+    # Nothing trainable in it or before it: no backward, nothing kept (ftpipe_runtime.stage.frozen).
     forward_only: bool = False
     # Its optimizer step (formulas.optimizer_step_s of the parameters it owns; 0: free).
     step_s: float = 0.0

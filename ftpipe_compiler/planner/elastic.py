@@ -5,7 +5,7 @@
     got.seconds, got.baseline_seconds, got.speedup, got.intervals
 
 The run is cut into intervals (`decisions_per_epoch` per epoch); before each but the first,
-the freeze rule (`ftpipe_runtime.freezing`, §3.1) raises the frozen count. The gradient
+the freeze rule (`ftpipe_runtime.freeze.layers`, §3.1) raises the frozen count. The gradient
 term of the rule needs real gradients, so the simulation takes the bound as what limits:
 the most freezing alpha allows, the best case for speed. For each interval:
 
@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 from dataclasses import asdict, dataclass, replace
 
-from ftpipe_runtime.freezing import bound_schedule
+from ftpipe_runtime.freeze.layers import bound_schedule
 
 from ..costs.cluster import Cluster
 from ..costs.formulas import PRECISIONS

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ftpipe_runtime.freezing import layer_units
+from ftpipe_runtime.freeze.layers import layer_units
 
 from ..costs.analytic import weight_share
 from ..errors import FtpipeError

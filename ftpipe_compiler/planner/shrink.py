@@ -5,7 +5,7 @@
 
 `ftpipe compile --freeze-training ALPHA` writes them beside the main plan
 (`<package>/elastic/<name>/`, each with its own stages, and `elastic/index.json`); the
-runtime (`ftpipe_runtime.elastic`) switches to one at a freeze decision.
+runtime (`ftpipe_runtime.freeze.elastic`) switches to one at a freeze decision.
 
 Each halving of the pipeline is planned for one more decision of alpha's freeze rule at
 its fastest (`freezing.bound_schedule`: the bound limits, the most alpha allows): the i-th
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ftpipe_runtime.freezing import bound_schedule
+from ftpipe_runtime.freeze.layers import bound_schedule
 
 from ..errors import FtpipeError, InfeasibleError
 from ..graph.opgraph import OpGraph

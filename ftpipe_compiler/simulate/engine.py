@@ -14,7 +14,7 @@ kind (`KINDS`) has one handler to start it and one to finish it. A stage whose b
 split (a W in its list) runs B for bwd_s - wgrad_s (plus recompute) and W for wgrad_s, frees
 the micro-batch at W, and its weight gradients (so its all-reduce) come with its last W.
 
-A weight read by other stages goes as the runtime sends it (`ftpipe_runtime.dataflow`):
+A weight read by other stages goes as the runtime sends it (`ftpipe_runtime.engine.dataflow`):
 once per version of its owner's weights (`versions`, the runtime's `ForwardVersions` of the
 owner), after the activations of the owner's first forward reading that version (under a
 synchronous schedule, at once when the owner's GPU has stepped), arriving for every

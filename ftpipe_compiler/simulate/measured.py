@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ftpipe_runtime.engine.trace import read_trace
 from ftpipe_runtime.errors import PipelineConfigError
-from ftpipe_runtime.trace import read_trace
 
 from ..errors import FtpipeError
 from .result import Event, SimResult

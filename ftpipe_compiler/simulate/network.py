@@ -14,7 +14,7 @@ r // gpus_per_node), GPU g of replica 0 on the rank the plan's placement gives i
 - Across nodes: the sending node's network interface, one transfer at a time (FIFO) at the
   cluster's inter-node bandwidth. Every replica with a GPU on that node sends the same
   tensor at the same moment, so a pipeline transfer occupies it that many times over.
-- A stage's all-reduce, as the runtime does it (`ftpipe_runtime.replicas`): the stage's
+- A stage's all-reduce, as the runtime does it (`ftpipe_runtime.train.replicas`): the stage's
   trainable gradients in buckets of `BUCKET_BYTES`, last parameters first; bucket j is ready
   when the stage's last backward of the step has produced it (gradients assumed to appear
   evenly over that backward, after its recompute) and is reduced as a ring, after bucket
@@ -25,7 +25,7 @@ r // gpus_per_node), GPU g of replica 0 on the rank the plan's placement gives i
 
 from __future__ import annotations
 
-from ftpipe_runtime.replicas import BUCKET_BYTES, bucket_indices
+from ftpipe_runtime.train.replicas import BUCKET_BYTES, bucket_indices
 
 from ..costs.cluster import Link
 from ..plan import Plan

@@ -44,7 +44,7 @@ KINDS: dict[str, Kind] = {
     "B": Kind("B", "backward", (("F", "self"), ("B", "consumers")), -1, True),
     "W": Kind("W", "weight-gradient pass", (("B", "self"),), -1, True, optional=True),
     "S": Kind("S", "optimizer step", (), 0, False),
-    # A forward of evaluation batch mb, nothing kept (`ftpipe_runtime.evaluate`); not timed
+    # A forward of evaluation batch mb, nothing kept (`ftpipe_runtime.engine.evaluate`); not timed
     # by the simulator, which plans training only.
     "E": Kind("E", "evaluation forward", (("E", "producers"),), 0, True, trains=False),
 }

@@ -13,7 +13,7 @@ ready ("executed alternately", §3.2), G1 in its 1F1B order, G0 a forward when o
 (its producer has run it, the version it needs exists, fewer than m + min(m, N - i)
 micro-batches are held), else its oldest backward. With idealised durations this fills
 G1's per-step flush with G0's work: on uniform stages the idealised step is within a few
-per cent of the busiest GPU's work for m >= N (tests/runtime/test_schedules.py).
+per cent of the busiest GPU's work for m >= N (tests/runtime/schedules/test_schedules.py).
 """
 
 from __future__ import annotations

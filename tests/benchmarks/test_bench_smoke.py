@@ -154,7 +154,7 @@ def test_pipelining_runs_start_at_the_single_process_loss(tmp_path, seed):
 
 
 def test_step_batch_stacks_the_runtimes_micro_batches():
-    from ftpipe_runtime.data import make_data
+    from ftpipe_runtime.data.batches import make_data
 
     data = make_data(TINY_PLAN["model"], None, 0)
     ids, labels = step_batch(data, step=1, micro_batches=2)

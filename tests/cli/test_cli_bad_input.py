@@ -1,7 +1,7 @@
 """Bad input to the `ftpipe` command line, as a careless or hostile user gives it: each case
 exits with status 1 (2 for a usage error) and one sentence, no traceback, and every file
 that existed before is byte-identical after. (The runtime's table is
-tests/runtime/test_runtime_bad_input.py.)"""
+tests/runtime/job/test_runtime_bad_input.py.)"""
 
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ import random
 
 import pytest
 from codegen_helpers import TINY, contiguous, costed, plan_from_cuts, problem
-from ftpipe_runtime import check
+from ftpipe_runtime.job import check
 from ftpipe_runtime.models import with_dropout
-from ftpipe_runtime.stage_api import run_in_one_process
+from ftpipe_runtime.stage.api import run_in_one_process
 
 from ftpipe_compiler import partition
 from ftpipe_compiler.codegen import check_package, generate_package, import_package

@@ -16,7 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from codegen_helpers import REPO, contiguous
-from ftpipe_runtime.check import synthetic_inputs
+from ftpipe_runtime.job.check import synthetic_inputs
 from safetensors.torch import save_file
 from torch import nn
 
@@ -99,8 +99,8 @@ def _import(pkg_parent, name, cwd):
     code = (
         f"import importlib, sys; sys.path.insert(0, {str(pkg_parent)!r}); "
         f"pkg = importlib.import_module({name!r}); importlib.import_module({name + '.__main__'!r}); "
-        "from ftpipe_runtime.check import synthetic_inputs; "
-        "from ftpipe_runtime.stage_api import run_in_one_process; "
+        "from ftpipe_runtime.job.check import synthetic_inputs; "
+        "from ftpipe_runtime.stage.api import run_in_one_process; "
         "stages = {k: c() for k, c in pkg.STAGES.items()}; "
         "loss = run_in_one_process(stages, pkg.load_plan(), synthetic_inputs(pkg.load_plan())); "
         "print(repr(pkg.__doc__)); print(repr(float(loss)))"

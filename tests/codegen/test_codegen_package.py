@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 from codegen_helpers import REPO, contiguous, costed, ruff_check
-from ftpipe_runtime.check import synthetic_inputs
-from ftpipe_runtime.stage_api import run_in_one_process
+from ftpipe_runtime.job.check import synthetic_inputs
+from ftpipe_runtime.stage.api import run_in_one_process
 
 from ftpipe_compiler.codegen import check_package, generate_package, import_package
 from ftpipe_compiler.codegen import package as package_module
@@ -186,7 +186,7 @@ def test_materialize_false_costs_no_memory(tmp_path):
 @pytest.mark.multiproc
 def test_torchrun_runs_the_package(tmp_path):
     """The entry point hands the plan and stage classes to the runtime: 2 CPU processes, gloo."""
-    pytest.importorskip("ftpipe_runtime.run")
+    pytest.importorskip("ftpipe_runtime.job.train")
     pkg, _ = _generate(tmp_path, "t5-tiny", k=4)  # two stages on each rank
     cmd = [
         sys.executable,

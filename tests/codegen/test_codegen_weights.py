@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from codegen_helpers import contiguous, costed
-from ftpipe_runtime import check
+from ftpipe_runtime.job import check
 
 from ftpipe_compiler.codegen import check_package, generate_package, import_package
 from ftpipe_compiler.model.zoo import resolve_model

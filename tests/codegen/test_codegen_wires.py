@@ -54,7 +54,7 @@ def test_in_place_op_on_a_received_tensor_works_on_a_copy(tmp_path):
 
 
 def _inputs(mod, data):
-    from ftpipe_runtime.check import synthetic_inputs
+    from ftpipe_runtime.job.check import synthetic_inputs
 
     return synthetic_inputs(data)
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 from click.testing import CliRunner
-from ftpipe_runtime.comm import POST_AHEAD_BYTES, POST_AHEAD_MESSAGES
+from ftpipe_runtime.engine.comm import POST_AHEAD_BYTES, POST_AHEAD_MESSAGES
 
 from ftpipe_compiler.cli import cli
 from ftpipe_compiler.costs.formulas import MemoryReserve, posted_bytes

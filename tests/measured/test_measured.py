@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ftpipe_runtime.weights import WRAPPER_PREFIX
+from ftpipe_runtime.spec.weights import WRAPPER_PREFIX
 
 from ftpipe_compiler.costs.analytic import analytic_costs
 from ftpipe_compiler.costs.hardware import get_hardware

@@ -1,5 +1,5 @@
 """More GPUs than the model can use: plans stay on the GPUs they use (the runtime refuses a
-plan that gives a GPU nothing to run: tests/runtime/test_runtime_bad_input.py). METIS's C notes
+plan that gives a GPU nothing to run: tests/runtime/job/test_runtime_bad_input.py). METIS's C notes
 stay off stdout at many GPUs."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 
 import pytest
 from click.testing import CliRunner
-from ftpipe_runtime.topology import Topology
+from ftpipe_runtime.spec.topology import Topology
 from partition_helpers import make_graph, make_problem
 from test_assignment import random_assignment
 

@@ -15,7 +15,7 @@ import math
 from dataclasses import replace
 
 import pytest
-from ftpipe_runtime.precision import PRECISIONS as RUNTIME
+from ftpipe_runtime.train.precision import PRECISIONS as RUNTIME
 
 from ftpipe_compiler.costs.formulas import PRECISIONS, describe, param_bytes
 from ftpipe_compiler.costs.hardware import get_hardware

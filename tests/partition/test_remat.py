@@ -8,7 +8,7 @@ import functools
 import pytest
 
 pytest.importorskip("transformers")
-from ftpipe_runtime.check import check  # noqa: E402
+from ftpipe_runtime.job.check import check  # noqa: E402
 
 from ftpipe_compiler.codegen import generate_package, import_package  # noqa: E402
 from ftpipe_compiler.costs.hardware import get_hardware  # noqa: E402

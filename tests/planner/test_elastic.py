@@ -4,8 +4,8 @@ model, the cache is used only where it pays, and the run follows the freeze rule
 from __future__ import annotations
 
 import pytest
-from ftpipe_runtime.freezing import bound_schedule
-from ftpipe_runtime.weights import WRAPPER_PREFIX
+from ftpipe_runtime.freeze.layers import bound_schedule
+from ftpipe_runtime.spec.weights import WRAPPER_PREFIX
 
 from ftpipe_compiler.costs.analytic import analytic_costs
 from ftpipe_compiler.costs.cluster import get_cluster

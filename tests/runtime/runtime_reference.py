@@ -7,10 +7,10 @@ import functools
 from pathlib import Path
 
 import torch
-from ftpipe_runtime.data import make_data
+from ftpipe_runtime.data.batches import make_data
 from ftpipe_runtime.models.hf import loss_of as hf_loss
-from ftpipe_runtime.optim import lr_at, make_optimizer
-from ftpipe_runtime.stage_api import run_in_one_process
+from ftpipe_runtime.stage.api import run_in_one_process
+from ftpipe_runtime.train.optim import lr_at, make_optimizer
 from runtime_toy import STAGES, ToyModel
 from safetensors.torch import load_file
 from torch.func import functional_call

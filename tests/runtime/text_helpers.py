@@ -21,7 +21,7 @@ def eval_loss(net, plan: dict, path: Path, text) -> float:
     """The evaluation loss as the pipeline defines it (samples of a text file under the
     TextOptions `text`, each batch weighted by its samples), of a model in one process."""
     import torch
-    from ftpipe_runtime.data import make_data
+    from ftpipe_runtime.data.batches import make_data
     from ftpipe_runtime.models.hf import loss_of
 
     data = make_data(plan["model"], str(path), 0, text, plan["model"]["path"], evaluation=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from ftpipe_runtime.replicas import BUCKET_BYTES
+from ftpipe_runtime.train.replicas import BUCKET_BYTES
 from sim_plans import make_plan
 
 from ftpipe_compiler.costs.cluster import Cluster, Link

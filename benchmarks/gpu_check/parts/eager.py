@@ -16,10 +16,10 @@ AIM = 1.05  # generated / HF eager, one GPU, bf16 (issue 31)
       needs=("compiler", "transformers"))  # fmt: skip
 def eager(check: Check, found: Findings) -> None:
     import torch
-    from ftpipe_runtime.data import make_data
+    from ftpipe_runtime.data.batches import make_data
     from ftpipe_runtime.models.hf import build_model
-    from ftpipe_runtime.stages import build_stages
-    from ftpipe_runtime.topology import Topology
+    from ftpipe_runtime.spec.topology import Topology
+    from ftpipe_runtime.stage.package import build_stages
 
     dev, dtype = torch.device(check.device), torch.bfloat16
     pkg = llama_package(check)

@@ -32,7 +32,7 @@ def _commit() -> str | None:
 @part("environment", "Environment", cuda_s=20, cpu_s=20)
 def environment(check: Check, found: Findings) -> None:
     import torch
-    from ftpipe_runtime.device import tf32_state, use_tf32
+    from ftpipe_runtime.job.device import tf32_state, use_tf32
 
     found["python"] = platform.python_version()
     found["platform"] = platform.platform()

@@ -1,4 +1,4 @@
-"""The fused LM-head loss (`ftpipe_runtime.fused_loss`) against the unfused linear and
+"""The fused LM-head loss (`ftpipe_runtime.stage.fused_loss`) against the unfused linear and
 cross-entropy: forward and backward time and peak memory at a Llama 3 vocabulary, and the
 same loss and gradients."""
 
@@ -11,7 +11,7 @@ from ..timing import peak_bytes, reset_peak, timed
 def _case(device: str, tokens: int, width: int, vocab: int, dtype) -> dict:
     import torch
     import torch.nn.functional as F
-    from ftpipe_runtime.fused_loss import linear_cross_entropy
+    from ftpipe_runtime.stage.fused_loss import linear_cross_entropy
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, width, generator=g).to(device, dtype).requires_grad_()

@@ -13,7 +13,7 @@ from ..timing import sync, timed
 def gemm_tflops(device: str, n: int, dtype, tf32: bool) -> float:
     """TFLOP/s of an n x n x n product (random inputs), TF32 on or off for fp32."""
     import torch
-    from ftpipe_runtime.device import use_tf32
+    from ftpipe_runtime.job.device import use_tf32
 
     use_tf32(torch.device(device), tf32)
     a = torch.randn(n, n, device=device, dtype=dtype)
@@ -64,7 +64,7 @@ def optimizer_bandwidth(device: str, numel: int) -> float:
     """Bytes/s the runtime's AdamW step streams (weights, gradient, two moments, read and
     written once: `formulas.optimizer_step_s`) over one parameter of `numel` fp32 elements."""
     import torch
-    from ftpipe_runtime.optim import make_optimizer
+    from ftpipe_runtime.train.optim import make_optimizer
 
     p = torch.nn.Parameter(torch.randn(numel, device=device) * 0.02)
     p.grad = torch.randn_like(p) * 1e-3

@@ -1,0 +1,269 @@
+"""Text for fine-tuning: files read with HuggingFace `datasets`, tokenized by the model's tokenizer.
+
+    opts = TextOptions(prompt_field="question", target_field="answer")
+    columns = read_text("train.jsonl", plan["model"], opts, tokenizer_folder)
+    # {"input_ids": [tensor, ...], "labels": [tensor, ...]}: rows of token ids, for FileData
+
+Formats by suffix: `.jsonl` / `.json`, `.csv`, `.parquet` (a field per column) and `.txt` (a
+sample per line, the field `text`), loaded with `datasets` from the local file (nothing is
+downloaded) and tokenized with `AutoTokenizer` from the model's own folder (or `--tokenizer`).
+
+What a sample becomes depends on the model's head:
+
+- causal LM, `--text-field` (default `text`): the tokens; the model predicts every one.
+- causal LM, `--prompt-field/--target-field`: prompt then target then end-of-sequence; labels
+  are -100 on the prompt, so the loss counts the target only.
+- seq2seq LM (`--prompt-field/--target-field`): source tokens in, target tokens as labels.
+
+Samples are padded to the compiled length; `pack=True` (causal LM) concatenates them, each
+ended by the end-of-sequence token, and cuts the stream into full rows instead. A sample
+longer than the compiled length is refused, naming it; `truncate=True` cuts it with a warning.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import PipelineConfigError
+from ..models import IGNORE
+
+__all__ = ["TEXT_FORMATS", "TextOptions", "is_text_file", "load_tokenizer", "read_text"]
+
+TEXT_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet",
+                ".txt": "text"}  # fmt: skip
+TEXT_HEADS = ("causal-lm", "seq2seq-lm")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "spiece.model", "vocab.txt")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    text_field: str | None = None  # None: "text"
+    prompt_field: str | None = None
+    target_field: str | None = None
+    pack: bool = False
+    truncate: bool = False
+
+    @property
+    def pairs(self) -> bool:
+        return self.prompt_field is not None or self.target_field is not None
+
+    def given(self) -> bool:
+        return self.text_field is not None or self.pairs
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v not in (None, False)}
+
+
+def is_text_file(path, model_inputs=()) -> bool:
+    """Whether `path` holds text (else token ids: `.pt`, or `.jsonl` of id lists). A `.jsonl`
+    is text unless its first record is a list or names a model input (`input_ids`...)."""
+    suffix = Path(path).suffix
+    if suffix not in TEXT_FORMATS:
+        return False
+    if suffix != ".jsonl":
+        return True
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            first = next((line for line in f if line.strip()), "")
+        record = json.loads(first)
+    except (OSError, ValueError):
+        return False  # the token-id reader says what is wrong with it
+    ids = {"input_ids", "labels", "decoder_input_ids", *model_inputs}
+    return isinstance(record, dict) and not ids & set(record)
+
+
+def load_tokenizer(folder):
+    """The model's tokenizer (`AutoTokenizer`) from `folder`, or one sentence saying why not."""
+    if not folder or not any((Path(folder) / f).is_file() for f in TOKENIZER_FILES):
+        where = f"{folder} has no tokenizer files" if folder else "the plan names no model folder"
+        raise PipelineConfigError(
+            f"text data needs the model's tokenizer, and {where}; pass --tokenizer FOLDER "
+            "(a folder written by tokenizer.save_pretrained)"
+        )
+    try:
+        import transformers
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise PipelineConfigError(
+            "text data needs transformers and datasets: pip install 'ftpipe[hf]'"
+        ) from None
+    transformers.logging.set_verbosity_error()
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # noqa: BLE001 - many library errors, one meaning
+        raise PipelineConfigError(
+            f"cannot load the tokenizer in {folder} ({type(e).__name__}: {_short(e)})"
+        ) from None
+
+
+def read_text(path, model: dict, options: TextOptions, tokenizer, say=print) -> dict:
+    """Token-id columns of the text file `path` for the plan's `model` (see the module doc)."""
+    path = Path(path)
+    head = model.get("head", "")
+    if head not in TEXT_HEADS:
+        raise PipelineConfigError(
+            f"text data is for causal-lm and seq2seq-lm models, and this one is a "
+            f"{head or 'model without a head'}; give a .pt or .jsonl file of token ids"
+        )
+    if head == "seq2seq-lm" and not (options.prompt_field and options.target_field):
+        raise PipelineConfigError(
+            f"{path.name}: a seq2seq model learns targets from sources; pass --prompt-field "
+            "and --target-field"
+        )
+    if options.pairs and not (options.prompt_field and options.target_field):
+        raise PipelineConfigError("give both --prompt-field and --target-field, or neither")
+    if options.pack and head != "causal-lm":
+        raise PipelineConfigError("--pack joins texts for a causal LM; leave it out here")
+    fields = (
+        [options.prompt_field, options.target_field]
+        if options.pairs
+        else [options.text_field or "text"]
+    )
+    rows = _read_rows(path, fields)
+    lengths = {n: shape[1] for n, (shape, _) in model["inputs"].items() if len(shape) > 1}
+    if head == "seq2seq-lm":
+        columns = {
+            "input_ids": _ids(tokenizer, rows[fields[0]]),
+            "labels": _ids(tokenizer, rows[fields[1]]),
+        }
+    else:
+        columns = _causal(tokenizer, rows, fields, options.pairs)
+    if options.pack:
+        return _pack(columns, lengths["input_ids"], _eos(tokenizer))
+    return _fit(columns, lengths, path.name, options.truncate, say)
+
+
+def _read_rows(path: Path, fields: list[str]) -> dict[str, list[str]]:
+    if not path.is_file():
+        raise PipelineConfigError(f"no data file {path}")
+    if path.stat().st_size == 0:
+        raise PipelineConfigError(f"{path} is empty; give one sample per line or row")
+    builder = TEXT_FORMATS[path.suffix]
+    if builder != "parquet":  # the others are text
+        _check_utf8(path)
+    try:
+        import datasets
+    except ImportError:
+        raise PipelineConfigError(
+            "text data needs datasets and transformers: pip install 'ftpipe[hf]'"
+        ) from None
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # errors: one sentence, ours
+    try:  # a private cache: ranks do not share (or lock) one, and nothing stays behind
+        with tempfile.TemporaryDirectory(prefix="ftpipe-data-") as cache:
+            table = datasets.load_dataset(
+                builder, data_files=str(path), split="train", cache_dir=cache, keep_in_memory=True
+            )
+    except Exception as e:  # noqa: BLE001 - arrow, json and csv parsers raise many types
+        cause = e.__cause__ or e.__context__ or e
+        raise PipelineConfigError(
+            f"{path} cannot be read as {builder} ({type(cause).__name__}: {_short(cause)})"
+        ) from None
+    if table.num_rows == 0:
+        raise PipelineConfigError(f"{path} is empty; give one sample per line or row")
+    missing = [f for f in fields if f not in table.column_names]
+    if missing:
+        raise PipelineConfigError(
+            f"{path} has no field {missing[0]!r} (it has {', '.join(table.column_names)}); "
+            "name the text with --text-field, or a pair with --prompt-field and --target-field"
+        )
+    out = {f: table[f] for f in fields}
+    for f, values in out.items():
+        bad = next((i for i, v in enumerate(values) if not isinstance(v, str)), None)
+        if bad is not None:
+            raise PipelineConfigError(
+                f"{path} sample {bad + 1}: field {f!r} holds {type(values[bad]).__name__}, not text"
+            )
+    keep = [i for i in range(table.num_rows) if all(out[f][i].strip() for f in fields)]
+    if not keep:
+        raise PipelineConfigError(f"{path} holds only empty texts")
+    return {f: [v[i] for i in keep] for f, v in out.items()}
+
+
+def _check_utf8(path: Path, chunk: int = 1 << 20) -> None:
+    """A text file is UTF-8, or one sentence naming its first other byte. pyarrow's readers
+    take such a file and fail only when a row is read back (a raw UnicodeDecodeError), so
+    every byte is decoded here first, a megabyte at a time."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    read = lines = 0  # bytes read before this piece, and the line ends among them
+    with open(path, "rb") as f:
+        while True:
+            piece = f.read(chunk)
+            held = len(decoder.getstate()[0])  # the start of a character cut by the last piece
+            try:
+                decoder.decode(piece, final=not piece)
+            except UnicodeDecodeError as e:
+                at = read - held + e.start  # the bad byte's offset in the file
+                line = lines + piece[: max(at - read, 0)].count(b"\n") + 1
+                raise PipelineConfigError(
+                    f"{path} line {line} (byte {at}) is not UTF-8 text ({e.reason}); save the "
+                    "file as UTF-8"
+                ) from None
+            if not piece:
+                return
+            read += len(piece)
+            lines += piece.count(b"\n")
+
+
+def _ids(tokenizer, texts: list[str], special: bool = True) -> list[list[int]]:
+    return tokenizer(texts, add_special_tokens=special)["input_ids"]
+
+
+def _eos(tokenizer) -> list[int]:
+    return [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+
+def _causal(tokenizer, rows, fields, pairs: bool) -> dict[str, list[list[int]]]:
+    if not pairs:
+        return {"input_ids": _ids(tokenizer, rows[fields[0]])}
+    prompts = _ids(tokenizer, rows[fields[0]])
+    targets = [t + _eos(tokenizer) for t in _ids(tokenizer, rows[fields[1]], special=False)]
+    return {
+        "input_ids": [p + t for p, t in zip(prompts, targets)],
+        "labels": [[IGNORE] * len(p) + t for p, t in zip(prompts, targets)],
+    }
+
+
+def _fit(columns: dict, lengths: dict, name: str, truncate: bool, say) -> dict:
+    """Rows no longer than the compiled lengths: refused, or cut with a warning."""
+    cut = 0
+    for column, rows in columns.items():
+        limit = lengths.get(column, lengths["input_ids"])
+        seq2seq = column == "labels" and "decoder_input_ids" in lengths
+        flag = "--target-len" if seq2seq else "--seq-len"
+        for i, row in enumerate(rows):
+            if len(row) <= limit:
+                continue
+            if not truncate:
+                raise PipelineConfigError(
+                    f"{name} sample {i + 1} has {len(row)} tokens of {column}, more than the "
+                    f"{limit} the package was compiled for; pass --truncate to cut such texts, "
+                    f"or compile again with a longer {flag}"
+                )
+            rows[i] = row[:limit]
+            cut += 1
+    if cut:
+        say(f"ftpipe: warning: {name}: cut {cut} texts to the compiled length (--truncate)")
+    return {k: [torch.tensor(r, dtype=torch.long) for r in v] for k, v in columns.items()}
+
+
+def _pack(columns: dict, length: int, eos: list[int]) -> dict:
+    """One stream of every sample (each ended by end-of-sequence), cut into rows of `length`."""
+    ends = [not eos or row[-1:] != eos for row in columns["input_ids"]]  # eos missing
+    out = {}
+    for column, rows in columns.items():
+        flat = [t for row, add in zip(rows, ends) for t in (row + eos if add else row)]
+        out[column] = list(torch.tensor(flat, dtype=torch.long).split(length))
+    return out
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text if len(text) < 160 else text[:160] + "..."

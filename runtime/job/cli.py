@@ -1,0 +1,37 @@
+"""The command line of every generated package, which only hands over what is its own.
+
+python -m t5_tiny_pipeline [options]             # train: run(plan, stages, argv)
+python -m t5_tiny_pipeline --check [--json]       # the stages against the original model
+python -m t5_tiny_pipeline export --checkpoint-dir D [--step N] -o DIR   # a HuggingFace folder
+
+main(sys.argv[1:], STAGES, PLAN_PATH, package="t5_tiny_pipeline")   # the package's __main__
+"""
+
+from __future__ import annotations
+
+__all__ = ["main"]
+
+
+def main(argv: list[str], stages: dict, plan_path, package: str) -> int:
+    argv = list(argv)
+
+    def load_plan() -> dict:  # damaged or from another version: one sentence, not a traceback
+        from ..spec.topology import read_plan
+
+        return read_plan(plan_path)
+
+    if "--check" in argv:
+        from .check import main as check_main
+
+        rest = [a for a in argv if a != "--check"]
+        return check_main(rest, stages, load_plan, prog=f"{package} --check")
+    if argv[:1] == ["export"]:
+        from ..checkpoint.hf import main as export_main
+
+        return export_main(argv[1:], plan_path, prog=f"python -m {package} export")
+    from .train import run
+
+    # The runtime constructs only the stages of its own rank: construction materialises them.
+    # It reads plan.json itself, so a damaged one is one sentence, not a traceback.
+    run(plan_path, stages, argv)
+    return 0

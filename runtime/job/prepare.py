@@ -1,0 +1,76 @@
+"""This rank's own set-up before the ranks meet: what it will write is checked writable,
+its stages are built (with --init weights), their precision and optimizers made.
+
+    modules, optimizers, mixed, exporter, runlog = prepare_rank(run, rank, gpu)
+
+A failure here is told to the other ranks at the meeting (`ranks.agree_to_start`), so the
+whole run stops naming this rank. Also: whether a resumed run's learning rates change
+(`lr_changes`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..atomic import check_writable_file, check_writable_folder
+from ..data.sources import HFExporter
+from ..errors import PipelineConfigError
+from ..stage.package import build_stages, load_init
+from ..train.optim import lr_at, make_optimizer
+from ..train.precision import MixedPrecision
+from .device import use_tf32
+from .report import memory_meter
+from .runlog import RunLog
+
+__all__ = ["lr_changes", "prepare_rank"]
+
+
+def prepare_rank(run, rank: int, gpu: int):
+    """This rank's checks and set-up: its --log-json and --trace, its checkpoint folder, its
+    export and log, its stages and --init weights, their precision and optimizers. `run`:
+    the run's settled state (`run._Run`: plan, args, topo, ckpt, place, precision, say)."""
+    plan, args, ckpt, carried, say = run.plan, run.args, run.ckpt, run.carried, run.say
+    if args.log_json and rank == 0:
+        check_writable_file(args.log_json, "--log-json")
+    if args.trace and rank == 0:
+        check_writable_file(args.trace, "--trace")
+    if args.save_every:
+        _check_folder(ckpt.root)
+        if not (args.resume or args.overwrite_checkpoints):
+            ckpt.refuse_foreign()
+    exporter = HFExporter(plan, args, ckpt, say) if args.save_hf else None
+    runlog = RunLog(args.log_dir, rank, say=say) if args.log_dir and not carried else None
+    runlog = carried.runlog if carried else runlog
+    memory_meter(str(run.place.device))  # started before any stage exists: what they add counts
+    use_tf32(run.place.device, args.tf32)
+    modules = build_stages(run.topo, run.stage_classes, gpu, run.place.device, run.precision.dtype)
+    if args.init:
+        load_init(modules, args.init, plan)
+    mixed = MixedPrecision(run.precision, modules)  # after --init: the masters copy the weights
+    mixed.say = say
+    optimizers = {
+        s: make_optimizer(args.optimizer, [t for _, t in mixed.trainable(s)], args.lr)
+        for s in modules
+    }
+    torch.manual_seed(args.seed * 7919 + rank)  # the rank's own generator, repeats per run
+    return modules, optimizers, mixed, exporter, runlog
+
+
+def lr_changes(args, saved_steps, first: int) -> bool:
+    """Does --steps (which the learning-rate decay depends on) change the rates from `first`?"""
+    if not isinstance(saved_steps, int) or saved_steps == args.steps:
+        return False
+    rate = lambda k, steps: lr_at(k, args.lr, steps, args.warmup, args.decay)  # noqa: E731
+    return any(rate(k, saved_steps) != rate(k, args.steps) for k in range(first, args.steps))
+
+
+def _check_folder(root: Path) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PipelineConfigError(
+            f"cannot make the checkpoint folder {root}: {e.strerror}"
+        ) from None
+    check_writable_folder(root, f"checkpoints in {root}")

@@ -1,0 +1,318 @@
+"""Training precision: what the stages compute in, and what the optimizer keeps.
+
+    p = get_precision("bf16")              # Precision(compute="bfloat16", master=True, ...)
+    p.bytes_per_element()                  # {"weight": 2, "grad": 4, "master": 4, "state": 4}
+    mixed = MixedPrecision(p, modules, traced="bfloat16")   # this rank's stages
+    mixed.trainable(stage)                 # what the optimizer steps and clipping measures
+    mixed.add_grad(weight, g)              # a gradient made outside autograd (W): into its master
+    loss * mixed.loss_scale / m            # fp16: backward of the scaled loss
+    ok = mixed.unscale_and_check(grads, total_norm_sq)   # False: overflow, skip the step
+    mixed.after_step(stage)                # master -> the stage's 16-bit weights
+
+| name | stages compute in | optimizer steps | bytes per trainable element |
+| --- | --- | --- | --- |
+| fp32 | float32 | the weights | 4 weight + 4 gradient + state in fp32 |
+| bf16 | bfloat16 | fp32 master copies; gradients summed in fp32 | 2 + 4 + 4 master + fp32 state |
+| fp16 | float16, dynamic loss scaling | as bf16 | 2 + 4 + 4 master + fp32 state |
+| bf16-pure | bfloat16 | the bf16 weights themselves | 2 + 2 + bf16 state: half the memory; small updates round away |
+
+Under mixed precision every gradient of a 16-bit weight is added into the fp32 master's as soon
+as it is made, and the 16-bit one freed, so micro-batches accumulate in fp32 (as DeepSpeed's
+and Megatron's bf16 optimizers do). Gradients come in two ways and land alike: autograd's
+accumulation into the weight (a hook on it), and `add_grad` for those made outside it (a
+split backward's weight pass, a set-aside weight version's backward: the executor's). Each
+arrival then calls `on_grad(stage, name)`: the replicas' all-reduce (`replicas.GradSync`),
+which sums what the optimizer steps, the masters' gradients, in fp32. The masters start from
+the stages' 16-bit weights (a checkpoint loaded at the compute dtype, as
+`from_pretrained(dtype=...)` loads it); a resumed run takes them from its checkpoint, which
+holds them. A weight traced in fp32 (T5's `wo` under fp16: transformers'
+`_keep_in_fp32_modules`) stays fp32 and is its own master.
+
+fp16's overflow check is global: the squared gradient norm every synchronous step sums over
+all ranks (the one collective of the step) is inf or nan on every rank when any gradient
+anywhere overflowed, so every stage skips that step and halves the scale together; after
+`growth_interval` good steps the scale doubles. `FTPIPE_INJECT_INF=stage:step` puts an inf
+into a gradient of that stage at that step, for tests of exactly this.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import PipelineConfigError, pick
+
+__all__ = [
+    "PRECISIONS",
+    "LossScale",
+    "MixedPrecision",
+    "Precision",
+    "for_run",
+    "get_precision",
+    "plan_in",
+    "runnable",
+]
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    compute: str  # the stages' weights, activations and messages
+    master: bool  # fp32 master weights, fp32 gradient sums and fp32 optimizer state
+    loss_scaling: bool = False
+    doc: str = ""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.compute)
+
+    def bytes_per_element(self) -> dict[str, int]:
+        """Bytes each trainable element costs: weight, its gradient, a master copy, and each
+        optimizer-state element."""
+        weight = torch.empty((), dtype=self.dtype).element_size()
+        kept = 4 if self.master else weight
+        return {"weight": weight, "grad": kept, "master": 4 if self.master else 0, "state": kept}
+
+
+PRECISIONS = {
+    p.name: p
+    for p in (
+        Precision("fp32", "float32", master=False, doc="fp32 weights, gradients and state"),
+        Precision("bf16", "bfloat16", master=True,
+                  doc="bf16 compute, fp32 master weights, gradient sums and optimizer state"),
+        Precision("fp16", "float16", master=True, loss_scaling=True,
+                  doc="fp16 compute with dynamic loss scaling, fp32 master weights and state"),
+        Precision("bf16-pure", "bfloat16", master=False,
+                  doc="bf16 weights, gradients and optimizer state: half the memory, less exact"),
+    )
+}  # fmt: skip
+
+
+def get_precision(name: str) -> Precision:
+    return pick(PRECISIONS, name, "precision")
+
+
+def runnable(precision: Precision, traced: str) -> str | None:
+    """Why a package traced in `traced` cannot run in `precision` (None: it can). The traced
+    casts to the compute dtype follow the run's; code traced in fp32 has no such casts to
+    follow, and fp16's code differs from bf16's (transformers clamps fp16 activations)."""
+    if precision.compute in (traced, "float32"):
+        return None
+    if traced == "float32":
+        return f"it was compiled in fp32; compile it with --dtype {precision.name} to train so"
+    return f"it was compiled for {traced}; compile it again with --dtype {precision.name}"
+
+
+def for_run(plan: dict, name: str, schedule) -> Precision:
+    """The precision `name` for this plan and schedule, or one sentence saying why not."""
+    precision = get_precision(name)
+    why = runnable(precision, plan.get("model", {}).get("compute_dtype", "float32"))
+    if why:
+        raise PipelineConfigError(f"--dtype {name}: {why}")
+    if precision.loss_scaling and not schedule.synchronous:
+        raise PipelineConfigError(
+            f"--dtype fp16 scales the loss by a factor all stages change together at their "
+            f"steps, and {schedule.name} does not step them together; use gpipe or 1f1b, or bf16"
+        )
+    return precision
+
+
+@dataclass
+class LossScale:
+    """Dynamic loss scaling (fp16): halve on overflow, double after `growth_interval` good steps."""
+
+    scale: float = 2.0**16
+    growth_interval: int = 2000
+    good_steps: int = 0
+    skipped: int = 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale = max(self.scale / 2, 1.0)
+            self.good_steps = 0
+            self.skipped += 1
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale *= 2
+            self.good_steps = 0
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def plan_in(plan: dict, precision: Precision) -> dict:
+    """The plan as this run computes: messages traced in the compute dtype carry the run's."""
+    traced = plan.get("model", {}).get("compute_dtype", "float32")
+    if traced == precision.compute:
+        return plan
+    transfers = [
+        {**t, "dtype": precision.compute} if str(t["dtype"]) == traced else t
+        for t in plan["transfers"]
+    ]
+    return {**plan, "transfers": transfers}
+
+
+class MixedPrecision:
+    """The trainable tensors of this rank's stages under `precision` (see the module doc)."""
+
+    def __init__(self, precision: Precision, modules: dict):
+        self.precision = precision
+        self.loss_scale = LossScale() if precision.loss_scaling else None
+        self.skipped: list[int] = []  # steps skipped for an overflow
+        self.say = None  # where a skipped step is reported (rank 0)
+        self.inject = _injected()
+        self.on_grad = None  # called (stage, name) after each arrival of a weight's gradient
+        self._pairs: dict[int, list[tuple[str, torch.nn.Parameter, torch.Tensor]]] = {}
+        self._of: dict[int, tuple[int, str, torch.Tensor]] = {}  # id(weight) -> where it sums
+        for s, module in modules.items():
+            pairs = []
+            for name, p in module.named_parameters():
+                if not p.requires_grad:
+                    continue
+                master = p
+                if precision.master and p.dtype != torch.float32:
+                    master = p.detach().float().requires_grad_(True)
+                p.register_post_accumulate_grad_hook(self._accumulated)
+                self._of[id(p)] = (s, name, master)
+                pairs.append((name, p, master))
+            self._pairs[s] = pairs
+
+    @property
+    def stages(self) -> list[int]:
+        return list(self._pairs)
+
+    def trainable(self, stage: int) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor whose .grad the optimizer reads): the masters, or the weights."""
+        return [(n, master) for n, _, master in self._pairs.get(stage, ())]
+
+    def freeze(self, stage: int, names) -> list[torch.Tensor]:
+        """Stop training the weights `names` of a stage (freeze training): they keep no
+        gradient; returns the tensors the optimizer held for them (masters or weights)."""
+        kept, gone = [], []
+        for n, p, master in self._pairs.get(stage, ()):
+            if n in names:
+                p.requires_grad_(False)
+                p.grad = master.grad = None
+                gone.append(master)
+            else:
+                kept.append((n, p, master))
+        self._pairs[stage] = kept
+        return gone
+
+    def multiplier(self) -> float:
+        return self.loss_scale.scale if self.loss_scale else 1.0
+
+    def add_grad(self, weight: torch.Tensor, g: torch.Tensor) -> None:
+        """A gradient of `weight` made outside autograd's accumulation into it (a split
+        backward's weight pass, a set-aside weight version's backward): added where the
+        weight's gradients sum, as autograd's hook would add it."""
+        s, name, master = self._of[id(weight)]
+        if master is weight:  # its own master: out of place, `g` may be held elsewhere
+            weight.grad = g if weight.grad is None else weight.grad + g
+        else:
+            _into(master, g)
+        self._arrived(s, name)
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        """Autograd's hook, after it added this backward's gradient into `p.grad`."""
+        s, name, master = self._of[id(p)]
+        if master is not p:
+            g, p.grad = p.grad, None
+            _into(master, g)
+        self._arrived(s, name)
+
+    def _arrived(self, stage: int, name: str) -> None:
+        if self.on_grad is not None:
+            self.on_grad(stage, name)
+
+    def checked(self, grads: list, total_sq: torch.Tensor, step: int) -> bool:
+        """fp16: undo the loss scale on `grads` and on their summed squared norm (every
+        rank's), update the scale; False when the step must be skipped (inf or nan)."""
+        if self.loss_scale is None:
+            return True
+        used = self.loss_scale.scale  # what this step's loss was multiplied by
+        overflow = not bool(torch.isfinite(total_sq))
+        self.loss_scale.update(overflow)
+        if overflow:
+            self.skipped.append(step)
+            if self.say is not None:
+                self.say(
+                    f"ftpipe: step {step + 1}: the gradients overflowed in fp16 on some rank; "
+                    f"every rank skips the step, loss scale {used:g} -> {self.loss_scale.scale:g}"
+                )
+            return False
+        for g in grads:
+            g.mul_(1.0 / used)
+        total_sq.mul_(1.0 / used**2)
+        return True
+
+    def poison(self, stage: int, step: int) -> None:
+        """FTPIPE_INJECT_INF: make a gradient of `stage` at `step` infinite."""
+        if self.inject == (stage, step):
+            grads = [t.grad for _, t in self.trainable(stage) if t.grad is not None]
+            if grads:
+                grads[0].view(-1)[0] = float("inf")
+
+    @torch.no_grad()
+    def after_step(self, stage: int) -> None:
+        """Copy the stepped masters into the stage's 16-bit weights."""
+        for _, p, master in self._pairs.get(stage, ()):
+            if master is not p:
+                p.copy_(master)
+
+    def restore(self, state: dict) -> None:
+        """The loss scale a checkpoint's manifest kept (`Saver`: state["loss_scale"])."""
+        saved = state.get("loss_scale")
+        if self.loss_scale is not None and isinstance(saved, dict):
+            self.loss_scale = LossScale(**saved)
+
+    def saved_dtype(self, param: dict, traced: str) -> torch.dtype:
+        """The dtype `state_dict` holds a plan parameter in: fp32 for a trainable weight with a
+        master, else its traced dtype, which follows the compute dtype if it was that one."""
+        dtype = self.precision.compute if param["dtype"] == traced else param["dtype"]
+        if self.precision.master and param.get("trainable") and dtype in ("bfloat16", "float16"):
+            return torch.float32
+        return getattr(torch, dtype)
+
+    def state_dict(self, stage: int, module) -> dict:
+        """The stage's tensors for a checkpoint: fp32 masters in place of 16-bit weights;
+        weights frozen at compile time left out (a run rebuilds them as it built them:
+        `frozen`)."""
+        frozen = set(getattr(module, "FROZEN", ()))
+        state = {k: v for k, v in module.state_dict().items() if k not in frozen}
+        for name, _, master in self._pairs.get(stage, ()):
+            state[name] = master.detach()
+        return state
+
+    @torch.no_grad()
+    def load(self, stage: int, module, tensors: dict) -> None:
+        """A checkpoint's tensors into the stage (cast to its dtypes) and its masters."""
+        frozen = set(getattr(module, "FROZEN", ()))
+        own = {k: v for k, v in module.state_dict().items() if k not in frozen}
+        missing = sorted(set(own) - set(tensors))
+        if missing:
+            raise KeyError(f"{missing[0]} is not in the checkpoint")
+        module.load_state_dict({k: tensors[k].to(own[k].dtype) for k in own}, strict=False)
+        for name, p, master in self._pairs.get(stage, ()):
+            if master is not p:
+                master.copy_(tensors[name])
+
+
+def _into(master: torch.Tensor, g: torch.Tensor) -> None:
+    """Add a 16-bit gradient into an fp32 master's: the first one copied, the next added in
+    place straight from 16 bits (no fp32 temporary)."""
+    if master.grad is None:
+        master.grad = g.to(master.dtype)
+    else:
+        master.grad.add_(g)
+
+
+def _injected() -> tuple[int, int] | None:
+    text = os.environ.get("FTPIPE_INJECT_INF", "")
+    if not text:
+        return None
+    stage, step = text.split(":")
+    return int(stage), int(step)

@@ -1,0 +1,77 @@
+"""The asynchronous schedule follows FTPipe's update rule, and still learns."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from ftpipe_runtime.schedules import Timeline, get_schedule
+from ftpipe_runtime.spec.topology import Topology
+from runtime_reference import checkpoint_params, train_stale
+from runtime_toy import toy_plan
+
+pytestmark = pytest.mark.multiproc
+
+
+def _lists(plan, steps):
+    infos = Topology(plan).stage_infos()
+    return Timeline(get_schedule("ftpipe"), infos, plan["micro_batches"], steps).lists()
+
+
+@pytest.mark.parametrize("layout", ["two-ranks", "folded"])
+def test_ftpipe_matches_stale_update_rule(run_pipeline, tmp_path, layout):
+    """Folded: stage 3 reads stage 0's weight on the same rank, where a step of stage 0 comes
+    between its forward and stage 3's: stage 3 must still use the value its forward read.
+    Two ranks: the weight goes to rank 1 once per version of stage 0's weights (stage 0
+    steps once a step), not with every micro-batch, and training is still the rule's."""
+    plan, steps = toy_plan(layout, "ftpipe"), 4
+    ckpt, log, trace = tmp_path / "ckpt", tmp_path / "log.json", tmp_path / "trace.json"
+    argv = ["--steps", str(steps), "--optimizer", "adam", "--lr", "0.05", "--clip", "0"]
+    argv += ["--save-every", str(steps), "--checkpoint-dir", str(ckpt), "--log-json", str(log)]
+    codes, ranks = run_pipeline(plan, argv + ["--trace", str(trace)])
+    assert codes == [0, 0], ranks.stderr()
+
+    lists = _lists(plan, steps)
+    losses, weights = train_stale(plan, lists, steps, "adam", lr=0.05)
+    assert json.loads(log.read_text())["losses"] == pytest.approx(losses, rel=1e-4)
+    got = checkpoint_params(ckpt, steps, range(4))
+    for params in weights.values():
+        for name, value in params.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    # The versions stage 0's forwards read: its steps before each (counted from its list).
+    versions, taken = set(), 0
+    for a in lists[0]:
+        taken += a.stage == 0 and a.kind == "S"
+        if a.stage == 0 and a.kind == "F":
+            versions.add(taken)
+    sent = {r["rank"]: r["sent"] for r in json.loads(trace.read_text())["ranks"]}
+    shape = next(t["shape"] for t in plan["transfers"] if t["tensor"] == "emb.weight")
+    emb = 4 * shape[0] * shape[1]  # float32
+    if layout == "two-ranks":
+        assert len(versions) == steps
+        assert sent[0]["weight"] == [len(versions), len(versions) * emb]
+        assert sent[1]["wgrad"] == [steps, steps * emb]  # summed over each step
+    else:  # on one rank: handed over in place
+        assert "weight" not in sent[0] and "wgrad" not in sent.get(1, {})
+
+
+def test_ftpipe_is_stale_not_synchronous(tmp_path):
+    """The rule differs from plain training here, so matching it is not matching that."""
+    from runtime_reference import train_plain
+
+    plan, steps = toy_plan("two-ranks", "ftpipe"), 4
+    stale, _ = train_stale(plan, _lists(plan, steps), steps, "adam", lr=0.05)
+    plain, _ = train_plain(plan, steps, "adam", lr=0.05)
+    assert stale[0] == pytest.approx(plain[0], rel=1e-6)  # nothing has stepped yet
+    assert abs(stale[-1] - plain[-1]) > 1e-3
+
+
+def test_ftpipe_loss_falls_on_copy_task(run_pipeline, tmp_path):
+    plan, steps = toy_plan("three-ranks", "ftpipe"), 30
+    log = tmp_path / "log.json"
+    argv = ["--steps", str(steps), "--data", "copy", "--lr", "0.05", "--log-json", str(log)]
+    codes, ranks = run_pipeline(plan, argv)
+    assert codes == [0, 0, 0], ranks.stderr()
+    losses = json.loads(log.read_text())["losses"]
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
