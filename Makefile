@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 CONSTRAINTS ?= constraints.txt
 LATEST ?= .venv-latest
 
-.PHONY: install test test-latest constraints lint format demo bench clean
+.PHONY: install test test-latest constraints lint format demo bench audit clean
 
 install: $(VENV)/.installed
 
@@ -65,6 +65,10 @@ demo: install
 
 bench: install
 	$(BIN)/python -m benchmarks --out BENCHMARKS.md
+
+# Bad inputs and faults, each run as a user meets them; writes docs/reliability.md.
+audit: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks.audit
 
 clean:
 	rm -rf $(OUT) build *.egg-info .pytest_cache .ruff_cache

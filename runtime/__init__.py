@@ -19,29 +19,32 @@ run meets them:
   `report`, `runlog`, `summary`, `atomic`, `check` (a package's --check), `errors`.
 - before all of them: `cpu_allocator` (huge pages for large CPU tensors, set before torch
   loads, and glibc's heap kept between micro-batches: importing this package first is what
-  turns them on).
+  turns them on) and `signals` (a command's Ctrl-C or SIGTERM while torch loads, and SIGTERM
+  after: one line, exit codes 130 / 143).
 """
 
 from .cpu_allocator import keep_heap, use_huge_pages
+from .signals import starting
 
 use_huge_pages()  # before any module below imports torch
 keep_heap()
 
-from . import fused_loss  # noqa: E402, F401 - registers torch.ops.ftpipe for generated stages
-from .errors import PeerFailure, PipelineConfigError, ScheduleError  # noqa: E402
-from .run import run  # noqa: E402
-from .schedules import (  # noqa: E402
-    SCHEDULES,
-    Action,
-    Schedule,
-    StageInfo,
-    StagePolicy,
-    actions,
-    get_schedule,
-    interleave,
-    resolve_schedule,
-    validate,
-)
+with starting():  # a command's Ctrl-C while torch loads: one line, not an import's traceback
+    from . import fused_loss  # noqa: F401 - registers torch.ops.ftpipe for generated stages
+    from .errors import PeerFailure, PipelineConfigError, ScheduleError
+    from .run import run
+    from .schedules import (
+        SCHEDULES,
+        Action,
+        Schedule,
+        StageInfo,
+        StagePolicy,
+        actions,
+        get_schedule,
+        interleave,
+        resolve_schedule,
+        validate,
+    )
 
 __all__ = [
     "PeerFailure",

@@ -22,7 +22,13 @@ from .atomic import check_writable_folder
 from .checkpoint import Checkpoints
 from .data import SOURCES, EvalData, TextOptions, make_data
 from .errors import PipelineConfigError
-from .export import check_exportable, export_checkpoint, gather_tensors, write_hf_folder
+from .export import (
+    check_exportable,
+    check_replaceable,
+    export_checkpoint,
+    gather_tensors,
+    write_hf_folder,
+)
 from .text_data import is_text_file, load_tokenizer
 
 __all__ = ["HFExporter", "Sources", "open_sources"]
@@ -83,6 +89,7 @@ class HFExporter:
         check_exportable(plan)
         if self.out.exists() and not self.out.is_dir():
             raise PipelineConfigError(f"--save-hf {self.out} is a file; give a folder")
+        check_replaceable(self.out)  # the user's own files there: refused now, not at the end
         parent = self.out.absolute().parent
         if not parent.is_dir():
             raise PipelineConfigError(f"--save-hf {self.out}: the folder {parent} does not exist")
