@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 CONSTRAINTS ?= constraints.txt
 LATEST ?= .venv-latest
 
-.PHONY: install test test-latest constraints lint format demo bench gpu-check gpu-wheels clean
+.PHONY: install test test-latest constraints lint format demo bench gpu-check gpu-wheels audit clean
 
 install: $(VENV)/.installed
 
@@ -84,6 +84,10 @@ gpu-wheels:
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 		--platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
 		--platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $(GPU_WHEELS)
+
+# Bad inputs and faults, each run as a user meets them; writes docs/reliability.md.
+audit: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks.audit
 
 clean:
 	rm -rf $(OUT) build *.egg-info .pytest_cache .ruff_cache

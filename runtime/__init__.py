@@ -3,8 +3,8 @@
 Generated packages import this and torch, never the compiler. Its folders, in the order a
 run meets them (docs/architecture.md maps every module):
 
-- `job/`: one torchrun job on this rank: command line, ranks, liveness, the run's phases,
-  reports, `--check`, process settings.
+- `job/`: one torchrun job on this rank: command line, ranks, liveness, signals, the run's
+  phases, reports, `--check`, process settings.
 - `spec/`: the plan as data and the weights' names: the contract shared with the compiler.
 - `stage/`: what generated stages build on, and the fused LM-head loss they call.
 - `models/`: model families from their HuggingFace head (inputs, labels, synthetic batches).
@@ -18,25 +18,27 @@ run meets them (docs/architecture.md maps every module):
 """
 
 from .job.cpu_allocator import keep_heap, use_huge_pages
+from .job.signals import starting
 
 use_huge_pages()  # before any module below imports torch
 keep_heap()
 
-from .errors import PeerFailure, PipelineConfigError, ScheduleError  # noqa: E402
-from .job.train import run  # noqa: E402
-from .schedules import (  # noqa: E402
-    SCHEDULES,
-    Action,
-    Schedule,
-    StageInfo,
-    StagePolicy,
-    actions,
-    get_schedule,
-    interleave,
-    resolve_schedule,
-    validate,
-)
-from .stage import fused_loss  # noqa: E402, F401 - registers torch.ops.ftpipe for generated stages
+with starting():  # a command's Ctrl-C while torch loads: one line, not an import's traceback
+    from .errors import PeerFailure, PipelineConfigError, ScheduleError
+    from .job.train import run
+    from .schedules import (
+        SCHEDULES,
+        Action,
+        Schedule,
+        StageInfo,
+        StagePolicy,
+        actions,
+        get_schedule,
+        interleave,
+        resolve_schedule,
+        validate,
+    )
+    from .stage import fused_loss  # noqa: F401 - registers torch.ops.ftpipe for generated stages
 
 __all__ = [
     "PeerFailure",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import click
 from ftpipe_runtime.errors import WriteFailed
+from ftpipe_runtime.job.signals import stopped
 
 from ..errors import FtpipeError
 from ..version import __version__
@@ -12,7 +13,8 @@ from ..version import __version__
 
 class _Group(click.Group):
     """Turns an FtpipeError (or a failed write) from any command into one line on stderr and
-    exit code 1, and Ctrl-C into one line and exit code 130."""
+    exit code 1, Ctrl-C into one line and exit code 130 (SIGTERM: 143), and any other error
+    into one line (`--debug` shows its traceback) and exit code 1."""
 
     def parse_args(self, ctx, args):
         ctx.meta["ftpipe.argv"] = list(args)  # for the headers of what we generate
@@ -27,11 +29,28 @@ class _Group(click.Group):
                     click.echo(e.detail, err=True, nl=False)
                 raise
             raise click.ClickException(str(e)) from None
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (signals.Terminated)
             if (ctx.obj or {}).get("debug"):
                 raise
-            click.echo("Interrupted (Ctrl-C); outputs that existed are unchanged.", err=True)
-            ctx.exit(130)
+            why, code = stopped(e, "outputs that existed are unchanged.")
+            click.echo(why[0].upper() + why[1:], err=True)
+            ctx.exit(code)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise  # click's own: a usage error's line, an exit code
+        except Exception as e:  # noqa: BLE001 - a bug, or memory: one line, not a traceback
+            if (ctx.obj or {}).get("debug"):
+                raise
+            raise click.ClickException(_unexpected(e)) from None
+
+
+def _unexpected(e: Exception) -> str:
+    text = " ".join(str(e).split())
+    if isinstance(e, MemoryError) or "can't allocate memory" in text:
+        return (
+            f"out of memory ({text[:200] or 'MemoryError'}); make the model, --micro-batch or "
+            "--seq-len smaller"
+        )
+    return f"unexpected error: {type(e).__name__}: {text[:200]} (--debug shows where)"
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
-from ..errors import unknown
+from ..errors import FtpipeError, unknown
 from ..resources import config_names, load_config
 from .formulas import MemoryReserve
 
@@ -67,12 +68,34 @@ class Hardware:
 
     @classmethod
     def from_json(cls, d: dict) -> Hardware:
+        """A hardware description (a configs/hardware file, or a cluster file's `gpu`); a
+        missing or non-positive figure is one sentence."""
+        if not isinstance(d, dict):
+            raise FtpipeError(f"a hardware description must be a JSON object, not {d!r:.60}")
+        need = ("name", "memory_bytes", "peak_flops", "memory_bandwidth", "link_bandwidth")
+        figures = [
+            k for k in need[1:] if not (_number(d.get(k)) and math.isfinite(d[k]) and d[k] > 0)
+        ]
+        if not isinstance(d.get("name"), str) or figures:
+            raise FtpipeError(
+                f"hardware {d.get('name', '')!r}: {', '.join(need)} are required, the numbers "
+                f"finite and positive ({', '.join(figures) or 'name'} is not)"
+            )
         d = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
-        d["peak_flops_16bit"] = tuple(sorted(dict(d.get("peak_flops_16bit") or {}).items()))
+        try:
+            d["peak_flops_16bit"] = tuple(sorted(dict(d.get("peak_flops_16bit") or {}).items()))
+        except (TypeError, ValueError):
+            raise FtpipeError(
+                f"hardware {d['name']!r}: peak_flops_16bit maps dtypes to FLOP/s"
+            ) from None
         reserve = d.get("memory_reserve") or {}
         fields = MemoryReserve.__dataclass_fields__
         d["memory_reserve"] = MemoryReserve(**{k: v for k, v in reserve.items() if k in fields})
         return cls(**d)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def get_hardware(name: str, *, tf32: bool = True) -> Hardware:

@@ -186,6 +186,9 @@ class OpGraph:
             raise FtpipeError("a parameter name appears twice (tied weights not merged)")
         known = set(self.param)
         for n in self.nodes:
+            costs = (n.flops, n.bytes_moved, n.fwd_s, n.bwd_s, n.wgrad_s, n.recompute_s)
+            if not all(math.isfinite(c) and c >= 0 for c in costs):
+                raise FtpipeError(f"node {n.id} has a negative or non-finite cost")
             unknown = set(n.params) - known
             if unknown:
                 raise FtpipeError(f"node {n.id} reads unknown parameters {sorted(unknown)}")

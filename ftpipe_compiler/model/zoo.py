@@ -253,8 +253,11 @@ def _hf_spec(spec: str, name: str, kind: str, config: dict, head, **extra) -> Mo
             )
         hf_config = hf.hf_config(config)
         inputs = hf.forward_inputs(cls, head, hf_config)
-    except (ValueError, KeyError, TypeError, ImportError, ArithmeticError) as e:
-        raise FtpipeError(f"{spec}: cannot use this {model_type} model ({e})") from None
+    except FtpipeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers' and huggingface_hub's checks of it
+        said = " ".join(str(e).split())[:300]
+        raise FtpipeError(f"{spec}: cannot use this {model_type} model ({said})") from None
     positions = getattr(hf_config, "max_position_embeddings", 0)
     return ModelSpec(
         spec=spec,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ftpipe_runtime.engine.comm import POST_AHEAD_BYTES, POST_AHEAD_MESSAGES
 from ftpipe_runtime.schedules import SCHEDULES, Schedule, ScheduleError, StageInfo, StagePolicy
+from ftpipe_runtime.train.precision import get_precision
 
 from ..costs.formulas import FP32, OPTIMIZERS, Precision, param_bytes
 from ..costs.hardware import Hardware
@@ -43,12 +44,20 @@ class Problem:
     def __post_init__(self):
         if self.gpus < 1:
             raise FtpipeError(f"--gpus must be at least 1, not {self.gpus}")
+        if self.gpus > len(self.graph.nodes):  # each GPU used holds a node at least: the plan
+            object.__setattr__(self, "gpus", max(1, len(self.graph.nodes)))  # keeps to those
         if self.optimizer not in OPTIMIZERS:
             raise FtpipeError(
                 f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}"
             )
         if self.schedule not in SCHEDULES:
             raise unknown("schedule", self.schedule, SCHEDULES)
+        if get_precision(self.precision.name).loss_scaling and not self.sched.synchronous:
+            raise FtpipeError(  # the runtime refuses it (precision.for_run): plan none
+                f"--dtype {self.precision.name} scales the loss by a factor all stages change "
+                f"together, and {self.schedule} does not step them together; plan it under a "
+                "synchronous schedule (gpipe, 1f1b, zb1p...) or use bf16"
+            )
         if not self.recompute and not SCHEDULES[self.schedule].can_keep_activations:
             raise FtpipeError(f"{self.schedule} must recompute; plan it with recompute")
         try:

@@ -51,6 +51,9 @@ from .result import GpuResult, SimResult
 TIMELINE_STEPS = 3  # steps kept on the timeline for the report
 
 
+MAX_ACTIONS = 5_000_000  # what one simulation may execute: about a minute
+
+
 def simulate(
     plan: Plan,
     schedule: str | None = None,
@@ -71,6 +74,13 @@ def simulate(
     m = micro_batches or sched.micro_batches or plan.micro_batches
     if m < 1 or steps < 1:
         raise FtpipeError(f"micro-batches and steps must be at least 1, not {m} and {steps}")
+    actions = 3 * steps * m * len(plan.stages)  # a forward, a backward, a weight pass at most
+    if actions > MAX_ACTIONS:
+        raise FtpipeError(
+            f"{steps} steps of {m} micro-batches on {len(plan.stages)} stages are {actions:.2g} "
+            f"actions to simulate, more than {MAX_ACTIONS:.0g} (minutes); lower --steps or "
+            "--micro-batches (per-step figures are the steady state's: 10 steps show it)"
+        )
     infos = plan.stage_infos()
     policies = sched.policies(infos, m)
     # Which stages recompute depends on the schedule, and memory follows from that.

@@ -99,7 +99,9 @@ class FileData(_Inputs):
             )
         if len(keep) < _rows(self.columns):
             dropped = _rows(self.columns) - len(keep)
-            (say or _warn)(f"ftpipe: {path}: left out {dropped} samples with nothing to predict")
+            (say or _warn)(
+                f"ftpipe: note: {path}: left out {dropped} samples with nothing to predict"
+            )
             self.columns = {k: [v[r] for r in keep] for k, v in self.columns.items()}
         self.size = len(keep)
         self.micro_batch = next(iter(self.specs.values()))[0][0]

@@ -19,7 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..atomic import check_writable_folder
-from ..checkpoint.hf import check_exportable, export_checkpoint, gather_tensors, write_hf_folder
+from ..checkpoint.hf import (
+    check_exportable,
+    check_replaceable,
+    export_checkpoint,
+    gather_tensors,
+    write_hf_folder,
+)
 from ..checkpoint.store import Checkpoints
 from ..errors import PipelineConfigError
 from .batches import SOURCES, EvalData, TextOptions, make_data
@@ -83,6 +89,7 @@ class HFExporter:
         check_exportable(plan)
         if self.out.exists() and not self.out.is_dir():
             raise PipelineConfigError(f"--save-hf {self.out} is a file; give a folder")
+        check_replaceable(self.out)  # the user's own files there: refused now, not at the end
         parent = self.out.absolute().parent
         if not parent.is_dir():
             raise PipelineConfigError(f"--save-hf {self.out}: the folder {parent} does not exist")

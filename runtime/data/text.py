@@ -33,7 +33,14 @@ import torch
 from ..errors import PipelineConfigError
 from ..models import IGNORE
 
-__all__ = ["TEXT_FORMATS", "TextOptions", "is_text_file", "load_tokenizer", "read_text"]
+__all__ = [
+    "TEXT_FORMATS",
+    "TextOptions",
+    "check_utf8",
+    "is_text_file",
+    "load_tokenizer",
+    "read_text",
+]
 
 TEXT_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet",
                 ".txt": "text"}  # fmt: skip
@@ -70,7 +77,7 @@ def is_text_file(path, model_inputs=()) -> bool:
     if suffix != ".jsonl":
         return True
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open(path, encoding="utf-8-sig", errors="replace") as f:  # (only a peek)
             first = next((line for line in f if line.strip()), "")
         record = json.loads(first)
     except (OSError, ValueError):
@@ -147,7 +154,7 @@ def _read_rows(path: Path, fields: list[str]) -> dict[str, list[str]]:
         raise PipelineConfigError(f"{path} is empty; give one sample per line or row")
     builder = TEXT_FORMATS[path.suffix]
     if builder != "parquet":  # the others are text
-        _check_utf8(path)
+        check_utf8(path)
     try:
         import datasets
     except ImportError:
@@ -187,10 +194,11 @@ def _read_rows(path: Path, fields: list[str]) -> dict[str, list[str]]:
     return {f: [v[i] for i in keep] for f, v in out.items()}
 
 
-def _check_utf8(path: Path, chunk: int = 1 << 20) -> None:
-    """A text file is UTF-8, or one sentence naming its first other byte. pyarrow's readers
-    take such a file and fail only when a row is read back (a raw UnicodeDecodeError), so
-    every byte is decoded here first, a megabyte at a time."""
+def check_utf8(path: Path, chunk: int = 1 << 20) -> None:
+    """A text file is UTF-8 without NUL bytes, or one sentence naming its first other byte.
+    pyarrow's readers take such a file and fail only when a row is read back (a raw
+    UnicodeDecodeError), and a NUL is a binary file's, never text's (the tokenizer would make
+    it an unknown word), so every byte is checked here first, a megabyte at a time."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     read = lines = 0  # bytes read before this piece, and the line ends among them
     with open(path, "rb") as f:
@@ -208,6 +216,12 @@ def _check_utf8(path: Path, chunk: int = 1 << 20) -> None:
                 ) from None
             if not piece:
                 return
+            if (nul := piece.find(b"\0")) >= 0:
+                line = lines + piece[:nul].count(b"\n") + 1
+                raise PipelineConfigError(
+                    f"{path} line {line} (byte {read + nul}) holds a NUL byte, which text does "
+                    "not; is it a binary file? save the text as UTF-8"
+                )
             read += len(piece)
             lines += piece.count(b"\n")
 

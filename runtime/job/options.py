@@ -24,6 +24,9 @@ from ..schedules import SCHEDULES, get_schedule
 from ..train.optim import DECAYS, OPTIMIZERS
 from ..train.precision import PRECISIONS
 
+MOST_MICRO_BATCHES = 2**16  # per step: each is a few actions in every step's lists
+MOST_SECONDS = 10**9  # a wait's limit: 31 years, within what torch's timedelta takes
+
 
 def _schedule(text: str) -> str:
     """A schedule's name, or a .csv file of per-GPU actions (read and checked by `run`)."""
@@ -36,9 +39,9 @@ def _schedule(text: str) -> str:
     return text
 
 
-def number(kind, low, above: bool = False, below=None):
-    """An argparse type: an int or a finite float, at least `low` (greater with `above`) and
-    less than `below` when given."""
+def number(kind, low, above: bool = False, below=None, most=None):
+    """An argparse type: an int or a finite float, at least `low` (greater with `above`),
+    less than `below` and at most `most` when given."""
 
     def parse(text: str):
         try:
@@ -55,6 +58,8 @@ def number(kind, low, above: bool = False, below=None):
             )
         if below is not None and value >= below:
             raise argparse.ArgumentTypeError(f"{text} must be below {below}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"{text} must be at most {most}")
         return value
 
     return parse
@@ -92,7 +97,7 @@ def _training(p, plan: dict) -> None:
     )
     p.add_argument(
         "--micro-batches",
-        type=number(int, 1),
+        type=number(int, 1, most=MOST_MICRO_BATCHES),
         default=None,
         help=f"per optimizer step (plan: {plan.get('micro_batches')})",
     )
@@ -113,7 +118,7 @@ def _training(p, plan: dict) -> None:
     p.add_argument(
         "--clip", type=number(float, 0), default=1.0, help="max gradient norm; 0: no clipping"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=number(int, -(2**31), below=2**31), default=0)
     p.add_argument("--init", default=None, help="a .pt state dict to start from (by name)")
     p.add_argument("--log-every", type=number(int, 1), default=1)
 
@@ -181,7 +186,7 @@ def _running(p, plan: dict) -> None:
     run = p.add_argument_group("processes")
     run.add_argument(
         "--timeout",
-        type=number(float, 0, above=True),
+        type=number(float, 0, above=True, most=MOST_SECONDS),
         default=60.0,
         help="seconds without a heartbeat from a rank (killed, stopped, its machine lost) "
         "before the others give up on it (default 60); a rank that is only slow keeps beating, "
@@ -189,7 +194,7 @@ def _running(p, plan: dict) -> None:
     )
     run.add_argument(
         "--hang-timeout",
-        type=number(float, 0, above=True),
+        type=number(float, 0, above=True, most=MOST_SECONDS),
         default=1800.0,
         help="seconds in which no rank progresses, one of them busy (a hung kernel, a stuck "
         "disk), before the others stop naming it (default %(default)g); raise it for a step, "

@@ -35,7 +35,11 @@ class RunLog:
         self.lines: list[str] = []
         self._flushed = 0.0
         self.board = None
-        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a file there, or a folder that cannot be made
+            why = "it is a file" if self.folder.is_file() else failure_reason(e, self.folder)
+            raise WriteFailed(f"cannot make the log folder {self.folder}: {why}") from None
         check_writable_folder(self.folder, f"the log folder {self.folder}")
         try:
             from torch.utils.tensorboard import SummaryWriter

@@ -14,8 +14,8 @@ made a step window at a time (`schedules.Timeline`), so starting takes as long f
 wait lasted: no heartbeat for --timeout, a rank that said it stopped, or no rank progressing
 for --hang-timeout while one is busy. Every way a rank stops is one line on stderr, the
 peers told, and an exit code: 1 for a failure (bad input, a lost peer, a failed write, an
-unexpected error: --debug shows its traceback), 130 for Ctrl-C (and on the peers of an
-interrupted rank), 3 for FTPIPE_FAULT's exit (`os._exit`: a process group with a dead
+unexpected error: --debug shows its traceback), 130 for Ctrl-C and 143 for SIGTERM (and on
+the peers of an interrupted rank), 3 for FTPIPE_FAULT's exit (`os._exit`: a process group with a dead
 member cannot be shut down cleanly). A rank that cannot start (a wrong `--init`, say) tells
 the others when they meet, and they all stop naming it.
 FTPIPE_FAULT=rank:step:exit|hang|raise|slow[:seconds] makes a rank exit, hang, raise an
@@ -50,11 +50,12 @@ from ..train.optim import lr_at
 from ..train.precision import for_run, plan_in
 from ..train.replicas import Shard
 from . import liveness
-from .liveness import INTERRUPTED, die
+from .liveness import INTERRUPTED, TERMINATED, die
 from .options import parse_args
 from .prepare import lr_changes, prepare_rank
 from .ranks import Place, agree_to_start, all_gather, barrier, fault_of
 from .report import Progress
+from .signals import Terminated, catch_sigterm
 from .summary import finish, gather_trace, save_hf
 
 __all__ = ["run"]
@@ -67,6 +68,7 @@ def run(plan: dict | str | os.PathLike, stages: dict, argv: list[str] | None = N
     """
     rank = int(os.environ.get("RANK", 0))
     argv_plan = plan
+    catch_sigterm()  # torchrun's stop: one line and 143, as Ctrl-C's 130
     try:
         plan = read_plan(plan) if not isinstance(plan, dict) else plan
         Topology(plan)  # before the arguments, whose defaults come from the plan
@@ -108,6 +110,8 @@ def _stop(e: BaseException, debug: bool):
 
 
 def _sentence(e: BaseException, debug: bool) -> tuple[str, int]:
+    if isinstance(e, Terminated):
+        return TERMINATED
     if isinstance(e, KeyboardInterrupt):
         return INTERRUPTED
     if isinstance(e, PeerFailure):

@@ -66,7 +66,7 @@ class StageModule(nn.Module):
         if materialize:
             self.reset_parameters()
             folder = weights_folder(self)
-            if weight_files(folder):
+            if folder:  # a folder without its weights is an error, not random weights
                 self.load_weights(folder)
 
     @property
@@ -119,21 +119,37 @@ class StageModule(nn.Module):
         tensors = self.named_tensors()
         wanted = {name: checkpoint_keys(name, aliases) for name, _, _, _, aliases in self.PARAMS}
         found: dict[str, str] = {}
-        for path in weight_files(folder):
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                keys = set(f.keys())
-                for name, names in wanted.items():
-                    key = next((k for k in names if k in keys), None)
-                    if name in found or key is None:
-                        continue
-                    value = f.get_tensor(key)
-                    if tuple(value.shape) != tuple(tensors[name].shape):
-                        raise PipelineConfigError(
-                            f"{path.name}: {key} has shape {tuple(value.shape)}, stage "
-                            f"{self.STAGE} expects {tuple(tensors[name].shape)} for {name}"
-                        )
-                    tensors[name].copy_(value)
-                    found[name] = key
+        files = weight_files(folder)
+        if not files:
+            where = f"${WEIGHTS_ENV}" if os.environ.get(WEIGHTS_ENV) else "the model folder"
+            raise PipelineConfigError(
+                f"stage {self.STAGE}: {where} {folder} holds no *.safetensors weights; give a "
+                f"folder that does (${WEIGHTS_ENV}), or put the model's weights back"
+            )
+        for path in files:
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    keys = set(f.keys())
+                    for name, names in wanted.items():
+                        key = next((k for k in names if k in keys), None)
+                        if name in found or key is None:
+                            continue
+                        value = f.get_tensor(key)
+                        if tuple(value.shape) != tuple(tensors[name].shape):
+                            raise PipelineConfigError(
+                                f"{path.name}: {key} has shape {tuple(value.shape)}, stage "
+                                f"{self.STAGE} expects {tuple(tensors[name].shape)} for {name}"
+                            )
+                        tensors[name].copy_(value)
+                        found[name] = key
+            except PipelineConfigError:
+                raise
+            except Exception as e:  # noqa: BLE001 - SafetensorError (no OSError), OSError...
+                said = " ".join(str(e).split())[:160] or type(e).__name__
+                raise PipelineConfigError(
+                    f"{path} is not a readable safetensors file ({said}); is it damaged or cut "
+                    "short?"
+                ) from None
         # LoRA adapters are new: a base model's folder does not hold them.
         missing = [n for n in self.weight_names() if n not in found and not is_adapter(n)]
         if missing:

@@ -240,7 +240,7 @@ class MixedPrecision:
             self.skipped.append(step)
             if self.say is not None:
                 self.say(
-                    f"ftpipe: step {step + 1}: the gradients overflowed in fp16 on some rank; "
+                    f"ftpipe: note: step {step + 1}: the gradients overflowed in fp16 on some rank; "
                     f"every rank skips the step, loss scale {used:g} -> {self.loss_scale.scale:g}"
                 )
             return False

@@ -5,17 +5,24 @@ tests/runtime/job/test_runtime_bad_input.py.)"""
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from click.testing import CliRunner
+from ftpipe_runtime.job.signals import Terminated
 
 from ftpipe_compiler.cli import cli
 from ftpipe_compiler.partition import problem_from_graph, run_partitioners
+
+PROFILE = importlib.import_module("ftpipe_compiler.cli.profile")  # (cli.profile: the command)
+PHASES = importlib.import_module("ftpipe_compiler.cli.compile_phases")
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +67,19 @@ def _write(name, data):
 
 def _nothing(folder):
     pass
+
+
+def _link_loop(name):
+    def write(folder):
+        (folder / name).symlink_to(name)
+
+    return write
+
+
+# A Llama config.json (no weights): a family whose config transformers validates.
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32,
+         "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 1, "vocab_size": 64, "max_position_embeddings": 64}  # fmt: skip
 
 
 def _saved_model(damage):
@@ -179,6 +199,15 @@ CASES = [
     ("compile: weights of random bytes", _saved_model(lambda hf: (hf / "model.safetensors").write_bytes(bytes(range(256)) * 20)), ["compile", "-m", "hf", "-g", "2", "--seq-len", "16", "-o", "new"], 1, "hf/model.safetensors is not a readable safetensors file"),
     ("compile: a config of fewer layers than its weights", _saved_model(_config_edit(n_layer=1)), ["compile", "-m", "hf", "-g", "2", "--seq-len", "16", "-o", "new"], 1, "hf: the weights are not those of the model its config.json describes: transformer.h.1 not in the model"),
     ("compile: an unknown task", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "2", "-t", "nope", "-o", "new"], 1, "unknown task 'nope'; choose from"),
+    # found by the audit (docs/reliability.md)
+    ("compile: --hardware a path out of the configs", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "2", "--hardware", "../models/gpt2-tiny", "-o", "new"], 1, "unknown hardware '../models/gpt2-tiny'; choose from"),
+    ("compile: --cluster of a GPU without figures", _write("c.json", json.dumps({"gpu": {"name": "x"}, "gpus_per_node": 2, "intra_node": {"bandwidth": 1e9}, "inter_node": {"bandwidth": 1e9}})), ["compile", "-m", "gpt2-tiny", "-g", "4", "--cluster", "c.json", "-o", "new"], 1, "hardware 'x': name, memory_bytes, peak_flops, memory_bandwidth, link_bandwidth are required, the numbers finite and positive \\(memory_bytes, peak_flops, memory_bandwidth, link_bandwidth is not\\)"),
+    ("compile: -o a symlink to itself", _link_loop("loop"), ["compile", "-m", "gpt2-tiny", "-g", "2", "-o", "loop"], 1, "cannot write loop: Symlink loop from .*; choose another folder with -o"),
+    ("compile: fp16 under the asynchronous schedule only", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "2", "--dtype", "fp16", "--schedule", "ftpipe", "-o", "new"], 1, "--dtype fp16 scales the loss by a factor all stages change together, and ftpipe does not step them together"),
+    ("profile: heads not dividing the width", _write("hf/config.json", json.dumps({**LLAMA, "num_attention_heads": 5})), ["profile", "-m", "hf"], 1, "hf: cannot use this llama model \\(.*The hidden size \\(32\\) is not a multiple of the number of attention heads \\(5\\)"),
+    ("partition: a node cost NaN", _graph_edit(lambda g: g["nodes"][3].update(fwd_s=float("nan"))), ["partition", "bad.json", "--gpus", "2"], 1, "bad.json is not a valid graph: node .* has a negative or non-finite cost"),
+    ("simulate: --steps 10^9", _nothing, ["simulate", "plan.json", "--steps", "1000000000"], 1, "1000000000 steps of 4 micro-batches on 2 stages are 2.4e\\+10 actions to simulate, more than 5e\\+06"),
+    ("simulate: --micro-batches 10^7", _nothing, ["simulate", "plan.json", "-M", "10000000"], 1, "actions to simulate, more than 5e\\+06 \\(minutes\\); lower --steps or --micro-batches"),
 ]  # fmt: skip
 
 
@@ -223,3 +252,59 @@ def test_one_line_from_the_installed_command_too(files, tmp_path):
     )
     assert out.returncode == 1 and out.stdout == ""
     assert out.stderr.count("\n") == 1 and "is not text" in out.stderr
+
+
+def _raises(error):
+    def fail(*args, **kwargs):
+        raise error
+
+    return fail
+
+
+@pytest.mark.parametrize(
+    "error, said",
+    [
+        (MemoryError(), "out of memory \\(MemoryError\\); make the model, --micro-batch or --seq-len smaller"),
+        (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to allocate 128000000000 bytes."), "out of memory \\(.*you tried to allocate 128000000000 bytes.\\); make the model, --micro-batch or --seq-len smaller"),
+        (IndexError("list index out of range"), "unexpected error: IndexError: list index out of range \\(--debug shows where\\)"),
+    ],
+    ids=["MemoryError", "torch's allocator", "a bug"],
+)  # fmt: skip
+def test_an_unforeseen_error_is_one_line(error, said, monkeypatch):
+    """--micro-batch 10^9 made a 128 GB input tensor: torch's allocator error, a raw traceback.
+    Whatever a command did not foresee is one line (--debug: the traceback)."""
+    monkeypatch.setattr(PROFILE, "costed_graph", _raises(error))
+    r = CliRunner().invoke(cli, ["profile", "-m", "gpt2-tiny"])
+    assert r.exit_code == 1 and r.output.count("\n") == 1, r.output
+    assert re.fullmatch(f"Error: {said}\n", r.output), r.output
+    r = CliRunner().invoke(cli, ["--debug", "profile", "-m", "gpt2-tiny"])
+    assert r.exception is error
+
+
+def test_sigterm_while_writing_keeps_the_earlier_output(tmp_path, monkeypatch):
+    """SIGTERM (`kill`, a batch system's stop) unwinds like Ctrl-C: the package being built
+    beside the earlier output goes, the earlier output stays, one line, exit code 143."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "plan.json").write_text("an earlier compile's output")
+    monkeypatch.setattr(PHASES, "generate_package", _raises(Terminated()))
+    argv = ["compile", "-m", "gpt2-tiny", "-g", "2", "-p", "even-layers", "--schedule", "gpipe"]
+    r = CliRunner().invoke(cli, [*argv, "-o", "out", "--force"])
+    assert r.exit_code == 143, r.output
+    assert r.output == "Stopped (SIGTERM); outputs that existed are unchanged.\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # nothing left beside it
+    assert (tmp_path / "out" / "plan.json").read_text() == "an earlier compile's output"
+
+
+@pytest.mark.parametrize("sig, code, said", [(signal.SIGINT, 130, "interrupted \\(Ctrl-C\\)"),
+                                             (signal.SIGTERM, 143, "stopped \\(SIGTERM\\)")])  # fmt: skip
+def test_a_signal_while_starting_is_one_line(sig, code, said):
+    """Ctrl-C (or SIGTERM) while the command still imports torch: one line and 130 (143),
+    not the traceback of an import."""
+    child = subprocess.Popen([sys.executable, "-m", "ftpipe_compiler", "models"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(0.5)  # well inside the imports (seconds)
+    child.send_signal(sig)
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == code, err
+    assert re.fullmatch(f"ftpipe: {said}; nothing was written \\(while starting\\)\n", err), err
