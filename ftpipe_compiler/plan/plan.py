@@ -146,26 +146,32 @@ class Plan:
     ) -> int:
         """Peak bytes on a GPU; micro-batches in flight (and, split, between B and W) per stage
         from the schedule unless given."""
-        by_name = {p.name: p for p in self.params}
-        parts = []
-        for s in self.stages_on(gpu):
-            policy = self.policies[s.id]
-            if in_flight:
-                policy = replace(policy, in_flight=in_flight[s.id])
-            if deferred:
-                policy = replace(policy, deferred=deferred[s.id])
-            owned = [by_name[n] for n in s.params]
-            parts.append(
-                stage_memory(
-                    trainable_bytes=sum(p.bytes for p in owned if p.trainable),
-                    frozen_bytes=sum(p.bytes for p in owned if not p.trainable),
-                    state_bytes=sum(p.static_bytes - p.bytes for p in owned),
-                    input_bytes=0 if s.forward_only else s.input_bytes,
-                    act_bytes=s.act_bytes,
-                    policy=policy,
-                )
-            )
-        return gpu_memory_bytes(parts)
+        return gpu_memory_bytes(
+            [self.stage_memory(s, in_flight, deferred) for s in self.stages_on(gpu)]
+        )
+
+    def stage_memory(
+        self, s: Stage, in_flight: dict[int, int] | None = None, deferred: dict | None = None
+    ) -> tuple[int, int]:
+        """(bytes the stage holds throughout, bytes it needs on top while one backward runs)."""
+        policy = self.policies[s.id]
+        if in_flight:
+            policy = replace(policy, in_flight=in_flight[s.id])
+        if deferred:
+            policy = replace(policy, deferred=deferred[s.id])
+        owned = [self._param_by_name[n] for n in s.params]
+        return stage_memory(
+            trainable_bytes=sum(p.bytes for p in owned if p.trainable),
+            frozen_bytes=sum(p.bytes for p in owned if not p.trainable),
+            state_bytes=sum(p.static_bytes - p.bytes for p in owned),
+            input_bytes=0 if s.forward_only else s.input_bytes,
+            act_bytes=s.act_bytes,
+            policy=policy,
+        )
+
+    @functools.cached_property
+    def _param_by_name(self) -> dict[str, PlanParam]:
+        return {p.name: p for p in self.params}
 
     @property
     def max_memory_bytes(self) -> int:
