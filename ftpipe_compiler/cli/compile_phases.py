@@ -29,7 +29,7 @@ from ..costs.profilers import costed_graph
 from ..model.frozen import describe_frozen
 from ..output import output_folder
 from ..partition import problem_from_graph
-from ..planner.matrix import search_matrix
+from ..planner.matrix import search_matrix, update_rule
 from ..planner.shrink import index_of, shrink_plans
 from ..simulate import write_report
 from .cluster import describe_shapes, plan_on_cluster
@@ -174,6 +174,8 @@ def one_json(job: Job, timings: dict) -> dict:
         "precision": job.problem.precision.name,
         "frozen": [p.name for p in job.graph.params if p.frozen],
         "schedule": job.best.schedule,
+        "update": update_rule(job.best.schedule),
+        "best_sync": _cell_json(_best_exact(job)),
         "gpus": job.plan.gpus,
         "results": list(job.plan.competitors),
         "package": str(job.package),
@@ -181,6 +183,14 @@ def one_json(job: Job, timings: dict) -> dict:
         "simulated": job.sim.summary(),
         "timings": timings,
     }
+
+
+def _cell_json(cell) -> dict | None:
+    if cell is None:
+        return None
+    return {"schedule": cell.schedule, "partitioner": cell.partitioner,
+            "simulated_step_time_s": cell.step_s,
+            "simulated_samples_per_s": cell.sim.samples_per_s}  # fmt: skip
 
 
 def one_lines(job: Job, timings: dict) -> list[str]:
@@ -193,7 +203,9 @@ def one_lines(job: Job, timings: dict) -> list[str]:
         *([describe_frozen(graph)] if describe_frozen(graph) else []),
         matrix_table(list(plan.competitors)),
         f"winner: {best.partitioner} under {best.schedule} ({len(plan.stages)} stages, "
-        f"{sim.samples_per_s:.2f} samples/s simulated, bubble {sim.bubble_fraction:.1%})",
+        f"{sim.samples_per_s:.2f} samples/s simulated, bubble {sim.bubble_fraction:.1%}); "
+        + _update_words(best.schedule),
+        *_exact_line(job),
         _wrote(job, timings),
     ]
     if plan.gpus < job.gpus:
@@ -205,6 +217,36 @@ def one_lines(job: Job, timings: dict) -> list[str]:
     pkg = job.package.name
     lines.append(f"run it: cd {_quoted(job.out)} && torchrun --nproc_per_node {plan.gpus} -m {pkg}")
     return lines
+
+
+def _update_words(schedule: str) -> str:
+    """Whether a schedule trains like one process, in words."""
+    if update_rule(schedule) == "sync":
+        return "synchronous: it trains exactly as one process would"
+    return "asynchronous: some stages train on stale weights, unlike one process"
+
+
+def _best_exact(job: Job):
+    """The fastest fitting cell whose schedule is synchronous; None when there is none."""
+    exact = [c for c in job.matrix if c.status == "ok" and update_rule(c.schedule) == "sync"]
+    return min(exact, key=lambda c: c.step_s, default=None)
+
+
+def _exact_line(job: Job) -> list[str]:
+    """Under an asynchronous winner: what the best synchronous plan gives, and how to get it."""
+    if update_rule(job.best.schedule) == "sync":
+        return []
+    exact = _best_exact(job)
+    searched = any(update_rule(s) == "sync" for s in job.schedules)
+    if exact is None:
+        why = "fits" if searched else "was searched (--schedule)"
+        return [f"  no synchronous schedule's plan {why}; --schedule sync plans only those"]
+    slower = exact.step_s / job.best.step_s - 1
+    return [
+        f"  best synchronous plan: {exact.partitioner} under {exact.schedule}, "
+        f"{exact.sim.samples_per_s:.2f} samples/s ({slower:.0%} slower per step); "
+        "--schedule sync plans only the synchronous schedules"
+    ]
 
 
 def cluster_json(job: Job, timings: dict) -> dict:
@@ -226,6 +268,7 @@ def cluster_lines(job: Job, timings: dict) -> list[str]:
     hint = launch_hint(job.plan.to_json())
     return [
         *describe_shapes(job.found, job.cluster),
+        f"schedule {job.plan.schedule}: " + _update_words(job.plan.schedule),
         _wrote(job, timings),
         *_shrink_lines(job),
         f"run it on every node: cd {_quoted(job.out)} && torchrun {hint} -m {job.package.name}",
