@@ -69,6 +69,14 @@ def _schedules(ctx, param, value: str) -> list[str]:
     help="Schedules (fastest by the quick partitioners' plans) under which the slower "
     "partitioners (mixed, acyclic, metis) also run.",
 )
+@click.option(
+    "--jobs",
+    "-j",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Processes that search the partitioner x schedule matrix; the plan is the same "
+    "whatever the number.  [default: one per core]",
+)
 @partitioners_option
 @optimizer_option
 @micro_batches_option("Micro-batches per step.")
@@ -115,7 +123,7 @@ def _schedules(ctx, param, value: str) -> list[str]:
 )
 @click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
 @json_option()
-def compile_command(*, model, hardware, gpus, schedule, search_width, partitioners, optimizer,
+def compile_command(*, model, hardware, gpus, schedule, search_width, jobs, partitioners, optimizer,
                     micro_batches, steps, seed, gpus_per_node, cluster_file, replicas,
                     freeze_alpha, output, force, as_json, **cost_options):  # fmt: skip
     """Compile a model into a pipeline package: the plan, a report and the package to torchrun."""
@@ -135,6 +143,7 @@ def compile_command(*, model, hardware, gpus, schedule, search_width, partitione
         gpus=gpus,
         schedules=schedule,
         search_width=search_width,
+        jobs=jobs,
         partitioners=names(partitioners),
         optimizer=optimizer,
         micro_batches=micro_batches,
@@ -143,6 +152,5 @@ def compile_command(*, model, hardware, gpus, schedule, search_width, partitione
         seed=seed,
         freeze_alpha=freeze_alpha,
         cluster=cluster,
-        progress=not as_json,
     )
     drive(pipeline_for(job), job, as_json=as_json)

@@ -6,8 +6,9 @@ and `driver.drive` runs one of the two pipelines:
     on a cluster:  trace and profile -> plan replicas x depth -> [freeze-training plans]
                    -> generate
 
-Each phase reads what the earlier ones left on the job and adds its own; none of them times,
-prints or draws progress.
+Each phase reads what the earlier ones left on the job and adds its own; none of them times
+or prints: the driver does, and draws the progress a phase reports (`progress(done, total,
+what)`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from ..planner.matrix import search_matrix, update_rule
 from ..planner.shrink import index_of, shrink_plans
 from ..simulate import write_report
 from .cluster import describe_shapes, plan_on_cluster
-from .driver import Phase, Pipeline
+from .driver import Phase, Pipeline, Progress
 from .tables import matrix_table
 
 __all__ = ["Job", "pipeline_for"]
@@ -50,6 +51,7 @@ class Job:
     gpus: int
     schedules: list[str]
     search_width: int
+    jobs: int | None  # processes for the search (None: one per core)
     partitioners: list[str] | None
     optimizer: str | None
     micro_batches: int | None
@@ -58,7 +60,6 @@ class Job:
     seed: int
     freeze_alpha: float | None
     cluster: Cluster | None  # given: the planner chooses replicas x depth on it
-    progress: bool
     # --- added by the phases ---
     spec: object = None
     task: object = None
@@ -93,8 +94,9 @@ def pipeline_for(job: Job) -> Pipeline:
 
 
 # --- phases ---
-def trace(job: Job) -> None:
-    job.spec, job.task, job.traced, job.graph = costed_graph(**job.cost_args)
+def trace(job: Job, progress: Progress) -> None:
+    measured = {"progress": progress} if job.cost_args.get("profile") == "measured" else {}
+    job.spec, job.task, job.traced, job.graph = costed_graph(**job.cost_args, **measured)
     t = job.task
     if job.micro_batches and job.cost_args.get("batch") and not job.cluster:
         if job.micro_batches * t.micro_batch != t.batch:
@@ -104,7 +106,7 @@ def trace(job: Job) -> None:
             )
 
 
-def search_schedules(job: Job) -> None:
+def search_schedules(job: Job, progress: Progress) -> None:
     """Every partitioner under every schedule asked for, simulated (planner/matrix.py)."""
     t = job.task
     job.problem = problem_from_graph(
@@ -117,19 +119,20 @@ def search_schedules(job: Job) -> None:
         job.seed,
     )
     job.best, job.matrix = search_matrix(job.problem, job.schedules, job.partitioners,
-                                         steps=job.steps, width=job.search_width)  # fmt: skip
+                                         steps=job.steps, width=job.search_width,
+                                         progress=progress, workers=job.jobs)  # fmt: skip
     job.sim = job.best.sim
     rows = tuple(c.to_json() for c in job.matrix)
     job.plan = job.best.plan.with_(competitors=rows, simulated=job.sim.summary(),
                                    command=job.command)  # fmt: skip
 
 
-def plan_cluster(job: Job) -> None:
+def plan_cluster(job: Job, progress: Progress) -> None:
     """Replicas x depth, micro-batch, schedule and recompute on the cluster (planner/)."""
     t = job.task
     options = dict(schedule=job.schedules, replicas=job.replicas, micro_batches=job.micro_batches,
                    partitioners=job.partitioners, optimizer=job.optimizer or t.optimizer,
-                   seed=job.seed, steps=job.steps, progress=job.progress)  # fmt: skip
+                   seed=job.seed, steps=job.steps)  # fmt: skip
     first = (job.spec, t, job.traced, job.graph)
     job.found, traces = plan_on_cluster(first, job.cluster, job.cost_args, options)
     _, _, job.traced, job.graph = traces[job.found.candidate.micro_batch]
@@ -138,7 +141,7 @@ def plan_cluster(job: Job) -> None:
                                     simulated=job.sim.summary(), command=job.command)  # fmt: skip
 
 
-def freeze_training(job: Job) -> None:
+def freeze_training(job: Job, progress: Progress) -> None:
     """--freeze-training: the shorter pipelines' plans (planner/shrink.py)."""
     job.shrinks = shrink_plans(job.graph, job.plan, alpha=job.freeze_alpha,
                                hardware=job.cost_args["hardware"] or job.graph.hardware,
@@ -146,7 +149,7 @@ def freeze_training(job: Job) -> None:
                                seed=job.seed)  # fmt: skip
 
 
-def generate(job: Job) -> None:
+def generate(job: Job, progress: Progress) -> None:
     """Write plan.json, report.html and the package into `out`, all or nothing; each
     shrink's package goes in the package's elastic/<name>/."""
     with output_folder(job.out, job.force) as tmp:

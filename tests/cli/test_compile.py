@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -96,6 +97,15 @@ def test_winner_line_says_how_the_schedule_updates(tmp_path):
     argv = ["compile", "-m", "gpt2-tiny", "--gpus", "2", "-p", "even-layers,pipedream"]
     r = CliRunner().invoke(cli, [*argv, "--schedule", "ftpipe,1f1b", "-o", str(tmp_path / "a")])
     assert r.exit_code == 0, r.output
+    # Not a terminal: no bar, a line per phase with its time (as in `> log.txt 2>&1`).
+    phases = [
+        re.fullmatch(r"compile: (.+) \((\d+\.\d) s\)", line) for line in r.stderr.splitlines()
+    ]
+    assert [m and m[1] for m in phases] == [
+        "trace and profile",
+        "partition x schedule, simulated",
+        "generate",
+    ]
     winner = next(line for line in r.output.splitlines() if line.startswith("winner:"))
     assert "under ftpipe" in winner and winner.endswith(
         "asynchronous: some stages train on stale weights, unlike one process"

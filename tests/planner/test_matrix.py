@@ -82,6 +82,19 @@ def test_the_slow_partitioners_run_under_the_fastest_schedules_only(problem):
     assert [strip(c) for c in again] == [strip(c) for c in matrix]
 
 
+def test_workers_give_the_matrix_of_one_process(problem):
+    """Two forked workers evaluating ahead give the matrix and the plan that one process
+    evaluating each cell in its turn gives: pruning, ranking and the winner alike."""
+    schedules = schedule_names("auto")
+    serial, one = search_matrix(problem, schedules, width=2, workers=1)
+    parallel, two = search_matrix(problem, schedules, width=2, workers=2)
+    strip = lambda c: {k: v for k, v in c.to_json().items() if k != "search_seconds"}  # noqa: E731
+    assert [strip(c) for c in two] == [strip(c) for c in one]
+    assert {c.status for c in one} >= {"ok", "not searched"}  # the search was not trivial
+    plan = lambda cell: {**cell.plan.to_json(), "search_seconds": 0}  # noqa: E731
+    assert plan(parallel) == plan(serial) and parallel.sim == serial.sim
+
+
 def test_nothing_fits(problem):
     tiny = replace(problem, memory_bytes=1000)
     with pytest.raises(FtpipeError, match="no schedule and partitioner give a plan that fits"):
