@@ -75,11 +75,11 @@ def _schedules(ctx, param, value: str) -> list[str]:
     type=click.IntRange(min=1),
     default=None,
     help="Processes that search the partitioner x schedule matrix; the plan is the same "
-    "whatever the number.  [default: one per core]",
+    "whatever the number (default: one per core).",
 )
 @partitioners_option
 @optimizer_option
-@micro_batches_option("Micro-batches per step.")
+@micro_batches_option("Micro-batches per step (default: the task's batch / micro-batch).")
 @steps_option(20, 2, "Simulated steps per plan.")
 @seed_option
 @click.option(
@@ -94,7 +94,8 @@ def _schedules(ctx, param, value: str) -> list[str]:
     "cluster_file",
     type=click.Path(dir_okay=False),
     default=None,
-    help="A cluster description (JSON: gpu, gpus_per_node, intra_node, inter_node) to plan for.",
+    help="A cluster description (JSON: gpu, gpus_per_node, intra_node, inter_node) to plan for "
+    "(default: one pipeline, or the hardware file's nodes with --gpus-per-node).",
 )
 @click.option(
     "--replicas",
@@ -112,7 +113,8 @@ def _schedules(ctx, param, value: str) -> list[str]:
     help="Also write the plans a freeze-training run (PipeTransformer; run it with "
     "--freeze-alpha or --freeze-at) switches to as it freezes layers: the active layers on "
     "GPUS/2, GPUS/4 ... GPUs, the freed GPUs as data-parallel replicas, one halving per "
-    "decision of the freeze rule with this alpha at its fastest (<package>/elastic/).",
+    "decision of the freeze rule with this alpha at its fastest (<package>/elastic/; "
+    "default: none).",
 )
 @click.option(
     "-o",

@@ -17,7 +17,7 @@ from .options import json_option, output_file_option, traced_options
 
 @click.command()
 @traced_options
-@output_file_option("Write the costed graph here.")
+@output_file_option("Write the costed graph here (default: print the summary only).")
 @json_option("Print the summary as JSON.")
 def profile(
     model, task, seq_len, micro_batch, hardware, granularity, profiler, output, as_json, **options

@@ -156,9 +156,9 @@ def test_compile_failure_leaves_existing_output(tmp_path):
     before = (out / "plan.json").read_bytes()
     r = CliRunner().invoke(
         cli,
-        ["compile", "--model", "gpt2-tiny", "--gpus", "2", "-o", str(out), "-p", "nope", "--force"],
+        ["compile", "--model", "gpt2-tiny", "--gpus", "2", "-o", str(out), "-t", "nope", "--force"],
     )
-    assert r.exit_code == 1 and "unknown partitioner 'nope'" in r.output
+    assert r.exit_code == 1 and "unknown task 'nope'" in r.output
     assert (out / "plan.json").read_bytes() == before
 
 
