@@ -30,7 +30,8 @@ from ..costs.profilers import costed_graph
 from ..model.frozen import describe_frozen
 from ..output import output_folder
 from ..partition import problem_from_graph
-from ..planner.matrix import search_matrix, update_rule
+from ..planner.matrix import NothingFits, search_matrix, update_rule
+from ..planner.nofit import check_floor, explain
 from ..planner.shrink import index_of, shrink_plans
 from ..simulate import write_report
 from .cluster import describe_shapes, plan_on_cluster
@@ -118,9 +119,14 @@ def search_schedules(job: Job, progress: Progress) -> None:
         job.micro_batches or t.micro_batches,
         job.seed,
     )
-    job.best, job.matrix = search_matrix(job.problem, job.schedules, job.partitioners,
-                                         steps=job.steps, width=job.search_width,
-                                         progress=progress, workers=job.jobs)  # fmt: skip
+    name = job.spec.name
+    check_floor(job.problem, name, job.schedules, job.steps)  # before minutes of search
+    try:
+        job.best, job.matrix = search_matrix(job.problem, job.schedules, job.partitioners,
+                                             steps=job.steps, width=job.search_width,
+                                             progress=progress, workers=job.jobs)  # fmt: skip
+    except NothingFits as e:
+        raise explain(job.problem, name, job.schedules, e.matrix, job.steps) from None
     job.sim = job.best.sim
     rows = tuple(c.to_json() for c in job.matrix)
     job.plan = job.best.plan.with_(competitors=rows, simulated=job.sim.summary(),

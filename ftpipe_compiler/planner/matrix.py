@@ -56,6 +56,7 @@ __all__ = [
     "CHEAP",
     "GROUPS",
     "Cell",
+    "NothingFits",
     "cores",
     "evaluate",
     "schedule_names",
@@ -307,12 +308,20 @@ class _Cells:
             self.running[(s, p)] = self.executor.submit(_evaluate_shared, s, p)
 
 
+class NothingFits(InfeasibleError):
+    """No cell of the matrix fits; `matrix` holds them all, each with its own reason."""
+
+    def __init__(self, message: str, matrix: list[Cell]):
+        super().__init__(message)
+        self.matrix = matrix
+
+
 def _winner(matrix: list[Cell]) -> Cell:
     """The fastest step that fits; less traffic, then the matrix order, break ties."""
     ok = [i for i, c in enumerate(matrix) if c.status == "ok"]
     if not ok:
         why = "; ".join(dict.fromkeys(c.note for c in matrix if c.note))
-        raise InfeasibleError(f"no schedule and partitioner give a plan that fits: {why}")
+        raise NothingFits(f"no schedule and partitioner give a plan that fits: {why}", matrix)
     return matrix[min(ok, key=lambda i: (matrix[i].step_s, matrix[i].plan.comm_bytes, i))]
 
 

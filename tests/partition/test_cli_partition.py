@@ -98,7 +98,7 @@ def test_infeasible_everywhere_says_what_is_needed(tmp_path):
     )
     assert res.exit_code == 1
     assert "no partitioner found a plan that fits" in res.output
-    assert "even-layers: infeasible: needs 4 GPUs / 40.0 GB" in res.output
+    assert "even-layers: infeasible: needs 4 GPUs / 37.3 GiB" in res.output  # 40e9 B
     res = CliRunner().invoke(
         cli,
         [
