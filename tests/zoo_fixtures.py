@@ -105,3 +105,19 @@ class Wide(nn.Module):
 def wide_model():
     with torch.device("meta"):  # traced, never run: no 8 GiB of weights in a test
         return Wide(), (torch.randn(2, 16384),)
+
+
+class DeepThenBranches(nn.Module):
+    """Forty layers, then a branch on the data: the exporter prints the graph it had."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(4, 4) for _ in range(40)))
+
+    def forward(self, x):
+        y = self.layers(x)
+        return y.mean() if y.sum() > 0 else y.sum()
+
+
+def deep_untraceable_model():
+    return DeepThenBranches(), (torch.randn(4, 4),)

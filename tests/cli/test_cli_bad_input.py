@@ -84,18 +84,6 @@ def _config_edit(**changes):
     return edit
 
 
-def _deberta_classifier(folder):
-    """A DeBERTa-v2 classifier's config without problem_type: its loss picks a branch on the
-    labels' values, which torch.export cannot trace (and prints ~900 lines of graph first)."""
-    import transformers
-
-    config = transformers.DebertaV2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                          intermediate_size=64, vocab_size=128,
-                                          max_position_embeddings=64)  # fmt: skip
-    config.architectures = ["DebertaV2ForSequenceClassification"]
-    config.save_pretrained(folder / "hf")
-
-
 def _set(path, value):
     """An edit setting plan[path[0]][path[1]]... = value."""
 
@@ -164,7 +152,7 @@ CASES = [
     ("profile: --repeats 0", _nothing, [*PROF, "--repeats", "0"], 2, "'--repeats': 0 is not in the range x>=1"),
     ("profile: --memory-limit -1", _nothing, [*PROF, "--memory-limit", "-1"], 2, "'--memory-limit': -1.0 is not in the range x>0"),
     ("profile: -o in a missing folder", _nothing, [*PROF, "-o", "no/g.json"], 1, "cannot write the graph no/g.json: the folder no does not exist"),
-    ("profile: a model torch.export cannot trace", _deberta_classifier, ["profile", "-m", "hf", "--seq-len", "32"], 1, "torch.export could not trace hf: GuardOnDataDependentSymNode"),
+    ("profile: a model torch.export cannot trace", _nothing, ["profile", "-m", "zoo_fixtures:deep_untraceable_model"], 1, "torch.export could not trace zoo_fixtures:deep_untraceable_model: GuardOnDataDependentSymNode"),
     ("profile: a forward that branches on its data", _nothing, ["profile", "-m", "zoo_fixtures:untraceable_model"], 1, "torch.export could not trace zoo_fixtures:untraceable_model: GuardOnDataDependentSymNode"),
     ("profile: the model function raises", _nothing, ["profile", "-m", "zoo_fixtures:raising_model"], 1, "your model function zoo_fixtures:raising_model raised ValueError: no weights in /nowhere"),
     ("profile: the forward raises", _nothing, ["profile", "-m", "zoo_fixtures:forward_raises_model"], 1, "your model's forward raised RuntimeError"),
@@ -208,8 +196,7 @@ def test_bad_input(case, setup, argv, code, message, files, tmp_path, monkeypatc
 def test_debug_shows_what_the_exporter_printed(tmp_path, monkeypatch):
     """The partial graph a failed export prints is dropped, and shown with --debug."""
     monkeypatch.chdir(tmp_path)
-    _deberta_classifier(tmp_path)
-    r = CliRunner().invoke(cli, ["--debug", "profile", "-m", "hf", "--seq-len", "32"])
+    r = CliRunner().invoke(cli, ["--debug", "profile", "-m", "zoo_fixtures:deep_untraceable_model"])
     assert type(r.exception).__name__ == "TraceError"
     assert "def forward(self" in r.output and r.output.count("\n") > 100
 
