@@ -283,12 +283,15 @@ class _Cells:
             w.join()
 
     def want(self, keys, first: bool = False) -> None:
-        """Evaluate these cells ahead of time (`first`: before those wanted earlier)."""
+        """Evaluate these cells ahead of time, after those wanted earlier (`first`: before
+        them, the ones already waiting moved up)."""
         if not self.ahead:
             return
-        new = [k for k in keys if k not in self.done and k not in self.running]
-        rest = [k for k in self.queue if k not in new]
-        self.queue = new + rest if first else rest + new
+        keys = [k for k in dict.fromkeys(keys) if k not in self.done and k not in self.running]
+        if first:
+            self.queue = keys + [k for k in self.queue if k not in keys]
+        else:
+            self.queue += [k for k in keys if k not in self.queue]
         self._fill()
 
     def drop(self, s: str, p: str) -> None:
