@@ -60,7 +60,7 @@ def plan_on_cluster(first, cluster: Cluster, cost_args: dict, options: dict) -> 
         seed=options["seed"],
         steps=options["steps"],
     )
-    found = plan_shape(graph_for, cluster, space, progress=options["progress"])
+    found = plan_shape(graph_for, cluster, space, progress=False)  # the driver's bar is enough
     return found, traces
 
 

@@ -69,9 +69,17 @@ def _schedules(ctx, param, value: str) -> list[str]:
     help="Schedules (fastest by the quick partitioners' plans) under which the slower "
     "partitioners (mixed, acyclic, metis) also run.",
 )
+@click.option(
+    "--jobs",
+    "-j",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Processes that search the partitioner x schedule matrix; the plan is the same "
+    "whatever the number (default: one per core).",
+)
 @partitioners_option
 @optimizer_option
-@micro_batches_option("Micro-batches per step.")
+@micro_batches_option("Micro-batches per step (default: the task's batch / micro-batch).")
 @steps_option(20, 2, "Simulated steps per plan.")
 @seed_option
 @click.option(
@@ -86,7 +94,8 @@ def _schedules(ctx, param, value: str) -> list[str]:
     "cluster_file",
     type=click.Path(dir_okay=False),
     default=None,
-    help="A cluster description (JSON: gpu, gpus_per_node, intra_node, inter_node) to plan for.",
+    help="A cluster description (JSON: gpu, gpus_per_node, intra_node, inter_node) to plan for "
+    "(default: one pipeline, or the hardware file's nodes with --gpus-per-node).",
 )
 @click.option(
     "--replicas",
@@ -104,7 +113,8 @@ def _schedules(ctx, param, value: str) -> list[str]:
     help="Also write the plans a freeze-training run (PipeTransformer; run it with "
     "--freeze-alpha or --freeze-at) switches to as it freezes layers: the active layers on "
     "GPUS/2, GPUS/4 ... GPUs, the freed GPUs as data-parallel replicas, one halving per "
-    "decision of the freeze rule with this alpha at its fastest (<package>/elastic/).",
+    "decision of the freeze rule with this alpha at its fastest (<package>/elastic/; "
+    "default: none).",
 )
 @click.option(
     "-o",
@@ -115,7 +125,7 @@ def _schedules(ctx, param, value: str) -> list[str]:
 )
 @click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
 @json_option()
-def compile_command(*, model, hardware, gpus, schedule, search_width, partitioners, optimizer,
+def compile_command(*, model, hardware, gpus, schedule, search_width, jobs, partitioners, optimizer,
                     micro_batches, steps, seed, gpus_per_node, cluster_file, replicas,
                     freeze_alpha, output, force, as_json, **cost_options):  # fmt: skip
     """Compile a model into a pipeline package: the plan, a report and the package to torchrun."""
@@ -135,6 +145,7 @@ def compile_command(*, model, hardware, gpus, schedule, search_width, partitione
         gpus=gpus,
         schedules=schedule,
         search_width=search_width,
+        jobs=jobs,
         partitioners=names(partitioners),
         optimizer=optimizer,
         micro_batches=micro_batches,
@@ -143,6 +154,5 @@ def compile_command(*, model, hardware, gpus, schedule, search_width, partitione
         seed=seed,
         freeze_alpha=freeze_alpha,
         cluster=cluster,
-        progress=not as_json,
     )
     drive(pipeline_for(job), job, as_json=as_json)

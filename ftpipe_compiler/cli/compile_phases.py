@@ -6,8 +6,9 @@ and `driver.drive` runs one of the two pipelines:
     on a cluster:  trace and profile -> plan replicas x depth -> [freeze-training plans]
                    -> generate
 
-Each phase reads what the earlier ones left on the job and adds its own; none of them times,
-prints or draws progress.
+Each phase reads what the earlier ones left on the job and adds its own; none of them times
+or prints: the driver does, and draws the progress a phase reports (`progress(done, total,
+what)`).
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from ..costs.profilers import costed_graph
 from ..model.frozen import describe_frozen
 from ..output import output_folder
 from ..partition import problem_from_graph
-from ..planner.matrix import search_matrix
+from ..planner.matrix import NothingFits, search_matrix, update_rule
+from ..planner.nofit import check_floor, explain
 from ..planner.shrink import index_of, shrink_plans
 from ..simulate import write_report
 from .cluster import describe_shapes, plan_on_cluster
-from .driver import Phase, Pipeline
+from .driver import Phase, Pipeline, Progress
 from .tables import matrix_table
 
 __all__ = ["Job", "pipeline_for"]
@@ -50,6 +52,7 @@ class Job:
     gpus: int
     schedules: list[str]
     search_width: int
+    jobs: int | None  # processes for the search (None: one per core)
     partitioners: list[str] | None
     optimizer: str | None
     micro_batches: int | None
@@ -58,7 +61,6 @@ class Job:
     seed: int
     freeze_alpha: float | None
     cluster: Cluster | None  # given: the planner chooses replicas x depth on it
-    progress: bool
     # --- added by the phases ---
     spec: object = None
     task: object = None
@@ -93,8 +95,9 @@ def pipeline_for(job: Job) -> Pipeline:
 
 
 # --- phases ---
-def trace(job: Job) -> None:
-    job.spec, job.task, job.traced, job.graph = costed_graph(**job.cost_args)
+def trace(job: Job, progress: Progress) -> None:
+    measured = {"progress": progress} if job.cost_args.get("profile") == "measured" else {}
+    job.spec, job.task, job.traced, job.graph = costed_graph(**job.cost_args, **measured)
     t = job.task
     if job.micro_batches and job.cost_args.get("batch") and not job.cluster:
         if job.micro_batches * t.micro_batch != t.batch:
@@ -104,7 +107,7 @@ def trace(job: Job) -> None:
             )
 
 
-def search_schedules(job: Job) -> None:
+def search_schedules(job: Job, progress: Progress) -> None:
     """Every partitioner under every schedule asked for, simulated (planner/matrix.py)."""
     t = job.task
     job.problem = problem_from_graph(
@@ -116,20 +119,26 @@ def search_schedules(job: Job) -> None:
         job.micro_batches or t.micro_batches,
         job.seed,
     )
-    job.best, job.matrix = search_matrix(job.problem, job.schedules, job.partitioners,
-                                         steps=job.steps, width=job.search_width)  # fmt: skip
+    name = job.spec.name
+    check_floor(job.problem, name, job.schedules, job.steps)  # before minutes of search
+    try:
+        job.best, job.matrix = search_matrix(job.problem, job.schedules, job.partitioners,
+                                             steps=job.steps, width=job.search_width,
+                                             progress=progress, workers=job.jobs)  # fmt: skip
+    except NothingFits as e:
+        raise explain(job.problem, name, job.schedules, e.matrix, job.steps) from None
     job.sim = job.best.sim
     rows = tuple(c.to_json() for c in job.matrix)
     job.plan = job.best.plan.with_(competitors=rows, simulated=job.sim.summary(),
                                    command=job.command)  # fmt: skip
 
 
-def plan_cluster(job: Job) -> None:
+def plan_cluster(job: Job, progress: Progress) -> None:
     """Replicas x depth, micro-batch, schedule and recompute on the cluster (planner/)."""
     t = job.task
     options = dict(schedule=job.schedules, replicas=job.replicas, micro_batches=job.micro_batches,
                    partitioners=job.partitioners, optimizer=job.optimizer or t.optimizer,
-                   seed=job.seed, steps=job.steps, progress=job.progress)  # fmt: skip
+                   seed=job.seed, steps=job.steps)  # fmt: skip
     first = (job.spec, t, job.traced, job.graph)
     job.found, traces = plan_on_cluster(first, job.cluster, job.cost_args, options)
     _, _, job.traced, job.graph = traces[job.found.candidate.micro_batch]
@@ -138,7 +147,7 @@ def plan_cluster(job: Job) -> None:
                                     simulated=job.sim.summary(), command=job.command)  # fmt: skip
 
 
-def freeze_training(job: Job) -> None:
+def freeze_training(job: Job, progress: Progress) -> None:
     """--freeze-training: the shorter pipelines' plans (planner/shrink.py)."""
     job.shrinks = shrink_plans(job.graph, job.plan, alpha=job.freeze_alpha,
                                hardware=job.cost_args["hardware"] or job.graph.hardware,
@@ -146,7 +155,7 @@ def freeze_training(job: Job) -> None:
                                seed=job.seed)  # fmt: skip
 
 
-def generate(job: Job) -> None:
+def generate(job: Job, progress: Progress) -> None:
     """Write plan.json, report.html and the package into `out`, all or nothing; each
     shrink's package goes in the package's elastic/<name>/."""
     with output_folder(job.out, job.force) as tmp:
@@ -174,6 +183,8 @@ def one_json(job: Job, timings: dict) -> dict:
         "precision": job.problem.precision.name,
         "frozen": [p.name for p in job.graph.params if p.frozen],
         "schedule": job.best.schedule,
+        "update": update_rule(job.best.schedule),
+        "best_sync": _cell_json(_best_exact(job)),
         "gpus": job.plan.gpus,
         "results": list(job.plan.competitors),
         "package": str(job.package),
@@ -181,6 +192,14 @@ def one_json(job: Job, timings: dict) -> dict:
         "simulated": job.sim.summary(),
         "timings": timings,
     }
+
+
+def _cell_json(cell) -> dict | None:
+    if cell is None:
+        return None
+    return {"schedule": cell.schedule, "partitioner": cell.partitioner,
+            "simulated_step_time_s": cell.step_s,
+            "simulated_samples_per_s": cell.sim.samples_per_s}  # fmt: skip
 
 
 def one_lines(job: Job, timings: dict) -> list[str]:
@@ -193,7 +212,9 @@ def one_lines(job: Job, timings: dict) -> list[str]:
         *([describe_frozen(graph)] if describe_frozen(graph) else []),
         matrix_table(list(plan.competitors)),
         f"winner: {best.partitioner} under {best.schedule} ({len(plan.stages)} stages, "
-        f"{sim.samples_per_s:.2f} samples/s simulated, bubble {sim.bubble_fraction:.1%})",
+        f"{sim.samples_per_s:.2f} samples/s simulated, bubble {sim.bubble_fraction:.1%}); "
+        + _update_words(best.schedule),
+        *_exact_line(job),
         _wrote(job, timings),
     ]
     if plan.gpus < job.gpus:
@@ -205,6 +226,36 @@ def one_lines(job: Job, timings: dict) -> list[str]:
     pkg = job.package.name
     lines.append(f"run it: cd {_quoted(job.out)} && torchrun --nproc_per_node {plan.gpus} -m {pkg}")
     return lines
+
+
+def _update_words(schedule: str) -> str:
+    """Whether a schedule trains like one process, in words."""
+    if update_rule(schedule) == "sync":
+        return "synchronous: it trains exactly as one process would"
+    return "asynchronous: some stages train on stale weights, unlike one process"
+
+
+def _best_exact(job: Job):
+    """The fastest fitting cell whose schedule is synchronous; None when there is none."""
+    exact = [c for c in job.matrix if c.status == "ok" and update_rule(c.schedule) == "sync"]
+    return min(exact, key=lambda c: c.step_s, default=None)
+
+
+def _exact_line(job: Job) -> list[str]:
+    """Under an asynchronous winner: what the best synchronous plan gives, and how to get it."""
+    if update_rule(job.best.schedule) == "sync":
+        return []
+    exact = _best_exact(job)
+    searched = any(update_rule(s) == "sync" for s in job.schedules)
+    if exact is None:
+        why = "fits" if searched else "was searched (--schedule)"
+        return [f"  no synchronous schedule's plan {why}; --schedule sync plans only those"]
+    slower = exact.step_s / job.best.step_s - 1
+    return [
+        f"  best synchronous plan: {exact.partitioner} under {exact.schedule}, "
+        f"{exact.sim.samples_per_s:.2f} samples/s ({slower:.0%} slower per step); "
+        "--schedule sync plans only the synchronous schedules"
+    ]
 
 
 def cluster_json(job: Job, timings: dict) -> dict:
@@ -226,6 +277,7 @@ def cluster_lines(job: Job, timings: dict) -> list[str]:
     hint = launch_hint(job.plan.to_json())
     return [
         *describe_shapes(job.found, job.cluster),
+        f"schedule {job.plan.schedule}: " + _update_words(job.plan.schedule),
         _wrote(job, timings),
         *_shrink_lines(job),
         f"run it on every node: cd {_quoted(job.out)} && torchrun {hint} -m {job.package.name}",

@@ -35,7 +35,7 @@ from .options import json_option, micro_batches_option, steps_option
     "--report",
     type=click.Path(dir_okay=False),
     default=None,
-    help="Write an HTML report (timeline, memory and utilisation per GPU) here.",
+    help="Write an HTML report (timeline, memory and utilisation per GPU) here (default: none).",
 )
 @click.option(
     "--compare",
@@ -43,7 +43,7 @@ from .options import json_option, micro_batches_option, steps_option
     type=click.Path(dir_okay=False),
     default=None,
     help="A run's trace (the package's --trace FILE): its measured step time and timeline "
-    "beside the simulated ones (its schedule and micro-batches unless given).",
+    "beside the simulated ones (its schedule and micro-batches unless given; default: none).",
 )
 @json_option("Print machine-readable JSON.")
 def simulate_command(plan_files, schedule, micro_batches, steps, report, trace, as_json):

@@ -19,7 +19,6 @@ import torch
 from ftpipe_runtime.atomic import atomic_open, write_atomic
 from ftpipe_runtime.spec.weights import WRAPPER_PREFIX, parameters_on_meta
 from torch import nn
-from tqdm import tqdm
 
 from ..errors import FtpipeError, OutputExistsError
 from ..graph.opgraph import OpGraph
@@ -108,7 +107,7 @@ def _stage_contexts(traced: Traced, wiring, names, info, compute) -> tuple[list[
     stages = []
     uses_operator = False
     summaries = describe(wiring.stages)
-    for st in tqdm(wiring.stages, desc="generating stages", unit="stage", disable=None):
+    for st in wiring.stages:
         emitter = StageEmitter(
             st,
             wiring,

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from ftpipe_runtime.engine.comm import POST_AHEAD_BYTES, POST_AHEAD_MESSAGES
 from ftpipe_runtime.schedules import resolve_schedule
 
-from .formulas import PRECISIONS, gpu_memory_bytes, posted_bytes, stage_memory
+from .formulas import PRECISIONS, gpu_memory_bytes, posted_bytes
 
 __all__ = ["GpuMemory", "gpu_memory"]
 
@@ -86,19 +86,7 @@ def gpu_memory(
         if deferred:
             policy = replace(policy, deferred=deferred[s.id])
         policies[s.id] = policy
-    parts = []
-    for s in mine:
-        owned = [view.params[n] for n in s.params]
-        parts.append(
-            stage_memory(
-                trainable_bytes=sum(p.bytes for p in owned if p.trainable),
-                frozen_bytes=sum(p.bytes for p in owned if not p.trainable),
-                state_bytes=sum(p.static_bytes - p.bytes for p in owned),
-                input_bytes=0 if s.forward_only else s.input_bytes,
-                act_bytes=s.act_bytes,
-                policy=policies[s.id],
-            )
-        )
+    parts = [plan.stage_memory(s, in_flight, deferred) for s in mine]
     stages = gpu_memory_bytes(parts)
     read = [t for t in view.weights if view.read_on(t, gpu)]
     copies = sum(

@@ -45,6 +45,7 @@ from dataclasses import replace
 import torch
 from ftpipe_runtime.errors import WriteFailed
 from ftpipe_runtime.job.device import use_tf32
+from ftpipe_runtime.job.report import peak_resident_bytes
 from tqdm import tqdm
 
 from ..errors import FtpipeError, unknown
@@ -83,7 +84,7 @@ class CpuClock:
         pass
 
     def peak_bytes(self) -> int:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        return peak_resident_bytes()  # this process's own, not its parent's (ru_maxrss)
 
 
 class CudaClock:
@@ -124,6 +125,7 @@ def measured_costs(
     cache: bool = True,
     cache_dir=None,
     seed: int = 0,
+    progress=None,
 ) -> OpGraph:
     """The costed graph (profile "measured", hardware = the device's name) of `traced`."""
     if repeats < 1:
@@ -144,8 +146,16 @@ def measured_costs(
     if hit is not None:
         return replace(hit, meta={**hit.meta, "measured": {**hit.meta["measured"], "cache": "hit"}})
     rss_before, t0 = current_rss_bytes(), time.perf_counter()
-    bar = tqdm(total=len(blocks), desc=f"timing blocks on {device}", unit="block", disable=None)
-    run = run_blocks(traced, blocks, weights, clock, repeats, seed, bar.update)
+    # A bar of its own on a terminal, unless the caller shows progress (`ftpipe compile`'s one).
+    bar = tqdm(total=len(blocks), desc=f"timing blocks on {device}", unit="block",
+               disable=None if progress is None else True)  # fmt: skip
+
+    def tick() -> None:
+        bar.update()
+        if progress is not None:
+            progress(bar.n, len(blocks), f"timing blocks on {device}")
+
+    run = run_blocks(traced, blocks, weights, clock, repeats, seed, tick)
     bar.close()
     timed = {b: dict(fwd_s=t.fwd_s, bwd_s=t.bwd_s, wgrad_s=t.wgrad_s, recompute_s=t.recompute_s,
                      act_bytes=t.act_bytes) for b, t in run["timings"].items()}  # fmt: skip

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from ftpipe_runtime.train.precision import get_precision
 from torch import fx
+from torch.overrides import TorchFunctionMode
 
 from ..errors import TraceError
 from ..model.folder import check_weights, read_headers
@@ -54,7 +55,7 @@ def trace_model(
     if model is None:
         model = spec.build(device, dtype=None if compute == torch.float32 else compute)
     inputs = spec.example_inputs(task, micro_batch, device)
-    with _noting_ctrl_c() as interrupted, _held_output() as said:
+    with _noting_ctrl_c() as interrupted, _held_output() as said, _ConstantsOnCpu():
         try:
             program = torch.export.export(model, tuple(inputs.values()), strict=False)
         except Exception as e:  # the exporter raises many types; all mean the same to a user
@@ -71,6 +72,44 @@ def trace_model(
         check_weights(spec.spec, read_headers(Path(spec.path)), graph.params)
     meta = {**graph.meta, "precision": precision, "compute_dtype": str(compute)[6:]}
     return Traced(replace(graph, meta=meta), program, placeholders)
+
+
+class _ConstantsOnCpu(TorchFunctionMode):
+    """Tensors the forward makes from Python data (Falcon's `qkv[..., [-2], :]`, a
+    `torch.tensor(x, device=h.device)`) become constants of the program; made on `meta` they
+    would lose their values, so they are made on the CPU (indices index a tensor on any
+    device; other data is moved as the model asked, an op of the graph), and the generated
+    stages hold them with their values."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2:
+            args = (args[0], _index_on_cpu(args[1]), *args[2:])
+        elif func in (torch.tensor, torch.as_tensor) and _is_meta(kwargs.get("device")):
+            device = kwargs.pop("device")
+            return func(*args, **kwargs).to(device)
+        return func(*args, **kwargs)
+
+
+def _is_meta(device) -> bool:
+    return device is not None and torch.device(device).type == "meta"
+
+
+def _index_on_cpu(index):
+    """An index with its lists of ints or bools as CPU tensors (what torch would make of
+    them, but on the indexed tensor's device)."""
+    if isinstance(index, tuple):
+        return tuple(_index_on_cpu(i) for i in index)
+    if isinstance(index, list) and index and _plain(index):
+        return torch.tensor(index)
+    return index
+
+
+def _plain(data) -> bool:
+    """Ints or bools only, possibly nested: data, not a list of tensors or slices."""
+    if isinstance(data, list):
+        return all(_plain(d) for d in data)
+    return isinstance(data, (int, bool))
 
 
 @contextlib.contextmanager

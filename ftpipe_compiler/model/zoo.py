@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from ftpipe_runtime.models import HEADS, Vocab, get_head, input_shapes, synthetic_batch
+from ftpipe_runtime.models.heads import problem_type
 from torch import nn
 
 from ..errors import FtpipeError, unknown
@@ -253,6 +254,9 @@ def _hf_spec(spec: str, name: str, kind: str, config: dict, head, **extra) -> Mo
             )
         hf_config = hf.hf_config(config)
         inputs = hf.forward_inputs(cls, head, hf_config)
+        implied = problem_type(HEADS[head], hf.vocab_of(hf_config))
+        if implied and not config.get("problem_type"):  # the head's, not guessed from labels
+            config = {**config, "problem_type": implied}
     except FtpipeError:
         raise
     except Exception as e:  # noqa: BLE001 - transformers' and huggingface_hub's checks of it

@@ -2,7 +2,7 @@
 
 costs = NodeCosts.of(problem); costs.rec[i], costs.preds[i], costs.params[i] ...
 topological_stages(costs, stage_of)       # stage ids renumbered along the stage graph
-raise infeasible(problem, "mixed")        # "mixed: infeasible: needs 3 GPUs / 31.2 GB ..."
+raise infeasible(problem, "mixed")        # "mixed: infeasible: needs 3 GPUs / 29.1 GiB ..."
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ftpipe_runtime.schedules import StageInfo
 
 from ..errors import FtpipeError, InfeasibleError
+from ..units import size
 from .problem import Problem
 
 
@@ -123,21 +124,21 @@ def topological_stages(costs: NodeCosts, stage_of: list[int]) -> list[int]:
 
 
 def infeasible(problem: Problem, partitioner: str, why: str = "") -> InfeasibleError:
-    """'infeasible: needs 3 GPUs / 31.2 GB' when the weights alone need more GPUs; when they
+    """'infeasible: needs 3 GPUs / 29.1 GiB' when the weights alone need more GPUs; when they
     would fit, activations or indivisible layers are what is missing: 'needs more than P'."""
     total = sum(problem.static_bytes.values())
     need = max(1, -(-total // problem.memory)) if problem.memory > 0 else problem.gpus + 1
-    have = f"have {problem.gpus} x {problem.memory / 1e9:.1f} GB"
+    have = f"have {problem.gpus} x {size(problem.memory)}"
     if problem.memory < problem.capacity:  # the device's reserve and a backward's gradient
-        have += f" ({problem.capacity / 1e9:.1f} GB less the device's reserve)"
+        have += f" ({size(problem.capacity)} less the device's reserve)"
     tail = f" ({why})" if why else ""
     if need > problem.gpus:
         return InfeasibleError(
-            f"{partitioner}: infeasible: needs {need} GPUs / {total / 1e9:.1f} GB of weights, "
+            f"{partitioner}: infeasible: needs {need} GPUs / {size(total)} of weights, "
             f"gradients and optimizer state; {have}{tail}"
         )
     return InfeasibleError(
-        f"{partitioner}: infeasible: needs more than {problem.gpus} GPUs / {total / 1e9:.1f} GB: the "
+        f"{partitioner}: infeasible: needs more than {problem.gpus} GPUs / {size(total)}: the "
         f"weights, gradients and optimizer state fit in {need}, but not with the activations and "
         f"layer sizes; {have}{tail}"
     )

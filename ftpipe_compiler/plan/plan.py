@@ -31,7 +31,7 @@ from ftpipe_runtime.schedules import (
 )
 
 from ..costs.cluster import Cluster
-from ..costs.formulas import MemoryReserve, period_s
+from ..costs.formulas import MemoryReserve, period_s, stage_memory
 from ..costs.gpu_memory import GpuMemory, gpu_memory
 from ..errors import FtpipeError, PlanFormatError
 from ..graph.opgraph import _typed, read_json
@@ -157,6 +157,29 @@ class Plan:
     ) -> GpuMemory:
         """The same peak, by what holds it."""
         return gpu_memory(self, gpu, in_flight, deferred)
+
+    def stage_memory(
+        self, s: Stage, in_flight: dict[int, int] | None = None, deferred: dict | None = None
+    ) -> tuple[int, int]:
+        """(bytes the stage holds throughout, bytes it needs on top while one backward runs)."""
+        policy = self.policies[s.id]
+        if in_flight:
+            policy = replace(policy, in_flight=in_flight[s.id])
+        if deferred:
+            policy = replace(policy, deferred=deferred[s.id])
+        owned = [self._param_by_name[n] for n in s.params]
+        return stage_memory(
+            trainable_bytes=sum(p.bytes for p in owned if p.trainable),
+            frozen_bytes=sum(p.bytes for p in owned if not p.trainable),
+            state_bytes=sum(p.static_bytes - p.bytes for p in owned),
+            input_bytes=0 if s.forward_only else s.input_bytes,
+            act_bytes=s.act_bytes,
+            policy=policy,
+        )
+
+    @functools.cached_property
+    def _param_by_name(self) -> dict[str, PlanParam]:
+        return {p.name: p for p in self.params}
 
     @property
     def max_memory_bytes(self) -> int:

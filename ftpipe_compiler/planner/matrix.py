@@ -26,26 +26,48 @@ Search order and pruning, so that the matrix stays within the compile budget:
    both figures.
 The matrix keeps every cell: figures, or why it has none (not applicable, infeasible, does
 not fit, not searched, pruned). The search is deterministic: no time budget, only counts.
+
+Every core works (`workers`, default one process per core, forked so that they inherit the
+problem): cells are evaluated ahead of the order above, the costly ones as soon as the
+free-placement schedules' quick cells rank them, and settled in that order, so pruning and
+the matrix are exactly those of one process evaluating each cell when its turn comes.
 """
 
 from __future__ import annotations
 
 import math
-import sys
+import multiprocessing
+import os
+import signal
 import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, replace
+from itertools import product
 
 from ftpipe_runtime.schedules import SCHEDULES, StageInfo, get_schedule
-from tqdm import tqdm
 
 from ..errors import FtpipeError, InfeasibleError, unknown
 from ..partition import PARTITIONERS, PATTERNED, Problem, run_partitioner
 from ..plan import Plan
 from ..simulate import SimResult, simulate
 
-__all__ = ["CHEAP", "GROUPS", "Cell", "search_matrix", "evaluate", "schedule_names", "update_rule"]
+__all__ = [
+    "CHEAP",
+    "GROUPS",
+    "Cell",
+    "NothingFits",
+    "cores",
+    "evaluate",
+    "schedule_names",
+    "search_matrix",
+    "update_rule",
+]
 
 CHEAP = ("even-layers", "params", "pipedream")  # a second or less each, even on T5-3B
+# The others by their time on T5-3B (8 GPUs: about 5, 4 and 1 s): workers take the longest
+# first, so that one is not left with the longest at the end.
+SLOWEST_FIRST = ("mixed", "metis", "acyclic")
 GROUPS = {
     "auto": "every schedule",
     "sync": "the schedules whose update is one-process mini-batch SGD",
@@ -120,9 +142,14 @@ def search_matrix(
     *,
     steps: int = 20,
     width: int = 1,
-    progress: bool = True,
+    progress: Callable[[int, int, str], None] | None = None,
+    workers: int | None = None,
 ) -> tuple[Cell, list[Cell]]:
-    """(the fastest cell whose plan fits, every cell in schedule x partitioner order)."""
+    """(the fastest cell whose plan fits, every cell in schedule x partitioner order).
+
+    `workers` processes evaluate the cells (default: one per core; 1: here, one after the
+    other); the result is the same whatever the number. `progress(done, total, what)` is
+    called as cells are settled."""
     schedules = list(SCHEDULES) if schedules is None else list(schedules)
     names = list(PARTITIONERS) if partitioners is None else list(partitioners)
     for n in names:
@@ -132,42 +159,56 @@ def search_matrix(
     problems, bound = _per_schedule(problem, schedules, names, cells)
     cheap = [p for p in names if p in CHEAP]
     costly = [p for p in names if p not in CHEAP]
-    bar = tqdm(
-        total=len(problems) * len(names),
-        desc="plans",
-        file=sys.stderr,
-        disable=None if progress else True,
-        leave=False,
-    )
+    total = len(problems) * len(names)
     best = [math.inf]
 
-    def visit(s: str, p: str) -> None:
-        bar.set_postfix_str(f"{p} / {s}")
-        bar.update()
+    def settle(pool: _Cells, s: str, p: str) -> None:
+        """The cell as the search in order makes it: pruned by the best step so far, or
+        evaluated (in a worker, perhaps ahead of time)."""
         if bound[s] >= best[0]:
             note = f"step >= {bound[s]:.4g} s, not below the best {best[0]:.4g} s"
             cells[(s, p)] = Cell(s, p, "pruned", bound[s], note=note)
-            return
-        cells[(s, p)] = cell = evaluate(problems[s], p, bound[s], steps)
-        if cell.status == "ok":
-            best[0] = min(best[0], cell.step_s)
+            pool.drop(s, p)
+        else:
+            cells[(s, p)] = cell = pool.result(s, p)
+            if cell.status == "ok":
+                best[0] = min(best[0], cell.step_s)
+        if progress:
+            progress(sum(k in cells for k in product(problems, names)), total, f"{p} / {s}")
 
-    for p in cheap:
-        for s in problems:
-            visit(s, p)
-    fastest = {s: min((cells[(s, p)].step_s for p in cheap), default=math.inf) for s in problems}
-    # Patterned schedules cost nothing here: the free-placement partitioners say n/a at once.
-    free = sorted(
-        (s for s in problems if not problems[s].patterned),
-        key=lambda s: (fastest[s], schedules.index(s)),
-    )
-    searched = [s for s in problems if problems[s].patterned or s in free[:width] or not cheap]
-    for s, p in sorted(
-        ((s, p) for p in costly for s in searched),
-        key=lambda sp: (bound[sp[0]], names.index(sp[1]), schedules.index(sp[0])),
-    ):
-        visit(s, p)
-    bar.close()
+    def costly_cells(fastest: dict) -> list[tuple[str, str]]:
+        """The costly partitioners' cells: under the `width` free-placement schedules whose
+        quick plans are fastest (and the patterned ones, where they say n/a at once), lowest
+        bound first."""
+        free = sorted(
+            (s for s in problems if not problems[s].patterned),
+            key=lambda s: (fastest[s], schedules.index(s)),
+        )
+        searched = [s for s in problems if problems[s].patterned or s in free[:width] or not cheap]
+        return sorted(
+            ((s, p) for p in costly for s in searched),
+            key=lambda sp: (bound[sp[0]], names.index(sp[1]), schedules.index(sp[0])),
+        )
+
+    quick = [(s, p) for p in cheap for s in problems]
+    with _Cells(problems, bound, steps, workers) as pool:
+        # The free-placement schedules' quick cells first: they choose where the costly
+        # partitioners run, which start (a guess) as soon as those are in, before the
+        # patterned schedules' quick cells.
+        pool.want([(s, p) for s, p in quick if not problems[s].patterned])
+        if pool.ahead and cheap:  # the ranking as it will be unless pruning changes it
+            guess = {s: math.inf if problems[s].patterned
+                     else min(pool.result(s, p).step_s for p in cheap) for s in problems}  # fmt: skip
+            pool.want(sorted(costly_cells(guess), key=_slowest_first))
+        pool.want(quick)
+        for s, p in quick:
+            settle(pool, s, p)
+        fastest = {s: min((cells[(s, p)].step_s for p in cheap), default=math.inf)
+                   for s in problems}  # fmt: skip
+        later = costly_cells(fastest)
+        pool.want(later, first=True)
+        for s, p in later:
+            settle(pool, s, p)
     for s in problems:  # the costly cells of the schedules ranked out
         for p in costly:
             if (s, p) not in cells:
@@ -176,12 +217,124 @@ def search_matrix(
     return _winner(matrix), matrix
 
 
+def _slowest_first(cell: tuple[str, str]) -> int:
+    p = cell[1]
+    return SLOWEST_FIRST.index(p) if p in SLOWEST_FIRST else len(SLOWEST_FIRST)
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+# What the workers evaluate: set before they fork, so they inherit it instead of each task
+# carrying the problem (a T5-3B graph is a megabyte of pickle).
+_SHARED: dict = {}
+
+
+def _ignore_interrupts() -> None:
+    """Workers leave Ctrl-C to the parent, which stops them (no traceback from each)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _evaluate_shared(s: str, p: str) -> Cell:
+    problems, bound, steps = _SHARED["work"]
+    return evaluate(problems[s], p, bound[s], steps)
+
+
+class _Cells:
+    """Cells evaluated by a pool of forked workers, at most one per worker in flight, the
+    wanted ones in order (so that later wishes can go first); with one worker, here, when
+    asked for. Results are the same either way: `evaluate` depends on its cell alone."""
+
+    def __init__(self, problems: dict, bound: dict, steps: int, workers: int | None):
+        self.work = (problems, bound, steps)
+        self.workers = cores() if workers is None else workers
+        self.ahead = self.workers > 1 and "fork" in multiprocessing.get_all_start_methods()
+        self.queue: list[tuple[str, str]] = []
+        self.running: dict[tuple[str, str], Future] = {}
+        self.done: dict[tuple[str, str], Cell] = {}
+        self.executor = None
+
+    def __enter__(self) -> _Cells:
+        if self.ahead:
+            _SHARED["work"] = self.work
+            context = multiprocessing.get_context("fork")
+            self.executor = ProcessPoolExecutor(
+                self.workers, mp_context=context, initializer=_ignore_interrupts
+            )
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.executor is None:
+            return
+        _SHARED.pop("work", None)
+        busy = [f for f in self.running.values() if not f.done()]
+        # A cell guessed ahead and not needed after all, or an error or Ctrl-C here: stop the
+        # workers rather than wait for work nobody will read.
+        workers = list((getattr(self.executor, "_processes", None) or {}).values()) if busy else []
+        self.executor.shutdown(wait=not busy, cancel_futures=True)
+        for w in workers:
+            w.terminate()
+        for w in workers:
+            w.join()
+
+    def want(self, keys, first: bool = False) -> None:
+        """Evaluate these cells ahead of time, after those wanted earlier (`first`: before
+        them, the ones already waiting moved up)."""
+        if not self.ahead:
+            return
+        keys = [k for k in dict.fromkeys(keys) if k not in self.done and k not in self.running]
+        if first:
+            self.queue = keys + [k for k in self.queue if k not in keys]
+        else:
+            self.queue += [k for k in keys if k not in self.queue]
+        self._fill()
+
+    def drop(self, s: str, p: str) -> None:
+        """Not needed after all (pruned): not started if it has not."""
+        if (s, p) in self.queue:
+            self.queue.remove((s, p))
+
+    def result(self, s: str, p: str) -> Cell:
+        key = (s, p)
+        if not self.ahead:
+            return evaluate(self.work[0][s], p, self.work[1][s], self.work[2])
+        if key not in self.done and key not in self.running and key not in self.queue:
+            self.want([key], first=True)
+        while key not in self.done:
+            finished, _ = wait(list(self.running.values()), return_when=FIRST_COMPLETED)
+            for k, f in list(self.running.items()):
+                if f in finished:
+                    self.done[k] = f.result()  # a worker's exception is raised here
+                    del self.running[k]
+            self._fill()
+        return self.done[key]
+
+    def _fill(self) -> None:
+        while self.queue and len(self.running) < self.workers:
+            key = self.queue.pop(0)
+            if key not in self.done and key not in self.running:
+                self.running[key] = self.executor.submit(_evaluate_shared, *key)
+
+
+class NothingFits(InfeasibleError):
+    """No cell of the matrix fits; `matrix` holds them all, each with its own reason."""
+
+    def __init__(self, message: str, matrix: list[Cell]):
+        super().__init__(message)
+        self.matrix = matrix
+
+
 def _winner(matrix: list[Cell]) -> Cell:
     """The fastest step that fits; less traffic, then the matrix order, break ties."""
     ok = [i for i, c in enumerate(matrix) if c.status == "ok"]
     if not ok:
         why = "; ".join(dict.fromkeys(c.note for c in matrix if c.note))
-        raise InfeasibleError(f"no schedule and partitioner give a plan that fits: {why}")
+        raise NothingFits(f"no schedule and partitioner give a plan that fits: {why}", matrix)
     return matrix[min(ok, key=lambda i: (matrix[i].step_s, matrix[i].plan.comm_bytes, i))]
 
 

@@ -196,8 +196,17 @@ def resident_bytes() -> int:
 
 
 def peak_resident_bytes() -> int:
-    """The process's peak resident set (getrusage: KiB on Linux, bytes on macOS)."""
-    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    """The process's peak resident set. Linux: /proc's VmHWM, this program's own; getrusage's
+    ru_maxrss is not: a child started by fork or vfork and exec keeps its parent's peak at
+    that moment (torchrun's agent, or pytest holding a GB, made a rank "peak" at theirs)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB; bytes on macOS
     return peak if sys.platform == "darwin" else peak * 1024
 
 

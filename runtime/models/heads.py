@@ -107,14 +107,22 @@ def input_names(head: Head, forward_params, vocab: Vocab) -> tuple[str, ...]:
     return names
 
 
+def problem_type(head: Head, vocab: Vocab) -> str | None:
+    """What a sequence classifier's labels make of it (transformers' `config.problem_type`):
+    one class regresses a float label (MSE), more pick one class of an int label (cross-entropy).
+    Set in the config, it spares the forward guessing from the labels (DeBERTa-v2 looks at
+    their values, which no trace can follow)."""
+    if head.name != "sequence-classification":
+        return None
+    return "regression" if vocab.num_labels == 1 else "single_label_classification"
+
+
 def input_shapes(
     head: Head, names, seq_len: int, target_len: int = 0, vocab: Vocab | None = None
 ) -> dict[str, tuple[list[int], str]]:
     """name -> (per-sample shape, dtype) of each input."""
     per = {"seq": [seq_len], "target": [target_len], "sample": []}
-    # one "class": HuggingFace's sequence classifiers then regress (a float label, MSE loss)
-    float_labels = head.name == "sequence-classification" and vocab is not None
-    float_labels = float_labels and vocab.num_labels == 1
+    float_labels = vocab is not None and problem_type(head, vocab) == "regression"
     out = {}
     for n in names:
         if n in head.labels:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+import time
+from collections import namedtuple
 from dataclasses import replace
+from itertools import product
 
 import pytest
 
@@ -11,11 +14,14 @@ from ftpipe_compiler.errors import FtpipeError
 from ftpipe_compiler.partition import PARTITIONERS, problem_from_graph
 from ftpipe_compiler.planner.matrix import (
     CHEAP,
+    Cell,
     evaluate,
     schedule_names,
     search_matrix,
     update_rule,
 )
+
+SCHEDULES = schedule_names("auto")
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +86,43 @@ def test_the_slow_partitioners_run_under_the_fastest_schedules_only(problem):
     again = search_matrix(problem, schedules, width=1, progress=False)[1]
     strip = lambda c: {k: v for k, v in c.to_json().items() if k != "search_seconds"}  # noqa: E731
     assert [strip(c) for c in again] == [strip(c) for c in matrix]
+
+
+def test_workers_give_the_matrix_of_one_process(problem):
+    """Two forked workers evaluating ahead give the matrix and the plan that one process
+    evaluating each cell in its turn gives: pruning, ranking and the winner alike."""
+    schedules = schedule_names("auto")
+    serial, one = search_matrix(problem, schedules, width=2, workers=1)
+    parallel, two = search_matrix(problem, schedules, width=2, workers=2)
+    strip = lambda c: {k: v for k, v in c.to_json().items() if k != "search_seconds"}  # noqa: E731
+    assert [strip(c) for c in two] == [strip(c) for c in one]
+    assert {c.status for c in one} >= {"ok", "not searched"}  # the search was not trivial
+    plan = lambda cell: {**cell.plan.to_json(), "search_seconds": 0}  # noqa: E731
+    assert plan(parallel) == plan(serial) and parallel.sim == serial.sim
+
+
+FakeSim = namedtuple("FakeSim", "step_time_s")  # what the search reads of a simulation
+FakePlan = namedtuple("FakePlan", "comm_bytes")  # and of a plan
+
+
+def test_workers_prune_as_one_process(problem, monkeypatch):
+    """With cells finishing out of order (each takes its own time), some cells pruned by a
+    best step found earlier in the serial order: the same matrix from 1 and 2 workers."""
+    import ftpipe_compiler.planner.matrix as matrix
+
+    order = {(s, p): i for i, (s, p) in enumerate(product(SCHEDULES, PARTITIONERS))}
+
+    def evaluate(sub, partitioner, bound, steps):
+        i = order[(sub.schedule, partitioner)]
+        time.sleep(0.01 * (i * 7 % 5))  # later cells may finish first
+        step = bound * (1.0 if i % 4 == 1 else 1.2)  # some plans reach the bound: prune the rest
+        return Cell(sub.schedule, partitioner, "ok", bound, FakePlan(i), FakeSim(step))
+
+    monkeypatch.setattr(matrix, "evaluate", evaluate)  # the workers fork with it
+    one = search_matrix(problem, SCHEDULES, width=2, workers=1)[1]
+    two = search_matrix(problem, SCHEDULES, width=2, workers=2)[1]
+    assert two == one
+    assert {c.status for c in one} >= {"ok", "pruned", "not searched"}
 
 
 def test_nothing_fits(problem):
