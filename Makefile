@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 CONSTRAINTS ?= constraints.txt
 LATEST ?= .venv-latest
 
-.PHONY: install test test-latest constraints lint format demo bench gpu-check gpu-wheels audit clean
+.PHONY: install test test-all test-latest constraints lint format demo bench gpu-check gpu-wheels audit clean
 
 install: $(VENV)/.installed
 
@@ -24,6 +24,10 @@ $(VENV)/.installed: setup.cfg pyproject.toml $(CONSTRAINTS)
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Everything, the exhaustive parametrizations included (every schedule resumed: ~15 more minutes).
+test-all: install
+	$(BIN)/python -m pytest -q -m "exhaustive or not exhaustive" $(PYTEST_ARGS)
 
 # The tests against the newest releases of everything but torch (its own venv), so that a new
 # transformers is met on purpose; when green, `make constraints` records them for install.
