@@ -41,8 +41,9 @@ def open_sources(plan: dict, args, micro_batches: int, say=print) -> Sources:
     """The run's training and evaluation data; sets `args.steps` (from --epochs if given)."""
     model = plan["model"]
     text = TextOptions(
-        args.text_field, args.prompt_field, args.target_field, args.pack, args.truncate
-    )
+        args.text_field, args.prompt_field, args.target_field, args.pack, args.truncate,
+        chat_field=args.chat_field, chat_template=args.chat_template,
+    )  # fmt: skip
     files = [f for f in (args.data, args.eval_data) if f and f not in SOURCES]
     inputs = model.get("inputs") or {}
     tokenizer = args.tokenizer or model.get("path")
