@@ -74,6 +74,7 @@ class HFExporter:
     def __init__(self, plan: dict, args, ckpt: Checkpoints | None, say=print):
         self.plan, self.out, self.say = plan, Path(args.save_hf), say
         self.tokenizer = args.tokenizer
+        self.chat_template = args.chat_template  # the export renders chat as training did
         self.merge_lora = args.merge_lora
         self.ckpt = ckpt if args.save_hf_every_checkpoint else None
         self.done: set[int] = set()
@@ -99,7 +100,7 @@ class HFExporter:
                 out = self.out.with_name(f"{self.out.name}-step-{step:06d}")
                 export_checkpoint(
                     self.plan, self.ckpt.root, step, out, self.tokenizer, say=self.say,
-                    merge_lora=self.merge_lora,
+                    merge_lora=self.merge_lora, chat_template=self.chat_template,
                 )  # fmt: skip
                 self.say(f"wrote {out}")
 
@@ -110,6 +111,6 @@ class HFExporter:
             self.after_checkpoint()
             write_hf_folder(
                 self.out, self.plan, everything, self.tokenizer, say=self.say,
-                merge_lora=self.merge_lora,
+                merge_lora=self.merge_lora, chat_template=self.chat_template,
             )  # fmt: skip
             self.say(f"wrote {self.out} (HuggingFace folder)")

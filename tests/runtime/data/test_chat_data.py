@@ -221,3 +221,20 @@ def test_chat_rows_pack(word_tok, tmp_path):
     assert [t for row in _rows(data, "input_ids") for t in row] == ids
     assert [t for row in _rows(data, "labels") for t in row] == labels
     assert torch.equal(data.get("input_ids", 0)[0], torch.tensor(ids[:L]))
+
+
+def test_the_export_renders_chat_as_training_did(word_tok, tmp_path):
+    """--chat-template FILE goes into the exported folder (chat_template.jinja), taking the
+    place of a template the tokenizer's folder had."""
+    from ftpipe_runtime.checkpoint.hf import copy_tokenizer
+
+    word_tok.chat_template = "{{ messages | length }}"  # another template in the folder
+    word_tok.save_pretrained(str(tmp_path / "tok"))
+    word_tok.chat_template = None
+    template = tmp_path / "chat.jinja"
+    template.write_text(WORD_TEMPLATE)
+    (tmp_path / "out").mkdir()
+    copy_tokenizer(tmp_path / "tok", tmp_path / "out", chat_template=template)
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    ids, _ = _reference(word_tok, TALKS[0])
+    assert exported.apply_chat_template(TALKS[0])["input_ids"] == ids
