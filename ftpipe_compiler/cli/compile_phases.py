@@ -1,10 +1,10 @@
 """`ftpipe compile`'s phases and what it prints; `compile.py` turns the options into a `Job`
 and `driver.drive` runs one of the two pipelines:
 
-    one pipeline:  trace and profile -> partition x schedule, simulated -> [freeze-training
-                   plans] -> generate
-    on a cluster:  trace and profile -> plan replicas x depth -> [freeze-training plans]
-                   -> generate
+    one pipeline:  [measure the data] -> trace and profile -> partition x schedule, simulated
+                   -> [freeze-training plans] -> generate
+    on a cluster:  [measure the data] -> trace and profile -> plan replicas x depth
+                   -> [freeze-training plans] -> generate
 
 Each phase reads what the earlier ones left on the job and adds its own; none of them times,
 prints or draws progress.

@@ -53,9 +53,12 @@ class Measured:
     longest: int
     cut: int  # samples longer than `length`
     waste: float  # share of the padded rows' tokens that are padding
+    wanted: int = 0  # the percentile's length when the model's positions capped it
 
     def describe(self, percentile: float, samples: int) -> str:
         why = "given" if self.given else f"percentile {percentile:g}, rounded up to {MULTIPLE}"
+        if self.wanted:
+            why = f"percentile {percentile:g} is {self.wanted}, more than the model's positions"
         return (
             f"{self.flag} {self.length} ({why}; longest {self.longest}): {self.cut} of {samples} "
             f"samples longer, padding {self.waste:.1%} of the tokens"
@@ -143,8 +146,8 @@ def _columns(spec, data: Path, options: TextOptions, samples: int) -> dict:
 
 def _measure(flag, lengths, percentile, given, positions) -> Measured:
     length = given or length_at(lengths, percentile)
-    if positions and not given:
-        length = min(length, positions)  # the model cannot take more; the rest is cut
+    wanted = length if positions and not given and length > positions else 0
+    length = min(length, positions) if wanted else length  # the model takes no more
     cut = sum(n > length for n in lengths)
     waste = 1 - sum(min(n, length) for n in lengths) / (length * len(lengths))
-    return Measured(flag, length, bool(given), max(lengths), cut, waste)
+    return Measured(flag, length, bool(given), max(lengths), cut, waste, wanted)

@@ -151,3 +151,17 @@ def test_a_file_of_token_ids_is_measured_as_it_is(folders, tmp_path):
     assert shapes.seq_len == _expected([len(r) for r in rows], 95) and shapes.samples == 500
     with pytest.raises(FtpipeError, match="holds token ids; the text options are for text"):
         data_shapes(spec, path, TextOptions(text_field="text"))
+
+
+def test_the_model_s_positions_cap_the_length_and_the_line_says_so(folders, tmp_path):
+    config = json.loads((folders["llama"] / "config.json").read_text())
+    positions = config["max_position_embeddings"]
+    texts = sentences(50, seed=6, low=positions + 10, high=positions + 40)
+    path = write_jsonl(tmp_path / "long.jsonl", [{"text": t} for t in texts])
+    shapes = data_shapes(resolve_model(str(folders["llama"])), path, TextOptions())
+    lengths = _token_lengths(folders["llama"], texts)
+    assert shapes.seq_len == positions and shapes.seq.cut == 50
+    assert (
+        f"--seq-len {positions} (percentile 99 is {_expected(lengths, 99)}, more than the "
+        f"model's positions; longest {max(lengths)}): 50 of 50 samples longer"
+    ) in shapes.line()
