@@ -13,9 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from ftpipe_runtime.data.text import TextOptions
 from ftpipe_runtime.schedules import SCHEDULES
 
 from ..errors import FtpipeError
+from ..model.data_shapes import SAMPLES, DataRequest
 from ..output import check_writable
 from ..planner.matrix import GROUPS, schedule_names
 from .cluster import cluster_of
@@ -46,6 +48,57 @@ def _schedules(ctx, param, value: str) -> list[str]:
         return schedule_names(value)
     except FtpipeError as e:
         raise click.BadParameter(str(e)) from None
+
+
+_TEXT = ("text_field", "prompt_field", "target_field", "chat_field", "chat_template", "pack")
+
+
+def _data_options(f):
+    """--data FILE and how to read it (as the package reads it): the lengths from the data."""
+    options = (
+        click.option(
+            "--data",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="A text file to fine-tune on (.jsonl/.json/.csv/.parquet/.txt): set --seq-len "
+            "(and --target-len) from its token lengths, tokenized by the model folder's "
+            f"tokenizer (at most {SAMPLES} samples, drawn at random); an explicit length wins.",
+        ),
+        click.option(
+            "--len-percentile",
+            type=click.FloatRange(0, 100, min_open=True),
+            default=99.0,
+            show_default=True,
+            help="With --data: the share of samples (nearest rank, %) the lengths fit; "
+            "rounded up to a multiple of 8.",
+        ),
+        click.option("--text-field", default=None, help="With --data: the field of the text."),
+        click.option("--prompt-field", default=None, help="With --data: prompts (with targets)."),
+        click.option("--target-field", default=None, help="With --data: targets."),
+        click.option("--chat-field", default=None, help="With --data: chat messages."),
+        click.option("--chat-template", default=None, help="With --data: a Jinja chat template."),
+        click.option(
+            "--pack",
+            is_flag=True,
+            help="With --data: samples will be packed into full rows; the length stays.",
+        ),
+    )
+    for o in reversed(options):
+        f = o(f)
+    return f
+
+
+def _data_request(options: dict) -> DataRequest | None:
+    """Takes the data options out of `options` (the rest are costed_graph's)."""
+    path, percentile = options.pop("data"), options.pop("len_percentile")
+    text = TextOptions(**{k: options.pop(k) for k in _TEXT})
+    if path is None:
+        given = next((k for k, v in text.to_json().items() if v), None)
+        if given:
+            flag = "--" + given.replace("_", "-")
+            raise click.UsageError(f"{flag} says how to read --data FILE; pass --data")
+        return None
+    return DataRequest(path, text, percentile)
 
 
 @click.command("compile")
@@ -124,11 +177,13 @@ def _schedules(ctx, param, value: str) -> list[str]:
     help="Output folder (default out/<model>).",
 )
 @click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
+@_data_options
 @json_option()
 def compile_command(*, model, hardware, gpus, schedule, search_width, jobs, partitioners, optimizer,
                     micro_batches, steps, seed, gpus_per_node, cluster_file, replicas,
                     freeze_alpha, output, force, as_json, **cost_options):  # fmt: skip
     """Compile a model into a pipeline package: the plan, a report and the package to torchrun."""
+    data = _data_request(cost_options)
     out = Path(output or Path("out") / _folder_name(model))
     check_writable(out, force)  # before minutes of work, not after
     planned = gpus_per_node or cluster_file or replicas
@@ -154,5 +209,6 @@ def compile_command(*, model, hardware, gpus, schedule, search_width, jobs, part
         seed=seed,
         freeze_alpha=freeze_alpha,
         cluster=cluster,
+        data=data,
     )
     drive(pipeline_for(job), job, as_json=as_json)

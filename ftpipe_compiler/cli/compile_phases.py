@@ -1,10 +1,10 @@
 """`ftpipe compile`'s phases and what it prints; `compile.py` turns the options into a `Job`
 and `driver.drive` runs one of the two pipelines:
 
-    one pipeline:  trace and profile -> partition x schedule, simulated -> [freeze-training
-                   plans] -> generate
-    on a cluster:  trace and profile -> plan replicas x depth -> [freeze-training plans]
-                   -> generate
+    one pipeline:  [measure the data] -> trace and profile -> partition x schedule, simulated
+                   -> [freeze-training plans] -> generate
+    on a cluster:  [measure the data] -> trace and profile -> plan replicas x depth
+                   -> [freeze-training plans] -> generate
 
 Each phase reads what the earlier ones left on the job and adds its own; none of them times
 or prints: the driver does, and draws the progress a phase reports (`progress(done, total,
@@ -27,7 +27,9 @@ from ..codegen import generate_package
 from ..costs.cluster import Cluster
 from ..costs.formulas import describe
 from ..costs.profilers import costed_graph
+from ..model.data_shapes import data_shapes
 from ..model.frozen import describe_frozen
+from ..model.zoo import resolve_model
 from ..output import output_folder
 from ..partition import problem_from_graph
 from ..planner.matrix import NothingFits, search_matrix, update_rule
@@ -74,6 +76,8 @@ class Job:
     sim: object = None
     shrinks: tuple = ()
     package: Path | None = None
+    data: object = None  # --data: DataRequest; measure_data sets the lengths from it
+    shapes: object = None  # measure_data: the DataShapes chosen
 
 
 def pipeline_for(job: Job) -> Pipeline:
@@ -84,6 +88,7 @@ def pipeline_for(job: Job) -> Pipeline:
     )
     shrink = (Phase("freeze-training plans", "freeze_training_s", freeze_training, weight=0),)
     phases = (
+        *((Phase("measure the data", "data_s", measure_data),) if job.data else ()),
         Phase("trace and profile", "trace_profile_s", trace),
         search,
         *(shrink if job.freeze_alpha is not None else ()),
@@ -95,6 +100,17 @@ def pipeline_for(job: Job) -> Pipeline:
 
 
 # --- phases ---
+def measure_data(job: Job, progress: Progress) -> None:
+    """--data: the sequence (and target) length from the data's token lengths, unless given."""
+    args, d = job.cost_args, job.data
+    spec = resolve_model(args["model"], args.get("head"))
+    job.shapes = data_shapes(spec, d.path, d.text, percentile=d.percentile,
+                             seq_len=args.get("seq_len"), target_len=args.get("target_len"))  # fmt: skip
+    for key in ("seq_len", "target_len"):
+        if getattr(job.shapes, key):
+            args[key] = getattr(job.shapes, key)
+
+
 def trace(job: Job, progress: Progress) -> None:
     measured = {"progress": progress} if job.cost_args.get("profile") == "measured" else {}
     job.spec, job.task, job.traced, job.graph = costed_graph(**job.cost_args, **measured)
@@ -191,6 +207,7 @@ def one_json(job: Job, timings: dict) -> dict:
         "output": str(job.out),
         "simulated": job.sim.summary(),
         "timings": timings,
+        **_data_json(job),
     }
 
 
@@ -205,6 +222,7 @@ def _cell_json(cell) -> dict | None:
 def one_lines(job: Job, timings: dict) -> list[str]:
     graph, problem, plan, best, sim = job.graph, job.problem, job.plan, job.best, job.sim
     lines = [
+        *_data_lines(job),
         f"{job.spec.name}: {len(graph.nodes):,} nodes, {graph.num_parameters:,} parameters, "
         f"{job.gpus} x {problem.hardware.name}, {problem.optimizer}, "
         f"{problem.micro_batches} micro-batches of {graph.meta.get('micro_batch')}",
@@ -270,18 +288,28 @@ def cluster_json(job: Job, timings: dict) -> dict:
         "output": str(job.out),
         "simulated": job.sim.summary(),
         "timings": timings,
+        **_data_json(job),
     }
 
 
 def cluster_lines(job: Job, timings: dict) -> list[str]:
     hint = launch_hint(job.plan.to_json())
     return [
+        *_data_lines(job),
         *describe_shapes(job.found, job.cluster),
         f"schedule {job.plan.schedule}: " + _update_words(job.plan.schedule),
         _wrote(job, timings),
         *_shrink_lines(job),
         f"run it on every node: cd {_quoted(job.out)} && torchrun {hint} -m {job.package.name}",
     ]
+
+
+def _data_lines(job: Job) -> list[str]:
+    return [job.shapes.line()] if job.shapes else []
+
+
+def _data_json(job: Job) -> dict:
+    return {"data": job.shapes.to_json()} if job.shapes else {}
 
 
 def _wrote(job: Job, timings: dict) -> str:

@@ -51,7 +51,8 @@ def default_dir(plan: dict) -> str:
     return str(Path("checkpoints") / f"{name.strip('_') or 'pipeline'}-{plan_hash(plan)[:8]}")
 
 
-_TEXT_OPTIONS = ("text_field", "prompt_field", "target_field", "tokenizer", "pack", "truncate")
+_TEXT_OPTIONS = ("text_field", "prompt_field", "target_field", "chat_field", "chat_template",
+                 "tokenizer", "pack", "truncate")  # fmt: skip
 
 
 def run_identity(plan: dict, args, schedule: str, micro_batches: int) -> dict:

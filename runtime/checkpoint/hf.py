@@ -121,7 +121,7 @@ def gather_tensors(plan: dict, mine: dict, rank: int, world: int, device, dtype_
 
 def write_hf_folder(
     out, plan: dict, tensors: dict, tokenizer=None, max_shard_size=MAX_SHARD, say=print,
-    merge_lora=False,
+    merge_lora=False, chat_template=None,
 ) -> Path:  # fmt: skip
     """`out` as `save_pretrained` writes it, from the stages' tensors by name. A LoRA model
     (`plan["model"]["lora"]`): peft's adapter folder (adapter_config.json,
@@ -153,10 +153,10 @@ def write_hf_folder(
             if merge_lora:
                 merged = net.merge_and_unload()
                 merged.save_pretrained(str(tmp / "merged"), max_shard_size=max_shard_size)
-                copy_tokenizer(tokenizer or model.get("path"), tmp / "merged")
+                copy_tokenizer(tokenizer or model.get("path"), tmp / "merged", chat_template)
         else:
             net.save_pretrained(str(tmp), max_shard_size=max_shard_size)
-        copied = copy_tokenizer(tokenizer or model.get("path"), tmp)
+        copied = copy_tokenizer(tokenizer or model.get("path"), tmp, chat_template)
     if not copied:
         say(f"ftpipe: note: {out} has no tokenizer (none found); pass --tokenizer FOLDER")
     return out
@@ -224,20 +224,25 @@ def _initial_frozen(plan: dict, keys: dict[str, str]) -> dict:
     return found
 
 
-def copy_tokenizer(folder, out: Path) -> list[str]:
-    """Copy the tokenizer files of `folder` into `out`; the names copied."""
+def copy_tokenizer(folder, out: Path, chat_template=None) -> list[str]:
+    """Copy the tokenizer files of `folder` into `out`; the names copied. `chat_template`: the
+    Jinja file the run rendered its chat data with (`--chat-template`), written as the
+    folder's chat_template.jinja, so `apply_chat_template` on the export renders as training
+    did (AutoTokenizer takes that file over a template in tokenizer_config.json)."""
     if not folder or not Path(folder).is_dir():
         return []
     names = sorted({p.name for pat in TOKENIZER_FILES for p in Path(folder).glob(pat)})
     for name in names:
         if (Path(folder) / name).is_file():
             shutil.copyfile(Path(folder) / name, out / name)
+    if chat_template:
+        shutil.copyfile(chat_template, out / "chat_template.jinja")
     return names
 
 
 def export_checkpoint(
     plan: dict, root, step: int | None, out, tokenizer=None, max_shard_size=MAX_SHARD, say=print,
-    merge_lora=False,
+    merge_lora=False, chat_template=None,
 ) -> tuple[int, Path]:  # fmt: skip
     """Write the HuggingFace folder of checkpoint `step` (the newest complete one: None)."""
     check_exportable(plan)
@@ -268,7 +273,9 @@ def export_checkpoint(
             tensors.update(read_tensors(path))
         except (FileNotFoundError, ValueError) as e:
             raise PipelineConfigError(f"cannot read {path} ({e})") from None
-    return step, write_hf_folder(out, plan, tensors, tokenizer, max_shard_size, say, merge_lora)
+    return step, write_hf_folder(
+        out, plan, tensors, tokenizer, max_shard_size, say, merge_lora, chat_template
+    )
 
 
 def shard_size(text: str) -> int:
@@ -290,6 +297,9 @@ def main(argv, plan_path, prog: str = "export") -> int:
     p.add_argument("-o", "--output", required=True, help="the folder to write")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     p.add_argument(
+        "--chat-template", default=None, help="a Jinja chat template file to write beside it"
+    )
+    p.add_argument(
         "--max-shard-size", type=shard_size, default=MAX_SHARD, help=f"default {MAX_SHARD}"
     )
     p.add_argument("--merge-lora", action="store_true", help=MERGE_HELP)
@@ -299,7 +309,7 @@ def main(argv, plan_path, prog: str = "export") -> int:
         root = args.checkpoint_dir or default_dir(plan)
         step, out = export_checkpoint(
             plan, root, args.step, args.output, args.tokenizer, args.max_shard_size,
-            merge_lora=args.merge_lora,
+            merge_lora=args.merge_lora, chat_template=args.chat_template,
         )  # fmt: skip
     except (PipelineConfigError, WriteFailed) as e:
         print(f"ftpipe: {e}", file=sys.stderr)

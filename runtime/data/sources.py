@@ -47,8 +47,9 @@ def open_sources(plan: dict, args, micro_batches: int, say=print) -> Sources:
     """The run's training and evaluation data; sets `args.steps` (from --epochs if given)."""
     model = plan["model"]
     text = TextOptions(
-        args.text_field, args.prompt_field, args.target_field, args.pack, args.truncate
-    )
+        args.text_field, args.prompt_field, args.target_field, args.pack, args.truncate,
+        chat_field=args.chat_field, chat_template=args.chat_template,
+    )  # fmt: skip
     files = [f for f in (args.data, args.eval_data) if f and f not in SOURCES]
     inputs = model.get("inputs") or {}
     tokenizer = args.tokenizer or model.get("path")
@@ -79,6 +80,7 @@ class HFExporter:
     def __init__(self, plan: dict, args, ckpt: Checkpoints | None, say=print):
         self.plan, self.out, self.say = plan, Path(args.save_hf), say
         self.tokenizer = args.tokenizer
+        self.chat_template = args.chat_template  # the export renders chat as training did
         self.merge_lora = args.merge_lora
         self.ckpt = ckpt if args.save_hf_every_checkpoint else None
         self.done: set[int] = set()
@@ -105,7 +107,7 @@ class HFExporter:
                 out = self.out.with_name(f"{self.out.name}-step-{step:06d}")
                 export_checkpoint(
                     self.plan, self.ckpt.root, step, out, self.tokenizer, say=self.say,
-                    merge_lora=self.merge_lora,
+                    merge_lora=self.merge_lora, chat_template=self.chat_template,
                 )  # fmt: skip
                 self.say(f"wrote {out}")
 
@@ -116,6 +118,6 @@ class HFExporter:
             self.after_checkpoint()
             write_hf_folder(
                 self.out, self.plan, everything, self.tokenizer, say=self.say,
-                merge_lora=self.merge_lora,
+                merge_lora=self.merge_lora, chat_template=self.chat_template,
             )  # fmt: skip
             self.say(f"wrote {self.out} (HuggingFace folder)")

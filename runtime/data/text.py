@@ -14,6 +14,9 @@ What a sample becomes depends on the model's head:
 - causal LM, `--prompt-field/--target-field`: prompt then target then end-of-sequence; labels
   are -100 on the prompt, so the loss counts the target only.
 - seq2seq LM (`--prompt-field/--target-field`): source tokens in, target tokens as labels.
+- causal LM, `--chat-field` (e.g. `messages`): a list of {role, content} messages rendered
+  with the chat template (the tokenizer's, or `--chat-template FILE`); labels on the
+  assistant turns only (`chat.py`).
 
 Samples are padded to the compiled length; `pack=True` (causal LM) concatenates them, each
 ended by the end-of-sequence token, and cuts the stream into full rows instead. A sample
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import random
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +36,7 @@ import torch
 
 from ..errors import PipelineConfigError
 from ..models import IGNORE
+from .chat import chat_columns, chat_template
 
 __all__ = [
     "TEXT_FORMATS",
@@ -40,6 +45,7 @@ __all__ = [
     "is_text_file",
     "load_tokenizer",
     "read_text",
+    "text_columns",
 ]
 
 TEXT_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet",
@@ -56,13 +62,30 @@ class TextOptions:
     target_field: str | None = None
     pack: bool = False
     truncate: bool = False
+    chat_field: str | None = None  # a list of {role, content} messages per sample (chat.py)
+    chat_template: str | None = None  # a Jinja file instead of the tokenizer's template
 
     @property
     def pairs(self) -> bool:
         return self.prompt_field is not None or self.target_field is not None
 
     def given(self) -> bool:
-        return self.text_field is not None or self.pairs
+        return self.text_field is not None or self.pairs or self.chat_field is not None
+
+    def fields(self) -> list[str]:
+        """The fields a sample is read from, after checking that they go together."""
+        if self.chat_field is not None and (self.text_field is not None or self.pairs):
+            raise PipelineConfigError(
+                "--chat-field is the whole sample; leave out --text-field, --prompt-field and "
+                "--target-field"
+            )
+        if self.chat_template and self.chat_field is None:
+            raise PipelineConfigError("--chat-template renders --chat-field; pass --chat-field")
+        if self.pairs and not (self.prompt_field and self.target_field):
+            raise PipelineConfigError("give both --prompt-field and --target-field, or neither")
+        if self.chat_field is not None:
+            return [self.chat_field]
+        return [self.prompt_field, self.target_field] if self.pairs else [self.text_field or "text"]
 
     def to_json(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v not in (None, False)}
@@ -113,41 +136,46 @@ def load_tokenizer(folder):
 def read_text(path, model: dict, options: TextOptions, tokenizer, say=print) -> dict:
     """Token-id columns of the text file `path` for the plan's `model` (see the module doc)."""
     path = Path(path)
-    head = model.get("head", "")
-    if head not in TEXT_HEADS:
-        raise PipelineConfigError(
-            f"text data is for causal-lm and seq2seq-lm models, and this one is a "
-            f"{head or 'model without a head'}; give a .pt or .jsonl file of token ids"
-        )
-    if head == "seq2seq-lm" and not (options.prompt_field and options.target_field):
-        raise PipelineConfigError(
-            f"{path.name}: a seq2seq model learns targets from sources; pass --prompt-field "
-            "and --target-field"
-        )
-    if options.pairs and not (options.prompt_field and options.target_field):
-        raise PipelineConfigError("give both --prompt-field and --target-field, or neither")
-    if options.pack and head != "causal-lm":
-        raise PipelineConfigError("--pack joins texts for a causal LM; leave it out here")
-    fields = (
-        [options.prompt_field, options.target_field]
-        if options.pairs
-        else [options.text_field or "text"]
-    )
-    rows = _read_rows(path, fields)
+    columns = text_columns(path, model.get("head", ""), options, tokenizer)
     lengths = {n: shape[1] for n, (shape, _) in model["inputs"].items() if len(shape) > 1}
-    if head == "seq2seq-lm":
-        columns = {
-            "input_ids": _ids(tokenizer, rows[fields[0]]),
-            "labels": _ids(tokenizer, rows[fields[1]]),
-        }
-    else:
-        columns = _causal(tokenizer, rows, fields, options.pairs)
     if options.pack:
         return _pack(columns, lengths["input_ids"], _eos(tokenizer))
     return _fit(columns, lengths, path.name, options.truncate, say)
 
 
-def _read_rows(path: Path, fields: list[str]) -> dict[str, list[str]]:
+def text_columns(path, head: str, options: TextOptions, tokenizer, samples: int | None = None):
+    """Each sample's token ids, uncut and unpadded: {"input_ids": [[...], ...], "labels"?}.
+    `samples`: at most this many, drawn at random (seeded) when the file has more (what
+    `ftpipe compile --data` measures lengths on)."""
+    path = Path(path)
+    if head not in TEXT_HEADS:
+        raise PipelineConfigError(
+            f"text data is for causal-lm and seq2seq-lm models, and this one is a "
+            f"{head or 'model without a head'}; give a .pt or .jsonl file of token ids"
+        )
+    fields = options.fields()
+    if head == "seq2seq-lm" and not options.pairs:
+        raise PipelineConfigError(
+            f"{path.name}: a seq2seq model learns targets from sources; pass --prompt-field "
+            "and --target-field"
+        )
+    if options.pack and head != "causal-lm":
+        raise PipelineConfigError("--pack joins texts for a causal LM; leave it out here")
+    rows, index = _read_rows(path, fields, chat=options.chat_field is not None, samples=samples)
+    if options.chat_field is not None:
+        template = chat_template(tokenizer, options.chat_template)
+        return chat_columns(tokenizer, rows[fields[0]], template, lambda i: _where(path, index[i]))
+    if head == "seq2seq-lm":
+        return {
+            "input_ids": _ids(tokenizer, rows[fields[0]]),
+            "labels": _ids(tokenizer, rows[fields[1]]),
+        }
+    return _causal(tokenizer, rows, fields, options.pairs)
+
+
+def _read_rows(path: Path, fields: list[str], chat: bool = False, samples: int | None = None):
+    """The fields' values of the samples kept, and each one's row in the file. Text samples
+    with an empty field are left out; chat samples (lists, checked by chat.py) are all kept."""
     if not path.is_file():
         raise PipelineConfigError(f"no data file {path}")
     if path.stat().st_size == 0:
@@ -179,19 +207,38 @@ def _read_rows(path: Path, fields: list[str]) -> dict[str, list[str]]:
     if missing:
         raise PipelineConfigError(
             f"{path} has no field {missing[0]!r} (it has {', '.join(table.column_names)}); "
-            "name the text with --text-field, or a pair with --prompt-field and --target-field"
+            "name the text with --text-field, a pair with --prompt-field and --target-field, "
+            "or chat messages with --chat-field"
         )
     out = {f: table[f] for f in fields}
+    rows = list(range(table.num_rows))
+    if samples is not None and len(rows) > samples:
+        rows = sorted(random.Random(0).sample(rows, samples))  # a seeded subset, in file order
+    if chat:
+        return {f: [v[i] for i in rows] for f, v in out.items()}, rows
     for f, values in out.items():
-        bad = next((i for i, v in enumerate(values) if not isinstance(v, str)), None)
+        bad = next((i for i in rows if not isinstance(values[i], str)), None)
         if bad is not None:
             raise PipelineConfigError(
                 f"{path} sample {bad + 1}: field {f!r} holds {type(values[bad]).__name__}, not text"
             )
-    keep = [i for i in range(table.num_rows) if all(out[f][i].strip() for f in fields)]
+    keep = [i for i in rows if all(out[f][i].strip() for f in fields)]
     if not keep:
         raise PipelineConfigError(f"{path} holds only empty texts")
-    return {f: [v[i] for i in keep] for f, v in out.items()}
+    return {f: [v[i] for i in keep] for f, v in out.items()}, keep
+
+
+def _where(path: Path, row: int) -> str:
+    """Sample `row` (from 0) named as a person finds it: its line in a .jsonl, else its number."""
+    if path.suffix != ".jsonl":
+        return f"{path} sample {row + 1}"
+    with open(path, encoding="utf-8") as f:  # datasets skips blank lines; count them here
+        seen = -1
+        for line_number, line in enumerate(f, 1):
+            seen += bool(line.strip())
+            if seen == row:
+                return f"{path} line {line_number}"
+    return f"{path} sample {row + 1}"
 
 
 def check_utf8(path: Path, chunk: int = 1 << 20) -> None:
@@ -247,7 +294,7 @@ def _causal(tokenizer, rows, fields, pairs: bool) -> dict[str, list[list[int]]]:
 
 def _fit(columns: dict, lengths: dict, name: str, truncate: bool, say) -> dict:
     """Rows no longer than the compiled lengths: refused, or cut with a warning."""
-    cut = 0
+    cut = set()  # the samples cut (a sample's labels are cut with its tokens: counted once)
     for column, rows in columns.items():
         limit = lengths.get(column, lengths["input_ids"])
         seq2seq = column == "labels" and "decoder_input_ids" in lengths
@@ -262,9 +309,9 @@ def _fit(columns: dict, lengths: dict, name: str, truncate: bool, say) -> dict:
                     f"or compile again with a longer {flag}"
                 )
             rows[i] = row[:limit]
-            cut += 1
+            cut.add(i)
     if cut:
-        say(f"ftpipe: warning: {name}: cut {cut} texts to the compiled length (--truncate)")
+        say(f"ftpipe: warning: {name}: cut {len(cut)} texts to the compiled length (--truncate)")
     return {k: [torch.tensor(r, dtype=torch.long) for r in v] for k, v in columns.items()}
 
 

@@ -142,6 +142,17 @@ def _data(p, plan: dict) -> None:
     data.add_argument("--prompt-field", default=None, help="with --target-field: loss on targets")
     data.add_argument("--target-field", default=None)
     data.add_argument(
+        "--chat-field",
+        default=None,
+        help="causal LM: the field of a sample's {role, content} messages (e.g. messages), "
+        "rendered with the chat template; loss on the assistant turns only",
+    )
+    data.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file for --chat-field (default: the tokenizer's)",
+    )
+    data.add_argument(
         "--tokenizer", default=None, help="tokenizer folder (default: the compiled model's)"
     )
     data.add_argument("--pack", action="store_true", help="causal LM: join texts into full rows")

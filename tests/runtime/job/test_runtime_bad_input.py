@@ -41,6 +41,10 @@ def _tokenizer(path):
 
 
 TOK, TOK_ARG = {"tok": _tokenizer}, ["--tokenizer", "tok"]
+CHAT_LINE = json.dumps(
+    {"messages": [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"}]}
+)
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 GOOD_ROWS = [[1, 2, 3, 4, 5, 6]] * 4
 # (case, files to write first {name: writer}, argv, exit code, what the one sentence says)
 CASES = [
@@ -93,6 +97,8 @@ CASES = [
     ("a .txt cut inside a character", {**TOK, "d.txt": _bytes("one two\nthree €".encode()[:-1])}, ["--data", "d.txt", *TOK_ARG], 1, "d.txt line 2 \\(byte 14\\) is not UTF-8 text \\(unexpected end of data\\)"),
     ("a number as text", {**TOK, "d.jsonl": _lines('{"text": 7}')}, ["--data", "d.jsonl", *TOK_ARG], 1, "d.jsonl sample 1: field 'text' holds int, not text"),
     ("unreadable csv", {**TOK, "d.parquet": _bytes(b"PAR1 not really")}, ["--data", "d.parquet", *TOK_ARG], 1, "d.parquet cannot be read as parquet"),
+    ("chat without a template", {**TOK, "d.jsonl": _lines(CHAT_LINE)}, ["--data", "d.jsonl", "--chat-field", "messages", *TOK_ARG], 1, "the tokenizer has no chat template to render --chat-field with; pass --chat-template FILE \\(a Jinja template\\)"),
+    ("a chat role unknown", {**TOK, "t.jinja": _lines(CHAT_TEMPLATE), "d.jsonl": _lines(CHAT_LINE, '{"messages": [{"role": "bot", "content": "one"}]}')}, ["--data", "d.jsonl", "--chat-field", "messages", "--chat-template", "t.jinja", *TOK_ARG], 1, "d.jsonl line 2: message 1 has the unknown role 'bot'; roles are system"),
     ("no tokenizer", {"d.jsonl": _lines('{"text": "one two"}')}, ["--data", "d.jsonl"], 1, "text data needs the model's tokenizer, and the plan names no model folder; pass --tokenizer FOLDER"),
     ("a bad eval file", {**TOK, "d.jsonl": _lines('{"text": "one two"}')}, ["--data", "d.jsonl", "--eval-data", "v.jsonl", *TOK_ARG], 1, "no data file v.jsonl"),
     ("--eval-every without eval data", {}, ["--eval-every", "2"], 1, "--eval-every needs an evaluation set: pass --eval-data FILE"),
