@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import keyword
 import math
+import os
+import shlex
 from pathlib import Path
 
 import jinja2
@@ -69,6 +71,7 @@ def generate_package(
     )
     info = {p.name: p for p in plan.params}
     compute = getattr(torch, graph.meta.get("compute_dtype", "float32"))
+    command = portable_command(command, out_dir)
     generated_by = f"ftpipe {__version__}: {command}"
     stages, uses_operator = _stage_contexts(traced, wiring, names, info, compute)
     buffers = _buffer_values(
@@ -80,8 +83,16 @@ def generate_package(
             if not (p.trainable or p.frozen) and any(p.name in st.params for st in wiring.stages)
         ],
     )
-    extra = {"path": spec.path} if spec.path else {}
+    # Paths relative to the package: no path of this machine is baked in, so the package
+    # runs wherever it is copied with its model beside it (or `--weights DIR`).
+    model_dir = _relative(spec.path, final) if spec.path else ""
+    extra = {"path": model_dir} if spec.path else {}
+    given = str(plan.model.get("spec") or "")
+    if os.path.isabs(given):  # a folder named on the command line
+        extra["spec"] = _relative(given, final)
     pplan = package_plan(plan, wiring, extra, generated_by)
+    if "command" in pplan:
+        pplan["command"] = command
     context = {
         "generated_by": generated_by,
         "command": command,
@@ -92,7 +103,7 @@ def generate_package(
         "stages": stages,
         "uses_operator": uses_operator,
         "has_buffers": bool(buffers),
-        "weights_dir": spec.path if _has_safetensors(spec.path) else "",
+        "weights_dir": model_dir if _has_safetensors(spec.path) else "",
         "traced_dtype": str(compute).removeprefix("torch."),
     }
     files = _render(context)
@@ -198,6 +209,28 @@ def _figure(v) -> str:
     if not _number(v):
         return str(v)
     return f"{v:,}" if isinstance(v, int) else f"{v:,.4g}"
+
+
+def _relative(path, start: Path) -> str:
+    """`path` relative to the folder `start` (which need not exist yet), POSIX-style."""
+    return Path(os.path.relpath(Path(path).resolve(), Path(start).resolve())).as_posix()
+
+
+def portable_command(command: str, base: Path) -> str:
+    """The compile command for the headers, its absolute paths made relative to `base` (the
+    folder holding the package, where its README runs it from): no generated file names a
+    path of the machine that compiled it."""
+    try:
+        words = shlex.split(command)
+    except ValueError:  # not a shell line (a caller's own text): said as it is
+        return command
+    out = []
+    for word in words:
+        flag, eq, value = word.partition("=") if word.startswith("-") else ("", "", word)
+        if os.path.isabs(value):
+            value = _relative(value, base)
+        out.append(flag + eq + value)
+    return shlex.join(out) if out != words else command
 
 
 def _has_safetensors(path: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 import torch
 
@@ -21,6 +22,7 @@ from ..engine.comm import POST_AHEAD_BYTES
 from ..errors import ScheduleError
 from ..freeze.layers import parse_freeze_at
 from ..schedules import SCHEDULES, get_schedule
+from ..spec.weights import WEIGHTS_ENV
 from ..train.optim import DECAYS, OPTIMIZERS
 from ..train.precision import PRECISIONS
 
@@ -58,6 +60,24 @@ def number(kind, low, above: bool = False, below=None):
         return value
 
     return parse
+
+
+def use_weights(argv: list[str], prog: str) -> list[str]:
+    """`--weights DIR` anywhere in `argv`: the model's folder for every command of the
+    package (train, --check, export), through $FTPIPE_WEIGHTS so the stages and the plan's
+    readers all see it. Returns `argv` without it (--check and export take no such option)."""
+    pre = argparse.ArgumentParser(prog=prog, add_help=False, allow_abbrev=False)
+    pre.add_argument("--weights", type=_folder, default=None)
+    known, rest = pre.parse_known_args(argv)
+    if known.weights is not None:
+        os.environ[WEIGHTS_ENV] = known.weights
+    return rest
+
+
+def _folder(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is not a folder")
+    return os.path.abspath(text)
 
 
 def parse_args(argv, plan: dict) -> argparse.Namespace:
@@ -136,6 +156,14 @@ def _data(p, plan: dict) -> None:
     data.add_argument("--text-field", default=None, help="the field of the text (default text)")
     data.add_argument("--prompt-field", default=None, help="with --target-field: loss on targets")
     data.add_argument("--target-field", default=None)
+    data.add_argument(
+        "--weights",
+        type=_folder,
+        default=None,
+        help=f"the model's folder: its *.safetensors (and tokenizer) where the package does not "
+        f"find them (default: the folder it was compiled from, relative to the package; "
+        f"or ${WEIGHTS_ENV})",
+    )
     data.add_argument(
         "--tokenizer", default=None, help="tokenizer folder (default: the compiled model's)"
     )
