@@ -23,6 +23,8 @@ from ftpipe_runtime.spec.weights import WRAPPER_PREFIX, parameters_on_meta
 from torch import nn
 from tqdm import tqdm
 
+from ..costs.analytic import backward_factor
+from ..costs.hardware import get_hardware
 from ..errors import FtpipeError, OutputExistsError
 from ..graph.opgraph import OpGraph
 from ..graph.trace import Traced
@@ -87,6 +89,7 @@ def generate_package(
     # runs wherever it is copied with its model beside it (or `--weights DIR`).
     model_dir = _relative(spec.path, final) if spec.path else ""
     extra = {"path": model_dir} if spec.path else {}
+    extra |= _rates(graph, plan)
     given = str(plan.model.get("spec") or "")
     if os.path.isabs(given):  # a folder named on the command line
         extra["spec"] = _relative(given, final)
@@ -231,6 +234,22 @@ def portable_command(command: str, base: Path) -> str:
             value = _relative(value, base)
         out.append(flag + eq + value)
     return shlex.join(out) if out != words else command
+
+
+def _rates(graph: OpGraph, plan: Plan) -> dict:
+    """What the runtime's MFU needs: the model FLOPs of one micro-batch (forward and
+    backward, no recompute; 0 where the profile counted none) and the compiled hardware's
+    peak FLOP/s per dtype ("tf32": fp32 matrix products on tensor cores)."""
+    flops = sum(
+        n.flops * (1.0 + (backward_factor(graph, n) if n.requires_grad else 0.0))
+        for n in graph.nodes
+    )
+    try:
+        hw = get_hardware(str(plan.model.get("hardware") or ""))
+    except FtpipeError:  # a plan from elsewhere: no peak, no MFU
+        return {"flops_per_micro_batch": flops}
+    peaks = {"float32": hw.peak_flops, "tf32": hw.peak_flops_tf32, **dict(hw.peak_flops_16bit)}
+    return {"flops_per_micro_batch": flops, "peak_flops": {k: v for k, v in peaks.items() if v}}
 
 
 def _has_safetensors(path: str) -> bool:

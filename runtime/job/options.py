@@ -256,7 +256,44 @@ def _outputs(p, plan: dict) -> None:
         "for `ftpipe simulate plan.json --compare`)",
     )
     out.add_argument(
-        "--log-dir", default=None, help="log.jsonl and TensorBoard scalars (where installed)"
+        "--log-dir",
+        default=None,
+        help="a folder for log.jsonl and tensorboard/ (TensorBoard where installed)",
+    )
+    out.add_argument(
+        "--log-jsonl",
+        default=None,
+        metavar="FILE",
+        help="every step's figures as one JSON object a line (rank 0; default "
+        "<log-dir>/log.jsonl with --log-dir, else none)",
+    )
+    out.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="TensorBoard scalars here (needs the tensorboard package; default "
+        "<log-dir>/tensorboard with --log-dir, else none)",
+    )
+    out.add_argument(
+        "--wandb",
+        default=None,
+        metavar="PROJECT",
+        help="log to this Weights & Biases project (needs the wandb package; WANDB_MODE=offline "
+        "keeps the run on disk)",
+    )
+    loud = out.add_mutually_exclusive_group()
+    loud.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="more lines: debugging detail on rank 0, INFO on the other ranks",
+    )
+    loud.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="warnings and errors only: no step lines, no progress bar",
     )
     out.add_argument(
         "--save-hf",
