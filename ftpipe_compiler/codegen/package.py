@@ -108,6 +108,7 @@ def generate_package(
         "has_buffers": bool(buffers),
         "weights_dir": model_dir if _has_safetensors(spec.path) else "",
         "traced_dtype": str(compute).removeprefix("torch."),
+        "launch": _launch(plan),
     }
     files = _render(context)
     files["plan.json"] = json.dumps(pplan, indent=1) + "\n"
@@ -234,6 +235,17 @@ def portable_command(command: str, base: Path) -> str:
             value = _relative(value, base)
         out.append(flag + eq + value)
     return shlex.join(out) if out != words else command
+
+
+def _launch(plan: Plan) -> dict:
+    """The README's multi-node launch: the plan's nodes where it was made for a cluster,
+    else its processes over two nodes where they split evenly."""
+    world = plan.world
+    if plan.cluster is not None:
+        per_node = min(plan.cluster.gpus_per_node, world)
+    else:
+        per_node = world // 2 if world > 1 and world % 2 == 0 else 1
+    return {"world": world, "per_node": per_node, "nodes": -(-world // per_node)}
 
 
 def _rates(graph: OpGraph, plan: Plan) -> dict:

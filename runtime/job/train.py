@@ -75,7 +75,7 @@ def run(plan: dict | str | os.PathLike, stages: dict, argv: list[str] | None = N
         Topology(plan)  # before the arguments, whose defaults come from the plan
     except PipelineConfigError as e:
         raise SystemExit(f"ftpipe: {e}") from None
-    args = parse_args(argv, plan)
+    args = parse_args(argv, plan, package=_package_of(stages))
     setup_logging(rank, args.verbose - args.quiet)
     try:
         # Freeze training on a package compiled with --freeze-training: segments, each on
@@ -415,6 +415,12 @@ def _message_specs(topo: Topology):
         return t.shape, t.dtype
 
     return spec_of
+
+
+def _package_of(stages: dict) -> str:
+    """The generated package's name, for --help (its stages live in `<package>.stages`)."""
+    first = next(iter(stages.values()), None)
+    return (getattr(first, "__module__", "") or "").rpartition(".")[0] or "<package>"
 
 
 def _quiet(line: str) -> None:

@@ -142,3 +142,25 @@ def test_a_named_log_without_its_package_is_one_sentence(tmp_path, monkeypatch, 
     with pytest.raises(PipelineConfigError, match=f"--{option} needs the {package} package: "
                        f"pip install {package}"):  # fmt: skip
         RunLog(None, 0, **{option: str(tmp_path / "x")})
+
+
+def test_help_names_the_package_and_every_default(package):
+    """`python -m <pkg> --help`: the package's own name, every option with its help and its
+    default (a flag's is off)."""
+    import subprocess
+
+    from ftpipe_runtime.job.options import _Help, parser
+
+    pkg, plan, _ = package
+    r = subprocess.run([sys.executable, "-m", pkg.name, "--help"], cwd=pkg.parent,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"usage: python -m {pkg.name} ") and "<package>" not in r.stdout
+    assert f"torchrun --nproc_per_node 2 -m {pkg.name}" in r.stdout
+    options = [a for a in parser(plan, pkg.name)._actions if a.option_strings != ["-h", "--help"]]
+    assert len(options) > 40
+    for action in options:
+        assert action.help, action.option_strings
+        assert any(o in r.stdout for o in action.option_strings), action.option_strings
+        said = _Help("x")._get_help_string(action)
+        assert "default" in said or action.nargs == 0, action.option_strings
