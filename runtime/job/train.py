@@ -306,9 +306,9 @@ class _Run:
         model, place = self.plan["model"], self.place
         inputs = model.get("inputs") or {}
         shape = (inputs.get("input_ids") or next(iter(inputs.values()), [[0]]))[0]
-        steps = self.m * place.reps.count
-        tokens = steps * math.prod(shape)
-        flops = float(model.get("flops_per_micro_batch") or 0.0) * steps
+        micro_batches = self.m * place.reps.count  # of a step, every replica's
+        tokens = micro_batches * math.prod(shape)
+        flops = float(model.get("flops_per_micro_batch") or 0.0) * micro_batches
         peaks = model.get("peak_flops") or {}
         dtype = str(self.precision.dtype).removeprefix("torch.")
         if dtype == "float32" and self.args.tf32 and peaks.get("tf32"):
