@@ -183,6 +183,8 @@ def generate(job: Job, progress: Progress) -> None:
             sub = generate_package(job.traced, job.graph, s.plan, job.spec,
                                    tmp / "_elastic" / s.name, job.command, force=True)  # fmt: skip
             (pkg / "elastic").mkdir(exist_ok=True)
+            # As deep as where it was written: its paths relative to itself (the model's
+            # folder) stay right.
             sub.rename(pkg / "elastic" / s.name)
         if job.shrinks:
             shutil.rmtree(tmp / "_elastic")  # emptied: each shrink moved into the package

@@ -27,6 +27,11 @@ def main(argv: list[str], stages: dict, plan_path, package: str) -> int:
 
 
 def _main(argv: list[str], stages: dict, plan_path, package: str) -> int:
+    from .options import use_weights
+
+    # `--weights DIR` before anything reads the plan or builds a stage: train, --check and
+    # export all read the model's folder from there.
+    argv = use_weights(list(argv), prog=f"python -m {package}")
 
     def load_plan() -> dict:  # damaged or from another version: one sentence, not a traceback
         from ..spec.topology import read_plan

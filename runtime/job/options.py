@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 import torch
 
@@ -21,6 +22,7 @@ from ..engine.comm import POST_AHEAD_BYTES
 from ..errors import ScheduleError
 from ..freeze.layers import parse_freeze_at
 from ..schedules import SCHEDULES, get_schedule
+from ..spec.weights import WEIGHTS_ENV
 from ..train.optim import DECAYS, OPTIMIZERS
 from ..train.precision import PRECISIONS
 
@@ -65,11 +67,52 @@ def number(kind, low, above: bool = False, below=None, most=None):
     return parse
 
 
-def parse_args(argv, plan: dict) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m <package>", description="Fine-tune the pipeline.")
+def use_weights(argv: list[str], prog: str) -> list[str]:
+    """`--weights DIR` anywhere in `argv`: the model's folder for every command of the
+    package (train, --check, export), through $FTPIPE_WEIGHTS so the stages and the plan's
+    readers all see it. Returns `argv` without it (--check and export take no such option)."""
+    pre = argparse.ArgumentParser(prog=prog, add_help=False, allow_abbrev=False)
+    pre.add_argument("--weights", type=_folder, default=None)
+    known, rest = pre.parse_known_args(argv)
+    if known.weights is not None:
+        os.environ[WEIGHTS_ENV] = known.weights
+    return rest
+
+
+def _folder(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is not a folder")
+    return os.path.abspath(text)
+
+
+def parse_args(argv, plan: dict, package: str = "<package>") -> argparse.Namespace:
+    return parser(plan, package).parse_args(argv)
+
+
+def parser(plan: dict, package: str = "<package>") -> argparse.ArgumentParser:
+    """The package's command line; `--help` names the package and every option's default."""
+    p = argparse.ArgumentParser(
+        prog=f"python -m {package}",
+        description=f"Fine-tune the pipeline: torchrun --nproc_per_node {plan.get('gpus', 'N')} "
+        f"-m {package} [options] (README.md: multi-node and SLURM launches).",
+        formatter_class=_Help,
+    )
     for group in (_training, _data, _checkpoints, _running, _outputs, _freezing):
         group(p, plan)
-    return p.parse_args(argv)
+    return p
+
+
+class _Help(argparse.HelpFormatter):
+    """Every option's default in its help: said in the help's own words where it says
+    "default" (what a None stands for), else appended; a flag's default is off."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.nargs == 0:
+            return text
+        if action.default is None:
+            return f"{text} (default: none)"
+        return f"{text} (default %(default)s)"
 
 
 def _training(p, plan: dict) -> None:
@@ -86,41 +129,60 @@ def _training(p, plan: dict) -> None:
         "--epochs",
         type=number(float, 0, above=True),
         default=None,
-        help="passes over --data instead of --steps (rounded up to whole steps)",
+        help="passes over --data instead of --steps (rounded up to whole steps; default: --steps)",
     )
     p.add_argument(
         "--schedule",
         type=_schedule,
         default=None,
-        help=f"override the plan's schedule ({plan.get('schedule')}): "
-        f"{', '.join(SCHEDULES)}, or a .csv file of per-GPU actions",
+        help=f"{', '.join(SCHEDULES)}, or a .csv file of per-GPU actions (default: the "
+        f"plan's, {plan.get('schedule')})",
     )
     p.add_argument(
         "--micro-batches",
         type=number(int, 1, most=MOST_MICRO_BATCHES),
         default=None,
-        help=f"per optimizer step (plan: {plan.get('micro_batches')})",
+        help=f"per optimizer step (default: the plan's, {plan.get('micro_batches')})",
     )
-    p.add_argument("--lr", type=number(float, 0), default=float(model.get("lr") or 1e-3))
+    p.add_argument(
+        "--lr",
+        type=number(float, 0),
+        default=float(model.get("lr") or 1e-3),
+        help="peak learning rate",
+    )
     compiled = model.get("precision") or "fp32"
     p.add_argument(
         "--dtype",
         choices=list(PRECISIONS),
         default=compiled,
-        help=f"training precision (compiled: {compiled}); fp32 runs any package",
+        help=f"training precision; fp32 runs any package (default: the compiled {compiled})",
     )
     optimizer = str(plan.get("optimizer") or model.get("optimizer") or "adamw").lower()
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=optimizer)
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=optimizer, help="update rule")
     p.add_argument(
         "--warmup", type=number(int, 0), default=0, help="steps of linear learning-rate warm-up"
     )
-    p.add_argument("--decay", choices=sorted(DECAYS), default="linear")
+    p.add_argument(
+        "--decay",
+        choices=sorted(DECAYS),
+        default="linear",
+        help="learning-rate decay after warm-up",
+    )
     p.add_argument(
         "--clip", type=number(float, 0), default=1.0, help="max gradient norm; 0: no clipping"
     )
-    p.add_argument("--seed", type=number(int, -(2**31), below=2**31), default=0)
-    p.add_argument("--init", default=None, help="a .pt state dict to start from (by name)")
-    p.add_argument("--log-every", type=number(int, 1), default=1)
+    p.add_argument(
+        "--seed",
+        type=number(int, -(2**31), below=2**31),
+        default=0,
+        help="dropout, synthetic data and sample order",
+    )
+    p.add_argument(
+        "--init",
+        default=None,
+        help="a .pt state dict to start from, by name (default: the compiled weights)",
+    )
+    p.add_argument("--log-every", type=number(int, 1), default=1, help="a step line every N steps")
 
 
 def _data(p, plan: dict) -> None:
@@ -131,16 +193,28 @@ def _data(p, plan: dict) -> None:
         help=f"{' | '.join(SOURCES)} (default synthetic), a .pt / .jsonl of token "
         f"ids, or text: {' / '.join(TEXT_FORMATS)}",
     )
-    data.add_argument("--eval-data", default=None, help="a file like --data, evaluated in order")
+    data.add_argument(
+        "--eval-data", default=None, help="a file like --data, evaluated in order (default: none)"
+    )
     data.add_argument(
         "--eval-every",
         type=number(int, 0),
         default=0,
-        help="evaluate every N steps (0: at the end)",
+        help="evaluate every N steps; 0: at the end",
     )
     data.add_argument("--text-field", default=None, help="the field of the text (default text)")
-    data.add_argument("--prompt-field", default=None, help="with --target-field: loss on targets")
-    data.add_argument("--target-field", default=None)
+    data.add_argument(
+        "--prompt-field", default=None, help="with --target-field: loss on targets only"
+    )
+    data.add_argument("--target-field", default=None, help="with --prompt-field: the target")
+    data.add_argument(
+        "--weights",
+        type=_folder,
+        default=None,
+        help=f"the model's folder: its *.safetensors (and tokenizer) where the package does not "
+        f"find them (default: the folder it was compiled from, relative to the package; "
+        f"or ${WEIGHTS_ENV})",
+    )
     data.add_argument(
         "--chat-field",
         default=None,
@@ -169,7 +243,7 @@ def _data(p, plan: dict) -> None:
 def _checkpoints(p, plan: dict) -> None:
     ckpt = p.add_argument_group("checkpoints")
     ckpt.add_argument(
-        "--save-every", type=number(int, 0), default=0, help="checkpoint every N steps (0: never)"
+        "--save-every", type=number(int, 0), default=0, help="checkpoint every N steps; 0: never"
     )
     ckpt.add_argument(
         "--checkpoint-dir",
@@ -219,7 +293,10 @@ def _running(p, plan: dict) -> None:
         "messages (default %(default)g; 0: on demand)",
     )
     run.add_argument(
-        "--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu"
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where the stages run (default: cuda where there is one, else cpu)",
     )
     run.add_argument(
         "--tf32",
@@ -228,7 +305,9 @@ def _running(p, plan: dict) -> None:
         help="fp32 matrix products on TF32 tensor cores (Ampere and later GPUs; the plan's fp32 "
         "costs assume it); --no-tf32: full fp32 (ftpipe_runtime.job.device)",
     )
-    run.add_argument("--init-method", default="env://", help="torch.distributed rendezvous")
+    run.add_argument(
+        "--init-method", default="env://", help="torch.distributed rendezvous (torchrun's)"
+    )
     run.add_argument(
         "--debug", action="store_true", help="print the traceback of an error before its sentence"
     )
@@ -236,7 +315,9 @@ def _running(p, plan: dict) -> None:
 
 def _outputs(p, plan: dict) -> None:
     out = p.add_argument_group("outputs")
-    out.add_argument("--log-json", default=None, help="write losses and checksums here (rank 0)")
+    out.add_argument(
+        "--log-json", default=None, help="the run's summary: losses, checksums, memory (rank 0)"
+    )
     out.add_argument(
         "--trace",
         default=None,
@@ -244,7 +325,44 @@ def _outputs(p, plan: dict) -> None:
         "for `ftpipe simulate plan.json --compare`)",
     )
     out.add_argument(
-        "--log-dir", default=None, help="log.jsonl and TensorBoard scalars (where installed)"
+        "--log-dir",
+        default=None,
+        help="a folder for log.jsonl and tensorboard/ (TensorBoard where installed)",
+    )
+    out.add_argument(
+        "--log-jsonl",
+        default=None,
+        metavar="FILE",
+        help="every step's figures as one JSON object a line (rank 0; default "
+        "<log-dir>/log.jsonl with --log-dir, else none)",
+    )
+    out.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="TensorBoard scalars here (needs the tensorboard package; default "
+        "<log-dir>/tensorboard with --log-dir, else none)",
+    )
+    out.add_argument(
+        "--wandb",
+        default=None,
+        metavar="PROJECT",
+        help="log to this Weights & Biases project (needs the wandb package; WANDB_MODE=offline "
+        "keeps the run on disk)",
+    )
+    loud = out.add_mutually_exclusive_group()
+    loud.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="more lines: debugging detail on rank 0, INFO on the other ranks",
+    )
+    loud.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="warnings and errors only: no step lines, no progress bar",
     )
     out.add_argument(
         "--save-hf",

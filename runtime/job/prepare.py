@@ -41,7 +41,13 @@ def prepare_rank(run, rank: int, gpu: int):
         if not (args.resume or args.overwrite_checkpoints):
             ckpt.refuse_foreign()
     exporter = HFExporter(plan, args, ckpt, say) if args.save_hf else None
-    runlog = RunLog(args.log_dir, rank, say=say) if args.log_dir and not carried else None
+    wanted = args.log_dir or args.log_jsonl or args.tensorboard or args.wandb
+    runlog = None
+    if wanted and not carried:
+        runlog = RunLog(
+            args.log_dir, rank, say=say, jsonl=args.log_jsonl, tensorboard=args.tensorboard,
+            wandb=args.wandb, config=vars(args),
+        )  # fmt: skip
     runlog = carried.runlog if carried else runlog
     memory_meter(str(run.place.device))  # started before any stage exists: what they add counts
     use_tf32(run.place.device, args.tf32)

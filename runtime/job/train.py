@@ -24,6 +24,8 @@ unexpected error or stall after that step, for tests of exactly that.
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import sys
 import time
@@ -51,10 +53,11 @@ from ..train.precision import for_run, plan_in
 from ..train.replicas import Shard
 from . import liveness
 from .liveness import INTERRUPTED, TERMINATED, die
+from .logs import LOGGER, sayer, setup_logging
 from .options import parse_args
 from .prepare import lr_changes, prepare_rank
 from .ranks import Place, agree_to_start, all_gather, barrier, fault_of
-from .report import Progress
+from .report import Progress, Rates, memory_meter
 from .signals import Terminated, catch_sigterm
 from .summary import finish, gather_trace, save_hf
 
@@ -74,7 +77,8 @@ def run(plan: dict | str | os.PathLike, stages: dict, argv: list[str] | None = N
         Topology(plan)  # before the arguments, whose defaults come from the plan
     except PipelineConfigError as e:
         raise SystemExit(f"ftpipe: {e}") from None
-    args = parse_args(argv, plan)
+    args = parse_args(argv, plan, package=_package_of(stages))
+    setup_logging(rank, args.verbose - args.quiet)
     try:
         # Freeze training on a package compiled with --freeze-training: segments, each on
         # its plan, the next one shorter (ftpipe_runtime.freeze.elastic).
@@ -134,7 +138,7 @@ class _Run:
         self.plan, self.stage_classes, self.args = plan, stage_classes, args
         self.mode, self.carried = mode, carried
         self.place = Place.of(plan, args.device, rank)
-        self.say = (lambda line: print(line, file=sys.stderr, flush=True)) if rank == 0 else _quiet
+        self.say = sayer(logging.getLogger(LOGGER)) if rank == 0 else _quiet
 
     def note(self, line: str) -> None:
         """A line from rank 0 beside its progress bar."""
@@ -262,9 +266,14 @@ class _Run:
         args, place, carried, mixed = self.args, self.place, self.carried, self.mixed
         micro_batch = next(iter(self.plan["model"]["inputs"].values()))[0][0]
         self.samples = place.reps.count * self.m * micro_batch
+        # The step's gradient norm is in hand where it clips over the whole pipeline (or
+        # checks fp16 overflow): the log shows it there, and computes none of its own.
+        norms = self.sched.synchronous and bool(args.clip or self.precision.loss_scaling)
         self.progress = progress = Progress(
-            place.rank == 0, args.steps, self.first, self.samples, args.log_every
-        )
+            place.rank == 0, args.steps, self.first, self.samples, args.log_every,
+            rates=self.rates(), memory=lambda: memory_meter(str(place.device)).peaks()["allocated"],
+            norms=norms and place.rank == 0, bar=not args.quiet,
+        )  # fmt: skip
         progress.log, progress.lr_of = self.runlog, self.lr_of
         if carried:
             progress.losses.update(carried.losses)
@@ -286,10 +295,59 @@ class _Run:
         )
         saver.modules, saver.optimizers, saver.precision = self.modules, self.optimizers, mixed
         self.stepper = make_stepper(self)
+        if norms and place.rank == 0:
+            self.stepper.on_norm = progress.grad_norm
         self.executor, self.on_eval = make_executor(self)
         saver.versions, saver.drained = self.executor.kept_versions, self.timeline.drains
         if self.first and not carried:
             load_checkpoint(self)
+        if not carried:
+            self.announce()
+
+    def rates(self) -> Rates:
+        """Tokens and model FLOPs of a step, and the peak FLOP/s of every GPU of the run (on
+        a GPU: the compiled hardware's, in the run's dtype; MFU against it)."""
+        model, place = self.plan["model"], self.place
+        inputs = model.get("inputs") or {}
+        shape = (inputs.get("input_ids") or next(iter(inputs.values()), [[0]]))[0]
+        micro_batches = self.m * place.reps.count  # of a step, every replica's
+        tokens = micro_batches * math.prod(shape)
+        flops = float(model.get("flops_per_micro_batch") or 0.0) * micro_batches
+        peaks = model.get("peak_flops") or {}
+        dtype = str(self.precision.dtype).removeprefix("torch.")
+        if dtype == "float32" and self.args.tf32 and peaks.get("tf32"):
+            dtype = "tf32"
+        peak = float(peaks.get(dtype) or 0.0) * place.world
+        return Rates(tokens, flops, peak if place.device.type == "cuda" else 0.0)
+
+    def announce(self) -> None:
+        """Rank 0 says once where the run's outputs go, and what it trains on."""
+        if self.place.rank != 0:
+            return
+        args, log = self.args, self.progress.logger
+        if args.save_every:
+            log.info("checkpoints: %s, every %d steps", self.root, args.save_every)
+        else:
+            log.info("checkpoints: none (--save-every N saves to %s)", self.root)
+        places = self.runlog.where() if self.runlog is not None else []
+        log.info("logs: %s", "; ".join(places) if places else "these lines only (--log-dir, "
+                 "--log-jsonl, --tensorboard, --wandb write more)")  # fmt: skip
+        if args.log_json:
+            log.info("summary: %s", args.log_json)
+        if args.save_hf:
+            log.info("export: %s (HuggingFace folder) at the end", args.save_hf)
+        if args.data is None or args.data == "synthetic":
+            log.warning(
+                "training on synthetic tokens (random ids of the compiled shapes): pass --data "
+                "FILE to fine-tune on your data"
+            )
+        elif args.data == "copy":
+            log.info("training on the synthetic copy task (counting sequences)")
+        rates = self.progress.rates
+        if rates.peak_flops:
+            log.debug("MFU against %.4g TFLOP/s in all (%s's peak)", rates.peak_flops / 1e12,
+                      self.plan["model"].get("hardware"))  # fmt: skip
+        log.debug("options: %s", vars(args))
 
     def lr_of(self, k: int) -> float:
         args = self.args
@@ -361,6 +419,12 @@ def _message_specs(topo: Topology):
         return t.shape, t.dtype
 
     return spec_of
+
+
+def _package_of(stages: dict) -> str:
+    """The generated package's name, for --help (its stages live in `<package>.stages`)."""
+    first = next(iter(stages.values()), None)
+    return (getattr(first, "__module__", "") or "").rpartition(".")[0] or "<package>"
 
 
 def _quiet(line: str) -> None:

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ..errors import PipelineConfigError
 from ..schedules import StageGraph, StageInfo, with_chunks
+from .weights import model_folder
 
 # Bumped whenever plan.json changes shape; the compiler and the runtime refuse other formats.
 # Format 2 added data parallelism (replicas, placement, cluster); a format-1 plan is one
@@ -33,6 +35,9 @@ def read_plan(path) -> dict:
     """The plan file a package runs, or a PipelineConfigError saying why it cannot be used."""
     plan = read_json(path, "the plan", "compile the package again")
     Topology(plan)  # the checks, now, before anything starts
+    model = plan.get("model")
+    if isinstance(model, dict) and model.get("path") is not None:
+        model["path"] = model_folder(model["path"], Path(path).parent)
     return plan
 
 

@@ -17,9 +17,7 @@ from torch import nn
 
 from ..errors import PipelineConfigError
 from ..models.lora import is_adapter
-from ..spec.weights import checkpoint_keys, initial_value
-
-WEIGHTS_ENV = "FTPIPE_WEIGHTS"  # a folder of *.safetensors that overrides the compiled-in one
+from ..spec.weights import WEIGHTS_ENV, checkpoint_keys, initial_value
 
 
 class Scope(nn.Module):
@@ -42,7 +40,9 @@ class StageModule(nn.Module):
     # optimizer state). The other non-trainable ones are buffers (position ids...).
     FROZEN: tuple[str, ...] = ()
     BUFFERS_FILE: Path | None = None  # values of the non-trainable tensors (position ids...)
-    WEIGHTS_DIR: str = ""  # the model's folder, when it holds *.safetensors
+    # The model's folder when it held *.safetensors, relative to the package (generated:
+    # `Path(__file__).parent / "../model"`, so a package copied with its model still finds it).
+    WEIGHTS_DIR: str = ""
     TRACED_DTYPE: str = "float32"  # the compute dtype the code was traced in
 
     def __init__(self, device="cpu", dtype=None, materialize=True):
@@ -161,8 +161,20 @@ class StageModule(nn.Module):
 
 
 def weights_folder(stage) -> str:
-    """Where a stage's checkpoint is: $FTPIPE_WEIGHTS, else the model folder it was compiled from."""
-    return os.environ.get(WEIGHTS_ENV) or stage.WEIGHTS_DIR
+    """Where a stage's checkpoint is: $FTPIPE_WEIGHTS (`--weights`), else the model folder it
+    was compiled from, where the package expects it. A package compiled from a checkpoint
+    that is not there stops: training random weights by accident is worse than stopping."""
+    chosen = os.environ.get(WEIGHTS_ENV)
+    if chosen or not stage.WEIGHTS_DIR:
+        return chosen or ""
+    folder = Path(stage.WEIGHTS_DIR)
+    if not weight_files(folder):
+        raise PipelineConfigError(
+            f"the package was compiled from the checkpoint in {os.path.normpath(folder)}, which "
+            f"holds no *.safetensors here; pass --weights DIR (the model's folder) or set "
+            f"{WEIGHTS_ENV}=DIR"
+        )
+    return str(folder)
 
 
 def weight_files(folder) -> list[Path]:

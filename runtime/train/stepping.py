@@ -42,6 +42,9 @@ class Stepper:
         self.precision = precision  # a MixedPrecision: masters, loss scale; None: fp32
         self.grad_sync = None  # with replicas: the stage's gradients summed before its step
         self.on_grads = None  # called with the event once its gradients are in, before clipping
+        # called with (step, squared gradient norm) where that norm covers the whole pipeline
+        # (a synchronous step that clips or checks fp16 overflow computes it anyway): the log's
+        self.on_norm = None
         self._aside: dict[tuple[int, int], dict[str, torch.Tensor | None]] = {}
 
     def on_step(self, action, event=None) -> None:
@@ -98,6 +101,8 @@ class Stepper:
         grads = [p.grad for s in ev.stages for _, p in self._trainable(s) if p.grad is not None]
         total = squared_norm(grads).to(self.comm.device)
         self.comm.all_reduce(total, ev.ranks, "the gradient norm")
+        if self.on_norm is not None and len(set(ev.ranks)) == self.topo.world:
+            self.on_norm(step, total)
         if scaled and not self.precision.checked(grads, total, step):
             return False
         if self.clip:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from codegen_helpers import contiguous, costed
@@ -31,7 +34,10 @@ def test_checkpoint_weights_reach_the_stages(t5_folder, tmp_path, monkeypatch):
     pkg = generate_package(traced, graph, plan, spec, tmp_path, command="pytest")
     assert pkg.name == "t5_ckpt_pipeline"
     mod = import_package(pkg)
-    assert mod.load_plan()["model"]["path"] == str(t5_folder.resolve())
+    # The folder relative to the package (no path of this machine baked in).
+    recorded = json.loads((pkg / "plan.json").read_text())["model"]["path"]
+    assert not recorded.startswith("/") and (pkg / recorded).resolve() == t5_folder.resolve()
+    assert Path(mod.load_plan()["model"]["path"]).resolve() == t5_folder.resolve()  # found
     result = check_package(pkg)  # reference and stages both read the checkpoint
     assert result.ok, result
 
