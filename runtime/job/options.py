@@ -96,7 +96,10 @@ def _training(p, plan: dict) -> None:
         default=None,
         help=f"per optimizer step (plan: {plan.get('micro_batches')})",
     )
-    p.add_argument("--lr", type=number(float, 0), default=float(model.get("lr") or 1e-3))
+    lr = float(model.get("lr") or 1e-3)
+    p.add_argument(
+        "--lr", type=number(float, 0), default=lr, help=f"peak learning rate (default {lr})"
+    )
     compiled = model.get("precision") or "fp32"
     p.add_argument(
         "--dtype",
@@ -107,9 +110,37 @@ def _training(p, plan: dict) -> None:
     optimizer = str(plan.get("optimizer") or model.get("optimizer") or "adamw").lower()
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=optimizer)
     p.add_argument(
-        "--warmup", type=number(int, 0), default=0, help="steps of linear learning-rate warm-up"
+        "--weight-decay",
+        type=number(float, 0),
+        default=0.0,
+        help="decoupled weight decay; biases and norm weights (1-D) get none (default %(default)s)",
     )
-    p.add_argument("--decay", choices=sorted(DECAYS), default="linear")
+    p.add_argument("--adam-beta1", type=number(float, 0, below=1), default=0.9,
+                   help="Adam's first-moment decay (default %(default)s)")  # fmt: skip
+    p.add_argument("--adam-beta2", type=number(float, 0, below=1), default=0.999,
+                   help="Adam's second-moment decay (default %(default)s)")  # fmt: skip
+    p.add_argument("--adam-epsilon", type=number(float, 0), default=1e-8,
+                   help="Adam's epsilon (default %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--warmup",
+        type=number(int, 0),
+        default=0,
+        help="steps of linear learning-rate warm-up, step k at lr*k/warmup (default %(default)s)",
+    )
+    p.add_argument(
+        "--decay",
+        choices=list(DECAYS),
+        default="linear",
+        help="learning-rate schedule after warm-up, as transformers' schedulers: "
+        f"{', '.join(DECAYS)} (wsd: the peak, then linear to 0 over the last "
+        "--decay-fraction of the steps; default %(default)s)",
+    )
+    p.add_argument(
+        "--decay-fraction",
+        type=number(float, 0, below=1.000001),
+        default=0.1,
+        help="the part of the steps wsd decays over (default %(default)s)",
+    )
     p.add_argument(
         "--clip", type=number(float, 0), default=1.0, help="max gradient norm; 0: no clipping"
     )

@@ -1,7 +1,7 @@
 """What a run tells its user: per-step loss and throughput on rank 0, memory of every rank.
 
 progress = Progress(enabled=rank == 0, steps=100, first=0, samples_per_step=32)
-progress.loss(step, per_micro_batch_losses)   # logs "step 3/100  loss 4.1234  812 samples/s"
+progress.loss(step, loss_shares)   # logs "step 3/100  loss 4.1234  812 samples/s"
 progress.close()
 memory_meter("cpu").peaks()                   # {"allocated": bytes, "reserved": bytes}
 
@@ -52,8 +52,8 @@ class Progress:
             )
 
     def loss(self, step: int, message: torch.Tensor) -> None:
-        """`message`: the step's micro-batch losses, then seconds since training started; on
-        a GPU, read when it is there (in step order: `drain`)."""
+        """`message`: the step's micro-batches' shares of its loss, then seconds since
+        training started; on a GPU, read when it is there (in step order: `drain`)."""
         with self.lock:
             ready = None
             if message.device.type == "cuda":
@@ -79,7 +79,8 @@ class Progress:
 
     def _report(self, step: int, message: torch.Tensor) -> None:
         message = message.double().cpu()
-        self.losses[step] = float(message[:-1].mean())
+        # each micro-batch's share of the step's loss (of every replica's): their sum
+        self.losses[step] = float(message[:-1].sum())
         self.times[step] = float(message[-1])
         if not self.enabled:
             return

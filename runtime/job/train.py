@@ -46,13 +46,12 @@ from ..freeze.elastic import Carried, Shrinks, load_carried
 from ..freeze.mode import TrainingMode, segment_line, segment_row
 from ..schedules import Timeline, resolve_schedule
 from ..spec.topology import Topology, read_plan
-from ..train.optim import lr_at
 from ..train.precision import for_run, plan_in
 from ..train.replicas import Shard
 from . import liveness
 from .liveness import INTERRUPTED, die
 from .options import parse_args
-from .prepare import lr_changes, prepare_rank
+from .prepare import lr_changes, lr_of, prepare_rank
 from .ranks import Place, agree_to_start, all_gather, barrier, fault_of
 from .report import Progress
 from .summary import finish, gather_trace, save_hf
@@ -288,8 +287,7 @@ class _Run:
             load_checkpoint(self)
 
     def lr_of(self, k: int) -> float:
-        args = self.args
-        return lr_at(k, args.lr, args.steps, args.warmup, args.decay)
+        return lr_of(self.args, k, self.args.steps)
 
     def execute(self) -> float:
         """This rank's actions, timed (seconds); rank 0 hears the loss stage's losses."""

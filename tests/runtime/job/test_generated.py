@@ -19,9 +19,15 @@ import torch
 from ftpipe_runtime.data.batches import make_data
 from ftpipe_runtime.schedules import Timeline, get_schedule
 from ftpipe_runtime.spec.topology import Topology
-from ftpipe_runtime.train.optim import lr_at, make_optimizer
 from runtime_helpers import crash_and_resume
-from runtime_reference import checkpoint_params, train_delayed, train_stale
+from runtime_reference import (
+    checkpoint_params,
+    linear_lr,
+    reference_optimizer,
+    step_shares,
+    train_delayed,
+    train_stale,
+)
 
 pytest.importorskip("transformers")
 from ftpipe_compiler.codegen import generate_package, import_package  # noqa: E402
@@ -85,19 +91,19 @@ def _launch(run_pipeline, packages, model, schedule, steps, tmp_path, extra=()):
 
 def _train_hf(model, plan, steps, optimizer, lr, clip):
     hf = _costed(BASE.get(model, model))[0].build("cpu", dropout=0.0, seed=0).m
-    opt = make_optimizer(optimizer, hf.parameters(), lr)
-    data, m = make_data(plan["model"], None, 0), plan["micro_batches"]
+    opt = reference_optimizer(optimizer, hf.parameters(), lr)
+    data = make_data(plan["model"], None, 0)
     losses = []
     for k in range(steps):
         total = 0.0
-        for mb in range(k * m, (k + 1) * m):
+        for mb, share in step_shares(plan, data, k).items():
             loss = hf(**{n: data.get(n, mb) for n in plan["model"]["inputs"]}, use_cache=False).loss
-            (loss / m).backward()
-            total += loss.item()
-        losses.append(total / m)
+            (loss * share).backward()
+            total += loss.item() * share
+        losses.append(total)
         torch.nn.utils.clip_grad_norm_(hf.parameters(), clip)
         for group in opt.param_groups:
-            group["lr"] = lr_at(k, lr, steps)
+            group["lr"] = linear_lr(k, lr, steps)
         opt.step()
         opt.zero_grad()
     return losses, {**dict(hf.named_buffers()), **hf.state_dict()}  # Llama's rotary buffer too
@@ -108,10 +114,10 @@ def _adam_noisy(model, plan) -> dict[str, torch.Tensor]:
     far below Adam's eps (1e-8): Adam moves them by lr * g / (|g| + eps), so the rounding of g
     (the pipeline sums in another order) shows in them, up to lr. Elsewhere it does not."""
     hf = _costed(BASE.get(model, model))[0].build("cpu", dropout=0.0, seed=0).m
-    data, m = make_data(plan["model"], None, 0), plan["micro_batches"]
-    for mb in range(m):
+    data = make_data(plan["model"], None, 0)
+    for mb, share in step_shares(plan, data, 0).items():
         loss = hf(**{n: data.get(n, mb) for n in plan["model"]["inputs"]}, use_cache=False).loss
-        (loss / m).backward()
+        (loss * share).backward()
     named = hf.named_parameters(remove_duplicate=False)
     return {n: (p.grad != 0) & (p.grad.abs() < 1e-6) for n, p in named if p.grad is not None}
 
