@@ -60,6 +60,14 @@ def number(kind, low, above: bool = False, below=None):
     return parse
 
 
+def _fraction(text: str) -> float:
+    """An argparse type: a number from 0 to 1."""
+    value = number(float, 0)(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at most 1")
+    return value
+
+
 def parse_args(argv, plan: dict) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m <package>", description="Fine-tune the pipeline.")
     for group in (_training, _data, _checkpoints, _running, _outputs, _freezing):
@@ -108,12 +116,15 @@ def _training(p, plan: dict) -> None:
         help=f"training precision (compiled: {compiled}); fp32 runs any package",
     )
     optimizer = str(plan.get("optimizer") or model.get("optimizer") or "adamw").lower()
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=optimizer)
+    p.add_argument(
+        "--optimizer", choices=sorted(OPTIMIZERS), default=optimizer, help=f"(default {optimizer})"
+    )
     p.add_argument(
         "--weight-decay",
         type=number(float, 0),
         default=0.0,
-        help="decoupled weight decay; biases and norm weights (1-D) get none (default %(default)s)",
+        help="weight decay (AdamW's decoupled; L2 for sgd and adam); biases and norm weights "
+        "(1-D tensors) get none (default %(default)s)",
     )
     p.add_argument("--adam-beta1", type=number(float, 0, below=1), default=0.9,
                    help="Adam's first-moment decay (default %(default)s)")  # fmt: skip
@@ -137,12 +148,15 @@ def _training(p, plan: dict) -> None:
     )
     p.add_argument(
         "--decay-fraction",
-        type=number(float, 0, below=1.000001),
+        type=_fraction,
         default=0.1,
         help="the part of the steps wsd decays over (default %(default)s)",
     )
     p.add_argument(
-        "--clip", type=number(float, 0), default=1.0, help="max gradient norm; 0: no clipping"
+        "--clip",
+        type=number(float, 0),
+        default=1.0,
+        help="max gradient norm; 0: no clipping (default %(default)s)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", default=None, help="a .pt state dict to start from (by name)")
