@@ -90,10 +90,12 @@ def _launch(run_pipeline, packages, model, schedule, steps, tmp_path, extra=()):
 
 
 def _train_hf(model, plan, steps, optimizer, lr, clip):
+    """(losses, final weights, name -> elements whose gradient at a later step is tiny:
+    `SWITCHED`)."""
     hf = _costed(BASE.get(model, model))[0].build("cpu", dropout=0.0, seed=0).m
     opt = reference_optimizer(optimizer, hf.parameters(), lr)
     data = make_data(plan["model"], None, 0)
-    losses = []
+    losses, tiny = [], {}
     for k in range(steps):
         total = 0.0
         for mb, share in step_shares(plan, data, k).items():
@@ -101,12 +103,24 @@ def _train_hf(model, plan, steps, optimizer, lr, clip):
             (loss * share).backward()
             total += loss.item() * share
         losses.append(total)
+        for n, p in hf.named_parameters(remove_duplicate=False):
+            if k and p.grad is not None:
+                near = (p.grad != 0) & (p.grad.abs() < SWITCHED)
+                tiny[n] = near | tiny[n] if n in tiny else near
         torch.nn.utils.clip_grad_norm_(hf.parameters(), clip)
         for group in opt.param_groups:
             group["lr"] = linear_lr(k, lr, steps)
         opt.step()
         opt.zero_grad()
-    return losses, {**dict(hf.named_buffers()), **hf.state_dict()}  # Llama's rotary buffer too
+    return losses, {**dict(hf.named_buffers()), **hf.state_dict()}, tiny  # Llama's rotary too
+
+
+# A weight whose gradient after the first step is this small comes from a few tokens where a
+# ReLU unit is barely on: the pipeline's weights, a rounding away from the reference's after
+# a step, may switch it (T5's DenseReluDense.wo: one element's gradient -4.5e-6 at step 2
+# in the reference, 1.9e-5 between the weights after 3 steps, seen once the weight decay
+# default became 0). Checked at the learning rate, as Adam's noisy elements.
+SWITCHED = 1e-5
 
 
 def _adam_noisy(model, plan) -> dict[str, torch.Tensor]:
@@ -152,9 +166,11 @@ def test_sync_package_matches_the_model(run_pipeline, packages, tmp_path, model,
         tmp_path,
         ["--optimizer", "adamw", "--lr", str(lr), "--clip", "1.0"],
     )
-    losses, state = _train_hf(model, packages[model][1], steps, "adamw", lr, 1.0)
+    losses, state, switched = _train_hf(model, packages[model][1], steps, "adamw", lr, 1.0)
     assert log["losses"] == pytest.approx(losses, rel=1e-4)
     noisy = _adam_noisy(model, packages[model][1])
+    for name, mask in switched.items():
+        noisy[name] = noisy[name] | mask if name in noisy else mask
     for name, value in params.items():
         _assert_params_close(value, state[name], noisy, lr, name)
 
