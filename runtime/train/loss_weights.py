@@ -30,7 +30,8 @@ def loss_items(data, mb: int) -> int:
     head = getattr(data, "head", None)
     if head is None:
         return 1
-    return head.loss_items(data.get(head.labels[0], mb))
+    read = getattr(data, "peek", data.get)  # uncached where the source can (`_Inputs.peek`)
+    return head.loss_items(read(head.labels[0], mb))
 
 
 class LossWeights:
