@@ -9,7 +9,9 @@ warm-up at lr*k/W, gradients clipped to norm 1.
 
 Measured on this machine (2 CPU cores, fp32), gpipe and 1f1b alike: the largest loss
 difference 5.1e-7, the largest parameter difference 1.2e-7 after 20 steps; the tolerances
-(1e-5, 1e-4) are the issue's.
+(1e-5, 1e-4) are the issue's. The runtime before (a mean of per-micro-batch means, weight
+decay 0.01 on every tensor, warm-up a step ahead), against the Trainer without decay and with
+a linear schedule (it had no cosine): 8.9e-2 and 2.6e-2.
 """
 
 from __future__ import annotations
