@@ -74,6 +74,10 @@ def run_identity(plan: dict, args, schedule: str, micro_batches: int) -> dict:
         "lr": args.lr,
         "warmup": args.warmup,
         "decay": args.decay,
+        "decay_fraction": getattr(args, "decay_fraction", 0.1),
+        "weight_decay": getattr(args, "weight_decay", 0.0),
+        "betas": [getattr(args, "adam_beta1", 0.9), getattr(args, "adam_beta2", 0.999)],
+        "eps": getattr(args, "adam_epsilon", 1e-8),
         "clip": args.clip,
     }
 

@@ -46,6 +46,7 @@ import torch
 from ..errors import PipelineConfigError
 from ..schedules import Versions
 from ..stage.frozen import forward_only_stages
+from ..train.loss_weights import LossWeights
 from ..train.precision import MixedPrecision, get_precision
 from .outputs import Outputs
 from .split_backward import backward_input, backward_weight
@@ -73,6 +74,9 @@ class Executor:
         self.comm, self.data, self.stepper = comm, data, stepper
         self.m, self.device, self.on_loss = micro_batches, torch.device(device), on_loss
         self.seed = seed
+        # Each micro-batch's share of its step's label tokens: the loss is their sum over
+        # their number, across micro-batches and replicas (as the HuggingFace Trainer's).
+        self.loss_weights = LossWeights(data, micro_batches)
         # Where the weights' gradients go (fp32 masters under bf16/fp16), fp16's loss scale.
         if precision is None:
             precision = MixedPrecision(get_precision("fp32"), modules)
@@ -133,7 +137,10 @@ class Executor:
             if self.flow.shared(t):
                 self.made[t] = out[t]  # the parameter: the step below sends its next version
         if s == self.topo.loss_stage:
-            self._record_loss(m, out["loss"].detach().float())
+            _, share = self.loss_weights.of(m)
+            # its share of the step's loss (0 for one with nothing to predict: a NaN mean)
+            loss = out["loss"].detach().double()
+            self._record_loss(m, loss * share if share else torch.zeros_like(loss))
 
     def _checked(self, t: str, out: dict) -> torch.Tensor:
         info = self.topo.transfers[t]
@@ -151,9 +158,9 @@ class Executor:
         step[m] = loss.reshape(())
         if len(step) < self.m:
             return
-        # The losses and when this rank finished the step's forwards (ranks start together),
-        # left on the device: reading them here would wait for the GPU every step
-        # (`report.Progress` reads them when they are there).
+        # The micro-batches' shares of the step's loss and when this rank finished the
+        # step's forwards (ranks start together), left on the device: reading them here
+        # would wait for the GPU every step (`report.Progress` reads them when they are there).
         values = torch.stack([step[j] for j in sorted(step)]).double()
         when = torch.full((1,), time.perf_counter() - self.start, dtype=values.dtype,
                           device=values.device)  # fmt: skip
@@ -175,9 +182,12 @@ class Executor:
                 out = self._call(s, params, inputs)
         roots, grads = [], []
         if s == self.topo.loss_stage:
-            # Gradients accumulate over the step (and carry fp16's loss scale).
-            roots.append(out["loss"] * (self.precision.multiplier() / self.m))
-            grads.append(None)
+            # Gradients accumulate over the step (and carry fp16's loss scale); a micro-batch
+            # with nothing to predict adds nothing (its loss is 0/0).
+            weight, _ = self.loss_weights.of(m)
+            if weight:
+                roots.append(out["loss"] * (self.precision.multiplier() * weight))
+                grads.append(None)
         last = self._counted_backward(s)
         split = self.policies[s].split
         # Weights whose gradient, summed over the step, is taken after the rest of the

@@ -67,6 +67,14 @@ def number(kind, low, above: bool = False, below=None, most=None):
     return parse
 
 
+def _fraction(text: str) -> float:
+    """An argparse type: a number from 0 to 1."""
+    value = number(float, 0)(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text} must be at most 1")
+    return value
+
+
 def use_weights(argv: list[str], prog: str) -> list[str]:
     """`--weights DIR` anywhere in `argv`: the model's folder for every command of the
     package (train, --check, export), through $FTPIPE_WEIGHTS so the stages and the plan's
@@ -160,16 +168,43 @@ def _training(p, plan: dict) -> None:
     optimizer = str(plan.get("optimizer") or model.get("optimizer") or "adamw").lower()
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=optimizer, help="update rule")
     p.add_argument(
-        "--warmup", type=number(int, 0), default=0, help="steps of linear learning-rate warm-up"
+        "--weight-decay",
+        type=number(float, 0),
+        default=0.0,
+        help="weight decay (AdamW's decoupled; L2 for sgd and adam); biases and norm weights "
+        "(1-D tensors) get none (default %(default)s)",
+    )
+    p.add_argument("--adam-beta1", type=number(float, 0, below=1), default=0.9,
+                   help="Adam's first-moment decay (default %(default)s)")  # fmt: skip
+    p.add_argument("--adam-beta2", type=number(float, 0, below=1), default=0.999,
+                   help="Adam's second-moment decay (default %(default)s)")  # fmt: skip
+    p.add_argument("--adam-epsilon", type=number(float, 0), default=1e-8,
+                   help="Adam's epsilon (default %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--warmup",
+        type=number(int, 0),
+        default=0,
+        help="steps of linear learning-rate warm-up, step k at lr*k/warmup (default %(default)s)",
     )
     p.add_argument(
         "--decay",
-        choices=sorted(DECAYS),
+        choices=list(DECAYS),
         default="linear",
-        help="learning-rate decay after warm-up",
+        help="learning-rate schedule after warm-up, as transformers' schedulers: "
+        f"{', '.join(DECAYS)} (wsd: the peak, then linear to 0 over the last "
+        "--decay-fraction of the steps; default %(default)s)",
     )
     p.add_argument(
-        "--clip", type=number(float, 0), default=1.0, help="max gradient norm; 0: no clipping"
+        "--decay-fraction",
+        type=_fraction,
+        default=0.1,
+        help="the part of the steps wsd decays over (default %(default)s)",
+    )
+    p.add_argument(
+        "--clip",
+        type=number(float, 0),
+        default=1.0,
+        help="max gradient norm; 0: no clipping (default %(default)s)",
     )
     p.add_argument(
         "--seed",

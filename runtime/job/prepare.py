@@ -18,13 +18,13 @@ from ..atomic import check_writable_file, check_writable_folder
 from ..data.sources import HFExporter
 from ..errors import PipelineConfigError
 from ..stage.package import build_stages, load_init
-from ..train.optim import lr_at, make_optimizer
+from ..train.optim import Hyper, lr_at, make_optimizer
 from ..train.precision import MixedPrecision
 from .device import use_tf32
 from .report import memory_meter
 from .runlog import RunLog
 
-__all__ = ["lr_changes", "prepare_rank"]
+__all__ = ["hyper_of", "lr_changes", "lr_of", "prepare_rank"]
 
 
 def prepare_rank(run, rank: int, gpu: int):
@@ -56,19 +56,30 @@ def prepare_rank(run, rank: int, gpu: int):
         load_init(modules, args.init, plan)
     mixed = MixedPrecision(run.precision, modules)  # after --init: the masters copy the weights
     mixed.say = say
+    hyper = hyper_of(args)
     optimizers = {
-        s: make_optimizer(args.optimizer, [t for _, t in mixed.trainable(s)], args.lr)
+        s: make_optimizer(args.optimizer, [t for _, t in mixed.trainable(s)], args.lr, hyper)
         for s in modules
     }
     torch.manual_seed(args.seed * 7919 + rank)  # the rank's own generator, repeats per run
     return modules, optimizers, mixed, exporter, runlog
 
 
+def hyper_of(args) -> Hyper:
+    """The optimizer's settings of the command line."""
+    return Hyper(args.weight_decay, (args.adam_beta1, args.adam_beta2), args.adam_epsilon)
+
+
+def lr_of(args, k: int, steps: int) -> float:
+    """The command line's learning rate at optimizer step k of `steps`."""
+    return lr_at(k, args.lr, steps, args.warmup, args.decay, args.decay_fraction)
+
+
 def lr_changes(args, saved_steps, first: int) -> bool:
     """Does --steps (which the learning-rate decay depends on) change the rates from `first`?"""
     if not isinstance(saved_steps, int) or saved_steps == args.steps:
         return False
-    rate = lambda k, steps: lr_at(k, args.lr, steps, args.warmup, args.decay)  # noqa: E731
+    rate = lambda k, steps: lr_of(args, k, steps)  # noqa: E731
     return any(rate(k, saved_steps) != rate(k, args.steps) for k in range(first, args.steps))
 
 

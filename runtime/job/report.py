@@ -1,7 +1,7 @@
 """What a run tells its user: per-step figures on rank 0, memory of every rank.
 
 progress = Progress(enabled=rank == 0, steps=100, first=0, samples_per_step=32)
-progress.loss(step, per_micro_batch_losses)   # logs "step 3/100  loss 4.1234  lr ... eta ..."
+progress.loss(step, loss_shares)   # logs "step 3/100  loss 4.1234  lr ... eta ..."
 progress.grad_norm(step, squared_norm)        # where the run computed the global norm
 progress.close()
 memory_meter("cpu").peaks()                   # {"allocated": bytes, "reserved": bytes}
@@ -99,8 +99,8 @@ class Progress:
             )
 
     def loss(self, step: int, message: torch.Tensor) -> None:
-        """`message`: the step's micro-batch losses, then seconds since training started; on
-        a GPU, read when it is there (in step order: `drain`)."""
+        """`message`: the step's micro-batches' shares of its loss, then seconds since
+        training started; on a GPU, read when it is there (in step order: `drain`)."""
         with self.lock:
             self.pending.append((step, *_to_host(message)))
             self.drain(wait=False)
@@ -129,7 +129,8 @@ class Progress:
 
     def _report(self, step: int, message: torch.Tensor) -> None:
         message = message.double().cpu()
-        self.losses[step] = float(message[:-1].mean())
+        # each micro-batch's share of the step's loss (of every replica's): their sum
+        self.losses[step] = float(message[:-1].sum())
         self.times[step] = float(message[-1])
         if not self.enabled:
             return

@@ -48,14 +48,13 @@ from ..freeze.elastic import Carried, Shrinks, load_carried
 from ..freeze.mode import TrainingMode, segment_line, segment_row
 from ..schedules import Timeline, resolve_schedule
 from ..spec.topology import Topology, read_plan
-from ..train.optim import lr_at
 from ..train.precision import for_run, plan_in
 from ..train.replicas import Shard
 from . import liveness
 from .liveness import INTERRUPTED, TERMINATED, die
 from .logs import LOGGER, sayer, setup_logging
 from .options import parse_args
-from .prepare import lr_changes, prepare_rank
+from .prepare import lr_changes, lr_of, prepare_rank
 from .ranks import Place, agree_to_start, all_gather, barrier, fault_of
 from .report import Progress, Rates, memory_meter
 from .signals import Terminated, catch_sigterm
@@ -350,8 +349,7 @@ class _Run:
         log.debug("options: %s", vars(args))
 
     def lr_of(self, k: int) -> float:
-        args = self.args
-        return lr_at(k, args.lr, args.steps, args.warmup, args.decay)
+        return lr_of(self.args, k, self.args.steps)
 
     def execute(self) -> float:
         """This rank's actions, timed (seconds); rank 0 hears the loss stage's losses."""

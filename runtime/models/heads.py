@@ -33,6 +33,17 @@ class Head:
         """Causal LM: the label of a token is the token (the model shifts it by one)."""
         return self.name == "causal-lm"
 
+    def loss_items(self, labels) -> int:
+        """What the head's loss averages over in a batch whose `self.labels[0]` are `labels`:
+        its label tokens that count (not IGNORE; a causal LM's from the second on, as the
+        model shifts them: HuggingFace's `ForCausalLMLoss` and the Trainer's count), or its
+        samples for a head with one label per sample (a classifier's loss is their mean)."""
+        if self.label_length == "sample":
+            return int(labels.shape[0])
+        if self.labels_are_input_ids:
+            labels = labels[..., 1:]
+        return int((labels != IGNORE).sum())
+
 
 HEADS = {
     h.name: h

@@ -210,8 +210,9 @@ class GradSync:
 
 
 class LossGather:
-    """Rank 0's view of a step's loss: every replica's micro-batch losses, in replica order,
-    then the latest of their finishing times (the message `Progress.loss` reads)."""
+    """Rank 0's view of a step's loss: every replica's micro-batches' shares of it, in
+    replica order, then the latest of their finishing times (the message `Progress.loss`
+    reads)."""
 
     def __init__(self, sources: list[int], deliver):
         self.sources, self.deliver = sources, deliver  # job ranks of the loss stages

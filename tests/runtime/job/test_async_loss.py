@@ -24,9 +24,9 @@ def _recorder(progress, device, m=2):
 def test_on_a_cpu_every_step_is_reported_at_once():
     progress = Progress(False, steps=3, first=0, samples_per_step=4)
     ex = _recorder(progress, "cpu")
-    for mb, value in enumerate([1.0, 3.0, 2.0, 4.0]):
+    for mb, value in enumerate([1.0, 3.0, 2.0, 4.0]):  # shares of their step's loss
         Executor._record_loss(ex, mb, torch.tensor(value))
-    assert progress.losses == {0: 2.0, 1: 3.0} and not progress.pending
+    assert progress.losses == {0: 4.0, 1: 6.0} and not progress.pending
     assert ex.losses == {}
 
 
@@ -45,5 +45,5 @@ def test_on_a_gpu_recording_a_loss_never_waits_for_it():
         torch.cuda.set_sync_debug_mode(0)
     assert progress.losses == {}  # not there yet, and nobody waited
     progress.close()  # the end of the run: read them all
-    assert progress.losses == {0: 0.5, 1: 2.5}
+    assert progress.losses == {0: 1.0, 1: 5.0}  # the shares' sums
     assert list(progress.times) == [0, 1]

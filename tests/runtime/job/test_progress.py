@@ -32,7 +32,8 @@ def _two_steps(monkeypatch, stream, **options) -> Progress:
     setup_logging(0, options.pop("verbosity", 0))
     progress = Progress(True, steps=2, first=0, samples_per_step=4, **options)
     for step in range(2):
-        progress.loss(step, torch.tensor([1.0, 2.0, 0.5 * (step + 1)]))
+        # the micro-batches' shares of the step's loss (they add up to it), then the seconds
+        progress.loss(step, torch.tensor([0.5, 1.0, 0.5 * (step + 1)]))
     progress.close()
     return progress
 

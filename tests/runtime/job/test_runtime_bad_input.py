@@ -107,6 +107,9 @@ CASES = [
     ("--freeze-alpha 1", {}, ["--freeze-alpha", "1"], 2, "argument --freeze-alpha: 1 must be below 1"),
     ("--save-hf of a function model", {}, ["--save-hf", "out"], 1, "a HuggingFace folder needs a HuggingFace model"),
     ("--dtype unknown", {}, ["--dtype", "fp8"], 2, "argument --dtype: invalid choice: 'fp8'"),
+    ("--decay unknown", {}, ["--decay", "step"], 2, "argument --decay: invalid choice: 'step'"),
+    ("--decay-fraction above 1", {}, ["--decay-fraction", "1.5"], 2, "argument --decay-fraction: 1.5 must be at most 1"),
+    ("--adam-beta2 of 1", {}, ["--adam-beta2", "1"], 2, "argument --adam-beta2: 1 must be below 1"),
     ("--dtype bf16 of an fp32 package", {}, ["--dtype", "bf16"], 1, "--dtype bf16: it was compiled in fp32; compile it with --dtype bf16 to train so"),
     ("freeze training under an asynchronous schedule", {}, ["--schedule", "ftpipe", "--freeze-at", "1:1"], 1, "freeze training needs a synchronous schedule, not ftpipe; pick gpipe or 1f1b"),
     # found by the audit (docs/reliability.md)
