@@ -76,7 +76,7 @@ def _data_options(f):
         click.option(
             "--text-field",
             default=None,
-            help="With --data: the field of the text (default: the file's one text column).",
+            help="With --data: the field of the text (default: text).",
         ),
         click.option(
             "--prompt-field",
