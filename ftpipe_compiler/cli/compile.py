@@ -62,7 +62,8 @@ def _data_options(f):
             default=None,
             help="A text file to fine-tune on (.jsonl/.json/.csv/.parquet/.txt): set --seq-len "
             "(and --target-len) from its token lengths, tokenized by the model folder's "
-            f"tokenizer (at most {SAMPLES} samples, drawn at random); an explicit length wins.",
+            f"tokenizer (at most {SAMPLES} samples, drawn at random); an explicit length wins. "
+            "(default: none, the task's lengths)",
         ),
         click.option(
             "--len-percentile",
@@ -72,15 +73,29 @@ def _data_options(f):
             help="With --data: the share of samples (nearest rank, %) the lengths fit; "
             "rounded up to a multiple of 8.",
         ),
-        click.option("--text-field", default=None, help="With --data: the field of the text."),
-        click.option("--prompt-field", default=None, help="With --data: prompts (with targets)."),
-        click.option("--target-field", default=None, help="With --data: targets."),
-        click.option("--chat-field", default=None, help="With --data: chat messages."),
-        click.option("--chat-template", default=None, help="With --data: a Jinja chat template."),
+        click.option(
+            "--text-field",
+            default=None,
+            help="With --data: the field of the text (default: text).",
+        ),
+        click.option(
+            "--prompt-field",
+            default=None,
+            help="With --data: prompts (with targets; default: none).",
+        ),
+        click.option("--target-field", default=None, help="With --data: targets (default: none)."),
+        click.option(
+            "--chat-field", default=None, help="With --data: chat messages (default: none)."
+        ),
+        click.option(
+            "--chat-template",
+            default=None,
+            help="With --data: a Jinja chat template (default: the tokenizer's).",
+        ),
         click.option(
             "--pack",
             is_flag=True,
-            help="With --data: samples will be packed into full rows; the length stays.",
+            help="With --data: samples will be packed into full rows; the length stays (default: off).",
         ),
     )
     for o in reversed(options):

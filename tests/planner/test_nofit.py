@@ -14,6 +14,7 @@ from ftpipe_compiler.cli import cli
 from ftpipe_compiler.costs.formulas import MemoryReserve
 from ftpipe_compiler.errors import InfeasibleError
 from ftpipe_compiler.partition import problem_from_graph
+from ftpipe_compiler.planner import nofit
 from ftpipe_compiler.planner.matrix import NothingFits, search_matrix
 from ftpipe_compiler.planner.nofit import check_floor, explain
 from ftpipe_compiler.units import size
@@ -46,6 +47,12 @@ def _fits_on(problem, gpus: int) -> bool:
     return True
 
 
+@pytest.fixture(autouse=True)
+def _fewer_gpus_tried(monkeypatch):
+    """A count of GPUs is searched up to 16, not 256: each try plans the tiny model."""
+    monkeypatch.setattr(nofit, "MAX_GPUS", 16)
+
+
 def test_the_weights_alone_do_not_fit(problem):
     """fp32 AdamW: 4 B weight + 4 B gradient + 8 B of moments = 16 B per parameter; the
     GPUs hold less than that together, so no partitioner runs and the sentence says why."""
@@ -71,7 +78,7 @@ def test_the_weights_alone_do_not_fit(problem):
         n = int(found[1])
         assert _fits_on(small, n) and not _fits_on(small, n - 1)
     else:
-        assert "no GPU count up to 256" in said and not _fits_on(small, 3)
+        assert f"no GPU count up to {nofit.MAX_GPUS}" in said and not _fits_on(small, 3)
     # bf16-pure: 2 B weight + 2 B gradient + 2 x 2 B moments; LoRA: the frozen fp32 weights.
     assert f"--dtype bf16-pure ({size(8 * numel)}: " in said
     assert (
@@ -104,7 +111,7 @@ def test_the_activations_do_not_fit(problem):
         n = int(found[1])
         assert n > 2 and _fits_on(tight, n) and not _fits_on(tight, n - 1)
     else:
-        assert "no GPU count up to 256" in said and not _fits_on(tight, 3)
+        assert f"no GPU count up to {nofit.MAX_GPUS}" in said and not _fits_on(tight, 3)
     assert "a smaller --micro-batch or --seq-len" in said
 
 

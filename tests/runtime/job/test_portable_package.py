@@ -54,8 +54,7 @@ def test_a_copied_package_finds_its_weights_or_says_how(tmp_path, run_pipeline, 
     assert codes == [0, 0], ranks.stderr()
     assert json.loads(log.read_text())["losses"] == here  # the same weights, the same run
 
-    # Random weights (an empty folder named) train differently: the checkpoint was read.
+    # A folder without the weights is refused, never trained from random weights.
     (tmp_path / "empty").mkdir()
     codes, ranks, log = train(far, "random", ["--weights", str(tmp_path / "empty")])
-    assert codes == [0, 0], ranks.stderr()
-    assert json.loads(log.read_text())["losses"] != here
+    assert codes == [1, 1] and "holds no *.safetensors weights" in ranks.stderr(0)

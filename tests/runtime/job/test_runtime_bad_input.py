@@ -369,5 +369,5 @@ def test_a_manifest_of_the_wrong_types_is_a_damaged_checkpoint(tmp_path, monkeyp
     capsys.readouterr()
     run(one_rank_plan(), STAGES, [*argv, "--steps", "3", "--resume"])
     err = capsys.readouterr().err
-    assert "ftpipe: warning: checkpoint ck/step-000002 is damaged (rank-0.json is not this " in err
+    assert "warning: checkpoint ck/step-000002 is damaged (rank-0.json is not this " in err
     assert "resuming from step 1" in err
