@@ -68,7 +68,7 @@ def test_figures_of_a_step(monkeypatch):
     progress = Progress(True, 4, 0, 4, rates=rates, memory=lambda: 3 * 2**20, norms=True)
     progress.lr_of = lambda k: 1e-3 * (k + 1)
     progress.log = log = _Log()
-    progress.loss(0, torch.tensor([1.0, 3.0, 0.5]))  # losses 1 and 3, at 0.5 s
+    progress.loss(0, torch.tensor([0.5, 1.5, 0.5]))  # shares 0.5 and 1.5 of loss 2, at 0.5 s
     assert out.getvalue() == ""  # its gradient norm is not in yet
     progress.grad_norm(0, torch.tensor(9.0))  # squared
     assert [(kind, step) for kind, step, _ in log.rows] == [("train", 1)]
