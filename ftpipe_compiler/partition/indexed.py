@@ -128,9 +128,7 @@ def infeasible(problem: Problem, partitioner: str, why: str = "") -> InfeasibleE
     would fit, activations or indivisible layers are what is missing: 'needs more than P'."""
     total = sum(problem.static_bytes.values())
     need = max(1, -(-total // problem.memory)) if problem.memory > 0 else problem.gpus + 1
-    have = f"have {problem.gpus} x {size(problem.memory)}"
-    if problem.memory < problem.capacity:  # the device's reserve and a backward's gradient
-        have += f" ({size(problem.capacity)} less the device's reserve)"
+    have = f"have {problem.gpus} x {problem.memory_said()}"
     tail = f" ({why})" if why else ""
     if need > problem.gpus:
         return InfeasibleError(

@@ -22,6 +22,7 @@ from ..costs.formulas import FP32, OPTIMIZERS, Precision, param_bytes
 from ..costs.hardware import Hardware
 from ..errors import FtpipeError, unknown
 from ..graph.opgraph import OpGraph
+from ..units import size
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,12 @@ class Problem:
         message = max((n.out_bytes for n in self.graph.nodes), default=0)
         posted = min(2, self.gpus - 1) * min(POST_AHEAD_BYTES, POST_AHEAD_MESSAGES * message)
         return max(0, usable - largest - fp32_copy - posted)
+
+    def memory_said(self) -> str:
+        """`memory` as printed: '10.6 GiB (11.0 GiB less the device's reserve)'."""
+        if self.memory < self.capacity:
+            return f"{size(self.memory)} ({size(self.capacity)} less the device's reserve)"
+        return size(self.memory)
 
     @property
     def bandwidth(self) -> float:

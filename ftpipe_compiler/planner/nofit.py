@@ -116,12 +116,12 @@ def _message(problem: Problem, model: str, schedules, steps: int, *, activations
             f": the closest plan needs {size(tightest)} on its fullest GPU" if tightest else ""
         )
         need += (
-            f", within one {hw}'s {_usable(problem)}, but no split of it fits with the activations "
+            f", within one {hw}'s {problem.memory_said()}, but no split of it fits with the activations "
             f"on every GPU{closest}"
         )
         start = gpus + 1
     else:
-        need += f" before any activation, more than one {hw}'s {_usable(problem)}"
+        need += f" before any activation, more than one {hw}'s {problem.memory_said()}"
         start = max(gpus + 1, math.ceil(floor / mem)) if mem > 0 else gpus + 1
     options = []
     found = gpus_that_fit(problem, schedules, start, steps)
@@ -141,13 +141,6 @@ def _message(problem: Problem, model: str, schedules, steps: int, *, activations
         option = f"--lora r=16,alpha=32,targets={','.join(targets)}"
         options.append(_alternative(option, lora, problem, "plus the adapters"))
     return f"{need}; would fit: " + "; ".join(options)
-
-
-def _usable(problem: Problem) -> str:
-    """'10.6 GiB (11.0 GiB less the device's reserve)': what the stages may fill."""
-    if problem.memory < problem.capacity:
-        return f"{size(problem.memory)} ({size(problem.capacity)} less the device's reserve)"
-    return size(problem.memory)
 
 
 def _alternative(option: str, floor: int, problem: Problem, extra: str = "") -> str:

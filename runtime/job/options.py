@@ -67,14 +67,6 @@ def number(kind, low, above: bool = False, below=None, most=None):
     return parse
 
 
-def _fraction(text: str) -> float:
-    """An argparse type: a number from 0 to 1."""
-    value = number(float, 0)(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"{text} must be at most 1")
-    return value
-
-
 def use_weights(argv: list[str], prog: str) -> list[str]:
     """`--weights DIR` anywhere in `argv`: the model's folder for every command of the
     package (train, --check, export), through $FTPIPE_WEIGHTS so the stages and the plan's
@@ -196,7 +188,7 @@ def _training(p, plan: dict) -> None:
     )
     p.add_argument(
         "--decay-fraction",
-        type=_fraction,
+        type=number(float, 0, most=1),
         default=0.1,
         help="the part of the steps wsd decays over (default %(default)s)",
     )
