@@ -37,7 +37,6 @@ limit peaks at 712 MB RSS (tools/check_measured_memory.py prints these figures).
 from __future__ import annotations
 
 import platform
-import resource
 import sys
 import time
 from dataclasses import replace
@@ -45,7 +44,7 @@ from dataclasses import replace
 import torch
 from ftpipe_runtime.errors import WriteFailed
 from ftpipe_runtime.job.device import use_tf32
-from ftpipe_runtime.job.report import peak_resident_bytes
+from ftpipe_runtime.job.report import peak_resident_bytes, resident_bytes
 from tqdm import tqdm
 
 from ..errors import FtpipeError, unknown
@@ -145,7 +144,7 @@ def measured_costs(
     hit = load_profile(key, reference, cache_dir) if cache else None
     if hit is not None:
         return replace(hit, meta={**hit.meta, "measured": {**hit.meta["measured"], "cache": "hit"}})
-    rss_before, t0 = current_rss_bytes(), time.perf_counter()
+    rss_before, t0 = resident_bytes(), time.perf_counter()
     # A bar of its own on a terminal, unless the caller shows progress (`ftpipe compile`'s one).
     bar = tqdm(total=len(blocks), desc=f"timing blocks on {device}", unit="block",
                disable=None if progress is None else True)  # fmt: skip
@@ -233,8 +232,3 @@ def check_memory_limit(blocks: list[Block], graph: OpGraph, limit_gb, granularit
                 f"gradients, inputs and activations), more than --memory-limit {limit_gb:g} GB; "
                 f"{advice}"
             )
-
-
-def current_rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
