@@ -94,6 +94,7 @@ class CudaClock:
         self.name = self.identity = torch.cuda.get_device_name(self.device)
         use_tf32(self.device, True)  # fp32 products as a run makes them (its default --tf32)
         self.per_block_peak = True
+        self.base = 0
 
     def time(self, fn, *args):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -105,10 +106,13 @@ class CudaClock:
         return start.elapsed_time(end) / 1e3, out
 
     def reset_peak(self) -> None:
+        # What the process held before the block (another model of the same process, a
+        # caller's tensors) is not the block's: its peak counts from here.
         torch.cuda.reset_peak_memory_stats(self.device)
+        self.base = torch.cuda.memory_allocated(self.device)
 
     def peak_bytes(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - self.base
 
 
 DEVICES = {"cpu": CpuClock, "cuda": CudaClock}

@@ -106,13 +106,15 @@ def _cross_entropy(z, t, ignore_index, logits_dtype, lse=None):
     dtype = logits_dtype or z.dtype
     total = torch.zeros((), dtype=dtype, device=z.device)
     for i, j in _chunks(z.shape[0], z.shape[1], dtype.itemsize, z.device):
-        zc = z[i:j].to(dtype)
-        logp = torch.log_softmax(zc, dim=-1)  # one chunk: malloc's heap, not fresh pages
+        zc = z[i:j]
+        # Upcast inside the kernel: one pass over the chunk, no upcast copy of it first
+        # (one chunk: malloc's heap on a CPU, not fresh pages).
+        logp = torch.log_softmax(zc, dim=-1, dtype=dtype)
         tc = t[i:j]
         keep = tc != ignore_index
         total = total - (logp.gather(1, tc.clamp(min=0)[:, None])[:, 0] * keep).sum()
         if lse is not None:
-            lse[i:j] = zc[:, 0] - logp[:, 0]
+            lse[i:j] = zc[:, 0].to(dtype) - logp[:, 0]
     return total / (t != ignore_index).sum()  # a mean, as torch's (NaN if none counted)
 
 
@@ -138,12 +140,12 @@ def _into_gradient(ctx, upstream) -> tuple[torch.Tensor, list]:
         keep = t != ctx.ignore_index
         scale = upstream.to(lse.dtype) / keep.sum().to(lse.dtype)
         for i, j in _chunks(z.shape[0], z.shape[1], lse.dtype.itemsize, z.device):
-            zc = z[i:j].to(lse.dtype)  # the same memory unless the loss read them upcast
-            zc.sub_(lse[i:j, None]).exp_()  # the softmax
-            zc[torch.arange(j - i, device=z.device), t[i:j].clamp(min=0)] -= 1.0
-            zc.mul_((keep[i:j] * scale)[:, None])
-            if zc.data_ptr() != z[i:j].data_ptr():
-                z[i:j] = zc  # back to the product's dtype, as the unfused `to` backward
+            # Two passes over a chunk (on a GPU the loss's time is memory traffic): the
+            # softmax, upcast in its kernel; then scaled into the logits' own memory, cast
+            # back to their dtype on the way, as the unfused `to`'s backward.
+            p = torch.softmax(z[i:j], dim=-1, dtype=lse.dtype)
+            p[torch.arange(j - i, device=z.device), t[i:j].clamp(min=0)] -= 1.0
+            torch.mul(p, (keep[i:j] * scale)[:, None], out=z[i:j])
         ctx.done = z, upstream, rest
     z, first, rest = ctx.done
     same = upstream is first or bool(torch.equal(upstream, first))
