@@ -222,7 +222,8 @@ class LossGather:
     def add(self, step: int, source: int, message: torch.Tensor) -> None:
         with self.lock:
             parts = self.parts.setdefault(step, {})
-            parts[source] = message.double().cpu()
+            # Left on the device (no wait for the GPU here): `Progress.loss` reads it when there.
+            parts[source] = message.double()
             if len(parts) < len(self.sources):
                 return
             del self.parts[step]
