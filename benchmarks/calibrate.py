@@ -41,7 +41,9 @@ import statistics
 import time
 from pathlib import Path
 
-import ftpipe_runtime  # noqa: F401 - before torch loads: the CPU allocator a run uses
+import ftpipe_runtime
+
+ftpipe_runtime.prepare_process()  # before torch loads: the CPU allocator a run uses
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 SMALL = (256, 1024)  # a transformer block's matrix: its step stays in cache

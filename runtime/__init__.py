@@ -14,36 +14,17 @@ run meets them (docs/architecture.md maps every module):
 - `train/`: the update rule: optimizers, mixed precision, data parallelism.
 - `checkpoint/`: checkpoints and HuggingFace folders.
 - `freeze/`: freeze training and the switch to shorter plans.
-- here: `errors` (the runtime's failures), `atomic` (every file written whole or not at all).
+- here: `prepare_process()` (the process settings a package applies before torch loads),
+  `errors` (the runtime's failures), `atomic` (every file written whole or not at all).
 """
 
-from .job.cpu_allocator import keep_heap, use_huge_pages
-from .job.signals import starting
-
-use_huge_pages()  # before any module below imports torch
-keep_heap()
-
-with starting():  # a command's Ctrl-C while torch loads: one line, not an import's traceback
-    from .errors import PeerFailure, PipelineConfigError, ScheduleError
-    from .job.train import run
-    from .schedules import (
-        SCHEDULES,
-        Action,
-        Schedule,
-        StageInfo,
-        StagePolicy,
-        actions,
-        get_schedule,
-        interleave,
-        resolve_schedule,
-        validate,
-    )
-    from .stage import fused_loss  # noqa: F401 - registers torch.ops.ftpipe for generated stages
+import importlib
 
 __all__ = [
     "PeerFailure",
     "PipelineConfigError",
     "ScheduleError",
+    "prepare_process",
     "run",
     "SCHEDULES",
     "Action",
@@ -56,3 +37,28 @@ __all__ = [
     "resolve_schedule",
     "validate",
 ]
+
+# Importing the runtime loads nothing and changes nothing (no torch, no process settings): a
+# name is imported when first used, and a package's entry point calls `prepare_process()`.
+_HOMES = {
+    **dict.fromkeys(("PeerFailure", "PipelineConfigError", "ScheduleError"), ".errors"),
+    "prepare_process": ".job.cpu_allocator",
+    "run": ".job.train",
+    **dict.fromkeys(
+        ("SCHEDULES", "Action", "Schedule", "StageInfo", "StagePolicy", "actions",
+         "get_schedule", "interleave", "resolve_schedule", "validate"),
+        ".schedules",
+    ),
+}  # fmt: skip
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .job.signals import starting
+
+    with starting():  # a command's Ctrl-C while torch loads: one line, not an import's traceback
+        value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value
+    return value

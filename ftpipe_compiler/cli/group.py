@@ -3,9 +3,12 @@ commands are added in `cli/__init__.py`, one module each."""
 
 from __future__ import annotations
 
+from importlib import import_module
+
 import click
+from click.utils import make_default_short_help
 from ftpipe_runtime.errors import WriteFailed
-from ftpipe_runtime.job.signals import stopped
+from ftpipe_runtime.job.signals import starting, stopped
 
 from ..errors import FtpipeError
 from ..version import __version__
@@ -14,7 +17,37 @@ from ..version import __version__
 class _Group(click.Group):
     """Turns an FtpipeError (or a failed write) from any command into one line on stderr and
     exit code 1, Ctrl-C into one line and exit code 130 (SIGTERM: 143), and any other error
-    into one line (`--debug` shows its traceback) and exit code 1."""
+    into one line (`--debug` shows its traceback) and exit code 1.
+
+    Its commands load when one runs (`lazy`: name -> module, attribute, the help's first
+    line), so `ftpipe --help` and `ftpipe models` never load torch."""
+
+    lazy: dict[str, tuple[str, str, str]] = {}
+
+    def list_commands(self, ctx):
+        return sorted({*self.commands, *self.lazy})
+
+    def get_command(self, ctx, name):
+        if name not in self.commands and name in self.lazy:
+            module, attribute, _ = self.lazy[name]
+            with starting("ftpipe"):  # Ctrl-C while it imports: one line, not a traceback
+                found = import_module(module, __package__)
+            self.add_command(getattr(found, attribute), name)
+        return super().get_command(ctx, name)
+
+    def format_commands(self, ctx, formatter):
+        # The help's first sentences as declared, shortened as click shortens a command's own:
+        # listing them must not import every command.
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(map(len, names), default=0)
+        rows = [
+            (name, make_default_short_help(self.lazy[name][2], limit) if name not in self.commands
+             else self.commands[name].get_short_help_str(limit))
+            for name in names
+        ]  # fmt: skip
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
     def parse_args(self, ctx, args):
         ctx.meta["ftpipe.argv"] = list(args)  # for the headers of what we generate

@@ -17,6 +17,7 @@ from ..costs.measured import DEVICES
 from ..costs.profilers import GRANULARITIES, PROFILERS
 from ..partition import PARTITIONERS
 from ..resources import config_names
+from .echo import json_option  # noqa: F401 - the commands' options in one place
 from .hardware import DEFAULT as DEFAULT_HARDWARE
 from .hardware import default_hardware
 
@@ -49,10 +50,6 @@ def names(value: str | None) -> list[str] | None:
     if not value:
         return None
     return [n.strip() for n in value.split(",") if n.strip()] or None
-
-
-def json_option(help: str = "Print machine-readable results."):
-    return click.option("--json", "as_json", is_flag=True, help=help)
 
 
 def _partitioners(ctx, param, value: str | None) -> str | None:

@@ -22,13 +22,8 @@ import torch
 
 from ..errors import PipelineConfigError
 from ..schedules import StageGraph, StageInfo, with_chunks
+from .format import PLAN_FORMAT, READABLE_FORMATS
 from .weights import model_folder
-
-# Bumped whenever plan.json changes shape; the compiler and the runtime refuse other formats.
-# Format 2 added data parallelism (replicas, placement, cluster); a format-1 plan is one
-# pipeline, read as such.
-PLAN_FORMAT = 2
-READABLE_FORMATS = (1, 2)
 
 
 def read_plan(path) -> dict:

@@ -18,6 +18,7 @@ from torch import nn
 from ..errors import PipelineConfigError
 from ..models.lora import is_adapter
 from ..spec.weights import WEIGHTS_ENV, checkpoint_keys, initial_value
+from . import fused_loss  # noqa: F401 - registers torch.ops.ftpipe, which generated stages call
 
 
 class Scope(nn.Module):
