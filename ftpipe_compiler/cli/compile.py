@@ -50,7 +50,7 @@ def _schedules(ctx, param, value: str) -> list[str]:
         raise click.BadParameter(str(e)) from None
 
 
-_TEXT = ("text_field", "prompt_field", "target_field", "chat_field", "chat_template", "pack")
+_TEXT = ("text_field", "prompt_field", "target_field", "chat_field", "chat_template")
 
 
 def _data_options(f):
@@ -95,7 +95,9 @@ def _data_options(f):
         click.option(
             "--pack",
             is_flag=True,
-            help="With --data: samples will be packed into full rows; the length stays (default: off).",
+            help="Trace a causal LM for packed rows whose documents stay apart (position ids "
+            "restart per document, attention never crosses one; run the package with --pack); "
+            "with --data, the length stays the task's (default: off).",
         ),
     )
     for o in reversed(options):
@@ -104,11 +106,11 @@ def _data_options(f):
 
 
 def _data_request(options: dict) -> DataRequest | None:
-    """Takes the data options out of `options` (the rest are costed_graph's)."""
+    """Takes the data options out of `options` (the rest, --pack too, are costed_graph's)."""
     path, percentile = options.pop("data"), options.pop("len_percentile")
-    text = TextOptions(**{k: options.pop(k) for k in _TEXT})
+    text = TextOptions(**{k: options.pop(k) for k in _TEXT}, pack=options["pack"])
     if path is None:
-        given = next((k for k, v in text.to_json().items() if v), None)
+        given = next((k for k, v in text.to_json().items() if v and k != "pack"), None)
         if given:
             flag = "--" + given.replace("_", "-")
             raise click.UsageError(f"{flag} says how to read --data FILE; pass --data")

@@ -39,6 +39,7 @@ def costed_graph(
     freeze: str | None = None,
     lora: str | None = None,
     fuse_loss: bool = True,
+    pack: bool = False,
     **measured_options,
 ) -> tuple[ModelSpec, Task, Traced, OpGraph]:
     if granularity not in GRANULARITIES:
@@ -51,6 +52,8 @@ def costed_graph(
     spec = resolve_model(model, head)
     if freeze or lora:  # applied when the model is built (frozen.adapted)
         spec = replace(spec, freeze=freeze or "", lora=parse_lora(lora))
+    if pack:  # packed documents kept apart: traced with position ids (ModelSpec.for_packing)
+        spec = spec.for_packing()
     t = resolve_task(spec, task, seq_len, target_len, micro_batch, batch)
     if precision not in PRECISIONS:
         raise FtpipeError(f"unknown precision {precision!r}; choose from {', '.join(PRECISIONS)}")

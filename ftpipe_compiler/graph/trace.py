@@ -29,6 +29,7 @@ from ..model.zoo import ModelSpec
 from .exported import describe_value, to_graph
 from .fuse import fuse_linear_cross_entropy
 from .opgraph import OpGraph
+from .packing import check_documents_apart
 
 
 @dataclass
@@ -64,6 +65,8 @@ def trace_model(
             raise _trace_error(spec, e, said.getvalue()) from None
     sys.stderr.write(said.getvalue())  # a successful export's warnings, as it said them
     _check_loss(spec, program)
+    if spec.packed:  # the attention must mask by the documents the positions tell apart
+        check_documents_apart(spec, program)
     inline_regions(program.graph_module)
     if fuse_loss:
         fuse_linear_cross_entropy(program.graph_module)  # the LM head and its loss: one op

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -76,6 +76,7 @@ class ModelSpec:
     parameters: int = 0
     freeze: str = ""  # --freeze: a regex of parameter names to freeze (frozen.py)
     lora: dict | None = None  # --lora: LoraSpec.to_json(), the adapters peft wraps in
+    packed: bool = False  # --pack: traced for packed documents (for_packing)
 
     @property
     def model_type(self) -> str:
@@ -99,6 +100,28 @@ class ModelSpec:
                 "way; give its model_type a 'shift' rule in ftpipe_runtime/models/heads.py"
             )
         return frozen.adapted(LossModel(model, self.inputs), self.freeze, self.lora)
+
+    def for_packing(self) -> ModelSpec:
+        """This causal LM traced for packed documents (`--pack`): position ids in, no 2-D
+        attention mask, so the model derives a mask that keeps documents apart
+        (ftpipe_runtime.models.packing)."""
+        if self.head != "causal-lm":
+            what = f"a {self.head} model" if self.head else "a model function"
+            raise FtpipeError(
+                f"--pack packs documents for a causal LM, and {self.spec} is {what}; leave "
+                "--pack out"
+            )
+        from ftpipe_runtime.models import hf
+
+        try:
+            config = hf.hf_config(self.config)
+            inputs = hf.forward_inputs(self.hf_class, self.head, config, packed=True)
+        except ValueError as e:
+            raise FtpipeError(
+                f"{self.spec}: {e} (packed documents are told apart by their positions); "
+                "leave --pack out"
+            ) from None
+        return replace(self, inputs=inputs, packed=True)
 
     def checkpoint_aliases(self, model: nn.Module) -> dict[str, str]:
         """Parameter -> the other name the folder's checkpoint holds it under (if any)."""

@@ -12,7 +12,8 @@ is a learnable synthetic task (counting sequences; labels follow from them) for 
 asynchronous loss fall. A file holds token ids (`.pt`, `.jsonl` of id lists) or text
 (`.jsonl`, `.json`, `.csv`, `.parquet`, `.txt`: `text_data` tokenizes it with the model's
 tokenizer); every rank derives the same sample order (a seeded permutation per epoch); inputs
-it lacks follow from the model's head (masks, causal-LM labels, seq2seq decoder inputs). An
+it lacks follow from the model's head (masks, causal-LM labels, seq2seq decoder inputs, the
+positions of rows that hold one sample each). An
 evaluation set (`evaluation=True`) is read once, in order, by `EvalData`.
 """
 
@@ -25,6 +26,7 @@ import torch
 
 from ..errors import PipelineConfigError
 from ..models import HEADS, IGNORE, Vocab, decoder_inputs, shift_right, synthetic_batch
+from ..models.packing import POSITIONS
 from .text import TEXT_FORMATS, TextOptions, is_text_file, load_tokenizer, read_text
 from .tokens import TOKEN_COLUMNS, read_token_ids
 
@@ -162,6 +164,8 @@ class FileData(_Inputs):
             )
         if name == "token_type_ids":
             return torch.zeros(shape, dtype=dtype)
+        if name == POSITIONS:  # rows not packed, on a package compiled for packing: one each
+            return torch.arange(shape[1]).expand(shape).to(dtype)
         raise PipelineConfigError(
             f"the data file has no {name!r} and it cannot be derived; give each sample as an "
             f"object with {', '.join(self.specs)}"

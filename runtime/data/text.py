@@ -18,8 +18,9 @@ What a sample becomes depends on the model's head:
   with the chat template (the tokenizer's, or `--chat-template FILE`); labels on the
   assistant turns only (`chat.py`).
 
-Samples are padded to the compiled length; `pack=True` (causal LM) concatenates them, each
-ended by the end-of-sequence token, and cuts the stream into full rows instead. A sample
+Samples are padded to the compiled length; `pack=True` (causal LM) joins them, each ended by
+the end-of-sequence token, into full rows instead (`packing.py`: whole samples kept apart by
+their positions in a package compiled with --pack, else one stream cut into rows). A sample
 longer than the compiled length is refused, naming it; `truncate=True` cuts it with a warning.
 """
 
@@ -36,7 +37,9 @@ import torch
 
 from ..errors import PipelineConfigError
 from ..models import IGNORE
+from ..models.packing import packs_documents
 from .chat import chat_columns, chat_template
+from .packing import concatenate, end_documents, pack_documents
 
 __all__ = [
     "TEXT_FORMATS",
@@ -138,9 +141,18 @@ def read_text(path, model: dict, options: TextOptions, tokenizer, say=print) -> 
     path = Path(path)
     columns = text_columns(path, model.get("head", ""), options, tokenizer)
     lengths = {n: shape[1] for n, (shape, _) in model["inputs"].items() if len(shape) > 1}
-    if options.pack:
-        return _pack(columns, lengths["input_ids"], _eos(tokenizer))
-    return _fit(columns, lengths, path.name, options.truncate, say)
+    if not options.pack:
+        return _fit(columns, lengths, path.name, options.truncate, say)
+    columns = end_documents(columns, _eos(tokenizer))
+    if packs_documents(model):
+        rows = _fit(columns, {"input_ids": lengths["input_ids"]}, path.name, options.truncate, say)
+        return pack_documents(rows, lengths["input_ids"])
+    say(
+        f"ftpipe: note: {path.name}: this package was compiled without --pack, so packed texts "
+        "attend to each other and their positions run on; compile with `ftpipe compile --pack` "
+        "to keep them apart"
+    )
+    return concatenate(columns, lengths["input_ids"])
 
 
 def text_columns(path, head: str, options: TextOptions, tokenizer, samples: int | None = None):
@@ -313,16 +325,6 @@ def _fit(columns: dict, lengths: dict, name: str, truncate: bool, say) -> dict:
     if cut:
         say(f"ftpipe: warning: {name}: cut {len(cut)} texts to the compiled length (--truncate)")
     return {k: [torch.tensor(r, dtype=torch.long) for r in v] for k, v in columns.items()}
-
-
-def _pack(columns: dict, length: int, eos: list[int]) -> dict:
-    """One stream of every sample (each ended by end-of-sequence), cut into rows of `length`."""
-    ends = [not eos or row[-1:] != eos for row in columns["input_ids"]]  # eos missing
-    out = {}
-    for column, rows in columns.items():
-        flat = [t for row, add in zip(rows, ends) for t in (row + eos if add else row)]
-        out[column] = list(torch.tensor(flat, dtype=torch.long).split(length))
-    return out
 
 
 def _short(e: BaseException) -> str:

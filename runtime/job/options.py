@@ -256,7 +256,11 @@ def _data(p, plan: dict) -> None:
     data.add_argument(
         "--tokenizer", default=None, help="tokenizer folder (default: the compiled model's)"
     )
-    data.add_argument("--pack", action="store_true", help="causal LM: join texts into full rows")
+    data.add_argument(
+        "--pack",
+        action="store_true",
+        help="causal LM: join texts into full rows (documents kept apart if compiled with --pack)",
+    )
     data.add_argument(
         "--truncate",
         action="store_true",

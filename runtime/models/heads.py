@@ -104,9 +104,13 @@ class Vocab:
         return cls(**{f.name: int(d[f.name]) for f in fields(cls) if d.get(f.name) is not None})
 
 
-def input_names(head: Head, forward_params, vocab: Vocab) -> tuple[str, ...]:
-    """The inputs to feed, in the order of the forward's own parameters."""
-    wanted = {"input_ids", "attention_mask", *head.labels}
+def input_names(
+    head: Head, forward_params, vocab: Vocab, *, packed: bool = False
+) -> tuple[str, ...]:
+    """The inputs to feed, in the order of the forward's own parameters. `packed` (a causal LM
+    compiled with --pack): position ids instead of the 2-D attention mask, from which the model
+    derives a mask that keeps packed documents apart (`packing.py`)."""
+    wanted = {"input_ids", "position_ids" if packed else "attention_mask", *head.labels}
     if head.decoder:
         wanted.add("decoder_input_ids")
     if vocab.type_vocab_size >= 2:  # GPT-2 takes token_type_ids too, but has no types
@@ -115,6 +119,8 @@ def input_names(head: Head, forward_params, vocab: Vocab) -> tuple[str, ...]:
     missing = [n for n in ("input_ids", *head.labels) if n not in names]
     if missing:
         raise ValueError(f"its forward takes no {', '.join(missing)}, which a {head.name} needs")
+    if packed and "position_ids" not in names:
+        raise ValueError("its forward takes no position_ids, which --pack needs")
     return names
 
 

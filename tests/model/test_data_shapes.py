@@ -119,8 +119,9 @@ def test_an_explicit_length_wins_and_is_measured(folders):
 
 
 def test_data_options_need_data_and_a_model_folder(folders, tmp_path):
-    result = CliRunner().invoke(cli, ["compile", "--model", "gpt2", "--gpus", "2", "--pack"])
-    assert result.exit_code == 2 and "--pack says how to read --data FILE; pass --data" in (
+    result = CliRunner().invoke(cli, ["compile", "--model", "gpt2", "--gpus", "2",
+                                      "--text-field", "body"])  # fmt: skip
+    assert result.exit_code == 2 and "--text-field says how to read --data FILE; pass --data" in (
         result.output
     )
     with pytest.raises(FtpipeError, match="gpt2 has no model folder"):
