@@ -54,18 +54,20 @@ format: install
 	$(BIN)/ruff format .
 
 # The main job: compile T5-3B for 8 GPUs (analytic costs, nothing downloaded) and simulate
-# the plan; then fine-tune a tiny Llama on question/answer text with torchrun on 2 CPU
-# processes, evaluating as it goes, and write it out as a HuggingFace folder.
+# the plan; then fine-tune a tiny Llama on chat conversations, packed into rows that keep
+# documents apart, with torchrun on 2 CPU processes, evaluating as it goes; write it out as a
+# HuggingFace folder and ask it questions through transformers and its chat template.
 demo: install
 	$(BIN)/ftpipe compile --model t5-3b --gpus 8 -o $(OUT)/t5-3b --force
 	$(BIN)/ftpipe simulate $(OUT)/t5-3b/plan.json --report $(OUT)/t5-3b/report.html
 	$(BIN)/python tools/demo_text.py $(OUT)/demo-text
-	$(BIN)/ftpipe compile --model $(OUT)/demo-text/tiny-llama --gpus 2 --seq-len 16 \
+	$(BIN)/ftpipe compile --model $(OUT)/demo-text/tiny-llama --gpus 2 --seq-len 32 --pack \
 		--micro-batch 4 --batch 16 -o $(OUT)/tiny-llama --force
 	cd $(OUT)/tiny-llama && OMP_NUM_THREADS=1 $(abspath $(BIN))/torchrun --nproc_per_node 2 \
 		-m tiny_llama_pipeline --device cpu --data ../demo-text/train.jsonl \
-		--eval-data ../demo-text/val.jsonl --prompt-field question --target-field answer \
-		--steps 40 --eval-every 10 --lr 3e-3 --log-every 10 --save-hf ../demo-text/fine-tuned
+		--eval-data ../demo-text/val.jsonl --chat-field messages --pack \
+		--steps 40 --eval-every 10 --lr 1e-2 --log-every 10 --save-hf ../demo-text/fine-tuned
+	$(BIN)/python tools/demo_text.py --generate $(OUT)/demo-text/fine-tuned
 
 bench: install
 	$(BIN)/python -m benchmarks --out BENCHMARKS.md

@@ -238,3 +238,20 @@ def test_the_export_renders_chat_as_training_did(word_tok, tmp_path):
     exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
     ids, _ = _reference(word_tok, TALKS[0])
     assert exported.apply_chat_template(TALKS[0])["input_ids"] == ids
+
+
+def test_the_demos_conversations_render_with_its_template_and_its_folder_answers(tmp_path, capsys):
+    """`make demo`'s chat pieces: the tokenizer's own template gives exactly the template's
+    words, labels on the assistant's answer and its <|im_end|>; the folder (here untrained)
+    answers through `apply_chat_template` and `generate`."""
+    import demo_text
+
+    folder = demo_text.write_model(tmp_path / "tiny", chat=True)
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    talk = demo_text.conversations(1, seed=3)[0]["messages"]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": talk}])
+    data = make_data(CAUSAL, str(path), 0, CHAT, tok, evaluation=True)
+    ids, labels = _reference(tok, talk)
+    assert data.row("input_ids", 0).tolist() == ids and data.row("labels", 0).tolist() == labels
+    assert demo_text.generate(folder, questions=["one two three"]) == 0
+    assert capsys.readouterr().out.startswith("user: one two three  ->  assistant: ")
