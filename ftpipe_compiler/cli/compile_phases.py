@@ -29,6 +29,7 @@ from ..costs.formulas import describe
 from ..costs.profilers import costed_graph
 from ..model.data_shapes import data_shapes
 from ..model.frozen import describe_frozen
+from ..model.tasks import resolve_task
 from ..model.zoo import resolve_model
 from ..output import output_folder
 from ..partition import problem_from_graph
@@ -104,8 +105,11 @@ def measure_data(job: Job, progress: Progress) -> None:
     """--data: the sequence (and target) length from the data's token lengths, unless given."""
     args, d = job.cost_args, job.data
     spec = resolve_model(args["model"], args.get("head"))
+    seq_len = args.get("seq_len")
+    if d.text.pack and not seq_len:  # packed rows: the task's length unless given
+        seq_len = resolve_task(spec, args.get("task"), None, None, None, None).seq_len
     job.shapes = data_shapes(spec, d.path, d.text, percentile=d.percentile,
-                             seq_len=args.get("seq_len"), target_len=args.get("target_len"))  # fmt: skip
+                             seq_len=seq_len, target_len=args.get("target_len"))  # fmt: skip
     for key in ("seq_len", "target_len"):
         if getattr(job.shapes, key):
             args[key] = getattr(job.shapes, key)

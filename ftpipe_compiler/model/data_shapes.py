@@ -73,6 +73,8 @@ class DataShapes:
     seq: Measured | None  # None: --pack (full rows; the length is not the data's)
     target: Measured | None  # a seq2seq model's decoder side
     tokens: int = 0  # in the samples measured
+    row: int | None = None  # --pack: a row's tokens (--seq-len or the task's)
+    too_long: int = 0  # --pack: samples longer than a row (refused by the run, or --truncate)
 
     @property
     def seq_len(self) -> int | None:
@@ -85,11 +87,18 @@ class DataShapes:
     def line(self) -> str:
         """One line: the lengths chosen, the samples they cut, the padding they waste."""
         if self.seq is None:
-            return (
+            line = (
                 f"data {Path(self.data).name}: {self.samples} samples measured, {self.tokens} "
-                "tokens; --pack joins them into full rows, so the sequence length is not the "
-                "data's: the task's, or --seq-len"
+                "tokens; --pack puts whole samples into full rows, so the sequence length is "
+                "not the data's: the task's, or --seq-len"
             )
+            if self.row and self.too_long:
+                return (
+                    f"{line}; {self.too_long} of {self.samples} samples are longer than a row "
+                    f"of {self.row} tokens: the run refuses them unless --truncate cuts them "
+                    "(or compile with a larger --seq-len)"
+                )
+            return f"{line}; every sample fits a row of {self.row} tokens" if self.row else line
         parts = [m.describe(self.percentile, self.samples) for m in (self.seq, self.target) if m]
         return f"data {Path(self.data).name}: " + "; ".join(parts)
 
@@ -116,8 +125,9 @@ def data_shapes(spec, data, options: TextOptions, *, percentile: float = 99.0,
     except PipelineConfigError as e:
         raise FtpipeError(str(e)) from None
     ids = [len(r) for r in columns["input_ids"]]
-    if options.pack:
-        return DataShapes(str(data), percentile, len(ids), None, None, sum(ids))
+    if options.pack:  # `seq_len`: the row's length
+        too_long = sum(n > seq_len for n in ids) if seq_len else 0
+        return DataShapes(str(data), percentile, len(ids), None, None, sum(ids), seq_len, too_long)
     seq = _measure("--seq-len", ids, percentile, seq_len, spec.max_positions)
     target = None
     if spec.head == "seq2seq-lm" and "labels" in columns:

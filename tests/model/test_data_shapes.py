@@ -113,7 +113,18 @@ def test_an_explicit_length_wins_and_is_measured(folders):
     assert "--seq-len 16 (given; longest" in shapes.line()
     packed = data_shapes(spec, data, TextOptions(pack=True))
     assert packed.seq_len is None and packed.tokens == sum(lengths)
-    assert "--pack joins them into full rows" in packed.line()
+    assert "--pack puts whole samples into full rows" in packed.line()
+    # Packed rows take whole samples: those longer than a row are counted (the run refuses
+    # them unless --truncate cuts them).
+    row = sorted(lengths)[len(lengths) // 2]
+    packed = data_shapes(spec, data, TextOptions(pack=True), seq_len=row)
+    longer = sum(n > row for n in lengths)
+    assert packed.too_long == longer > 0 and packed.seq_len is None
+    assert f"{longer} of {len(lengths)} samples are longer than a row of {row} tokens" in (
+        packed.line()
+    )
+    fits = data_shapes(spec, data, TextOptions(pack=True), seq_len=max(lengths))
+    assert fits.too_long == 0 and f"every sample fits a row of {max(lengths)}" in fits.line()
     few = data_shapes(spec, data, TextOptions(), samples=50)
     assert few.samples == 50
 
