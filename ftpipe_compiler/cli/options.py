@@ -9,6 +9,7 @@ arrive as keywords for `costed_graph` (which hands the last four to `measured_co
 from __future__ import annotations
 
 import click
+from ftpipe_runtime.errors import unknown_name
 from ftpipe_runtime.models import HEADS
 from ftpipe_runtime.models.lora import LoraSpec
 from ftpipe_runtime.train.precision import PRECISIONS
@@ -56,9 +57,7 @@ def _partitioners(ctx, param, value: str | None) -> str | None:
     """-p, refused as a usage error when it names a partitioner that does not exist."""
     for name in names(value) or ():
         if name not in PARTITIONERS:
-            raise click.BadParameter(
-                f"unknown partitioner {name!r}; choose from {', '.join(PARTITIONERS)}"
-            )
+            raise click.BadParameter(unknown_name("partitioner", name, PARTITIONERS))
     return value
 
 
@@ -103,9 +102,7 @@ def output_file_option(help: str):
 def _hardware(ctx, param, value: str | None) -> str:
     """--hardware, or the default: looked for only when not given (it may start CUDA)."""
     if value is not None and value not in config_names("hardware"):
-        raise click.BadParameter(
-            f"unknown hardware {value!r}; choose from {', '.join(config_names('hardware'))}"
-        )
+        raise click.BadParameter(unknown_name("hardware", value, config_names("hardware")))
     return value or default_hardware()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import click
 from ftpipe_runtime.atomic import check_writable_file
+from ftpipe_runtime.errors import unknown_name
 from ftpipe_runtime.schedules import SCHEDULES
 
 from ..plan import Plan, describe_remat
@@ -99,7 +100,7 @@ def _schedule_names(schedule: str | None) -> list[str | None]:
     for name in names:
         if name is not None and name not in SCHEDULES and not name.lower().endswith(".csv"):
             raise click.BadParameter(
-                f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)} or give a .csv",
+                unknown_name("schedule", name, SCHEDULES, " or give a .csv"),
                 param_hint="'--schedule'",
             )
     return names

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from ftpipe_runtime.errors import unknown_name
 from ftpipe_runtime.train.precision import PRECISIONS as RUNTIME_PRECISIONS
 
 OPTIMIZERS = ("sgd", "adam", "adamw", "adafactor")
@@ -80,7 +81,7 @@ def optimizer_state_elements(shape: tuple[int, ...], optimizer: str) -> int:
     if optimizer == "adafactor":
         # Factored second moment (a row and a column vector) for matrices, no momentum.
         return shape[-2] + shape[-1] if len(shape) >= 2 else numel
-    raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
+    raise ValueError(unknown_name("optimizer", optimizer, OPTIMIZERS))
 
 
 def param_bytes(

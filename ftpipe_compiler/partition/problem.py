@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from ftpipe_runtime.engine.comm import POST_AHEAD_BYTES, POST_AHEAD_MESSAGES
+from ftpipe_runtime.errors import unknown_name
 from ftpipe_runtime.schedules import SCHEDULES, Schedule, ScheduleError, StageInfo, StagePolicy
 from ftpipe_runtime.train.precision import get_precision
 
@@ -48,9 +49,7 @@ class Problem:
         if self.gpus > len(self.graph.nodes):  # each GPU used holds a node at least: the plan
             object.__setattr__(self, "gpus", max(1, len(self.graph.nodes)))  # keeps to those
         if self.optimizer not in OPTIMIZERS:
-            raise FtpipeError(
-                f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}"
-            )
+            raise FtpipeError(unknown_name("optimizer", self.optimizer, OPTIMIZERS))
         if self.schedule not in SCHEDULES:
             raise unknown("schedule", self.schedule, SCHEDULES)
         if get_precision(self.precision.name).loss_scaling and not self.sched.synchronous:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import PipelineConfigError
+from ..errors import PipelineConfigError, unknown_name
 from ..models import HEADS, IGNORE, Vocab, decoder_inputs, shift_right, synthetic_batch
 from ..models.packing import POSITIONS
 from .text import TEXT_FORMATS, TextOptions, is_text_file, load_tokenizer, read_text
@@ -246,8 +246,12 @@ def make_data(
         return SOURCES[source or "synthetic"](model, seed)
     if not source.endswith(FILE_SUFFIXES):
         raise PipelineConfigError(
-            f"unknown data {source!r}; choose from {', '.join(SOURCES)}, a .pt / .jsonl file "
-            f"of token ids or a {' / '.join(TEXT_FORMATS)} file of text"
+            unknown_name(
+                "data",
+                source,
+                SOURCES,
+                f", a .pt / .jsonl file of token ids or a {' / '.join(TEXT_FORMATS)} file of text",
+            )
         )
     if Path(source).is_file() and Path(source).stat().st_size == 0:
         raise PipelineConfigError(f"{source} is empty; give one sample per line or row")

@@ -54,10 +54,12 @@ def starting(prefix: str = "ftpipe"):
     if not (_main_thread() and _a_command()):
         yield
         return
-    # Only signals left to their defaults: one a parent ignores (a background job's Ctrl-C)
-    # stays ignored.
-    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
-    old = {s: h for s in defaults if (h := signal.getsignal(s)) == defaults[s]}
+    # Only signals left to their defaults (or SIGTERM to `catch_sigterm`'s, which `ftpipe`
+    # sets before its commands load): one a parent ignores (a background job's Ctrl-C) stays
+    # ignored.
+    defaults = {signal.SIGINT: (signal.default_int_handler,),
+                signal.SIGTERM: (signal.SIG_DFL, _raise_terminated)}  # fmt: skip
+    old = {s: h for s in defaults if (h := signal.getsignal(s)) in defaults[s]}
     signals = tuple(old)
 
     def stop(signum, frame):

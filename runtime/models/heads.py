@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from ..errors import unknown_name
+
 IGNORE = -100  # label of a position the loss skips (padding): HuggingFace's ignore_index
 
 
@@ -82,7 +84,7 @@ def get_head(name: str) -> Head:
     try:
         return HEADS[name]
     except KeyError:
-        raise ValueError(f"unknown head {name!r}; choose from {', '.join(HEADS)}") from None
+        raise ValueError(unknown_name("head", name, HEADS)) from None
 
 
 @dataclass(frozen=True)
