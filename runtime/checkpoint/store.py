@@ -287,8 +287,11 @@ class Checkpoints:
         run = next((m.get("run") for m in manifests if "run" in m), None)
         return difference(run, self.run) if isinstance(run, dict) else None
 
-    def load_stage(self, step: int, stage: int, module, optimizer, device, load=None) -> None:
-        """Stage tensors into `module` (or through `load(tensors)`), then its optimizer state."""
+    def load_stage(
+        self, step: int, stage: int, module, optimizer, device, load=None, state_device=None
+    ) -> None:
+        """Stage tensors into `module` (or through `load(tensors)`), then its optimizer state
+        (onto `state_device` when given: the host, where it is offloaded)."""
         folder = step_dir(self.root, step)
         path = folder / f"stage-{stage}.safetensors"
         try:
@@ -296,7 +299,8 @@ class Checkpoints:
             (load or module.load_state_dict)(tensors)
             extra = folder / f"stage-{stage}.optimizer.pt"
             if optimizer is not None and extra.is_file():
-                optimizer.load_state_dict(torch.load(extra, map_location=device, weights_only=True))
+                where = state_device or device
+                optimizer.load_state_dict(torch.load(extra, map_location=where, weights_only=True))
         except FileNotFoundError:
             raise PipelineConfigError(f"{folder} has no stage {stage}: another plan?") from None
         except (RuntimeError, KeyError, ValueError) as e:

@@ -160,6 +160,12 @@ def _training(p, plan: dict) -> None:
     optimizer = str(plan.get("optimizer") or model.get("optimizer") or "adamw").lower()
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=optimizer, help="update rule")
     p.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="keep the master weights and optimizer state in host memory and step on the CPU "
+        "(ftpipe_runtime.train.offload): less GPU memory, the same update",
+    )
+    p.add_argument(
         "--weight-decay",
         type=number(float, 0),
         default=0.0,

@@ -18,6 +18,7 @@ from ..atomic import check_writable_file, check_writable_folder
 from ..data.sources import HFExporter
 from ..errors import PipelineConfigError
 from ..stage.package import build_stages, load_init
+from ..train.offload import HostOffload
 from ..train.optim import Hyper, lr_at, make_optimizer
 from ..train.precision import MixedPrecision
 from .device import use_tf32
@@ -54,7 +55,9 @@ def prepare_rank(run, rank: int, gpu: int):
     modules = build_stages(run.topo, run.stage_classes, gpu, run.place.device, run.precision.dtype)
     if args.init:
         load_init(modules, args.init, plan)
-    mixed = MixedPrecision(run.precision, modules)  # after --init: the masters copy the weights
+    offload = _offload(args, run.place)
+    # after --init: the masters copy the weights
+    mixed = MixedPrecision(run.precision, modules, offload=offload)
     mixed.say = say
     hyper = hyper_of(args)
     optimizers = {
@@ -63,6 +66,19 @@ def prepare_rank(run, rank: int, gpu: int):
     }
     torch.manual_seed(args.seed * 7919 + rank)  # the rank's own generator, repeats per run
     return modules, optimizers, mixed, exporter, runlog
+
+
+def _offload(args, place) -> HostOffload | None:
+    """--offload-optimizer: the masters and optimizer state on the host."""
+    if not args.offload_optimizer:
+        return None
+    if place.reps.count > 1 and place.device.type == "cuda":
+        # The replicas' all-reduce sums the gradients where the masters are; NCCL's cannot.
+        raise PipelineConfigError(
+            "--offload-optimizer does not run with data-parallel replicas on CUDA yet; leave it "
+            "out, or compile the package with --replicas 1"
+        )
+    return HostOffload(place.device)
 
 
 def hyper_of(args) -> Hyper:

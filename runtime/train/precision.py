@@ -8,6 +8,7 @@
     loss * mixed.loss_scale / m            # fp16: backward of the scaled loss
     ok = mixed.unscale_and_check(grads, total_norm_sq)   # False: overflow, skip the step
     mixed.after_step(stage)                # master -> the stage's 16-bit weights
+    MixedPrecision(p, modules, offload=HostOffload(device))   # --offload-optimizer (`offload`)
 
 | name | stages compute in | optimizer steps | bytes per trainable element |
 | --- | --- | --- | --- |
@@ -26,7 +27,10 @@ which sums what the optimizer steps, the masters' gradients, in fp32. The master
 the stages' 16-bit weights (a checkpoint loaded at the compute dtype, as
 `from_pretrained(dtype=...)` loads it); a resumed run takes them from its checkpoint, which
 holds them. A weight traced in fp32 (T5's `wo` under fp16: transformers'
-`_keep_in_fp32_modules`) stays fp32 and is its own master.
+`_keep_in_fp32_modules`) stays fp32 and is its own master. With `offload` (--offload-optimizer,
+`offload.HostOffload`) every trainable weight, fp32 ones included, has its master on the host,
+where its gradients are summed and the optimizer steps it; `settle(stage)` at the stage's step
+waits for the gradients' copies.
 
 fp16's overflow check is global: the squared gradient norm every synchronous step sums over
 all ranks (the one collective of the step) is inf or nan on every rank when any gradient
@@ -158,8 +162,9 @@ def plan_in(plan: dict, precision: Precision) -> dict:
 class MixedPrecision:
     """The trainable tensors of this rank's stages under `precision` (see the module doc)."""
 
-    def __init__(self, precision: Precision, modules: dict):
+    def __init__(self, precision: Precision, modules: dict, offload=None):
         self.precision = precision
+        self.offload = offload  # a HostOffload: the masters on the host; None: beside the weights
         self.loss_scale = LossScale() if precision.loss_scaling else None
         self.skipped: list[int] = []  # steps skipped for an overflow
         self.say = None  # where a skipped step is reported (rank 0)
@@ -173,7 +178,10 @@ class MixedPrecision:
                 if not p.requires_grad:
                     continue
                 master = p
-                if precision.master and p.dtype != torch.float32:
+                if offload is not None:
+                    kept = torch.float32 if precision.master else p.dtype
+                    master = offload.master_of(p, kept)
+                elif precision.master and p.dtype != torch.float32:
                     master = p.detach().float().requires_grad_(True)
                 p.register_post_accumulate_grad_hook(self._accumulated)
                 self._of[id(p)] = (s, name, master)
@@ -210,7 +218,9 @@ class MixedPrecision:
         backward's weight pass, a set-aside weight version's backward): added where the
         weight's gradients sum, as autograd's hook would add it."""
         s, name, master = self._of[id(weight)]
-        if master is weight:  # its own master: out of place, `g` may be held elsewhere
+        if self.offload is not None:
+            self.offload.arrive(s, master, g)
+        elif master is weight:  # its own master: out of place, `g` may be held elsewhere
             weight.grad = g if weight.grad is None else weight.grad + g
         else:
             _into(master, g)
@@ -221,7 +231,10 @@ class MixedPrecision:
         s, name, master = self._of[id(p)]
         if master is not p:
             g, p.grad = p.grad, None
-            _into(master, g)
+            if self.offload is not None:
+                self.offload.arrive(s, master, g)
+            else:
+                _into(master, g)
         self._arrived(s, name)
 
     def _arrived(self, stage: int, name: str) -> None:
@@ -256,9 +269,19 @@ class MixedPrecision:
             if grads:
                 grads[0].view(-1)[0] = float("inf")
 
+    def settle(self, stage: int) -> None:
+        """At the stage's step, before its gradients are read: offloaded, every copy of them
+        to the host summed in (nothing to do otherwise)."""
+        if self.offload is not None:
+            self.offload.settle(stage)
+
     @torch.no_grad()
     def after_step(self, stage: int) -> None:
-        """Copy the stepped masters into the stage's 16-bit weights."""
+        """Copy the stepped masters into the stage's 16-bit weights (offloaded: into its
+        weights, from the host)."""
+        if self.offload is not None:
+            self.offload.upload(stage, [(p, master) for _, p, master in self._pairs.get(stage, ())])
+            return
         for _, p, master in self._pairs.get(stage, ()):
             if master is not p:
                 p.copy_(master)

@@ -49,6 +49,8 @@ class Stepper:
 
     def on_step(self, action, event=None) -> None:
         """A stage's S: put its gradients aside; apply `event` (a Dataflow StepEvent) if any."""
+        if self.precision is not None:  # offloaded: the gradients' copies to the host landed
+            self.precision.settle(action.stage)
         if self.grad_sync is not None:  # the replicas' mean gradient, into the masters' .grad
             self.grad_sync.wait(action.stage, action.mb)
         self._aside[(action.stage, action.mb)] = {
@@ -108,5 +110,5 @@ class Stepper:
         if self.clip:
             coef = clip_coef(total, self.clip)
             for g in grads:
-                g.mul_(coef.to(g.dtype))
+                g.mul_(coef.to(g.device, g.dtype))  # offloaded: the gradients are on the host
         return True
