@@ -6,9 +6,12 @@ optimizer kernel, so the weights are expected bit for bit, in fp32 and in bf16."
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
+from ftpipe_runtime.errors import PipelineConfigError
+from ftpipe_runtime.job.prepare import _offload
 from ftpipe_runtime.train.offload import HostOffload
 from ftpipe_runtime.train.optim import make_optimizer
 from ftpipe_runtime.train.precision import MixedPrecision, get_precision
@@ -142,3 +145,14 @@ def test_resume_from_an_offloaded_checkpoint_is_exact(run_pipeline, tmp_path):
     first = resumed["first_step"]
     assert first in (2, 4)
     assert resumed["losses"] == whole["losses"][first:]
+
+
+def test_replicas_on_cuda_are_refused_in_one_sentence():
+    """NCCL cannot sum gradients that live on the host: said before anything runs."""
+    args = SimpleNamespace(offload_optimizer=True)
+    place = SimpleNamespace(reps=SimpleNamespace(count=2), device=torch.device("cuda", 0))
+    with pytest.raises(PipelineConfigError, match="--offload-optimizer does not run with"):
+        _offload(args, place)
+    assert _offload(SimpleNamespace(offload_optimizer=False), place) is None
+    one = SimpleNamespace(reps=SimpleNamespace(count=1), device=torch.device("cpu"))
+    assert isinstance(_offload(args, one), HostOffload)
