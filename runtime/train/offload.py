@@ -21,6 +21,10 @@ for it only when the same weight's next gradient needs the buffer, or at the sta
 (`settle`). The weights go back the same way after the step; the next step of the stage
 waits for that copy before it changes the masters again. On the CPU the copies are plain
 copies into distinct host tensors: the same code path, nothing to wait for.
+
+Host memory per trainable element: the master (4 bytes under mixed precision), the optimizer's
+state (AdamW: 8), the summed gradient (4) and the landing buffer (the gradient's dtype: 2 in
+bf16); the device keeps the weight and, briefly, each gradient until its copy is issued.
 """
 
 from __future__ import annotations
