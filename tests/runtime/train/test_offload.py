@@ -156,3 +156,30 @@ def test_replicas_on_cuda_are_refused_in_one_sentence():
     assert _offload(SimpleNamespace(offload_optimizer=False), place) is None
     one = SimpleNamespace(reps=SimpleNamespace(count=1), device=torch.device("cpu"))
     assert isinstance(_offload(args, one), HostOffload)
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_without_offload_resumes_with_it(run_pipeline, tmp_path):
+    """The checkpoint format is the same: a run saved without the flag, resumed with it, ends
+    where the run straight through without it ends (1f1b, bf16 masters)."""
+    plan = toy_plan("two-ranks", "1f1b", 4, "bfloat16")
+    argv = ["--steps", "4", "--save-every", "2", "--data", "copy", "--dtype", "bf16"]
+    argv += ["--lr", "0.05", "--schedule", "1f1b"]
+    logs = {}
+    for name, folder, extra, env in [
+        ("whole", "whole", [], {}),
+        ("crash", "broken", [], {"FTPIPE_FAULT": "1:2:exit"}),  # after the 3rd step
+        ("resume", "broken", ["--resume", "--offload-optimizer"], {}),
+    ]:
+        log = tmp_path / f"{name}.json"
+        own = [*argv, *extra, "--checkpoint-dir", str(tmp_path / folder), "--log-json", str(log)]
+        codes, ranks = run_pipeline(plan, own, name=name, env=env)
+        assert (codes == [0, 0]) == (name != "crash"), ranks.stderr()
+        if name != "crash":
+            logs[name] = json.loads(log.read_text())
+    assert logs["resume"]["first_step"] == 2
+    assert logs["resume"]["losses"] == logs["whole"]["losses"][2:]
+    whole = checkpoint_params(tmp_path / "whole", 4, range(4))
+    resumed = checkpoint_params(tmp_path / "broken", 4, range(4))
+    for name, value in whole.items():
+        assert torch.equal(resumed[name], value), name
