@@ -10,8 +10,8 @@ when not), set the learning rate, step, clear the gradients. Under mixed
 precision (`precision.MixedPrecision`) the optimizer steps the fp32 masters and the stages'
 16-bit weights are copied from them (with --offload-optimizer the masters are on the host:
 their gradients' copies are waited for at the stage's S, the step runs on the CPU, and the
-weights are copied back: `offload.HostOffload`); under fp16 the same norm, summed over every rank, is
-the overflow check: not finite anywhere, and every rank skips the step. A weight read by
+weights are copied back: `offload.HostOffload`); under fp16 the same norm, summed over every
+rank, is the overflow check: not finite anywhere, and every rank skips the step. A weight read by
 several stages has one owner, whose gradient already sums every use (the readers sent theirs
 back), so nothing is summed here. A stage puts its gradients aside at its own S, so
 backwards of the next step cannot leak into them while the stages it steps with catch up.
