@@ -78,6 +78,13 @@ def _offload(args, place) -> HostOffload | None:
             "--offload-optimizer does not run with data-parallel replicas on CUDA yet; leave it "
             "out, or compile the package with --replicas 1"
         )
+    freezing = args.freeze_alpha is not None or args.freeze_at
+    if freezing and not args.no_shrink and place.device.type == "cuda":
+        # The switch to a shorter plan hands masters and state over through the device.
+        raise PipelineConfigError(
+            "--offload-optimizer does not hand over to a shorter pipeline on CUDA yet; add "
+            "--no-shrink to freeze on this plan, or leave --offload-optimizer out"
+        )
     return HostOffload(place.device)
 
 

@@ -147,15 +147,31 @@ def test_resume_from_an_offloaded_checkpoint_is_exact(run_pipeline, tmp_path):
     assert resumed["losses"] == whole["losses"][first:]
 
 
+def _args(**given) -> SimpleNamespace:
+    return SimpleNamespace(**{"offload_optimizer": True, "freeze_alpha": None, "freeze_at": [],
+                              "no_shrink": False, **given})  # fmt: skip
+
+
 def test_replicas_on_cuda_are_refused_in_one_sentence():
     """NCCL cannot sum gradients that live on the host: said before anything runs."""
-    args = SimpleNamespace(offload_optimizer=True)
+    args = _args()
     place = SimpleNamespace(reps=SimpleNamespace(count=2), device=torch.device("cuda", 0))
     with pytest.raises(PipelineConfigError, match="--offload-optimizer does not run with"):
         _offload(args, place)
-    assert _offload(SimpleNamespace(offload_optimizer=False), place) is None
+    assert _offload(_args(offload_optimizer=False), place) is None
     one = SimpleNamespace(reps=SimpleNamespace(count=1), device=torch.device("cpu"))
     assert isinstance(_offload(args, one), HostOffload)
+
+
+def test_a_shrinking_freeze_on_cuda_is_refused_in_one_sentence():
+    """The switch to a shorter plan hands the state over through the device: not yet with
+    the state on the host; --no-shrink freezes on the same plan, which works."""
+    cuda = SimpleNamespace(reps=SimpleNamespace(count=1), device=torch.device("cuda", 0))
+    with pytest.raises(PipelineConfigError, match="add --no-shrink"):
+        _offload(_args(freeze_at=[(10, 2)]), cuda)
+    with pytest.raises(PipelineConfigError, match="add --no-shrink"):
+        _offload(_args(freeze_alpha=0.5), cuda)
+    assert isinstance(_offload(_args(freeze_at=[(10, 2)], no_shrink=True), cuda), HostOffload)
 
 
 @pytest.mark.multiproc
