@@ -5,6 +5,8 @@
     catch_sigterm()              # then SIGTERM raises Terminated, which unwinds like Ctrl-C's
                                  #   KeyboardInterrupt: temporary files go, outputs stay whole
     why, code = stopped(e, "outputs that existed are unchanged")   # the line and the code
+    with held():                 # Ctrl-C or SIGTERM inside waits for its end (a fork's hooks)
+        pool.submit(...)
 
 SIGTERM is what torchrun sends the other workers when one fails, and what `kill` sends;
 left to its default it ends Python without a word and without running a `finally`. Only a
@@ -22,7 +24,7 @@ import sys
 import threading
 from pathlib import Path
 
-__all__ = ["Terminated", "catch_sigterm", "starting", "stopped"]
+__all__ = ["Terminated", "catch_sigterm", "held", "starting", "stopped"]
 
 
 class Terminated(KeyboardInterrupt):
@@ -45,6 +47,43 @@ def catch_sigterm() -> None:
 
 def _raise_terminated(signum, frame):
     raise Terminated()
+
+
+@contextlib.contextmanager
+def held():
+    """Inside, Ctrl-C and SIGTERM wait: their exception is raised as the block ends. For code
+    where Python drops an exception a signal handler raises: a fork runs the at-fork hooks
+    (logging's among them) right after it, where "Exception ignored" is printed and the
+    command goes on as if never stopped, and a signal that came during a long fork of a big
+    process is handled exactly there. Only handlers that raise are held (in the main thread,
+    where they run); an ignored or default signal stays so. A child forked inside takes the
+    signal's default until it sets its own handlers."""
+    if not _main_thread():
+        yield
+        return
+    came: list[int] = []
+    holder = os.getpid()
+
+    def hold(signum, frame):
+        if os.getpid() == holder:
+            came.append(signum)
+        else:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    old = {}
+    for s in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(s)
+        if callable(handler):
+            signal.signal(s, hold)
+            old[s] = handler
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if came:
+            old[came[0]](came[0], None)  # as it would have run: raises
 
 
 @contextlib.contextmanager

@@ -5,14 +5,17 @@ tests/runtime/job/test_runtime_bad_input.py.)"""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
+import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -299,3 +302,52 @@ def test_a_signal_while_starting_is_one_line(sig, code, said):
     out, err = child.communicate(timeout=60)
     assert child.returncode == code, err
     assert re.fullmatch(f"ftpipe: {said}; nothing was written \\(while starting\\)\n", err), err
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:  # gone, or no /proc
+        return []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the workers")
+@pytest.mark.parametrize("group", [True, False], ids=["its process group", "ftpipe alone"])
+def test_sigterm_while_the_workers_search_is_one_line(tmp_path, group):
+    """SIGTERM while the forked workers evaluate the partition x schedule matrix (the audit's
+    T5-3B case). The workers inherited the command's SIGTERM handler: each raised Terminated
+    and printed a multiprocessing traceback ("Process ForkProcess-1:"), or caught it as its
+    cell's error and waited for more work while ftpipe joined it (a hang). Now they leave the
+    signal to ftpipe: one line, 143, the earlier output unchanged, no worker left."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "plan.json").write_text("an earlier compile's output")
+    argv = ["compile", "-m", "t5-tiny", "-g", "4", "-o", "out", "--force"]
+    child = subprocess.Popen([sys.executable, "-m", "ftpipe_compiler", *argv], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (workers := _children(child.pid)) and child.poll() is None:
+        assert time.monotonic() < deadline, "the search's workers never started"
+        time.sleep(0.01)
+    assert child.poll() is None, "the compile ended before its workers were seen"
+    time.sleep(0.2)  # the workers busy with their cells
+    (os.killpg if group else os.kill)(child.pid, signal.SIGTERM)
+    try:
+        out, err = child.communicate(timeout=60)
+        grace = time.monotonic() + 5  # (init reaps the workers of a parent that ended)
+        while (
+            left := [w for w in workers if Path(f"/proc/{w}").exists()]
+        ) and time.monotonic() < grace:
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)  # a hung compile, or workers it left
+    assert child.returncode == 143, err
+    assert err.splitlines()[-1] == "Stopped (SIGTERM); outputs that existed are unchanged.", err
+    assert "Traceback" not in err and "Process ForkProcess" not in err, err
+    assert not left, f"workers left running: {left}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["plan.json"]
+    assert (tmp_path / "out" / "plan.json").read_text() == "an earlier compile's output"
