@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from ftpipe_runtime.job.signals import Terminated
+from ftpipe_runtime.job.signals import Terminated, catch_sigterm
 
 from ftpipe_compiler.cli import cli
 from ftpipe_compiler.partition import problem_from_graph, run_partitioners
@@ -351,3 +351,66 @@ def test_sigterm_while_the_workers_search_is_one_line(tmp_path, group):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["plan.json"]
     assert (tmp_path / "out" / "plan.json").read_text() == "an earlier compile's output"
+
+
+STOPS = [(signal.SIGINT, 130, "Interrupted (Ctrl-C)"), (signal.SIGTERM, 143, "Stopped (SIGTERM)")]
+
+
+@pytest.fixture
+def sigterm_caught():
+    """SIGTERM raises Terminated here, as `ftpipe` sets it up (the runner does not)."""
+    old = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    catch_sigterm()
+    yield
+    signal.signal(signal.SIGTERM, old)
+
+
+def _signal_self(sig) -> None:
+    os.kill(os.getpid(), sig)
+    for _ in range(1000):  # its handler runs here
+        pass
+    raise AssertionError(f"{sig!r} was not delivered")
+
+
+@pytest.mark.parametrize("sig, code, said", STOPS, ids=["Ctrl-C", "SIGTERM"])
+def test_a_stop_a_library_swallowed_still_stops_the_compile(tmp_path, monkeypatch, sigterm_caught, sig, code, said):  # fmt: skip
+    """A library that drops the exception a signal raised (Python's at-fork hooks, a
+    `__del__`, a bare `except`): the compile went on, replaced the output and exited 0.
+    It stops at the end of that phase, before anything is written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "plan.json").write_text("an earlier compile's output")
+    search = PHASES.search_schedules
+
+    def swallowing(job, progress):
+        try:
+            _signal_self(sig)
+        except KeyboardInterrupt:  # (Terminated is one too)
+            pass
+        search(job, progress)
+
+    monkeypatch.setattr(PHASES, "search_schedules", swallowing)
+    argv = ["compile", "-m", "gpt2-tiny", "-g", "2", "-p", "even-layers", "--schedule", "gpipe"]
+    r = CliRunner().invoke(cli, [*argv, "-o", "out", "--force"])
+    assert r.exit_code == code, r.output
+    assert r.output.splitlines()[-1] == f"{said}; outputs that existed are unchanged.", r.output
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert (tmp_path / "out" / "plan.json").read_text() == "an earlier compile's output"
+
+
+@pytest.mark.parametrize("sig, code, said", STOPS, ids=["Ctrl-C", "SIGTERM"])
+def test_an_error_a_library_made_of_a_stop_is_that_stop(monkeypatch, sigterm_caught, sig, code, said):  # fmt: skip
+    """SIGTERM while transformers imported the model's module lazily (the T5-3B compile, 7 s
+    in): transformers wrapped it ("Could not import module 'T5ForConditionalGeneration'"),
+    and ftpipe said "cannot use this t5 model" and exited 1. It is the stop."""
+
+    def wrapping(*args, **kwargs):
+        try:
+            _signal_self(sig)
+        except KeyboardInterrupt as e:
+            raise RuntimeError("Could not import module 'T5ForConditionalGeneration'") from e
+
+    monkeypatch.setattr(PROFILE, "costed_graph", wrapping)
+    r = CliRunner().invoke(cli, ["profile", "-m", "gpt2-tiny"])
+    assert r.exit_code == code, r.output
+    assert r.output == f"{said}; outputs that existed are unchanged.\n", r.output
