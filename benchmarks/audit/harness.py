@@ -9,8 +9,9 @@ checks, the same for every case:
 - each process's exit code is the one the case expects (what README documents for it);
 - no "Traceback" and no raw exception line (`ValueError: ...`) on any process's output;
 - a failing process says why in one sentence: its last line of stderr is its error line
-  (`ftpipe: ...`, `ftpipe rank R: ...`, click's `Error: ...`, argparse's `prog: error: ...`)
-  and it has no other error line (a usage synopsis and progress lines may come before);
+  (`ftpipe: ...`, `ftpipe rank R: ...`, click's `Error: ...`, argparse's `prog: error: ...`,
+  the compiler's `Interrupted (Ctrl-C); ...` and `Stopped (SIGTERM); ...`) and it has no
+  other error line (a usage synopsis and progress lines may come before);
 - every file of the case folder that existed before the command is byte-identical after it,
   except the outputs the case names in `writes`; no temporary file or folder (a name
   starting with a dot) is left that was not there before;
@@ -43,7 +44,7 @@ from .workspace import PACKAGE
 __all__ = ["Case", "Ftpipe", "Package", "Proc", "Result", "Torchrun", "run_case", "snapshot"]
 
 ERROR_LINE = re.compile(
-    r"^(ftpipe( rank \d+)?: (?!note:|warning:)|Error: |Interrupted \(Ctrl-C\)|\S.*: error: )"
+    r"^(ftpipe( rank \d+)?: (?!note:|warning:)|Error: |Interrupted \(Ctrl-C\)|Stopped \(SIGTERM\)|\S.*: error: )"
 )
 RAW_EXCEPTION = re.compile(r"^([A-Za-z_]\w*\.)*[A-Z]\w*(Error|Exception)(: |$)|^KeyboardInterrupt$")
 

@@ -31,7 +31,8 @@ Each case is checked the same way (`benchmarks/audit/harness.py`):
   process's output;
 - **one sentence**: a process that fails says why in one line: its last line on stderr is
   its error line (`ftpipe: ...`, `ftpipe rank R: ...`, click's `Error: ...`, argparse's
-  `prog: error: ...`, after a usage synopsis for usage errors) and it prints no other error
+  `prog: error: ...`, after a usage synopsis for usage errors, the compiler's
+  `Interrupted (Ctrl-C); ...` and `Stopped (SIGTERM); ...`) and it prints no other error
   line (progress lines and notes may come before);
 - **files intact**: every file in the case's folder before the command (the model, data,
   packages, an earlier run's checkpoints and export, outputs of earlier runs) is

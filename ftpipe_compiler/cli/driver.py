@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import click
+from ftpipe_runtime.job.signals import noting
 from tqdm import tqdm
 
 from .echo import echo_json, echo_lines
@@ -88,15 +89,20 @@ def drive(pipeline: Pipeline, job, *, as_json: bool, desc: str = "compile") -> d
     timings: dict[str, float] = {}
     start = time.perf_counter()
     shown = _Shown(pipeline.phases, desc, quiet=as_json)
-    try:
-        for phase in pipeline.phases:
-            shown.begin(phase)
-            t0 = time.perf_counter()
-            phase.run(job, shown.within)
-            timings[phase.timing] = time.perf_counter() - t0
-            shown.end(timings[phase.timing])
-    finally:
-        shown.close()
+    # A Ctrl-C or SIGTERM that a library swallowed (its exception dropped) still stops the
+    # command, at the end of its phase: before the outputs are written.
+    with noting() as came:
+        try:
+            for phase in pipeline.phases:
+                shown.begin(phase)
+                t0 = time.perf_counter()
+                phase.run(job, shown.within)
+                if came:
+                    raise type(came[0])()
+                timings[phase.timing] = time.perf_counter() - t0
+                shown.end(timings[phase.timing])
+        finally:
+            shown.close()
     timings["total_s"] = time.perf_counter() - start
     if as_json:
         echo_json(pipeline.to_json(job, timings))

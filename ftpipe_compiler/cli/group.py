@@ -8,7 +8,7 @@ from importlib import import_module
 import click
 from click.utils import make_default_short_help
 from ftpipe_runtime.errors import WriteFailed
-from ftpipe_runtime.job.signals import starting, stopped
+from ftpipe_runtime.job.signals import noting, starting, stopped
 
 from ..errors import FtpipeError
 from ..version import __version__
@@ -55,7 +55,7 @@ class _Group(click.Group):
 
     def invoke(self, ctx):
         try:
-            return super().invoke(ctx)
+            return self._stops_noted(ctx)
         except (FtpipeError, WriteFailed) as e:
             if (ctx.obj or {}).get("debug"):
                 if getattr(e, "detail", ""):  # what a library printed before failing (trace.py)
@@ -74,6 +74,20 @@ class _Group(click.Group):
             if (ctx.obj or {}).get("debug"):
                 raise
             raise click.ClickException(_unexpected(e)) from None
+
+    def _stops_noted(self, ctx):
+        """The command; an error it ends with after a Ctrl-C or SIGTERM came is that stop: a
+        library wrapped the exception the signal raised into an error of its own
+        (transformers' lazy import: "Could not import module"), or swallowed it."""
+        with noting() as came:
+            try:
+                return super().invoke(ctx)
+            except (click.exceptions.Exit, click.Abort):
+                raise
+            except Exception:
+                if came:
+                    raise type(came[0])() from None
+                raise
 
 
 def _unexpected(e: Exception) -> str:

@@ -10,14 +10,13 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import signal
 import sys
 import textwrap
-import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from ftpipe_runtime.job.signals import noting
 from ftpipe_runtime.train.precision import get_precision
 from torch import fx
 from torch.overrides import TorchFunctionMode
@@ -56,12 +55,12 @@ def trace_model(
     if model is None:
         model = spec.build(device, dtype=None if compute == torch.float32 else compute)
     inputs = spec.example_inputs(task, micro_batch, device)
-    with _noting_ctrl_c() as interrupted, _held_output() as said, _ConstantsOnCpu():
+    with noting() as stops, _held_output() as said, _ConstantsOnCpu():
         try:
             program = torch.export.export(model, tuple(inputs.values()), strict=False)
         except Exception as e:  # the exporter raises many types; all mean the same to a user
-            if interrupted:  # a Ctrl-C the exporter wrapped into an error of its own
-                raise KeyboardInterrupt from None
+            if stops:  # a Ctrl-C or SIGTERM the exporter wrapped into an error of its own
+                raise type(stops[0])() from None
             raise _trace_error(spec, e, said.getvalue()) from None
     sys.stderr.write(said.getvalue())  # a successful export's warnings, as it said them
     _check_loss(spec, program)
@@ -201,26 +200,6 @@ _REGIONS = {
     torch.ops.higher_order.wrap_with_set_grad_enabled: lambda args: args,
     torch.ops.higher_order.wrap_with_autocast: _autocast_off,
 }
-
-
-@contextlib.contextmanager
-def _noting_ctrl_c():
-    """A list that becomes non-empty when SIGINT arrives; the interrupt is still raised."""
-    seen: list[bool] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield seen
-        return
-    previous = signal.getsignal(signal.SIGINT)
-
-    def note(signum, frame):
-        seen.append(True)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, note)
-    try:
-        yield seen
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _raised_by_user_code(e: BaseException) -> bool:

@@ -42,9 +42,11 @@ import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, replace
 from itertools import product
 
+from ftpipe_runtime.job.signals import Terminated, held
 from ftpipe_runtime.schedules import SCHEDULES, StageInfo, get_schedule
 
 from ..errors import FtpipeError, InfeasibleError, unknown
@@ -235,9 +237,13 @@ def cores() -> int:
 _SHARED: dict = {}
 
 
-def _ignore_interrupts() -> None:
-    """Workers leave Ctrl-C to the parent, which stops them (no traceback from each)."""
+def _leave_signals_to_the_parent() -> None:
+    """Workers leave Ctrl-C to the parent, which stops them (no traceback from each), and
+    end at once on SIGTERM: forked, they inherited the command's SIGTERM handler, which
+    raised Terminated inside multiprocessing's own code (a traceback from each, or a cell
+    "failing" with it and its worker waiting for more work, a queue lock held: a hang)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _evaluate_shared(s: str, p: str) -> Cell:
@@ -258,29 +264,44 @@ class _Cells:
         self.running: dict[tuple[str, str], Future] = {}
         self.done: dict[tuple[str, str], Cell] = {}
         self.executor = None
+        self.seen: dict = {}  # pid -> worker, all started so far
 
     def __enter__(self) -> _Cells:
         if self.ahead:
             _SHARED["work"] = self.work
             context = multiprocessing.get_context("fork")
             self.executor = ProcessPoolExecutor(
-                self.workers, mp_context=context, initializer=_ignore_interrupts
+                self.workers, mp_context=context, initializer=_leave_signals_to_the_parent
             )
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, error, *exc) -> None:
         if self.executor is None:
             return
         _SHARED.pop("work", None)
         busy = [f for f in self.running.values() if not f.done()]
-        # A cell guessed ahead and not needed after all, or an error or Ctrl-C here: stop the
-        # workers rather than wait for work nobody will read.
-        workers = list((getattr(self.executor, "_processes", None) or {}).values()) if busy else []
-        self.executor.shutdown(wait=not busy, cancel_futures=True)
+        if not busy and error is None:
+            self.executor.shutdown()
+            return
+        # A cell guessed ahead and not needed after all, or an error, Ctrl-C or SIGTERM here
+        # (maybe inside the executor's own bookkeeping): stop the workers rather than wait
+        # for work nobody will read.
+        manager = getattr(self.executor, "_executor_manager_thread", None)
+        results = getattr(self.executor, "_result_queue", None)
+        workers = self._processes()
+        self.executor.shutdown(wait=False, cancel_futures=True)
         for w in workers:
             w.terminate()
         for w in workers:
             w.join()
+        # Then the executor's thread ends here, not at Python's exit, which wakes it through
+        # a pipe the thread may be closing (an OSError printed as the command ends). A
+        # worker stopped while sending a result left that thread reading the rest of it:
+        # with no worker left, closing this process's end of the pipe ends that read.
+        if results is not None:
+            results._writer.close()
+        if manager is not None:
+            manager.join()
 
     def want(self, keys, first: bool = False) -> None:
         """Evaluate these cells ahead of time, after those wanted earlier (`first`: before
@@ -309,16 +330,34 @@ class _Cells:
             finished, _ = wait(list(self.running.values()), return_when=FIRST_COMPLETED)
             for k, f in list(self.running.items()):
                 if f in finished:
-                    self.done[k] = f.result()  # a worker's exception is raised here
+                    self.done[k] = self._result(f)
                     del self.running[k]
             self._fill()
         return self.done[key]
+
+    def _result(self, f: Future) -> Cell:
+        """The cell's result; a worker's exception is raised here. A worker ended by SIGTERM
+        (`kill`, a memory watchdog's polite stop) stops the search as SIGTERM stops ftpipe."""
+        try:
+            return f.result()
+        except BrokenProcessPool:
+            if any(w.exitcode == -signal.SIGTERM for w in self._processes()):
+                raise Terminated() from None
+            raise
 
     def _fill(self) -> None:
         while self.queue and len(self.running) < self.workers:
             key = self.queue.pop(0)
             if key not in self.done and key not in self.running:
-                self.running[key] = self.executor.submit(_evaluate_shared, *key)
+                with held():  # the first submit forks the workers
+                    self.running[key] = self.executor.submit(_evaluate_shared, *key)
+                self._processes()
+
+    def _processes(self) -> list:
+        """The workers started so far (the executor's own record, kept here: a broken pool
+        may forget its dead)."""
+        self.seen.update(getattr(self.executor, "_processes", None) or {})
+        return list(self.seen.values())
 
 
 class NothingFits(InfeasibleError):

@@ -181,7 +181,10 @@ class Comm:
     # --- the per-step losses and evaluation results, from the loss stages to rank 0 ---
     def send_loss(self, tag: int, message: torch.Tensor) -> None:
         group = self.loss_groups[self.global_rank]
-        work = dist.isend(message, dst=0, group=group, tag=tag)
+        work = _post(
+            lambda: dist.isend(message, dst=0, group=group, tag=tag),
+            lambda: "sending a loss to rank 0",
+        )
         self._keep_sent(work, message, 0, ("loss", "", tag))
 
     def listen_losses(self, messages) -> threading.Thread:
@@ -216,7 +219,10 @@ class Comm:
         count = self.sent.setdefault(key[0], [0, 0])
         count[0], count[1] = count[0] + 1, count[1] + t.nbytes
         group = self.pair_groups[(self.rank, dst)]
-        work = dist.isend(t, dst=self.ranks[dst], group=group, tag=i)
+        work = _post(
+            lambda: dist.isend(t, dst=self.ranks[dst], group=group, tag=i),
+            lambda: f"sending {describe(key)} to rank {dst}",
+        )
         self._keep_sent(work, t, dst, key)
 
     def recv(self, src: int, key: Key) -> torch.Tensor:
@@ -255,7 +261,10 @@ class Comm:
         shape, dtype = self.spec_of(k)
         buf = torch.empty(shape, dtype=dtype, device=self.device)
         group = self.pair_groups[(src, self.rank)]
-        work = dist.irecv(buf, src=self.ranks[src], group=group, tag=i)
+        work = _post(
+            lambda: dist.irecv(buf, src=self.ranks[src], group=group, tag=i),
+            lambda: f"waiting for {describe(k)} from rank {src}",
+        )
         self._posted[(src, k)] = (work, buf)
         self._waiting[src] += buf.nbytes
         self._pending[src] += 1
@@ -311,13 +320,19 @@ class Comm:
         """Sum over `ranks` (GPUs of this replica's pipeline) in place (a no-op on one)."""
         ranks = tuple(sorted(self.ranks[r] for r in ranks))
         if len(ranks) > 1:
-            work = dist.all_reduce(tensor, group=self._group(ranks), async_op=True)
-            self.wait(work, f"summing {what} with ranks {list(ranks)} (one of them stopped)")
+            doing = f"summing {what} with ranks {list(ranks)} (one of them stopped)"
+            group = self._group(ranks)
+            work = _post(lambda: dist.all_reduce(tensor, group=group, async_op=True), lambda: doing)
+            self.wait(work, doing)
         return tensor
 
     def all_reduce_async(self, tensor: torch.Tensor, ranks: tuple[int, ...]):
         """Start summing `tensor` in place over job ranks `ranks`; `wait` for the result."""
-        return dist.all_reduce(tensor, group=self._group(tuple(sorted(ranks))), async_op=True)
+        group = self._group(tuple(sorted(ranks)))
+        return _post(
+            lambda: dist.all_reduce(tensor, group=group, async_op=True),
+            lambda: f"summing gradients with ranks {sorted(ranks)}",
+        )
 
     def _group(self, ranks: tuple[int, ...]):
         if ranks not in self.groups and len(ranks) == self.world_size:
@@ -338,6 +353,17 @@ class Comm:
             raise liveness.failure(f"gave up {what}", e) from e
         finally:
             self.waited += time.perf_counter() - t
+
+
+def _post(start, what):
+    """`start()`, a transfer's start. Gloo refuses one at once on a pair whose peer has
+    closed it, before any wait: that is the peer gone, named as a wait names it (`what()`,
+    and the peer's own sentence: a peer's Ctrl-C is 130 here too), not an unexpected error
+    (exit 1, when the peer stopped while this rank was between its waits)."""
+    try:
+        return start()
+    except RuntimeError as e:
+        raise liveness.failure(f"gave up {what()}", e) from e
 
 
 def _block(work) -> None:

@@ -5,6 +5,10 @@
     catch_sigterm()              # then SIGTERM raises Terminated, which unwinds like Ctrl-C's
                                  #   KeyboardInterrupt: temporary files go, outputs stay whole
     why, code = stopped(e, "outputs that existed are unchanged")   # the line and the code
+    with held():                 # Ctrl-C or SIGTERM inside waits for its end (a fork's hooks)
+        pool.submit(...)
+    with noting() as came:       # each one noted, even if a library swallows or wraps it
+        ...
 
 SIGTERM is what torchrun sends the other workers when one fails, and what `kill` sends;
 left to its default it ends Python without a word and without running a `finally`. Only a
@@ -22,7 +26,7 @@ import sys
 import threading
 from pathlib import Path
 
-__all__ = ["Terminated", "catch_sigterm", "starting", "stopped"]
+__all__ = ["Terminated", "catch_sigterm", "held", "noting", "starting", "stopped"]
 
 
 class Terminated(KeyboardInterrupt):
@@ -45,6 +49,76 @@ def catch_sigterm() -> None:
 
 def _raise_terminated(signum, frame):
     raise Terminated()
+
+
+@contextlib.contextmanager
+def held():
+    """Inside, Ctrl-C and SIGTERM wait: their exception is raised as the block ends. For code
+    where Python drops an exception a signal handler raises: a fork runs the at-fork hooks
+    (logging's among them) right after it, where "Exception ignored" is printed and the
+    command goes on as if never stopped, and a signal that came during a long fork of a big
+    process is handled exactly there. A child forked inside takes the signal's default
+    until it sets its own handlers."""
+    came: list[tuple] = []
+    holder = os.getpid()
+
+    def hold(handler):
+        def wait(signum, frame):
+            if os.getpid() == holder:
+                came.append((handler, signum))
+            else:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        return wait
+
+    try:
+        with _wrapped(hold):
+            yield
+    finally:
+        if came:
+            handler, signum = came[0]
+            handler(signum, None)  # as it would have run: raises
+
+
+@contextlib.contextmanager
+def noting():
+    """Inside, each Ctrl-C and SIGTERM is noted as its handler raises: the list yielded
+    holds the exceptions raised (KeyboardInterrupt, Terminated), for a caller whose
+    libraries may not let one through: swallowed (a `__del__`, a bare `except`) or wrapped
+    into an error of their own (torch.export's, transformers' lazy imports')."""
+    came: list[BaseException] = []
+
+    def note(handler):
+        def raising(signum, frame):
+            try:
+                handler(signum, frame)
+            except BaseException as e:
+                came.append(e)
+                raise
+
+        return raising
+
+    with _wrapped(note):
+        yield came
+
+
+@contextlib.contextmanager
+def _wrapped(wrap):
+    """Inside, SIGINT's and SIGTERM's handlers are `wrap(handler)`: only handlers that raise
+    (callables; in the main thread, where they run), an ignored or default signal stays so."""
+    old = {}
+    if _main_thread():
+        for s in (signal.SIGINT, signal.SIGTERM):
+            handler = signal.getsignal(s)
+            if callable(handler):
+                signal.signal(s, wrap(handler))
+                old[s] = handler
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 @contextlib.contextmanager

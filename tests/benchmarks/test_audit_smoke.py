@@ -4,9 +4,11 @@ code), its tables are what the doc promises, and the markdown says what happened
 
 from __future__ import annotations
 
+import re
+
 from benchmarks.audit.__main__ import CASES
 from benchmarks.audit.damage import write
-from benchmarks.audit.harness import Case, Ftpipe, run_case
+from benchmarks.audit.harness import Case, Ftpipe, Proc, _check, run_case
 from benchmarks.audit.report import markdown
 
 
@@ -57,3 +59,16 @@ def test_a_file_the_command_changes_is_caught(tmp_path):
     )
     allowed = Case("allowed", Ftpipe(argv), 0, setup=setup, writes=("g.json",))
     assert run_case(allowed, base, tmp_path / "b").ok
+
+
+def test_the_compilers_stop_lines_are_its_error_lines(tmp_path):
+    """`ftpipe` stopped by Ctrl-C or SIGTERM ends with one line (cli/group.py): both are its
+    error line. The SIGTERM one was not (the T5-3B SIGTERM case: "no error line")."""
+    for code, line in [
+        (130, "Interrupted (Ctrl-C); outputs that existed are unchanged."),
+        (143, "Stopped (SIGTERM); outputs that existed are unchanged."),
+    ]:
+        log = tmp_path / f"{code}.log"
+        log.write_text(f"compile: trace and profile (1.2 s)\n{line}\n")
+        case = Case("stopped", Ftpipe(("compile",)), code, re.escape(line.split(";")[0]))
+        assert _check(case, [Proc("ftpipe", None, log)], [code]) == ([], line)

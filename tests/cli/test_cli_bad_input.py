@@ -5,18 +5,21 @@ tests/runtime/job/test_runtime_bad_input.py.)"""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
+import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from ftpipe_runtime.job.signals import Terminated
+from ftpipe_runtime.job.signals import Terminated, catch_sigterm
 
 from ftpipe_compiler.cli import cli
 from ftpipe_compiler.partition import problem_from_graph, run_partitioners
@@ -300,3 +303,115 @@ def test_a_signal_while_starting_is_one_line(sig, code, said):
     out, err = child.communicate(timeout=60)
     assert child.returncode == code, err
     assert re.fullmatch(f"ftpipe: {said}; nothing was written \\(while starting\\)\n", err), err
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:  # gone, or no /proc
+        return []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for the workers")
+@pytest.mark.parametrize("group", [True, False], ids=["its process group", "ftpipe alone"])
+def test_sigterm_while_the_workers_search_is_one_line(tmp_path, group):
+    """SIGTERM while the forked workers evaluate the partition x schedule matrix (the audit's
+    T5-3B case). The workers inherited the command's SIGTERM handler: each raised Terminated
+    and printed a multiprocessing traceback ("Process ForkProcess-1:"), or caught it as its
+    cell's error and waited for more work while ftpipe joined it (a hang). Now they leave the
+    signal to ftpipe: one line, 143, the earlier output unchanged, no worker left."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "plan.json").write_text("an earlier compile's output")
+    argv = ["compile", "-m", "t5-tiny", "-g", "4", "-o", "out", "--force"]
+    child = subprocess.Popen([sys.executable, "-m", "ftpipe_compiler", *argv], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (workers := _children(child.pid)) and child.poll() is None:
+        assert time.monotonic() < deadline, "the search's workers never started"
+        time.sleep(0.01)
+    assert child.poll() is None, "the compile ended before its workers were seen"
+    time.sleep(0.2)  # the workers busy with their cells
+    (os.killpg if group else os.kill)(child.pid, signal.SIGTERM)
+    try:
+        out, err = child.communicate(timeout=60)
+        grace = time.monotonic() + 5  # (init reaps the workers of a parent that ended)
+        while (
+            left := [w for w in workers if Path(f"/proc/{w}").exists()]
+        ) and time.monotonic() < grace:
+            time.sleep(0.05)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)  # a hung compile, or workers it left
+    assert child.returncode == 143, err
+    assert err.splitlines()[-1] == "Stopped (SIGTERM); outputs that existed are unchanged.", err
+    assert "Traceback" not in err and "Process ForkProcess" not in err, err
+    assert not left, f"workers left running: {left}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["plan.json"]
+    assert (tmp_path / "out" / "plan.json").read_text() == "an earlier compile's output"
+
+
+STOPS = [(signal.SIGINT, 130, "Interrupted (Ctrl-C)"), (signal.SIGTERM, 143, "Stopped (SIGTERM)")]
+
+
+@pytest.fixture
+def sigterm_caught():
+    """SIGTERM raises Terminated here, as `ftpipe` sets it up (the runner does not)."""
+    old = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    catch_sigterm()
+    yield
+    signal.signal(signal.SIGTERM, old)
+
+
+def _signal_self(sig) -> None:
+    os.kill(os.getpid(), sig)
+    for _ in range(1000):  # its handler runs here
+        pass
+    raise AssertionError(f"{sig!r} was not delivered")
+
+
+@pytest.mark.parametrize("sig, code, said", STOPS, ids=["Ctrl-C", "SIGTERM"])
+def test_a_stop_a_library_swallowed_still_stops_the_compile(tmp_path, monkeypatch, sigterm_caught, sig, code, said):  # fmt: skip
+    """A library that drops the exception a signal raised (Python's at-fork hooks, a
+    `__del__`, a bare `except`): the compile went on, replaced the output and exited 0.
+    It stops at the end of that phase, before anything is written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "plan.json").write_text("an earlier compile's output")
+    search = PHASES.search_schedules
+
+    def swallowing(job, progress):
+        try:
+            _signal_self(sig)
+        except KeyboardInterrupt:  # (Terminated is one too)
+            pass
+        search(job, progress)
+
+    monkeypatch.setattr(PHASES, "search_schedules", swallowing)
+    argv = ["compile", "-m", "gpt2-tiny", "-g", "2", "-p", "even-layers", "--schedule", "gpipe"]
+    r = CliRunner().invoke(cli, [*argv, "-o", "out", "--force"])
+    assert r.exit_code == code, r.output
+    assert r.output.splitlines()[-1] == f"{said}; outputs that existed are unchanged.", r.output
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    assert (tmp_path / "out" / "plan.json").read_text() == "an earlier compile's output"
+
+
+@pytest.mark.parametrize("sig, code, said", STOPS, ids=["Ctrl-C", "SIGTERM"])
+def test_an_error_a_library_made_of_a_stop_is_that_stop(monkeypatch, sigterm_caught, sig, code, said):  # fmt: skip
+    """SIGTERM while transformers imported the model's module lazily (the T5-3B compile, 7 s
+    in): transformers wrapped it ("Could not import module 'T5ForConditionalGeneration'"),
+    and ftpipe said "cannot use this t5 model" and exited 1. It is the stop."""
+
+    def wrapping(*args, **kwargs):
+        try:
+            _signal_self(sig)
+        except KeyboardInterrupt as e:
+            raise RuntimeError("Could not import module 'T5ForConditionalGeneration'") from e
+
+    monkeypatch.setattr(PROFILE, "costed_graph", wrapping)
+    r = CliRunner().invoke(cli, ["profile", "-m", "gpt2-tiny"])
+    assert r.exit_code == code, r.output
+    assert r.output == f"{said}; outputs that existed are unchanged.\n", r.output

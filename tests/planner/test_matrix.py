@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
+import os
+import signal
 import time
 from collections import namedtuple
 from dataclasses import replace
 from itertools import product
 
 import pytest
+from ftpipe_runtime.job.signals import Terminated, catch_sigterm
 
 from ftpipe_compiler.errors import FtpipeError
 from ftpipe_compiler.partition import PARTITIONERS, problem_from_graph
@@ -123,6 +127,73 @@ def test_workers_prune_as_one_process(problem, monkeypatch):
     two = search_matrix(problem, SCHEDULES, width=2, workers=2)[1]
     assert two == one
     assert {c.status for c in one} >= {"ok", "pruned", "not searched"}
+
+
+def test_a_worker_stopped_by_sigterm_stops_the_search(problem, monkeypatch, capfd):
+    """SIGTERM reaching a worker mid-cell (`kill`, or the whole process group stopped): the
+    worker ends at once and quietly, and the search stops as SIGTERM stops ftpipe
+    (Terminated: one line and 143 from the command). Forked with the command's SIGTERM
+    handler, the worker raised Terminated inside multiprocessing's code: the cell "failed"
+    with it while the worker lived on waiting for work, or it printed a traceback."""
+    import ftpipe_compiler.planner.matrix as matrix
+
+    monkeypatch.setattr(matrix, "evaluate", lambda *args: time.sleep(60))  # forked with it
+    old = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    catch_sigterm()  # as the command does before the workers fork
+    try:
+        with matrix._Cells({"1f1b": problem}, {"1f1b": 1.0}, 20, workers=2) as cells:
+            cells.want([("1f1b", "even-layers"), ("1f1b", "params")])
+            worker = multiprocessing.active_children()[0]
+            time.sleep(0.5)  # its cell begun
+            os.kill(worker.pid, signal.SIGTERM)
+            worker.join(timeout=10)
+            assert worker.exitcode == -signal.SIGTERM
+            t0 = time.monotonic()
+            with pytest.raises(Terminated):
+                cells.result("1f1b", "even-layers")
+        assert time.monotonic() - t0 < 30  # the other worker stopped, not waited for
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert not multiprocessing.active_children()
+    assert capfd.readouterr().err == ""
+
+
+_SIGNAL_AFTER_FORK: list[int] = []  # the next fork in this process sends itself this signal
+_HOOKED: list[bool] = []  # (an at-fork hook cannot be removed: registered once, one-shot)
+
+
+def _signal_after_fork() -> None:
+    if _SIGNAL_AFTER_FORK:
+        os.kill(os.getpid(), _SIGNAL_AFTER_FORK.pop())
+
+
+@pytest.mark.parametrize("sig, stop", [(signal.SIGTERM, Terminated), (signal.SIGINT, KeyboardInterrupt)], ids=["SIGTERM", "Ctrl-C"])  # fmt: skip
+def test_a_signal_while_the_workers_fork_stops_the_search(problem, monkeypatch, capfd, sig, stop):
+    """SIGTERM (or Ctrl-C) that came while the pool forked its workers (a T5-3B compile is
+    gigabytes: each fork takes a while) was handled in fork's at-fork hooks, where Python
+    drops the exception ("Exception ignored in: <function _releaseLock>"): the audit's compile
+    went on to the end, replaced its output and exited 0. It stops the search."""
+    import ftpipe_compiler.planner.matrix as matrix
+
+    if not _HOOKED:
+        os.register_at_fork(after_in_parent=_signal_after_fork)
+        _HOOKED.append(True)
+    monkeypatch.setattr(matrix, "evaluate", lambda *args: time.sleep(60))  # forked with it
+    old = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    catch_sigterm()  # as the command does
+    try:
+        _SIGNAL_AFTER_FORK.append(sig)
+        t0 = time.monotonic()
+        with pytest.raises(stop):
+            with matrix._Cells({"1f1b": problem}, {"1f1b": 1.0}, 20, workers=2) as cells:
+                cells.want([("1f1b", "even-layers"), ("1f1b", "params")])
+                cells.result("1f1b", "even-layers")
+        assert time.monotonic() - t0 < 30  # the workers stopped, not waited for
+    finally:
+        _SIGNAL_AFTER_FORK.clear()
+        signal.signal(signal.SIGTERM, old)
+    assert not multiprocessing.active_children()
+    assert capfd.readouterr().err == ""
 
 
 def test_nothing_fits(problem):
