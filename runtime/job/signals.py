@@ -97,6 +97,7 @@ def noting():
                 came.append(e)
                 raise
 
+        raising.__wrapped__ = handler  # what `starting` looks through
         return raising
 
     with _wrapped(note):
@@ -129,11 +130,14 @@ def starting(prefix: str = "ftpipe"):
         yield
         return
     # Only signals left to their defaults (or SIGTERM to `catch_sigterm`'s, which `ftpipe`
-    # sets before its commands load): one a parent ignores (a background job's Ctrl-C) stays
-    # ignored.
+    # sets before its commands load; either as `noting` wraps it while a command runs): one
+    # a parent ignores (a background job's Ctrl-C) stays ignored.
     defaults = {signal.SIGINT: (signal.default_int_handler,),
                 signal.SIGTERM: (signal.SIG_DFL, _raise_terminated)}  # fmt: skip
-    old = {s: h for s in defaults if (h := signal.getsignal(s)) in defaults[s]}
+    old = {
+        s: h for s in defaults
+        if getattr(h := signal.getsignal(s), "__wrapped__", h) in defaults[s]
+    }  # fmt: skip
     signals = tuple(old)
 
     def stop(signum, frame):
