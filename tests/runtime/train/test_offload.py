@@ -97,8 +97,8 @@ def _pair(run_pipeline, tmp_path, schedule: str, dtype: str, plan=None):
 @pytest.mark.parametrize(
     ("schedule", "dtype"),
     [
-        ("gpipe", "fp32"),
-        pytest.param("1f1b", "fp32", marks=pytest.mark.exhaustive),  # make test-all
+        pytest.param("gpipe", "fp32", marks=pytest.mark.exhaustive),  # make test-all
+        pytest.param("1f1b", "fp32", marks=pytest.mark.exhaustive),
         ("ftpipe", "fp32"),
         ("1f1b", "bf16"),
     ],
@@ -175,6 +175,7 @@ def test_a_shrinking_freeze_on_cuda_is_refused_in_one_sentence():
 
 
 @pytest.mark.multiproc
+@pytest.mark.exhaustive  # make test-all: the format is the same either way (the resume above)
 def test_a_checkpoint_without_offload_resumes_with_it(run_pipeline, tmp_path):
     """The checkpoint format is the same: a run saved without the flag, resumed with it, ends
     where the run straight through without it ends (1f1b, bf16 masters)."""
