@@ -159,14 +159,18 @@ def main() -> int:
     ap.add_argument("out", type=Path, help="the folder to write (with --generate: to read)")
     ap.add_argument("--generate", action="store_true",
                     help="OUT is a fine-tuned folder: print what it answers")  # fmt: skip
+    ap.add_argument("--pairs", action="store_true",
+                    help="question/answer pairs instead of conversations, and no chat template "
+                    "(the audit's data)")  # fmt: skip
     args = ap.parse_args()
     if args.generate:
         return generate(args.out)
     args.out.mkdir(parents=True, exist_ok=True)
-    write_model(args.out / "tiny-llama", chat=True)
-    write_jsonl(args.out / "train.jsonl", conversations(256, seed=0))
-    write_jsonl(args.out / "val.jsonl", conversations(32, seed=1))
-    print(f"wrote {args.out}/tiny-llama, train.jsonl (256 conversations) and val.jsonl (32)")
+    write_model(args.out / "tiny-llama", chat=not args.pairs)
+    rows, kind = (pairs, "pairs") if args.pairs else (conversations, "conversations")
+    write_jsonl(args.out / "train.jsonl", rows(256, seed=0))
+    write_jsonl(args.out / "val.jsonl", rows(32, seed=1))
+    print(f"wrote {args.out}/tiny-llama, train.jsonl (256 {kind}) and val.jsonl (32)")
     return 0
 
 

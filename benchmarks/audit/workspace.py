@@ -44,7 +44,8 @@ def build(base: Path, say=print) -> Path:
         return base
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
-    _run([sys.executable, str(ROOT / "tools" / "demo_text.py"), str(base / "demo")], base)
+    _run([sys.executable, str(ROOT / "tools" / "demo_text.py"), str(base / "demo"), "--pairs"],
+         base)  # fmt: skip
     shutil.move(base / "demo" / "tiny-llama", base / "tiny-llama")
     (base / "data").mkdir()
     shutil.move(base / "demo" / "train.jsonl", base / "data" / "train.jsonl")
