@@ -97,7 +97,6 @@ def noting():
                 came.append(e)
                 raise
 
-        raising.__wrapped__ = handler  # what `starting` looks through
         return raising
 
     with _wrapped(note):
@@ -113,7 +112,9 @@ def _wrapped(wrap):
         for s in (signal.SIGINT, signal.SIGTERM):
             handler = signal.getsignal(s)
             if callable(handler):
-                signal.signal(s, wrap(handler))
+                wrapper = wrap(handler)
+                wrapper.__wrapped__ = handler  # what `starting` looks through
+                signal.signal(s, wrapper)
                 old[s] = handler
     try:
         yield
@@ -130,14 +131,11 @@ def starting(prefix: str = "ftpipe"):
         yield
         return
     # Only signals left to their defaults (or SIGTERM to `catch_sigterm`'s, which `ftpipe`
-    # sets before its commands load; either as `noting` wraps it while a command runs): one
-    # a parent ignores (a background job's Ctrl-C) stays ignored.
+    # sets before its commands load; either as `held` or `noting` wrap it while a command
+    # runs): one a parent ignores (a background job's Ctrl-C) stays ignored.
     defaults = {signal.SIGINT: (signal.default_int_handler,),
                 signal.SIGTERM: (signal.SIG_DFL, _raise_terminated)}  # fmt: skip
-    old = {
-        s: h for s in defaults
-        if getattr(h := signal.getsignal(s), "__wrapped__", h) in defaults[s]
-    }  # fmt: skip
+    old = {s: h for s in defaults if _unwrapped(h := signal.getsignal(s)) in defaults[s]}
     signals = tuple(old)
 
     def stop(signum, frame):
@@ -154,6 +152,13 @@ def starting(prefix: str = "ftpipe"):
         for s, handler in old.items():
             if signal.getsignal(s) is stop:
                 signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+
+def _unwrapped(handler):
+    """The handler under `held`'s and `noting`'s wrappers, however deeply nested."""
+    while hasattr(handler, "__wrapped__"):
+        handler = handler.__wrapped__
+    return handler
 
 
 def _main_thread() -> bool:
