@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from .precision import add_grad
+
 __all__ = ["HostOffload"]
 
 
@@ -62,7 +64,7 @@ class HostOffload:
             self._buffers[key] = buf
         if not self.pinned:
             buf.copy_(g)
-            _sum(master, buf)
+            add_grad(master, buf)
             return
         buf.copy_(g, non_blocking=True)
         done = torch.cuda.Event()
@@ -91,13 +93,4 @@ class HostOffload:
     @staticmethod
     def _land(master: torch.Tensor, buf: torch.Tensor, done) -> None:
         done.synchronize()
-        _sum(master, buf)
-
-
-def _sum(master: torch.Tensor, buf: torch.Tensor) -> None:
-    """Add a landed gradient into the master's: the first one copied (never the buffer
-    itself, which the next gradient reuses), the next added in place from its dtype."""
-    if master.grad is None:
-        master.grad = buf.to(master.dtype, copy=True)
-    else:
-        master.grad.add_(buf)
+        add_grad(master, buf)

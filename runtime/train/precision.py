@@ -53,6 +53,7 @@ __all__ = [
     "LossScale",
     "MixedPrecision",
     "Precision",
+    "add_grad",
     "for_run",
     "get_precision",
     "plan_in",
@@ -223,7 +224,7 @@ class MixedPrecision:
         elif master is weight:  # its own master: out of place, `g` may be held elsewhere
             weight.grad = g if weight.grad is None else weight.grad + g
         else:
-            _into(master, g)
+            add_grad(master, g)
         self._arrived(s, name)
 
     def _accumulated(self, p: torch.Tensor) -> None:
@@ -234,7 +235,7 @@ class MixedPrecision:
             if self.offload is not None:
                 self.offload.arrive(s, master, g)
             else:
-                _into(master, g)
+                add_grad(master, g)
         self._arrived(s, name)
 
     def _arrived(self, stage: int, name: str) -> None:
@@ -324,11 +325,12 @@ class MixedPrecision:
                 master.copy_(tensors[name])
 
 
-def _into(master: torch.Tensor, g: torch.Tensor) -> None:
-    """Add a 16-bit gradient into an fp32 master's: the first one copied, the next added in
-    place straight from 16 bits (no fp32 temporary)."""
+def add_grad(master: torch.Tensor, g: torch.Tensor) -> None:
+    """Add a gradient into a master's: the first one copied (never `g` itself, which its
+    maker may reuse: offload's landing buffer), the next added in place straight from its
+    dtype (no fp32 temporary of a 16-bit one)."""
     if master.grad is None:
-        master.grad = g.to(master.dtype)
+        master.grad = g.to(master.dtype, copy=True)
     else:
         master.grad.add_(g)
 
