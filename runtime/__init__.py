@@ -20,24 +20,6 @@ run meets them (docs/architecture.md maps every module):
 
 import importlib
 
-__all__ = [
-    "PeerFailure",
-    "PipelineConfigError",
-    "ScheduleError",
-    "prepare_process",
-    "run",
-    "SCHEDULES",
-    "Action",
-    "Schedule",
-    "StageInfo",
-    "StagePolicy",
-    "actions",
-    "get_schedule",
-    "interleave",
-    "resolve_schedule",
-    "validate",
-]
-
 # Importing the runtime loads nothing and changes nothing (no torch, no process settings): a
 # name is imported when first used, and a package's entry point calls `prepare_process()`.
 _HOMES = {
@@ -50,6 +32,7 @@ _HOMES = {
         ".schedules",
     ),
 }  # fmt: skip
+__all__ = list(_HOMES)  # every public name, each loaded from its home
 
 
 def __getattr__(name: str):

@@ -17,6 +17,7 @@ import torch
 from ..atomic import check_writable_file, check_writable_folder
 from ..data.sources import HFExporter
 from ..errors import PipelineConfigError
+from ..freeze.mode import TrainingMode
 from ..stage.package import build_stages, load_init
 from ..train.offload import HostOffload
 from ..train.optim import Hyper, lr_at, make_optimizer
@@ -78,8 +79,7 @@ def _offload(args, place) -> HostOffload | None:
             "--offload-optimizer does not run with data-parallel replicas on CUDA yet; leave it "
             "out, or compile the package with --replicas 1"
         )
-    freezing = args.freeze_alpha is not None or args.freeze_at
-    if freezing and not args.no_shrink and place.device.type == "cuda":
+    if TrainingMode.of(args).freezing and not args.no_shrink and place.device.type == "cuda":
         # The switch to a shorter plan hands masters and state over through the device.
         raise PipelineConfigError(
             "--offload-optimizer does not hand over to a shorter pipeline on CUDA yet; add "

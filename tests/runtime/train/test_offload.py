@@ -149,7 +149,7 @@ def test_resume_from_an_offloaded_checkpoint_is_exact(run_pipeline, tmp_path):
 
 def _args(**given) -> SimpleNamespace:
     return SimpleNamespace(**{"offload_optimizer": True, "freeze_alpha": None, "freeze_at": [],
-                              "no_shrink": False, **given})  # fmt: skip
+                              "freeze_every": 100, "no_shrink": False, **given})  # fmt: skip
 
 
 def test_replicas_on_cuda_are_refused_in_one_sentence():
