@@ -179,10 +179,12 @@ def generate(job: Job, progress: Progress) -> None:
     """Write plan.json, report.html and the package into `out`, all or nothing; each
     shrink's package goes in the package's elastic/<name>/."""
     with output_folder(job.out, job.force) as tmp:
-        job.plan.save(tmp / "plan.json")
         write_report(tmp / "report.html", job.plan, job.sim, job.command)
         pkg = generate_package(job.traced, job.graph, job.plan, job.spec, tmp, job.command,
                                force=True)  # fmt: skip
+        # One plan file: what `ftpipe simulate out/plan.json` reads is, byte for byte, what the
+        # package runs (its transfers as wired, its paths relative to the package).
+        shutil.copyfile(pkg / "plan.json", tmp / "plan.json")
         for s in job.shrinks:
             sub = generate_package(job.traced, job.graph, s.plan, job.spec,
                                    tmp / "_elastic" / s.name, job.command, force=True)  # fmt: skip

@@ -56,6 +56,8 @@ def test_compile_writes_plan_report_and_package(tmp_path):
     pkg = out / "t5_tiny_pipeline"
     assert (pkg / "stages.py").exists() and (pkg / "__main__.py").exists()
     assert "ftpipe compile --model t5-tiny" in (pkg / "stages.py").read_text()[:500]
+    # One plan: what `ftpipe simulate out/plan.json` reads is what the package runs.
+    assert (out / "plan.json").read_bytes() == (pkg / "plan.json").read_bytes()
 
 
 @pytest.mark.parametrize(
