@@ -22,6 +22,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from ftpipe_runtime.atomic import write_atomic
+from ftpipe_runtime.errors import PipelineConfigError
 from ftpipe_runtime.schedules import (
     ScheduleError,
     StageInfo,
@@ -29,6 +30,7 @@ from ftpipe_runtime.schedules import (
     resolve_schedule,
     with_chunks,
 )
+from ftpipe_runtime.spec.topology import Topology
 
 from ..costs.cluster import Cluster
 from ..costs.formulas import MemoryReserve, period_s, stage_memory
@@ -272,11 +274,16 @@ class Plan:
 
     @classmethod
     def load(cls, path) -> Plan:
-        """Read and check a plan file (structure, not memory: `simulate` shows what overflows)."""
-        plan = cls.from_json(read_json(path, "plan"))
+        """Read and check a plan file (structure, not memory: `simulate` shows what overflows).
+        Read as the runtime reads it, and held to the runtime's checks after the compiler's
+        own (a superset, with the compiler's wording), so a plan `simulate` accepts is one a
+        package runs."""
+        d = read_json(path, "plan")
+        plan = cls.from_json(d)
         try:
             plan.validate(memory=False)
-        except FtpipeError as e:
+            Topology(d)
+        except (FtpipeError, PipelineConfigError) as e:
             raise PlanFormatError(f"{path} is not a valid plan: {e}") from None
         return plan
 

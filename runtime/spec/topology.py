@@ -27,7 +27,8 @@ from .weights import model_folder
 
 
 def read_plan(path) -> dict:
-    """The plan file a package runs, or a PipelineConfigError saying why it cannot be used."""
+    """The plan file a package runs, or a PipelineConfigError saying why it cannot be used
+    (the compiler's `Plan.load` reads with `read_json` and checks with `Topology` too)."""
     plan = read_json(path, "the plan", "compile the package again")
     Topology(plan)  # the checks, now, before anything starts
     model = plan.get("model")
@@ -37,16 +38,25 @@ def read_plan(path) -> dict:
 
 
 def read_json(path, what: str, remedy: str):
-    """A JSON file's value, or a PipelineConfigError naming `what` it is and the `remedy`."""
+    """A JSON file's value, or a PipelineConfigError naming `what` it is ("the plan") and the
+    `remedy`. Every JSON file ftpipe reads back (plans, traces, the compiler's graphs) goes
+    through here, so a damaged one reads the same wherever it is met."""
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
-    except OSError as e:
-        raise PipelineConfigError(f"cannot read {what} {path}: {e.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except FileNotFoundError:
+        raise PipelineConfigError(f"{what} file {path} does not exist") from None
+    except UnicodeDecodeError:
         raise PipelineConfigError(
-            f"{what} {path} is not valid JSON (damaged or edited?); {remedy}"
+            f"{what} file {path} is not text (a binary file?); {remedy}"
         ) from None
+    except json.JSONDecodeError as e:
+        raise PipelineConfigError(
+            f"{what} file {path} is not valid JSON (damaged or edited? {e.msg} at line "
+            f"{e.lineno}); {remedy}"
+        ) from None
+    except OSError as e:
+        raise PipelineConfigError(f"cannot read {what} file {path}: {e.strerror}") from None
 
 
 @dataclass(frozen=True)

@@ -201,7 +201,7 @@ def test_a_damaged_plan_file(text, message, tmp_path, monkeypatch, capsys):
         str(tmp_path / "missing.json"),
         [],
         1,
-        "cannot read the plan .*missing.json",
+        "the plan file .*missing.json does not exist",
         tmp_path,
         capsys,
     )
@@ -224,7 +224,7 @@ def package(tmp_path_factory):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda text: text[: len(text) // 2], "is not valid JSON \\(damaged or edited\\?\\)"),
+        (lambda text: text[: len(text) // 2], "is not valid JSON \\(damaged or edited\\?"),
         (lambda text: text.replace('"format": 2', '"format": 7'), "has format 7"),
     ],
 )
