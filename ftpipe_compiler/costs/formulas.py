@@ -30,9 +30,10 @@ from dataclasses import dataclass
 
 import torch
 from ftpipe_runtime.errors import unknown_name
+from ftpipe_runtime.train.optim import OPTIMIZERS as RUNTIME_OPTIMIZERS
 from ftpipe_runtime.train.precision import PRECISIONS as RUNTIME_PRECISIONS
 
-OPTIMIZERS = ("sgd", "adam", "adamw", "adafactor")
+OPTIMIZERS = tuple(RUNTIME_OPTIMIZERS)  # the runtime's update rules, in its order
 
 
 @dataclass(frozen=True)
@@ -72,16 +73,13 @@ def describe(precision: Precision, hardware=None) -> str:
 
 
 def optimizer_state_elements(shape: tuple[int, ...], optimizer: str) -> int:
-    """`optimizer_state_elements((1024, 4096), "adamw")` -> 2 * 1024 * 4096 (two moments)."""
-    numel = math.prod(shape)
-    if optimizer in ("adam", "adamw"):
-        return 2 * numel
-    if optimizer == "sgd":
-        return 0
-    if optimizer == "adafactor":
-        # Factored second moment (a row and a column vector) for matrices, no momentum.
-        return shape[-2] + shape[-1] if len(shape) >= 2 else numel
-    raise ValueError(unknown_name("optimizer", optimizer, OPTIMIZERS))
+    """`optimizer_state_elements((1024, 4096), "adamw")` -> 2 * 1024 * 4096 (two moments): the
+    runtime's own count (`ftpipe_runtime.train.optim.OPTIMIZERS`)."""
+    try:
+        rule = RUNTIME_OPTIMIZERS[optimizer]
+    except KeyError:
+        raise ValueError(unknown_name("optimizer", optimizer, OPTIMIZERS)) from None
+    return rule.state_elements(tuple(shape))
 
 
 def param_bytes(

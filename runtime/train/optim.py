@@ -27,6 +27,7 @@ __all__ = [
     "DECAYS",
     "OPTIMIZERS",
     "Hyper",
+    "Optimizer",
     "clip_coef",
     "lr_at",
     "make_optimizer",
@@ -88,14 +89,40 @@ def _adafactor(groups, lr, hyper: Hyper):
     return factory(groups, lr=lr)  # its own epsilons and decay rate: no betas
 
 
-OPTIMIZERS = {"sgd": _sgd, "adam": _adam, "adamw": _adamw, "adafactor": _adafactor}
+def _moments(shape: tuple[int, ...]) -> int:  # Adam's two moments, each as the parameter
+    return 2 * math.prod(shape)
+
+
+def _factored(shape: tuple[int, ...]) -> int:
+    """Adafactor's second moment: a row and a column vector for each matrix of the last two
+    dimensions (torch keeps one pair per leading index), else whole."""
+    if len(shape) < 2:
+        return math.prod(shape)
+    return math.prod(shape[:-2]) * (shape[-2] + shape[-1])
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    """An update rule: how the runtime makes it, and the state it keeps per parameter of
+    `shape` (elements, the step counters left out): what the compiler's memory model counts."""
+
+    make: object  # (groups, lr, Hyper) -> torch.optim.Optimizer
+    state_elements: object  # shape -> int
+
+
+OPTIMIZERS = {
+    "sgd": Optimizer(_sgd, lambda shape: 0),
+    "adam": Optimizer(_adam, _moments),
+    "adamw": Optimizer(_adamw, _moments),
+    "adafactor": Optimizer(_adafactor, _factored),
+}
 
 
 def make_optimizer(
     name: str, params, lr: float, hyper: Hyper | None = None
 ) -> torch.optim.Optimizer | None:
     """An optimizer over `params`, or None when there is nothing to train."""
-    factory = pick(OPTIMIZERS, name.lower(), "optimizer")
+    factory = pick(OPTIMIZERS, name.lower(), "optimizer").make
     hyper = hyper or Hyper()
     params = [p for p in params if p.requires_grad]
     if not params:
