@@ -26,6 +26,8 @@ _HOMES = {
     **dict.fromkeys(("PeerFailure", "PipelineConfigError", "ScheduleError"), ".errors"),
     "prepare_process": ".job.cpu_allocator",
     "run": ".job.train",
+    "main": ".job.cli",  # a generated package's entry: main(argv, stages, plan_path, package)
+    **dict.fromkeys(("STAGE_API", "Param", "StageModule"), ".stage.api"),
     **dict.fromkeys(
         ("SCHEDULES", "Action", "Schedule", "StageInfo", "StagePolicy", "actions",
          "get_schedule", "interleave", "resolve_schedule", "validate"),

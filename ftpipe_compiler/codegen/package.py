@@ -20,6 +20,7 @@ import jinja2
 import torch
 from ftpipe_runtime.atomic import atomic_open, write_atomic
 from ftpipe_runtime.spec.weights import WRAPPER_PREFIX, parameters_on_meta
+from ftpipe_runtime.stage.api import STAGE_API
 from torch import nn
 
 from ..costs.analytic import backward_factor
@@ -107,6 +108,7 @@ def generate_package(
         "has_buffers": bool(buffers),
         "weights_dir": model_dir if _has_safetensors(spec.path) else "",
         "traced_dtype": str(compute).removeprefix("torch."),
+        "stage_api": STAGE_API,
         "launch": _launch(plan),
     }
     files = _render(context)
@@ -200,7 +202,8 @@ def py_tuple(items) -> Source:
 
 
 def _param_row(p) -> Source:
-    return literal((p.name, tuple(p.shape), p.dtype, p.trainable, tuple(p.aliases)))
+    row = (p.name, tuple(p.shape), p.dtype, p.trainable, tuple(p.aliases))
+    return Source(f"Param{literal(row)}")
 
 
 def _number(v) -> bool:

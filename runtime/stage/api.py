@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -19,6 +20,25 @@ from ..errors import PipelineConfigError
 from ..models.lora import is_adapter
 from ..spec.weights import WEIGHTS_ENV, checkpoint_keys, initial_value
 from . import fused_loss  # noqa: F401 - registers torch.ops.ftpipe, which generated stages call
+
+__all__ = ["STAGE_API", "Param", "StageModule", "run_in_one_process"]
+
+# The interface generated stages.py is written against: this module's `StageModule` class
+# attributes, `Param`, and the package entry `ftpipe_runtime.job.cli.main(argv, stages,
+# plan_path, package)`. Bumped when any of them changes shape; a generated stage declares the
+# one it was written for (`API`) and is refused, in one sentence, by a runtime of another.
+STAGE_API = 1
+
+
+class Param(NamedTuple):
+    """One tensor a generated stage holds: trainable ones become parameters, the others
+    frozen parameters (named in FROZEN) or buffers."""
+
+    name: str  # the model's own name (state_dict key)
+    shape: tuple[int, ...]
+    dtype: str  # a torch dtype's name: "float32", "bfloat16", "int64"
+    trainable: bool
+    aliases: tuple[str, ...] = ()  # other names of the same tensor (tied weights)
 
 
 class Scope(nn.Module):
@@ -31,11 +51,11 @@ class Scope(nn.Module):
 class StageModule(nn.Module):
     """Base of generated stages. Subclasses set the class attributes below and `forward`."""
 
+    API: int = STAGE_API  # the stage interface the subclass was generated for
     STAGE: int = 0
     INPUTS: tuple[str, ...] = ()
     OUTPUTS: tuple[str, ...] = ()
-    # (canonical name, shape, dtype, trainable, aliases): trainable ones become parameters.
-    PARAMS: tuple = ()
+    PARAMS: tuple[Param, ...] = ()
     # Frozen weights among the non-trainable PARAMS: parameters with requires_grad False
     # (weights of the model, initialised and loaded like trainable ones; no gradient, no
     # optimizer state). The other non-trainable ones are buffers (position ids...).
@@ -46,6 +66,15 @@ class StageModule(nn.Module):
     WEIGHTS_DIR: str = ""
     TRACED_DTYPE: str = "float32"  # the compute dtype the code was traced in
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.API != STAGE_API:
+            raise PipelineConfigError(
+                f"{cls.__module__} was generated for stage interface {cls.API}, and this "
+                f"ftpipe_runtime has interface {STAGE_API}; compile the package again with "
+                "this ftpipe"
+            )
+
     def __init__(self, device="cpu", dtype=None, materialize=True):
         """`dtype`: the compute dtype to run in (default: the traced one). Tensors traced in
         the traced compute dtype take it; others (fp32 islands, integer ids) keep theirs."""
@@ -53,7 +82,7 @@ class StageModule(nn.Module):
         traced = getattr(torch, self.TRACED_DTYPE)
         self.compute_dtype = dtype or traced
         where = torch.device(device) if materialize else torch.device("meta")
-        for name, shape, dt, trainable, _ in self.PARAMS:
+        for name, shape, dt, trainable, _ in map(Param._make, self.PARAMS):
             dt = getattr(torch, dt)
             if dt == traced:
                 dt = self.compute_dtype
@@ -90,7 +119,9 @@ class StageModule(nn.Module):
 
     def weight_names(self) -> list[str]:
         """The model's weights this stage holds: trainable and frozen (not buffers)."""
-        return [n for n, _, _, trainable, _ in self.PARAMS if trainable or n in self.FROZEN]
+        return [
+            p.name for p in map(Param._make, self.PARAMS) if p.trainable or p.name in self.FROZEN
+        ]
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.named_parameters()) | dict(self.named_buffers())
