@@ -179,7 +179,7 @@ def loss_messages(
 def listen_for_losses(run):
     """Rank 0's thread receiving the losses (and evaluation results) of the loss stage's
     ranks, or None when rank 0 holds the only loss stage. `run`: the run's state
-    (`run._Run`: topo, flow, comm, executor, progress, on_eval, sources, place, m, args)."""
+    (`run._Run`: topo, flow, comm, executor, progress, on_eval, sources, place, m, config)."""
     topo, flow, comm, m = run.topo, run.flow, run.comm, run.m
     reps, loss_rank = run.place.reps, topo.rank_of[topo.loss_stage]
     if reps.count > 1:  # every replica's losses, one step's together
@@ -197,7 +197,7 @@ def listen_for_losses(run):
         return None
     evals = run.sources.eval
     n = evals.micro_batches if evals is not None else 1
-    steps, on_loss, on_eval = run.args.steps, run.progress.loss, run.on_eval
+    steps, on_loss, on_eval = run.config.steps, run.progress.loss, run.on_eval
     messages = (  # made as the listener needs them, from the loss rank's actions
         (loss_rank, k, m + 1, lambda msg, k=k: on_loss(k, msg))
         if kind == "loss"

@@ -1,6 +1,6 @@
 """The command line of a generated package (what `torchrun -m <package> ...` accepts).
 
-    args = parse_args(["--steps", "20", "--schedule", "gpipe"], plan)
+    config = parse_args(["--steps", "20", "--schedule", "gpipe"], plan)   # a RunConfig
 
 Defaults come from the plan: its schedule, micro-batches, optimizer and learning rate.
 Every number is checked here (a usage error, exit code 2): `--lr nan`, `--timeout 0` or
@@ -25,6 +25,7 @@ from ..schedules import SCHEDULES, get_schedule
 from ..spec.weights import WEIGHTS_ENV
 from ..train.optim import DECAYS, OPTIMIZERS
 from ..train.precision import PRECISIONS
+from .config import RunConfig
 
 MOST_MICRO_BATCHES = 2**16  # per step: each is a few actions in every step's lists
 MOST_SECONDS = 10**9  # a wait's limit: 31 years, within what torch's timedelta takes
@@ -85,8 +86,9 @@ def _folder(text: str) -> str:
     return os.path.abspath(text)
 
 
-def parse_args(argv, plan: dict, package: str = "<package>") -> argparse.Namespace:
-    return parser(plan, package).parse_args(argv)
+def parse_args(argv, plan: dict, package: str = "<package>") -> RunConfig:
+    """The run's settings (`config.RunConfig`) from the package's command line."""
+    return RunConfig.of(parser(plan, package).parse_args(argv))
 
 
 def parser(plan: dict, package: str = "<package>") -> argparse.ArgumentParser:

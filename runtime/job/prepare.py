@@ -20,58 +20,59 @@ from ..errors import PipelineConfigError
 from ..freeze.mode import TrainingMode
 from ..stage.package import build_stages, load_init
 from ..train.offload import HostOffload
-from ..train.optim import Hyper, lr_at, make_optimizer
+from ..train.optim import make_optimizer
 from ..train.precision import MixedPrecision
+from .config import RunConfig
 from .device import use_tf32
 from .report import memory_meter
 from .runlog import RunLog
 
-__all__ = ["hyper_of", "lr_changes", "lr_of", "prepare_rank"]
+__all__ = ["lr_changes", "prepare_rank"]
 
 
 def prepare_rank(run, rank: int, gpu: int):
     """This rank's checks and set-up: its --log-json and --trace, its checkpoint folder, its
     export and log, its stages and --init weights, their precision and optimizers. `run`:
-    the run's settled state (`run._Run`: plan, args, topo, ckpt, place, precision, say)."""
-    plan, args, ckpt, carried, say = run.plan, run.args, run.ckpt, run.carried, run.say
-    if args.log_json and rank == 0:
-        check_writable_file(args.log_json, "--log-json")
-    if args.trace and rank == 0:
-        check_writable_file(args.trace, "--trace")
-    if args.save_every:
+    the run's settled state (`run._Run`: plan, config, topo, ckpt, place, precision, say)."""
+    plan, config, ckpt, carried, say = run.plan, run.config, run.ckpt, run.carried, run.say
+    if config.log_json and rank == 0:
+        check_writable_file(config.log_json, "--log-json")
+    if config.trace and rank == 0:
+        check_writable_file(config.trace, "--trace")
+    if config.save_every:
         _check_folder(ckpt.root)
-        if not (args.resume or args.overwrite_checkpoints):
+        if not (config.resume or config.overwrite_checkpoints):
             ckpt.refuse_foreign()
-    exporter = HFExporter(plan, args, ckpt, say) if args.save_hf else None
-    wanted = args.log_dir or args.log_jsonl or args.tensorboard or args.wandb
+    exporter = HFExporter(plan, config, ckpt, say) if config.save_hf else None
+    wanted = config.log_dir or config.log_jsonl or config.tensorboard or config.wandb
     runlog = None
     if wanted and not carried:
         runlog = RunLog(
-            args.log_dir, rank, say=say, jsonl=args.log_jsonl, tensorboard=args.tensorboard,
-            wandb=args.wandb, config=vars(args),
+            config.log_dir, rank, say=say, jsonl=config.log_jsonl, tensorboard=config.tensorboard,
+            wandb=config.wandb, config=config.to_dict(),
         )  # fmt: skip
     runlog = carried.runlog if carried else runlog
     memory_meter(str(run.place.device))  # started before any stage exists: what they add counts
-    use_tf32(run.place.device, args.tf32)
+    use_tf32(run.place.device, config.tf32)
     modules = build_stages(run.topo, run.stage_classes, gpu, run.place.device, run.precision.dtype)
-    if args.init:
-        load_init(modules, args.init, plan)
-    offload = _offload(args, run.place)
+    if config.init:
+        load_init(modules, config.init, plan)
+    offload = _offload(config, run.place)
     # after --init: the masters copy the weights
     mixed = MixedPrecision(run.precision, modules, offload=offload)
     mixed.say = say
-    hyper = hyper_of(args)
+    hyper = config.hyper
     optimizers = {
-        s: make_optimizer(args.optimizer, [t for _, t in mixed.trainable(s)], args.lr, hyper)
+        s: make_optimizer(config.optimizer, [t for _, t in mixed.trainable(s)], config.lr, hyper)
         for s in modules
     }
-    torch.manual_seed(args.seed * 7919 + rank)  # the rank's own generator, repeats per run
+    torch.manual_seed(config.seed * 7919 + rank)  # the rank's own generator, repeats per run
     return modules, optimizers, mixed, exporter, runlog
 
 
-def _offload(args, place) -> HostOffload | None:
+def _offload(config, place) -> HostOffload | None:
     """--offload-optimizer: the masters and optimizer state on the host."""
-    if not args.offload_optimizer:
+    if not config.offload_optimizer:
         return None
     if place.reps.count > 1 and place.device.type == "cuda":
         # The replicas' all-reduce sums the gradients where the masters are; NCCL's cannot.
@@ -79,7 +80,7 @@ def _offload(args, place) -> HostOffload | None:
             "--offload-optimizer does not run with data-parallel replicas on CUDA yet; leave it "
             "out, or compile the package with --replicas 1"
         )
-    if TrainingMode.of(args).freezing and not args.no_shrink and place.device.type == "cuda":
+    if TrainingMode.of(config).freezing and not config.no_shrink and place.device.type == "cuda":
         # The switch to a shorter plan hands masters and state over through the device.
         raise PipelineConfigError(
             "--offload-optimizer does not hand over to a shorter pipeline on CUDA yet; add "
@@ -88,22 +89,11 @@ def _offload(args, place) -> HostOffload | None:
     return HostOffload(place.device)
 
 
-def hyper_of(args) -> Hyper:
-    """The optimizer's settings of the command line."""
-    return Hyper(args.weight_decay, (args.adam_beta1, args.adam_beta2), args.adam_epsilon)
-
-
-def lr_of(args, k: int, steps: int) -> float:
-    """The command line's learning rate at optimizer step k of `steps`."""
-    return lr_at(k, args.lr, steps, args.warmup, args.decay, args.decay_fraction)
-
-
-def lr_changes(args, saved_steps, first: int) -> bool:
+def lr_changes(config: RunConfig, saved_steps, first: int) -> bool:
     """Does --steps (which the learning-rate decay depends on) change the rates from `first`?"""
-    if not isinstance(saved_steps, int) or saved_steps == args.steps:
+    if not isinstance(saved_steps, int) or saved_steps == config.steps:
         return False
-    rate = lambda k, steps: lr_of(args, k, steps)  # noqa: E731
-    return any(rate(k, saved_steps) != rate(k, args.steps) for k in range(first, args.steps))
+    return any(config.lr_at(k, saved_steps) != config.lr_at(k) for k in range(first, config.steps))
 
 
 def _check_folder(root: Path) -> None:

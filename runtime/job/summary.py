@@ -32,10 +32,10 @@ def gather_trace(run, tracer, first: int) -> None:
         meta = {
             "schedule": run.name,
             "micro_batches": run.m,
-            "steps": run.args.steps,
+            "steps": run.config.steps,
             "first": first,
         }
-        write_trace(run.args.trace, ranks, meta)
+        write_trace(run.config.trace, ranks, meta)
 
 
 def save_hf(run) -> None:
@@ -55,7 +55,7 @@ def save_hf(run) -> None:
 
 def finish(run, first: int, wall: float, segments: list) -> dict:
     """The run's summary (see the module's docstring); rank 0 says it and writes --log-json."""
-    args, place, progress = run.args, run.place, run.progress
+    config, place, progress = run.config, run.place, run.progress
     mine = {
         "memory": memory_meter(str(place.device)).peaks(),
         "checksums": checksums(run.modules),
@@ -64,19 +64,19 @@ def finish(run, first: int, wall: float, segments: list) -> dict:
     }
     everyone = all_gather(mine, place.world, "finishing")
     summary = {
-        "schedule": args.schedule or run.plan["schedule"],
-        "steps": args.steps,
+        "schedule": config.schedule or run.plan["schedule"],
+        "steps": config.steps,
         "first_step": first,
         "micro_batches": run.m,
         "wall_s": wall,
-        "losses": [progress.losses.get(k) for k in range(first, args.steps)],
+        "losses": [progress.losses.get(k) for k in range(first, config.steps)],
         "samples_per_s": progress.samples_per_s(),
         "steady_samples_per_s": progress.steady_samples_per_s(),
         # Per rank: the peak the plan predicts (CUDA: allocated; CPU: resident set grown
         # since before the stages were built), and what the device held (report.Memory).
         "memory_bytes": [e["memory"]["allocated"] for e in everyone],
         "memory_reserved_bytes": [e["memory"]["reserved"] for e in everyone],
-        "dtype": args.dtype,
+        "dtype": config.dtype,
         "evals": [{"step": k, **v} for k, v in sorted(progress.evals.items())],
         "skipped_steps": [e["skipped_steps"] for e in everyone],  # per rank: the same
         "checksums": _first_replica(everyone),
@@ -94,11 +94,11 @@ def finish(run, first: int, wall: float, segments: list) -> dict:
             )
         )
         progress.write(
-            f"done: {args.steps - first} steps in {wall:.1f} s, "
+            f"done: {config.steps - first} steps in {wall:.1f} s, "
             f"{summary['samples_per_s']:.1f} samples/s; peak memory {mem}"
         )
-        if args.log_json:
-            write_atomic(args.log_json, json.dumps(summary, indent=1))
+        if config.log_json:
+            write_atomic(config.log_json, json.dumps(summary, indent=1))
     if place.world > 1:
         barrier(place.world, "finishing")
         dist.destroy_process_group()

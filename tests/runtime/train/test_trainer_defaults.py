@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 from ftpipe_runtime.job.options import parse_args
-from ftpipe_runtime.job.prepare import hyper_of
 from ftpipe_runtime.train.optim import DECAYS, lr_at, make_optimizer, wsd_decay_steps
 
 transformers = pytest.importorskip("transformers")
@@ -60,7 +59,7 @@ def test_an_unknown_schedule_is_a_value_error_listing_the_choices(capsys):
 
 
 def test_adamw_defaults_are_the_trainers():
-    ours = hyper_of(parse_args([], {"model": {}}))
+    ours = parse_args([], {"model": {}}).hyper
     theirs = transformers.TrainingArguments(output_dir="unused", report_to=[])
     assert ours.weight_decay == theirs.weight_decay == 0.0
     assert ours.betas == (theirs.adam_beta1, theirs.adam_beta2)
@@ -76,7 +75,7 @@ def test_weight_decay_leaves_biases_and_norm_weights_alone():
          "--adam-epsilon", "1e-6"],
         {"model": {}},
     )  # fmt: skip
-    hyper = hyper_of(args)
+    hyper = args.hyper
     weight = torch.nn.Parameter(torch.ones(3, 4))
     bias, norm = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(4))
     opt = make_optimizer("adamw", [weight, bias, norm], 0.5, hyper)
