@@ -22,11 +22,12 @@ from ..stage.package import build_stages, load_init
 from ..train.offload import HostOffload
 from ..train.optim import Hyper, lr_at, make_optimizer
 from ..train.precision import MixedPrecision
+from ..train.zero import SHARDABLE, ShardedOptimizer
 from .device import use_tf32
 from .report import memory_meter
 from .runlog import RunLog
 
-__all__ = ["hyper_of", "lr_changes", "lr_of", "prepare_rank"]
+__all__ = ["hyper_of", "lr_changes", "lr_of", "prepare_rank", "sharded_stages"]
 
 
 def prepare_rank(run, rank: int, gpu: int):
@@ -57,14 +58,23 @@ def prepare_rank(run, rank: int, gpu: int):
     if args.init:
         load_init(modules, args.init, plan)
     offload = _offload(args, run.place)
+    sharded = _sharded(run)
     # after --init: the masters copy the weights
-    mixed = MixedPrecision(run.precision, modules, offload=offload)
+    mixed = MixedPrecision(run.precision, modules, offload=offload, sharded=sharded)
     mixed.say = say
     hyper = hyper_of(args)
-    optimizers = {
-        s: make_optimizer(args.optimizer, [t for _, t in mixed.trainable(s)], args.lr, hyper)
-        for s in modules
-    }
+    reps = run.place.reps
+    mixed.sharded_over = reps.count if sharded else 1
+    index = sorted(reps.stage_group(gpu)).index(rank)  # this rank's shards (`zero`)
+    optimizers = {}
+    for s in modules:
+        trainable = [t for _, t in mixed.trainable(s)]
+        optimizers[s] = (
+            ShardedOptimizer(mixed, s, replicas=reps.count, index=index,
+                             optimizer=args.optimizer, lr=args.lr, hyper=hyper)
+            if s in sharded and trainable
+            else make_optimizer(args.optimizer, trainable, args.lr, hyper)
+        )  # fmt: skip
     torch.manual_seed(args.seed * 7919 + rank)  # the rank's own generator, repeats per run
     return modules, optimizers, mixed, exporter, runlog
 
@@ -86,6 +96,51 @@ def _offload(args, place) -> HostOffload | None:
             "--no-shrink to freeze on this plan, or leave --offload-optimizer out"
         )
     return HostOffload(place.device)
+
+
+def sharded_stages(plan: dict, choice: bool | None) -> set[int]:
+    """The plan's stages whose optimizer state is sharded across its replicas: every one
+    (--shard-optimizer), none (--no-shard-optimizer), or those whose `shard_optimizer` the
+    plan set (the compiler's choice; no flag)."""
+    if choice is not None:
+        return {int(st["id"]) for st in plan["stages"]} if choice else set()
+    return {int(st["id"]) for st in plan["stages"] if st.get("shard_optimizer")}
+
+
+def _sharded(run) -> set[int]:
+    """This rank's stages whose optimizer state is sharded, or one sentence saying why it
+    cannot be; the same on every rank (the plan's and the options' alone). None with one
+    replica, where there is nothing to shard across."""
+    args, reps = run.args, run.place.reps
+    chosen = sharded_stages(run.plan, args.shard_optimizer)
+    if not chosen:
+        return set()
+    if reps.count == 1:
+        if args.shard_optimizer:
+            run.say(
+                "ftpipe: note: --shard-optimizer shards across data-parallel replicas and this "
+                "package has one, so nothing is sharded (compile it with --replicas 2 or more)"
+            )
+        return set()
+    if args.offload_optimizer:
+        # Both place the masters; sharding them on the host is not written.
+        raise PipelineConfigError(
+            "--offload-optimizer and sharded optimizer state do not run together yet; pick "
+            "one (--no-shard-optimizer overrides the plan's sharding)"
+        )
+    if args.optimizer.lower() not in SHARDABLE:
+        raise PipelineConfigError(
+            f"--optimizer {args.optimizer} cannot step a replica's slice of the weights "
+            "(its state is per matrix, not per element), so its state cannot be sharded; "
+            f"pick {', '.join(SHARDABLE)}, or add --no-shard-optimizer"
+        )
+    if run.mode.shrinks is not None:
+        # The switch to a shorter plan moves whole tensors between ranks.
+        raise PipelineConfigError(
+            "sharded optimizer state does not hand over to a shorter pipeline yet; add "
+            "--no-shrink to freeze on this plan, or --no-shard-optimizer"
+        )
+    return chosen
 
 
 def hyper_of(args) -> Hyper:
