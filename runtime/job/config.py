@@ -31,6 +31,7 @@ class RunConfig:
     dtype: str = "fp32"
     optimizer: str = "adamw"
     offload_optimizer: bool = False
+    shard_optimizer: bool | None = None  # across replicas (ZeRO-1); None: as the plan says
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999

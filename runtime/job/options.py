@@ -168,6 +168,15 @@ def _training(p, plan: dict) -> None:
         "(ftpipe_runtime.train.offload): less GPU memory, the same update",
     )
     p.add_argument(
+        "--shard-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with data-parallel replicas, each keeps 1/replicas of every stage's master weights "
+        "and optimizer state, gradients reduce-scattered and weights all-gathered (ZeRO-1, "
+        "ftpipe_runtime.train.zero): the same update; --no-shard-optimizer: none (default: the "
+        "stages the plan shards)",
+    )
+    p.add_argument(
         "--weight-decay",
         type=number(float, 0),
         default=0.0,
