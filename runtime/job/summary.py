@@ -64,6 +64,7 @@ def finish(run, first: int, wall: float, segments: list) -> dict:
         "replica": place.replica,
         "optimizer_state_bytes": sum(map(state_bytes, run.optimizers.values())),
         "master_bytes": run.mixed.master_bytes(),
+        "activation_offload": run.executor.offload.report(),
     }
     everyone = all_gather(mine, place.world, "finishing")
     summary = {
@@ -91,6 +92,8 @@ def finish(run, first: int, wall: float, segments: list) -> dict:
         "freezes": run.mode.decisions,
         "segments": segments,  # one per plan the run trained on
     }
+    if any(e["activation_offload"] for e in everyone):  # per rank: bytes parked on the host
+        summary["activation_offload"] = [e["activation_offload"] for e in everyone]
     if place.rank == 0:
         mem = ", ".join(
             f"rank {r} {human_bytes(a)} ({human_bytes(b)} reserved)"
