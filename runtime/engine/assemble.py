@@ -11,6 +11,7 @@ from ..job.cpu_allocator import release_free_heap
 from ..job.report import memory_meter
 from ..train.replicas import GradSync
 from ..train.stepping import Stepper
+from .act_offload import of_run
 from .evaluate import Evaluator, reporter
 from .executor import Executor
 
@@ -49,6 +50,7 @@ def make_executor(run):
         data=run.data, stepper=run.stepper, micro_batches=run.m, device=place.device,
         on_loss=progress.loss, seed=config.seed, precision=run.mixed,
     )  # fmt: skip
+    executor.offload = of_run(run, executor.forward_only)  # --offload-activations, the plan's
     on_eval = reporter(run.plan, config.steps, run.first, config.eval_every, progress)
     if run.sources.eval is not None:  # its results tagged after every step's loss
         evaluator = Evaluator(topo, place.gpu, run.modules, run.comm, run.sources.eval,

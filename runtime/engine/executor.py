@@ -31,6 +31,10 @@ Frozen weights (`frozen`): a stage with nothing trainable and no gradient crossi
 borders is forward-only: its forwards run without autograd and keep nothing, its B and W
 are no-ops (`forward_only`).
 
+Activation offload (`offload`, `act_offload.ActivationOffload`): what a forward keeps for its
+backward (autograd's saved tensors, or a recomputing stage's inputs) waits on the host, and
+comes back one backward ahead; it watches the rank's actions to see which backward is next.
+
 Random numbers (dropout): a forward of micro-batch mb on stage s draws from a generator
 seeded by (seed, s, mb), and its recompute from the same seed, so the masks do not depend on
 what ran before: a resumed run that fills its pipeline again draws the very same ones.
@@ -48,6 +52,7 @@ from ..schedules import Versions
 from ..stage.frozen import forward_only_stages
 from ..train.loss_weights import LossWeights
 from ..train.precision import MixedPrecision, get_precision
+from .act_offload import ActivationOffload
 from .outputs import Outputs
 from .split_backward import backward_input, backward_weight
 from .trace import Tracer
@@ -100,6 +105,9 @@ class Executor:
         self.made: dict[str, torch.Tensor] = {}  # weight read by other ranks -> the parameter
         # One handler per action kind; evaluation's ("E") is added by the run when it has one.
         self.handlers = {"F": self.forward, "B": self.backward, "W": self.weight, "S": self.step}
+        # Saved activations parked on the host between a forward and its backward (the run
+        # sets one offloading its stages: `act_offload.of_run`); by default none.
+        self.offload = ActivationOffload(self.device)
 
     def run(self, items, after=None) -> None:
         """Run `items` (Dataflow.actions(rank)) in order."""
@@ -111,7 +119,7 @@ class Executor:
                 f"stage {s} needs its weights after {v} steps, which the checkpoint does not "
                 "hold; it was saved by an older ftpipe: start afresh without --resume"
             )
-        for i, item in enumerate(items):
+        for i, item in enumerate(self.offload.watch(items)):
             self.now = item
             with self.tracer.action(item.action):
                 self.handlers[item.action.kind](i, item.action)
@@ -128,10 +136,12 @@ class Executor:
         keep_graph = not self.policies[s].recompute and s not in self.forward_only
         params = self._version(a)
         order = self.flow.sending_order(s)
-        with self._seeded(s, m), torch.set_grad_enabled(keep_graph):
+        parking = self.offload.saving(s, m, keep_graph)
+        with self._seeded(s, m), torch.set_grad_enabled(keep_graph), parking:
             out = self._call(s, params, inputs)
         if s not in self.forward_only:
-            self.saved[(s, m)] = (inputs, out if keep_graph else None, params)
+            kept = self.offload.park(s, m, inputs, out, params, self.modules[s])
+            self.saved[(s, m)] = (kept, out if keep_graph else None, params)
         for t in order:
             self.acts.put(t, m, self._checked(t, out))
             if self.flow.shared(t):
@@ -177,6 +187,7 @@ class Executor:
         if s in self.forward_only:
             return
         inputs, out, params = self.saved.pop((s, m))
+        inputs = self.offload.fetch(s, m, inputs)
         if out is None:
             with self._seeded(s, m), torch.enable_grad():
                 out = self._call(s, params, inputs)

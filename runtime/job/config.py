@@ -31,6 +31,9 @@ class RunConfig:
     dtype: str = "fp32"
     optimizer: str = "adamw"
     offload_optimizer: bool = False
+    shard_optimizer: bool | None = None  # across replicas (ZeRO-1); None: as the plan says
+    offload_activations: bool = False  # every stage of the rank; else as the plan says
+    offload_activations_min: float = 1.0  # MiB: smaller saved tensors stay on the device
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999

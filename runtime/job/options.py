@@ -18,6 +18,7 @@ import torch
 from ..checkpoint.hf import MERGE_HELP
 from ..data.batches import SOURCES
 from ..data.text import TEXT_FORMATS
+from ..engine.act_offload import MIN_BYTES
 from ..engine.comm import POST_AHEAD_BYTES
 from ..errors import ScheduleError
 from ..freeze.layers import parse_freeze_at
@@ -166,6 +167,29 @@ def _training(p, plan: dict) -> None:
         action="store_true",
         help="keep the master weights and optimizer state in host memory and step on the CPU "
         "(ftpipe_runtime.train.offload): less GPU memory, the same update",
+    )
+    p.add_argument(
+        "--shard-optimizer",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with data-parallel replicas, each keeps 1/replicas of every stage's master weights "
+        "and optimizer state, gradients reduce-scattered and weights all-gathered (ZeRO-1, "
+        "ftpipe_runtime.train.zero): the same update; --no-shard-optimizer: none (default: the "
+        "stages the plan shards)",
+    )
+    p.add_argument(
+        "--offload-activations",
+        action="store_true",
+        help="park every stage's saved activations in host memory between its forward and "
+        "its backward, fetched one backward ahead (ftpipe_runtime.engine.act_offload; the "
+        "plan may ask it per stage): less GPU memory, the same update",
+    )
+    p.add_argument(
+        "--offload-activations-min",
+        type=number(float, 0),
+        default=MIN_BYTES / 2**20,
+        metavar="MIB",
+        help="saved tensors under this size stay on the device (default %(default)s MiB)",
     )
     p.add_argument(
         "--weight-decay",

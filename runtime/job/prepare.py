@@ -22,12 +22,13 @@ from ..stage.package import build_stages, load_init
 from ..train.offload import HostOffload
 from ..train.optim import make_optimizer
 from ..train.precision import MixedPrecision
+from ..train.zero import SHARDABLE, ShardedOptimizer
 from .config import RunConfig
 from .device import use_tf32
 from .report import memory_meter
 from .runlog import RunLog
 
-__all__ = ["lr_changes", "prepare_rank"]
+__all__ = ["lr_changes", "prepare_rank", "sharded_stages"]
 
 
 def prepare_rank(run, rank: int, gpu: int):
@@ -58,14 +59,23 @@ def prepare_rank(run, rank: int, gpu: int):
     if config.init:
         load_init(modules, config.init, plan)
     offload = _offload(config, run.place)
+    sharded = _sharded(run)
     # after --init: the masters copy the weights
-    mixed = MixedPrecision(run.precision, modules, offload=offload)
+    mixed = MixedPrecision(run.precision, modules, offload=offload, sharded=sharded)
     mixed.say = say
     hyper = config.hyper
-    optimizers = {
-        s: make_optimizer(config.optimizer, [t for _, t in mixed.trainable(s)], config.lr, hyper)
-        for s in modules
-    }
+    reps = run.place.reps
+    mixed.sharded_over = reps.count if sharded else 1
+    index = sorted(reps.stage_group(gpu)).index(rank)  # this rank's shards (`zero`)
+    optimizers = {}
+    for s in modules:
+        trainable = [t for _, t in mixed.trainable(s)]
+        optimizers[s] = (
+            ShardedOptimizer(mixed, s, replicas=reps.count, index=index,
+                             optimizer=config.optimizer, lr=config.lr, hyper=hyper)
+            if s in sharded and trainable
+            else make_optimizer(config.optimizer, trainable, config.lr, hyper)
+        )  # fmt: skip
     torch.manual_seed(config.seed * 7919 + rank)  # the rank's own generator, repeats per run
     return modules, optimizers, mixed, exporter, runlog
 
@@ -87,6 +97,51 @@ def _offload(config, place) -> HostOffload | None:
             "--no-shrink to freeze on this plan, or leave --offload-optimizer out"
         )
     return HostOffload(place.device)
+
+
+def sharded_stages(plan: dict, choice: bool | None) -> set[int]:
+    """The plan's stages whose optimizer state is sharded across its replicas: every one
+    (--shard-optimizer), none (--no-shard-optimizer), or those whose `shard_optimizer` the
+    plan set (the compiler's choice; no flag)."""
+    if choice is not None:
+        return {int(st["id"]) for st in plan["stages"]} if choice else set()
+    return {int(st["id"]) for st in plan["stages"] if st.get("shard_optimizer")}
+
+
+def _sharded(run) -> set[int]:
+    """This rank's stages whose optimizer state is sharded, or one sentence saying why it
+    cannot be; the same on every rank (the plan's and the options' alone). None with one
+    replica, where there is nothing to shard across."""
+    config, reps = run.config, run.place.reps
+    chosen = sharded_stages(run.plan, config.shard_optimizer)
+    if not chosen:
+        return set()
+    if reps.count == 1:
+        if config.shard_optimizer:
+            run.say(
+                "ftpipe: note: --shard-optimizer shards across data-parallel replicas and this "
+                "package has one, so nothing is sharded (compile it with --replicas 2 or more)"
+            )
+        return set()
+    if config.offload_optimizer:
+        # Both place the masters; sharding them on the host is not written.
+        raise PipelineConfigError(
+            "--offload-optimizer and sharded optimizer state do not run together yet; pick "
+            "one (--no-shard-optimizer overrides the plan's sharding)"
+        )
+    if config.optimizer.lower() not in SHARDABLE:
+        raise PipelineConfigError(
+            f"--optimizer {config.optimizer} cannot step a replica's slice of the weights "
+            "(its state is per matrix, not per element), so its state cannot be sharded; "
+            f"pick {', '.join(SHARDABLE)}, or add --no-shard-optimizer"
+        )
+    if run.mode.shrinks is not None:
+        # The switch to a shorter plan moves whole tensors between ranks.
+        raise PipelineConfigError(
+            "sharded optimizer state does not hand over to a shorter pipeline yet; add "
+            "--no-shrink to freeze on this plan, or --no-shard-optimizer"
+        )
+    return chosen
 
 
 def lr_changes(config: RunConfig, saved_steps, first: int) -> bool:

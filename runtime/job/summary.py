@@ -3,8 +3,8 @@
 
     summary = finish(run, start, wall, segments)   # collective: every rank calls it
 
-The summary holds rank 0's losses and evaluations, every rank's peak memory and skipped
-(fp16) steps, and the first replica's parameter checksums with how far the other replicas'
+The summary holds rank 0's losses and evaluations, every rank's peak memory, optimizer
+state and master bytes (as allocated: 1/d each with sharded state) and skipped (fp16) steps, and the first replica's parameter checksums with how far the other replicas'
 weights are from them (0.0: identical, as data parallelism promises).
 """
 
@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..atomic import write_atomic
 from ..engine.trace import write_trace
+from ..train.optim import state_bytes
 from .ranks import all_gather, barrier
 from .report import checksums, human_bytes, memory_meter
 
@@ -61,6 +62,9 @@ def finish(run, first: int, wall: float, segments: list) -> dict:
         "checksums": checksums(run.modules),
         "skipped_steps": run.mixed.skipped,
         "replica": place.replica,
+        "optimizer_state_bytes": sum(map(state_bytes, run.optimizers.values())),
+        "master_bytes": run.mixed.master_bytes(),
+        "activation_offload": run.executor.offload.report(),
     }
     everyone = all_gather(mine, place.world, "finishing")
     summary = {
@@ -79,6 +83,8 @@ def finish(run, first: int, wall: float, segments: list) -> dict:
         "dtype": config.dtype,
         "evals": [{"step": k, **v} for k, v in sorted(progress.evals.items())],
         "skipped_steps": [e["skipped_steps"] for e in everyone],  # per rank: the same
+        "optimizer_state_bytes": [e["optimizer_state_bytes"] for e in everyone],
+        "master_bytes": [e["master_bytes"] for e in everyone],  # kept apart from the weights
         "checksums": _first_replica(everyone),
         # Every replica holds the same weights after every step: the first replica's,
         # compared with each other's (0.0: identical).
@@ -86,6 +92,8 @@ def finish(run, first: int, wall: float, segments: list) -> dict:
         "freezes": run.mode.decisions,
         "segments": segments,  # one per plan the run trained on
     }
+    if any(e["activation_offload"] for e in everyone):  # per rank: bytes parked on the host
+        summary["activation_offload"] = [e["activation_offload"] for e in everyone]
     if place.rank == 0:
         mem = ", ".join(
             f"rank {r} {human_bytes(a)} ({human_bytes(b)} reserved)"

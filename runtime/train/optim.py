@@ -33,6 +33,7 @@ __all__ = [
     "make_optimizer",
     "param_groups",
     "squared_norm",
+    "state_bytes",
 ]
 
 
@@ -45,13 +46,15 @@ class Hyper:
     eps: float = 1e-8
 
 
-def param_groups(params, weight_decay: float) -> list[dict]:
+def param_groups(params, weight_decay: float, decays=None) -> list[dict]:
     """`params` in optimizer groups: with weight decay, the tensors of one dimension (biases,
-    norm weights) in a group of their own without it."""
+    norm weights) in a group of their own without it. `decays(p)`: whether `p` is decayed,
+    where its own shape does not say (a shard's slice of a weight: `zero`)."""
     if not weight_decay:
         return [{"params": params, "weight_decay": 0.0}]
-    decayed = [p for p in params if p.ndim >= 2]
-    exempt = [p for p in params if p.ndim < 2]
+    decays = decays or (lambda p: p.ndim >= 2)
+    decayed = [p for p in params if decays(p)]
+    exempt = [p for p in params if not decays(p)]
     groups = [{"params": decayed, "weight_decay": weight_decay}]
     groups.append({"params": exempt, "weight_decay": 0.0})
     return [g for g in groups if g["params"]]
@@ -119,15 +122,25 @@ OPTIMIZERS = {
 
 
 def make_optimizer(
-    name: str, params, lr: float, hyper: Hyper | None = None
+    name: str, params, lr: float, hyper: Hyper | None = None, decays=None
 ) -> torch.optim.Optimizer | None:
-    """An optimizer over `params`, or None when there is nothing to train."""
+    """An optimizer over `params`, or None when there is nothing to train (`decays`: as
+    `param_groups`)."""
     factory = pick(OPTIMIZERS, name.lower(), "optimizer").make
     hyper = hyper or Hyper()
     params = [p for p in params if p.requires_grad]
     if not params:
         return None
-    return factory(param_groups(params, hyper.weight_decay), lr, hyper)
+    return factory(param_groups(params, hyper.weight_decay, decays), lr, hyper)
+
+
+def state_bytes(optimizer) -> int:
+    """Bytes of the tensors an optimizer keeps per parameter (AdamW: its two moments)."""
+    if optimizer is None:
+        return 0
+    return sum(
+        v.nbytes for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+    )
 
 
 # Each schedule: the factor of the base rate at optimizer step k (0-based) of `steps`, after

@@ -9,6 +9,7 @@
     ok = mixed.unscale_and_check(grads, total_norm_sq)   # False: overflow, skip the step
     mixed.after_step(stage)                # master -> the stage's 16-bit weights
     MixedPrecision(p, modules, offload=HostOffload(device))   # --offload-optimizer (`offload`)
+    MixedPrecision(p, modules, sharded={2})   # stage 2's masters sharded (`zero`): mixed.shards
 
 | name | stages compute in | optimizer steps | bytes per trainable element |
 | --- | --- | --- | --- |
@@ -30,7 +31,10 @@ holds them. A weight traced in fp32 (T5's `wo` under fp16: transformers'
 `_keep_in_fp32_modules`) stays fp32 and is its own master. With `offload` (--offload-optimizer,
 `offload.HostOffload`) every trainable weight, fp32 ones included, has its master on the host,
 where its gradients are summed and the optimizer steps it; `settle(stage)` at the stage's step
-waits for the gradients' copies.
+waits for the gradients' copies. A stage in `sharded` (--shard-optimizer: `zero`) keeps its
+masters in its `ShardedOptimizer` (`shards[stage]`), 1/d of them per replica: a 16-bit
+weight's master here is a gradient-only stand-in (its fp32 gradient sums here, it holds no
+values), `stepped` is the replica's slices, and `after_step` all-gathers them into the weights.
 
 fp16's overflow check is global: the squared gradient norm every synchronous step sums over
 all ranks (the one collective of the step) is inf or nan on every rank when any gradient
@@ -163,9 +167,11 @@ def plan_in(plan: dict, precision: Precision) -> dict:
 class MixedPrecision:
     """The trainable tensors of this rank's stages under `precision` (see the module doc)."""
 
-    def __init__(self, precision: Precision, modules: dict, offload=None):
+    def __init__(self, precision: Precision, modules: dict, offload=None, sharded=()):
         self.precision = precision
         self.offload = offload  # a HostOffload: the masters on the host; None: beside the weights
+        self.shards: dict = {}  # stage -> its ShardedOptimizer (`zero`), which registers itself
+        self.sharded_over = 1  # replicas the run's sharded stages are spread over (1: none)
         self.loss_scale = LossScale() if precision.loss_scaling else None
         self.skipped: list[int] = []  # steps skipped for an overflow
         self.say = None  # where a skipped step is reported (rank 0)
@@ -182,6 +188,8 @@ class MixedPrecision:
                 if offload is not None:
                     kept = torch.float32 if precision.master else p.dtype
                     master = offload.master_of(p, kept)
+                elif s in sharded and precision.master and p.dtype != torch.float32:
+                    master = _stand_in(p)
                 elif precision.master and p.dtype != torch.float32:
                     master = p.detach().float().requires_grad_(True)
                 p.register_post_accumulate_grad_hook(self._accumulated)
@@ -194,8 +202,30 @@ class MixedPrecision:
         return list(self._pairs)
 
     def trainable(self, stage: int) -> list[tuple[str, torch.Tensor]]:
-        """(name, tensor whose .grad the optimizer reads): the masters, or the weights."""
+        """(name, tensor whose .grad the optimizer reads): the masters, or the weights (a
+        sharded stage: where the gradients sum, before the replicas' reduce-scatter)."""
         return [(n, master) for n, _, master in self._pairs.get(stage, ())]
+
+    def weights(self, stage: int) -> list[tuple[str, torch.Tensor]]:
+        """(name, weight the stage computes with) of the trainable ones, as `trainable`."""
+        return [(n, p) for n, p, _ in self._pairs.get(stage, ())]
+
+    def stepped(self, stage: int) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) the optimizer steps and clipping measures: `trainable`'s, or with
+        sharded state this replica's slices of them."""
+        shard = self.shards.get(stage)
+        return shard.named() if shard is not None else self.trainable(stage)
+
+    def master_bytes(self) -> int:
+        """Bytes of the masters kept apart from the weights (fp32 copies, host copies,
+        shards), as allocated (a sharded stage's stand-ins: one element each)."""
+        own = {
+            master.untyped_storage().data_ptr(): master.untyped_storage().nbytes()
+            for pairs in self._pairs.values()
+            for _, p, master in pairs
+            if master is not p
+        }
+        return sum(own.values()) + sum(z.master_bytes() for z in self.shards.values())
 
     def freeze(self, stage: int, names) -> list[torch.Tensor]:
         """Stop training the weights `names` of a stage (freeze training): they keep no
@@ -266,7 +296,7 @@ class MixedPrecision:
     def poison(self, stage: int, step: int) -> None:
         """FTPIPE_INJECT_INF: make a gradient of `stage` at `step` infinite."""
         if self.inject == (stage, step):
-            grads = [t.grad for _, t in self.trainable(stage) if t.grad is not None]
+            grads = [t.grad for _, t in self.stepped(stage) if t.grad is not None]
             if grads:
                 grads[0].view(-1)[0] = float("inf")
 
@@ -279,7 +309,10 @@ class MixedPrecision:
     @torch.no_grad()
     def after_step(self, stage: int) -> None:
         """Copy the stepped masters into the stage's 16-bit weights (offloaded: into its
-        weights, from the host)."""
+        weights, from the host; sharded: every replica's slices, all-gathered)."""
+        if stage in self.shards:
+            self.shards[stage].publish()
+            return
         if self.offload is not None:
             self.offload.upload(stage, [(p, master) for _, p, master in self._pairs.get(stage, ())])
             return
@@ -304,9 +337,12 @@ class MixedPrecision:
     def state_dict(self, stage: int, module) -> dict:
         """The stage's tensors for a checkpoint: fp32 masters in place of 16-bit weights;
         weights frozen at compile time left out (a run rebuilds them as it built them:
-        `frozen`)."""
+        `frozen`). A sharded stage's masters are not here: its weights stand for them
+        (`ShardedOptimizer.gather` puts the masters together, as `Saver` does)."""
         frozen = set(getattr(module, "FROZEN", ()))
         state = {k: v for k, v in module.state_dict().items() if k not in frozen}
+        if stage in self.shards:
+            return state
         for name, _, master in self._pairs.get(stage, ()):
             state[name] = master.detach()
         return state
@@ -320,6 +356,9 @@ class MixedPrecision:
         if missing:
             raise KeyError(f"{missing[0]} is not in the checkpoint")
         module.load_state_dict({k: tensors[k].to(own[k].dtype) for k in own}, strict=False)
+        if stage in self.shards:  # this replica's slices of the masters
+            self.shards[stage].load_masters(tensors)
+            return
         for name, p, master in self._pairs.get(stage, ()):
             if master is not p:
                 master.copy_(tensors[name])
@@ -333,6 +372,14 @@ def add_grad(master: torch.Tensor, g: torch.Tensor) -> None:
         master.grad = g.to(master.dtype, copy=True)
     else:
         master.grad.add_(g)
+
+
+def _stand_in(weight: torch.Tensor) -> torch.Tensor:
+    """A sharded stage's master of a 16-bit weight: the weight's shape in fp32, where its
+    gradients sum (autograd's hook, `add_grad`), with no values of its own (one element,
+    broadcast): the values are the replicas' shards'."""
+    one = torch.zeros((), dtype=torch.float32, device=weight.device)
+    return one.expand(weight.shape).detach().requires_grad_(True)
 
 
 def _injected() -> tuple[int, int] | None:

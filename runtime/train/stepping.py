@@ -15,6 +15,8 @@ rank, is the overflow check: not finite anywhere, and every rank skips the step.
 several stages has one owner, whose gradient already sums every use (the readers sent theirs
 back), so nothing is summed here. A stage puts its gradients aside at its own S, so
 backwards of the next step cannot leak into them while the stages it steps with catch up.
+With sharded optimizer state (`zero`) a replica steps its slices of its stages, and the
+norm sums the slices' over the replicas too (`zero.replica_norms`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from .optim import clip_coef, squared_norm
+from .zero import replica_norms
 
 
 class Stepper:
@@ -90,7 +93,7 @@ class Stepper:
 
     def _trainable(self, stage: int):
         if self.precision is not None:
-            return self.precision.trainable(stage)
+            return self.precision.stepped(stage)
         return [(n, p) for n, p in self.modules[stage].named_parameters() if p.requires_grad]
 
     def _checked_and_clipped(self, ev, step: int) -> bool:
@@ -102,9 +105,18 @@ class Stepper:
         if scaled:
             for s in ev.stages:
                 self.precision.poison(s, step)
-        grads = [p.grad for s in ev.stages for _, p in self._trainable(s) if p.grad is not None]
-        total = squared_norm(grads).to(self.comm.device)
-        self.comm.all_reduce(total, ev.ranks, "the gradient norm")
+        shards = self.precision.shards if self.precision is not None else {}
+        whole, part = [], []  # the gradients the replicas share, and this replica's slices'
+        for s in ev.stages:
+            grads_of = part if s in shards else whole
+            grads_of += [p.grad for _, p in self._trainable(s) if p.grad is not None]
+        replicas = self.precision.sharded_over if self.precision is not None else 1
+        device = self.comm.device
+        total = replica_norms(
+            self.comm, squared_norm(whole).to(device), squared_norm(part).to(device),
+            ev.ranks, replicas, "the gradient norm",
+        )  # fmt: skip
+        grads = whole + part
         if self.on_norm is not None and len(set(ev.ranks)) == self.topo.world:
             self.on_norm(step, total)
         if scaled and not self.precision.checked(grads, total, step):
