@@ -12,6 +12,7 @@ import pytest
 import torch
 from ftpipe_runtime.errors import PipelineConfigError
 from ftpipe_runtime.freeze.layers import FreezeTraining
+from ftpipe_runtime.job.config import RunConfig
 from ftpipe_runtime.job.prepare import _sharded, sharded_stages
 from ftpipe_runtime.train.optim import Hyper, make_optimizer, state_bytes
 from ftpipe_runtime.train.precision import MixedPrecision, get_precision
@@ -186,11 +187,11 @@ def test_layout_aligns_tensors_and_chunks():
 
 
 def _run(replicas=2, shrinks=None, **given):
-    args = {"shard_optimizer": True, "offload_optimizer": False, "optimizer": "adamw", **given}
+    config = RunConfig(**{"shard_optimizer": True, "optimizer": "adamw", **given})
     said = []
     plan = {"stages": [{"id": 0}, {"id": 1, "shard_optimizer": True}]}
     run = SimpleNamespace(
-        args=SimpleNamespace(**args), plan=plan, say=said.append,
+        config=config, plan=plan, say=said.append,
         place=SimpleNamespace(reps=SimpleNamespace(count=replicas)),
         mode=SimpleNamespace(shrinks=shrinks),
     )  # fmt: skip
