@@ -33,6 +33,7 @@ from ftpipe_runtime.schedules import (
 from ..costs.cluster import Cluster
 from ..costs.formulas import MemoryReserve, period_s, stage_memory
 from ..costs.gpu_memory import GpuMemory, gpu_memory
+from ..costs.host import Host, Offload
 from ..errors import FtpipeError, PlanFormatError
 from ..graph.opgraph import _typed, read_json
 from ..units import mib
@@ -74,6 +75,8 @@ class Plan:
     latency_s: float = 0.0
     # What each GPU holds besides the run's tensors (the hardware's context, communicators).
     reserve: MemoryReserve = MemoryReserve()
+    # The host memory, link and CPUs offloaded stages use (the hardware's `host`, resolved).
+    host: Host = Host()
     version: str = __version__
 
     # --- where the ranks are ---
@@ -175,6 +178,7 @@ class Plan:
             input_bytes=0 if s.forward_only else s.input_bytes,
             act_bytes=s.act_bytes,
             policy=policy,
+            offload=s.offload,
         )
 
     @functools.cached_property
@@ -240,18 +244,19 @@ class Plan:
                 f"ftpipe reads formats {' and '.join(map(str, READABLE_FORMATS))}: run `ftpipe compile` "
                 "again with this version"
             )
-        nested = ("stages", "transfers", "params", "cluster", "reserve")
+        nested = ("stages", "transfers", "params", "cluster", "reserve", "host")
         flat = [f.name for f in fields(cls) if f.name not in nested]
         try:
             plan = _typed(
                 cls,
                 {k: d[k] for k in flat if k in d}
                 | {
-                    "stages": tuple(_typed(Stage, s) for s in d["stages"]),
+                    "stages": tuple(_stage(s) for s in d["stages"]),
                     "transfers": tuple(_typed(Transfer, t) for t in d["transfers"]),
                     "params": tuple(_typed(PlanParam, p) for p in d["params"]),
                     "cluster": Cluster.from_json(d["cluster"]) if d.get("cluster") else None,
                     "reserve": _typed(MemoryReserve, d.get("reserve") or {}),
+                    "host": _typed(Host, d.get("host") or {}),
                 },
             )
         except (KeyError, TypeError, ValueError, AttributeError, FtpipeError) as e:
@@ -282,6 +287,13 @@ class Plan:
 
     def with_(self, **changes) -> Plan:
         return replace(self, **changes)
+
+
+def _stage(d: dict) -> Stage:
+    """A stage from JSON, its `offload` object (absent in plans before offload: none)."""
+    if not isinstance(d, dict):
+        raise TypeError(f"a Stage must be a JSON object, not {type(d).__name__}")
+    return _typed(Stage, {**d, "offload": _typed(Offload, d.get("offload") or {})})
 
 
 def describe_remat(plan: Plan) -> str:
