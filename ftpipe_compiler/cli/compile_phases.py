@@ -35,9 +35,11 @@ from ..output import output_folder
 from ..partition import problem_from_graph
 from ..planner.matrix import NothingFits, search_matrix, update_rule
 from ..planner.nofit import check_floor, explain, floor_fits
+from ..planner.offload import searches
 from ..planner.shrink import index_of, shrink_plans
 from ..simulate import write_report
-from ..simulate.host import cpu_step_hidden, offload_lines
+from ..simulate.host import offload_lines
+from ..simulate.simulator import cpu_step_hidden
 from .cluster import describe_shapes, plan_on_cluster
 from .driver import Phase, Pipeline, Progress
 from .tables import matrix_table
@@ -144,7 +146,7 @@ def search_schedules(job: Job, progress: Progress) -> None:
         job.seed,
     )
     name = job.spec.name
-    modes = ["none", "auto"] if job.offload == "auto" else [job.offload]
+    modes = searches(job.offload)
     for mode in modes:
         job.problem = replace(base, offload=mode)
         last = mode == modes[-1]

@@ -15,9 +15,10 @@ from ftpipe_runtime.schedules import SCHEDULES
 
 from ..plan import Plan, describe_remat
 from ..simulate import compare, simulate, table
-from ..simulate.host import cpu_step_hidden, offload_lines
+from ..simulate.host import offload_lines
 from ..simulate.measured import load_measured
 from ..simulate.report import compare_line, write_report
+from ..simulate.simulator import cpu_step_hidden
 from ..units import mib
 from .echo import echo_json, echo_lines
 from .options import json_option, micro_batches_option, steps_option

@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from .formulas import ACTIVATIONS_ON_GPU, Precision, optimizer_state_elements
+from .formulas import ACTIVATIONS_ON_GPU, PRECISIONS, Precision, optimizer_state_elements
 
 __all__ = [
     "ACTIVATIONS_ON_GPU",
@@ -55,11 +55,13 @@ __all__ = [
     "DEFAULT_STEP_BANDWIDTH",
     "Host",
     "Offload",
+    "OptimizerTimes",
     "host_memory",
     "host_param_bytes",
     "host_step_bytes",
     "host_sum_bytes",
     "nodes_of",
+    "optimizer_times",
     "stage_host_bytes",
 ]
 
@@ -180,8 +182,6 @@ def host_sum_bytes(shape, dtype: str, precision: Precision) -> int:
 
 
 def _precision(plan) -> Precision:
-    from .formulas import PRECISIONS
-
     return PRECISIONS[plan.model.get("precision") or "fp32"]
 
 
@@ -204,6 +204,30 @@ def stage_host_bytes(plan, stage, in_flight: int | None = None) -> int:
         kept = stage.input_bytes if policy.recompute else stage.act_bytes
         total += max(0, n - ACTIVATIONS_ON_GPU) * kept
     return total
+
+
+@dataclass(frozen=True)
+class OptimizerTimes:
+    """What offloading one stage's optimizer costs on a GPU's share of its node's host (as
+    `ftpipe_runtime.train.offload` runs it): each micro-batch's gradients copied down and
+    summed on the host (`grad_s`), the CPU's step (`cpu_s`), the new weights copied back
+    (`upload_s`); `grad_bytes`: one micro-batch's gradients (the weights' bytes)."""
+
+    grad_s: float
+    cpu_s: float
+    upload_s: float
+    grad_bytes: int
+
+
+def optimizer_times(plan, stage, share: tuple[float, float, float]) -> OptimizerTimes:
+    """`stage`'s `OptimizerTimes` at `share` = (link, step, sum bytes/s: `Host.share`)."""
+    link, step_bw, sum_bw = share
+    precision, params = _precision(plan), {p.name: p for p in plan.params}
+    owned = [params[n] for n in stage.params if params[n].trainable]
+    nbytes = sum(p.bytes for p in owned)
+    stepped = sum(host_step_bytes(p.shape, p.dtype, plan.optimizer, precision) for p in owned)
+    summed = sum(host_sum_bytes(p.shape, p.dtype, precision) for p in owned)
+    return OptimizerTimes(nbytes / link + summed / sum_bw, stepped / step_bw, nbytes / link, nbytes)
 
 
 def nodes_of(plan) -> dict[int, list[int]]:

@@ -33,7 +33,7 @@ from ftpipe_runtime.schedules import (
 from ..costs.cluster import Cluster
 from ..costs.formulas import MemoryReserve, period_s, stage_memory
 from ..costs.gpu_memory import GpuMemory, gpu_memory
-from ..costs.host import Host, Offload
+from ..costs.host import Host, Offload, host_memory
 from ..errors import FtpipeError, PlanFormatError
 from ..graph.opgraph import _typed, read_json
 from ..units import mib
@@ -191,7 +191,13 @@ class Plan:
 
     @property
     def feasible(self) -> bool:
-        return self.max_memory_bytes <= self.memory_bytes
+        """Every GPU within its memory, and every node's host within its own."""
+        return self.max_memory_bytes <= self.memory_bytes and self.host_fits
+
+    @property
+    def host_fits(self) -> bool:
+        """What the stages offload fits each node's host memory (`costs.host.host_memory`)."""
+        return all(b <= self.host.memory_bytes for b in host_memory(self).values())
 
     @property
     def idle_gpus(self) -> list[int]:

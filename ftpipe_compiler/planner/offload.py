@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..costs.host import Offload, host_step_bytes, host_sum_bytes
+from ..costs.host import Offload, optimizer_times
 from ..plan import Plan
 
-__all__ = ["MODES", "choose_offload"]
+__all__ = ["MODES", "choose_offload", "searches"]
 
 MODES = {
     "auto": "offload per stage only what keeps a GPU from fitting, cheapest first",
@@ -32,6 +32,12 @@ MODES = {
     "activations": "every stage's saved activations (or inputs kept for recompute) on the "
     "host, fetched back one micro-batch ahead",
 }
+
+
+def searches(mode: str) -> tuple[str, ...]:
+    """The searches `--offload mode` makes, in order, each only when the one before found no
+    plan that fits: auto searches without offload first."""
+    return ("none", "auto") if mode == "auto" else (mode,)
 
 
 def choose_offload(plan: Plan, mode: str) -> Plan:
@@ -91,18 +97,10 @@ def _cost(plan: Plan, stage: int, kind: str) -> float:
     freed = _freed(plan, s, kind)
     if freed <= 0:
         return float("inf")
-    link, step_bw, sum_bw = plan.host.share(1)
     m = plan.micro_batches
     if kind == "activations":
         policy = plan.policies[s.id]
         kept = s.input_bytes if policy.recompute else s.act_bytes
-        return 2 * m * kept / link / freed
-    from ..costs.formulas import PRECISIONS
-
-    precision = PRECISIONS[plan.model.get("precision") or "fp32"]
-    params = [p for p in plan.params if p.name in set(s.params) and p.trainable]
-    grads = sum(p.bytes for p in params)
-    stepped = sum(host_step_bytes(p.shape, p.dtype, plan.optimizer, precision) for p in params)
-    summed = sum(host_sum_bytes(p.shape, p.dtype, precision) for p in params)
-    seconds = m * (grads / link + summed / sum_bw) + stepped / step_bw + grads / link
-    return seconds / freed
+        return 2 * m * kept / plan.host.share(1)[0] / freed
+    t = optimizer_times(plan, s, plan.host.share(1))
+    return (m * t.grad_s + t.cpu_s + t.upload_s) / freed

@@ -4,8 +4,8 @@
     traffic.grad_s[s], traffic.step_s[s]        # seconds the engine adds to a B (or W) and an S
     traffic.fetched(gpu, stage, mb, now)        # when an offloaded backward's inputs are back
     traffic.finished(gpu, action, start, end)   # after each action: copies out, timeline marks
-    cpu_step_hidden(plan, result)               # the share of the CPU step the schedule hides
-    offload_lines(plan, result)                 # what was offloaded and why, for people
+    offload_lines(plan, result, hidden)         # what was offloaded and why, for people
+    (the share of the CPU step the schedule hides: `simulator.cpu_step_hidden`)
 
 As the runtime does it (`ftpipe_runtime.train.offload`), a stage whose optimizer is offloaded
 copies each gradient to the host as its backward makes it, on the GPU's one stream (in order
@@ -34,15 +34,14 @@ on the timeline (kinds `HOST_KINDS`), for the report.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
-from ..costs.host import Offload, host_memory, host_step_bytes, host_sum_bytes, nodes_of
+from ..costs.host import Offload, host_memory, nodes_of, optimizer_times
 from ..plan import Plan
 from ..units import size
 from .result import Event, SimResult
 
-__all__ = ["HOST_KINDS", "HostTraffic", "cpu_step_hidden", "offload_lines", "offloaded"]
+__all__ = ["HOST_KINDS", "HostTraffic", "offload_lines", "offloaded"]
 
 HOST_KINDS = {
     "D": "gradients to the host",
@@ -55,11 +54,7 @@ HOST_KINDS = {
 
 class HostTraffic:
     def __init__(self, plan: Plan, lists, timeline_mbs: int, timeline_steps: int):
-        from ..costs.formulas import PRECISIONS
-
         self.cap_mbs, self.cap_steps = timeline_mbs, timeline_steps
-        precision = PRECISIONS[plan.model.get("precision") or "fp32"]
-        params = {p.name: p for p in plan.params}
         policies = plan.policies
         offloading = {s.gpu for s in plan.stages if s.offload.any}
         share = {}
@@ -75,17 +70,12 @@ class HostTraffic:
         self.grad_bytes: dict[int, int] = {}  # stage -> to the host per micro-batch
         self.kept: dict[int, int] = {}  # stage -> activations to the host per micro-batch
         for s in plan.stages:
-            link, step_bw, sum_bw = share[s.gpu]
             if s.offload.optimizer:
-                owned = [params[n] for n in s.params if params[n].trainable]
-                nbytes = sum(p.bytes for p in owned)
-                stepped = sum(host_step_bytes(p.shape, p.dtype, plan.optimizer, precision)
-                              for p in owned)  # fmt: skip
-                summed = sum(host_sum_bytes(p.shape, p.dtype, precision) for p in owned)
-                self.grad_bytes[s.id] = nbytes
-                self.grad_s[s.id] = nbytes / link + summed / sum_bw
-                self.cpu_s[s.id] = stepped / step_bw
-                self.step_s[s.id] = self.cpu_s[s.id] + nbytes / link
+                t = optimizer_times(plan, s, share[s.gpu])
+                self.grad_bytes[s.id] = t.grad_bytes
+                self.grad_s[s.id] = t.grad_s
+                self.cpu_s[s.id] = t.cpu_s
+                self.step_s[s.id] = t.cpu_s + t.upload_s
             if s.offload.activations and not s.forward_only:
                 recompute = policies[s.id].recompute
                 self.kept[s.id] = s.input_bytes if recompute else s.act_bytes
@@ -164,21 +154,6 @@ class HostTraffic:
 
 def offloaded(plan: Plan) -> bool:
     return any(s.offload.any for s in plan.stages)
-
-
-def cpu_step_hidden(plan: Plan, result: SimResult) -> float | None:
-    """The share of the CPU's optimizer step a step does not wait for: 1 - (its step time
-    less the same plan's with a free CPU step) / the longest CPU step of one GPU. None when
-    nothing is stepped on the CPU."""
-    from .simulator import simulate
-
-    cpu = max((g.cpu_step_s for g in result.gpus), default=0.0)
-    if cpu <= 0:
-        return None
-    free = plan.with_(host=replace(plan.host, step_bandwidth=math.inf))
-    base = simulate(free, result.schedule, result.micro_batches, result.steps)
-    exposed = max(0.0, result.step_time_s - base.step_time_s)
-    return min(1.0, max(0.0, 1.0 - exposed / cpu))
 
 
 def offload_lines(

@@ -23,8 +23,9 @@ from ..graph.granularity import layer_key, layer_runs
 from ..plan import Plan, describe_remat
 from ..units import duration, size
 from ..version import __version__
-from .host import HOST_KINDS, cpu_step_hidden, offload_lines
+from .host import HOST_KINDS, offload_lines
 from .result import SimResult
+from .simulator import cpu_step_hidden
 
 LABEL_W, PLOT_W, ROW_H, AXIS_H = 64, 1100, 26, 24  # timeline, in px
 SLOT_W, BOX_W, BOX_H = 128, 112, 120  # memory chart: one slot per GPU

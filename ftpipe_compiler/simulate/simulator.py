@@ -2,6 +2,7 @@
 
     result = simulate(plan)                                   # the plan's own schedule
     result = simulate(plan, "gpipe", micro_batches=8, steps=4)
+    cpu_step_hidden(plan, result)       # offloaded: the share of the CPU step the schedule hides
 
 Each GPU runs the schedule's action list (the runtime's very lists, checked by the same
 `validate`; a CSV file of per-GPU actions works as well) strictly in order; an action
@@ -35,6 +36,7 @@ measured step that no measured step includes the drain.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from ftpipe_runtime.schedules import (
@@ -197,3 +199,16 @@ def _result(plan: Plan, run: EventLoop, name: str, m: int, steps: int, run_steps
 
 def _overlap(intervals, lo: float, hi: float) -> float:
     return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in intervals)
+
+
+def cpu_step_hidden(plan: Plan, result: SimResult) -> float | None:
+    """The share of the CPU's optimizer step a step does not wait for: 1 - (its step time
+    less the same plan's with a free CPU step) / the longest CPU step of one GPU. None when
+    nothing is stepped on the CPU."""
+    cpu = max((g.cpu_step_s for g in result.gpus), default=0.0)
+    if cpu <= 0:
+        return None
+    free = plan.with_(host=replace(plan.host, step_bandwidth=math.inf))
+    base = simulate(free, result.schedule, result.micro_batches, result.steps)
+    exposed = max(0.0, result.step_time_s - base.step_time_s)
+    return min(1.0, max(0.0, 1.0 - exposed / cpu))

@@ -119,3 +119,12 @@ def test_compile_without_need_writes_the_plan_of_offload_none(tmp_path):
                             for c in d["competitors"]]  # fmt: skip
         files[mode] = d
     assert files["none"] == files["auto"]
+
+
+def test_a_plan_whose_host_overflows_does_not_fit(plan):
+    opt = choose_offload(plan, "optimizer")
+    assert opt.feasible and opt.host_fits
+    small = opt.with_(host=replace(opt.host, memory_bytes=1000))
+    assert not small.host_fits and not small.feasible
+    with pytest.raises(Exception, match=r"node 0's host needs [\d.]+ GiB for what its stages"):
+        small.validate()

@@ -11,8 +11,9 @@ from sim_plans import make_plan
 
 from ftpipe_compiler.costs.host import Host, Offload
 from ftpipe_compiler.plan import PlanParam
-from ftpipe_compiler.simulate import simulate
-from ftpipe_compiler.simulate.host import cpu_step_hidden, offload_lines
+from ftpipe_compiler.simulate import render_report, simulate
+from ftpipe_compiler.simulate.host import offload_lines
+from ftpipe_compiler.simulate.simulator import cpu_step_hidden
 
 NUMEL = 2_000_000  # each stage's one fp32 weight: 8 MB
 HOST = Host(memory_bytes=10**12, link_bandwidth=1e9, node_bandwidth=4e9, step_bandwidth=2e8,
@@ -124,3 +125,14 @@ def test_the_timeline_marks_copies_and_the_cpu_step():
     u = next(e for e in marks if e.kind == "U" and e.mb == 0)
     assert (u.start, u.end - u.start) == (pytest.approx(c.end), pytest.approx(UPLOAD_S))
     assert sum(1 for e in marks if e.kind == "D" and e.mb < 4) == 4  # one per backward
+
+
+def test_the_report_draws_a_host_row_and_says_what_was_offloaded():
+    plan = _plan([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], "1f1b", offload={1})
+    plan = plan.with_(model={**plan.model, "offload": "optimizer"})
+    html = render_report(plan, simulate(plan))
+    assert ">host 1</text>" in html and ">host 0</text>" not in html  # only the offloading GPU
+    assert "stage 1 optimizer step on the CPU, step 0" in html
+    assert "stage 1 gradients to the host, micro-batch 0" in html
+    assert "stage 1 (GPU 1) offloads its optimizer state: --offload optimizer" in html
+    assert "100% of it hidden by the schedule" in html  # the last stage, behind stage 0
