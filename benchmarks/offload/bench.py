@@ -76,7 +76,7 @@ def plan_row(graph, hardware: str, gpus: int) -> dict:
     floor = sum(base.static_bytes.values()) / gpus
     row = {"trainable_params": graph.num_parameters, "static_floor_bytes_per_gpu": floor,
            "memory_bytes": base.capacity}  # fmt: skip
-    for mode in searches("auto"):
+    for mode in searches("auto", base.hardware.host):
         problem = replace(base, offload=mode)
         if not floor_fits(problem):
             continue

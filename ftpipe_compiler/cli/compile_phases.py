@@ -146,7 +146,7 @@ def search_schedules(job: Job, progress: Progress) -> None:
         job.seed,
     )
     name = job.spec.name
-    modes = searches(job.offload)
+    modes = searches(job.offload, base.hardware.host)
     for mode in modes:
         job.problem = replace(base, offload=mode)
         last = mode == modes[-1]

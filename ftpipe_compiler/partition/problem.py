@@ -135,7 +135,7 @@ class Problem:
         got = self._policies.get(st)
         if got is None:
             got = self.sched.policy(st, self.micro_batches, self.gpus)
-            if self.offload in ("auto", "activations") and got.in_flight > ACTIVATIONS_ON_GPU:
+            if self._frees("activations") and got.in_flight > ACTIVATIONS_ON_GPU:
                 got = replace(got, in_flight=ACTIVATIONS_ON_GPU)
             self._policies[st] = got
         return got
@@ -176,11 +176,15 @@ class Problem:
             for p in self.graph.params
         }
 
+    def _frees(self, kind: str) -> bool:
+        """May stages offload `kind` to free GPU memory? Not where the device is the host."""
+        return self.offload in ("auto", kind) and not self.hardware.host.device_is_host
+
     @functools.cached_property
     def gpu_param_split(self) -> dict[str, tuple[int, int]]:
         """`param_split` as the partitioners count a GPU: where the optimizer may be offloaded,
         a trainable parameter's gradient and optimizer state are on the host."""
-        if self.offload not in ("auto", "optimizer"):
+        if not self._frees("optimizer"):
             return self.param_split
         return {name: (w, 0) for name, (w, _) in self.param_split.items()}
 

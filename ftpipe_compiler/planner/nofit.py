@@ -169,7 +169,7 @@ def _message(problem: Problem, model: str, schedules, steps: int, *, activations
         need += f" before any activation, more than one {hw}'s {problem.memory_said()}"
         start = max(gpus + 1, math.ceil(floor / mem)) if mem > 0 else gpus + 1
     options = []
-    if problem.offload == "none":
+    if problem.offload == "none" and not problem.hardware.host.device_is_host:
         offload = _offload_option(problem, schedules, steps)
         options += [offload] if offload else []
     found = gpus_that_fit(problem, schedules, start, steps)

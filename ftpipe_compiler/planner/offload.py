@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..costs.host import Offload, optimizer_times
+from ..costs.host import Host, Offload, optimizer_times
 from ..plan import Plan
 
 __all__ = ["MODES", "choose_offload", "searches"]
@@ -34,10 +34,13 @@ MODES = {
 }
 
 
-def searches(mode: str) -> tuple[str, ...]:
+def searches(mode: str, host: Host) -> tuple[str, ...]:
     """The searches `--offload mode` makes, in order, each only when the one before found no
-    plan that fits: auto searches without offload first."""
-    return ("none", "auto") if mode == "auto" else (mode,)
+    plan that fits: auto searches without offload first, and only that where the device is
+    the host (a CPU rank: offloading frees nothing)."""
+    if mode != "auto":
+        return (mode,)
+    return ("none",) if host.device_is_host else ("none", "auto")
 
 
 def choose_offload(plan: Plan, mode: str) -> Plan:

@@ -53,6 +53,9 @@ HOST_KINDS = {
 
 
 class HostTraffic:
+    """The host side of one simulation (see the module doc): what offloading adds to each
+    stage's actions, its copies' times on each GPU's link, the timeline's host marks."""
+
     def __init__(self, plan: Plan, lists, timeline_mbs: int, timeline_steps: int):
         self.cap_mbs, self.cap_steps = timeline_mbs, timeline_steps
         policies = plan.policies

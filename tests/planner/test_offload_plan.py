@@ -4,6 +4,7 @@ plan's per-stage `offload` field."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -12,10 +13,13 @@ from click.testing import CliRunner
 from ftpipe_compiler.cli import cli
 from ftpipe_compiler.costs.formulas import MemoryReserve
 from ftpipe_compiler.costs.host import Offload
+from ftpipe_compiler.errors import InfeasibleError
 from ftpipe_compiler.partition import problem_from_graph, run_partitioner
 from ftpipe_compiler.plan import Plan
 from ftpipe_compiler.planner.matrix import NothingFits, search_matrix
-from ftpipe_compiler.planner.offload import choose_offload
+from ftpipe_compiler.planner.nofit import check_floor, floor_fits
+from ftpipe_compiler.planner.offload import choose_offload, searches
+from ftpipe_compiler.units import size
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +132,35 @@ def test_a_plan_whose_host_overflows_does_not_fit(plan):
     assert not small.host_fits and not small.feasible
     with pytest.raises(Exception, match=r"node 0's host needs [\d.]+ GiB for what its stages"):
         small.validate()
+
+
+def test_nothing_fits_even_offloaded_says_the_hosts_are_too_small(problem):
+    """Offloading every stage's optimizer would leave the GPUs little, but the hosts cannot
+    hold it: one sentence with both figures (host bytes: 20 per fp32 AdamW parameter)."""
+    floor = sum(problem.static_bytes.values())
+    hw = problem.hardware
+    tiny_host = replace(hw, host=replace(hw.host, memory_bytes=floor // 2))
+    small = replace(problem, hardware=tiny_host, offload="auto",
+                    memory_bytes=floor // 2 + problem.capacity - problem.memory)  # fmt: skip
+    assert not floor_fits(small)
+    with pytest.raises(InfeasibleError) as e:
+        check_floor(small, "t5-tiny", ["1f1b"], steps=4)
+    said = str(e.value)
+    host = 20 * sum(math.prod(p.shape) for p in problem.graph.params if p.trainable)
+    assert (
+        f"offloading to the host (--offload auto) leaves {size(floor / 4 / 2)} per GPU and "
+        f"{size(host)} of host memory (the hosts have {size(floor // 2)}): more than the hosts "
+        "hold" in said
+    ), said
+    assert "--offload auto (checked" not in said
+
+
+def test_a_cpu_rank_never_offloads_to_free_memory(problem):
+    """Where the device is the host, offloading frees nothing: auto searches once, and the
+    partitioners count the optimizer state on the device."""
+    cpu = replace(problem.hardware, host=replace(problem.hardware.host, device_is_host=True))
+    assert searches("auto", cpu.host) == ("none",)
+    assert searches("auto", problem.hardware.host) == ("none", "auto")
+    assert searches("optimizer", cpu.host) == ("optimizer",)
+    on_cpu = replace(problem, hardware=cpu, offload="auto")
+    assert on_cpu.gpu_param_split == on_cpu.param_split
