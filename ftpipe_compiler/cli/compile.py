@@ -20,6 +20,7 @@ from ..errors import FtpipeError
 from ..model.data_shapes import SAMPLES, DataRequest
 from ..output import check_writable
 from ..planner.matrix import GROUPS, schedule_names
+from ..planner.offload import MODES as OFFLOAD_MODES
 from .cluster import cluster_of
 from .compile_phases import Job, pipeline_for
 from .driver import drive
@@ -194,16 +195,32 @@ def _data_request(options: dict) -> DataRequest | None:
     help="Output folder (default out/<model>).",
 )
 @click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
+@click.option(
+    "--offload",
+    type=click.Choice(list(OFFLOAD_MODES)),
+    default="auto",
+    show_default=True,
+    help="What stages keep in host memory: auto offloads per stage only what a GPU needs "
+    "when nothing fits without (optimizer state first where cheaper, or activations); none "
+    "never; optimizer or activations on every stage. One pipeline only (not with "
+    "--gpus-per-node, --cluster or --replicas).",
+)
 @_data_options
 @json_option()
 def compile_command(*, model, hardware, gpus, schedule, search_width, jobs, partitioners, optimizer,
                     micro_batches, steps, seed, gpus_per_node, cluster_file, replicas,
-                    freeze_alpha, output, force, as_json, **cost_options):  # fmt: skip
+                    freeze_alpha, output, force, offload, as_json, **cost_options):  # fmt: skip
     """Compile a model into a pipeline package: the plan, a report and the package to torchrun."""
     data = _data_request(cost_options)
     out = Path(output or Path("out") / _folder_name(model))
     check_writable(out, force)  # before minutes of work, not after
     planned = gpus_per_node or cluster_file or replicas
+    if planned and offload in ("optimizer", "activations"):
+        # The runtime cannot sum replicas' gradients where the masters are on the host (CUDA).
+        raise click.UsageError(
+            f"--offload {offload} plans one pipeline; leave out --gpus-per-node, --cluster and "
+            "--replicas, or --offload"
+        )
     cluster = cluster_of(hardware, gpus, gpus_per_node, cluster_file, replicas) if planned else None
     if cluster_file:
         hardware = cluster.gpu.name  # the cluster's GPU is the one to cost
@@ -227,5 +244,6 @@ def compile_command(*, model, hardware, gpus, schedule, search_width, jobs, part
         freeze_alpha=freeze_alpha,
         cluster=cluster,
         data=data,
+        offload=offload,
     )
     drive(pipeline_for(job), job, as_json=as_json)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import click
@@ -34,9 +34,12 @@ from ..model.zoo import resolve_model
 from ..output import output_folder
 from ..partition import problem_from_graph
 from ..planner.matrix import NothingFits, search_matrix, update_rule
-from ..planner.nofit import check_floor, explain
+from ..planner.nofit import check_floor, explain, floor_fits
+from ..planner.offload import searches
 from ..planner.shrink import index_of, shrink_plans
 from ..simulate import write_report
+from ..simulate.host import offload_lines
+from ..simulate.simulator import cpu_step_hidden
 from .cluster import describe_shapes, plan_on_cluster
 from .driver import Phase, Pipeline, Progress
 from .tables import matrix_table
@@ -64,6 +67,7 @@ class Job:
     seed: int
     freeze_alpha: float | None
     cluster: Cluster | None  # given: the planner chooses replicas x depth on it
+    offload: str = "auto"  # --offload (planner/offload.py's MODES)
     # --- added by the phases ---
     spec: object = None
     task: object = None
@@ -128,9 +132,11 @@ def trace(job: Job, progress: Progress) -> None:
 
 
 def search_schedules(job: Job, progress: Progress) -> None:
-    """Every partitioner under every schedule asked for, simulated (planner/matrix.py)."""
+    """Every partitioner under every schedule asked for, simulated (planner/matrix.py); with
+    --offload auto, again with every stage free to offload only when nothing fits without
+    (planner/offload.py)."""
     t = job.task
-    job.problem = problem_from_graph(
+    base = problem_from_graph(
         job.graph,
         job.gpus,
         job.cost_args["hardware"],
@@ -140,13 +146,23 @@ def search_schedules(job: Job, progress: Progress) -> None:
         job.seed,
     )
     name = job.spec.name
-    check_floor(job.problem, name, job.schedules, job.steps)  # before minutes of search
-    try:
-        job.best, job.matrix = search_matrix(job.problem, job.schedules, job.partitioners,
-                                             steps=job.steps, width=job.search_width,
-                                             progress=progress, workers=job.jobs)  # fmt: skip
-    except NothingFits as e:
-        raise explain(job.problem, name, job.schedules, e.matrix, job.steps) from None
+    modes = searches(job.offload, base.hardware.host)
+    for mode in modes:
+        job.problem = replace(base, offload=mode)
+        last = mode == modes[-1]
+        if not floor_fits(job.problem):  # before minutes of search
+            if last:
+                check_floor(job.problem, name, job.schedules, job.steps)
+            continue
+        try:
+            job.best, job.matrix = search_matrix(job.problem, job.schedules, job.partitioners,
+                                                 steps=job.steps, width=job.search_width,
+                                                 progress=progress, workers=job.jobs)  # fmt: skip
+        except NothingFits as e:
+            if last:
+                raise explain(job.problem, name, job.schedules, e.matrix, job.steps) from None
+            continue
+        break
     job.sim = job.best.sim
     rows = tuple(c.to_json() for c in job.matrix)
     job.plan = job.best.plan.with_(competitors=rows, simulated=job.sim.summary(),
@@ -210,6 +226,7 @@ def one_json(job: Job, timings: dict) -> dict:
         "update": update_rule(job.best.schedule),
         "best_sync": _cell_json(_best_exact(job)),
         "gpus": job.plan.gpus,
+        "offload": {"mode": job.offload, "stages": [asdict(s.offload) for s in job.plan.stages]},
         "results": list(job.plan.competitors),
         "package": str(job.package),
         "output": str(job.out),
@@ -241,6 +258,7 @@ def one_lines(job: Job, timings: dict) -> list[str]:
         f"{sim.samples_per_s:.2f} samples/s simulated, bubble {sim.bubble_fraction:.1%}); "
         + _update_words(best.schedule),
         *_exact_line(job),
+        *(f"  {line}" for line in offload_lines(plan, sim, cpu_step_hidden(plan, sim))),
         _wrote(job, timings),
     ]
     if plan.gpus < job.gpus:

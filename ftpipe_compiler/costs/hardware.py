@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, replace
 from ..errors import FtpipeError, unknown
 from ..resources import config_names, load_config
 from .formulas import MemoryReserve
+from .host import Host
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class Hardware:
     tf32: bool = True  # the run lets fp32 products use TF32 (its --tf32, default on)
     # What the device holds besides a run's tensors: context, communicators, fragmentation.
     memory_reserve: MemoryReserve = MemoryReserve()
+    # The node's host memory, its GPUs' link to it and its CPUs' optimizer step (`host`
+    # section, defaults filled in: costs/host.py): what offloading costs.
+    host: Host = Host()
 
     def step_bandwidth(self, held_bytes: int) -> float:
         """What the optimizer step of a parameter holding `held_bytes` (weights, gradient,
@@ -81,7 +85,7 @@ class Hardware:
                 f"hardware {d.get('name', '')!r}: {', '.join(need)} are required, the numbers "
                 f"finite and positive ({', '.join(figures) or 'name'} is not)"
             )
-        d = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        given, d = d, {k: d[k] for k in cls.__dataclass_fields__ if k in d}
         try:
             d["peak_flops_16bit"] = tuple(sorted(dict(d.get("peak_flops_16bit") or {}).items()))
         except (TypeError, ValueError):
@@ -91,6 +95,12 @@ class Hardware:
         reserve = d.get("memory_reserve") or {}
         fields = MemoryReserve.__dataclass_fields__
         d["memory_reserve"] = MemoryReserve(**{k: v for k, v in reserve.items() if k in fields})
+        host = given.get("host") or {}
+        per_node = host.get("gpus_per_node") or (given.get("node") or {}).get("gpus") or 1
+        try:
+            d["host"] = Host.of(host, d["memory_bytes"], per_node)
+        except ValueError as e:
+            raise FtpipeError(f"hardware {d['name']!r}: {e}") from None
         return cls(**d)
 
 

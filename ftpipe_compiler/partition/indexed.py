@@ -59,10 +59,10 @@ class NodeCosts:
             preds=[tuple(sorted({idx[p] for p in g.preds[n.id]})) for n in g.nodes],
             succs=[tuple(sorted({idx[s] for s in g.succs[n.id]})) for n in g.nodes],
             params=[tuple(dict.fromkeys(pidx[p] for p in n.params)) for n in g.nodes],
-            pstatic=[problem.static_bytes[p.name] for p in g.params],
+            pstatic=[sum(problem.gpu_param_split[p.name]) for p in g.params],
             ptrainable=[problem.param_split[p.name][0] if p.trainable else 0 for p in g.params],
             pfrozen=[0 if p.trainable else problem.param_split[p.name][0] for p in g.params],
-            pstate=[problem.param_split[p.name][1] for p in g.params],
+            pstate=[problem.gpu_param_split[p.name][1] for p in g.params],
             pbytes=[p.bytes for p in g.params],
             ptrain=[p.trainable for p in g.params],
             inputs=[tuple(dict.fromkeys(iidx[x] for x in n.inputs)) for n in g.nodes],
@@ -126,7 +126,7 @@ def topological_stages(costs: NodeCosts, stage_of: list[int]) -> list[int]:
 def infeasible(problem: Problem, partitioner: str, why: str = "") -> InfeasibleError:
     """'infeasible: needs 3 GPUs / 29.1 GiB' when the weights alone need more GPUs; when they
     would fit, activations or indivisible layers are what is missing: 'needs more than P'."""
-    total = sum(problem.static_bytes.values())
+    total = sum(sum(split) for split in problem.gpu_param_split.values())  # on the GPUs
     need = max(1, -(-total // problem.memory)) if problem.memory > 0 else problem.gpus + 1
     have = f"have {problem.gpus} x {problem.memory_said()}"
     tail = f" ({why})" if why else ""

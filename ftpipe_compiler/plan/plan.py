@@ -35,6 +35,7 @@ from ftpipe_runtime.spec.topology import Topology
 from ..costs.cluster import Cluster
 from ..costs.formulas import MemoryReserve, period_s, stage_memory
 from ..costs.gpu_memory import GpuMemory, gpu_memory
+from ..costs.host import Host, Offload, host_memory
 from ..errors import FtpipeError, PlanFormatError
 from ..graph.opgraph import _typed, read_json
 from ..units import mib
@@ -76,6 +77,8 @@ class Plan:
     latency_s: float = 0.0
     # What each GPU holds besides the run's tensors (the hardware's context, communicators).
     reserve: MemoryReserve = MemoryReserve()
+    # The host memory, link and CPUs offloaded stages use (the hardware's `host`, resolved).
+    host: Host = Host()
     version: str = __version__
 
     # --- where the ranks are ---
@@ -177,6 +180,7 @@ class Plan:
             input_bytes=0 if s.forward_only else s.input_bytes,
             act_bytes=s.act_bytes,
             policy=policy,
+            offload=s.offload,
         )
 
     @functools.cached_property
@@ -189,7 +193,13 @@ class Plan:
 
     @property
     def feasible(self) -> bool:
-        return self.max_memory_bytes <= self.memory_bytes
+        """Every GPU within its memory, and every node's host within its own."""
+        return self.max_memory_bytes <= self.memory_bytes and self.host_fits
+
+    @property
+    def host_fits(self) -> bool:
+        """What the stages offload fits each node's host memory (`costs.host.host_memory`)."""
+        return all(b <= self.host.memory_bytes for b in host_memory(self).values())
 
     @property
     def idle_gpus(self) -> list[int]:
@@ -242,18 +252,19 @@ class Plan:
                 f"ftpipe reads formats {' and '.join(map(str, READABLE_FORMATS))}: run `ftpipe compile` "
                 "again with this version"
             )
-        nested = ("stages", "transfers", "params", "cluster", "reserve")
+        nested = ("stages", "transfers", "params", "cluster", "reserve", "host")
         flat = [f.name for f in fields(cls) if f.name not in nested]
         try:
             plan = _typed(
                 cls,
                 {k: d[k] for k in flat if k in d}
                 | {
-                    "stages": tuple(_typed(Stage, s) for s in d["stages"]),
+                    "stages": tuple(_stage(s) for s in d["stages"]),
                     "transfers": tuple(_typed(Transfer, t) for t in d["transfers"]),
                     "params": tuple(_typed(PlanParam, p) for p in d["params"]),
                     "cluster": Cluster.from_json(d["cluster"]) if d.get("cluster") else None,
                     "reserve": _typed(MemoryReserve, d.get("reserve") or {}),
+                    "host": _typed(Host, d.get("host") or {}),
                 },
             )
         except (KeyError, TypeError, ValueError, AttributeError, FtpipeError) as e:
@@ -289,6 +300,13 @@ class Plan:
 
     def with_(self, **changes) -> Plan:
         return replace(self, **changes)
+
+
+def _stage(d: dict) -> Stage:
+    """A stage from JSON, its `offload` object (absent in plans before offload: none)."""
+    if not isinstance(d, dict):
+        raise TypeError(f"a Stage must be a JSON object, not {type(d).__name__}")
+    return _typed(Stage, {**d, "offload": _typed(Offload, d.get("offload") or {})})
 
 
 def describe_remat(plan: Plan) -> str:

@@ -53,6 +53,7 @@ from ..errors import FtpipeError, InfeasibleError, unknown
 from ..partition import PARTITIONERS, PATTERNED, Problem, run_partitioner
 from ..plan import Plan
 from ..simulate import SimResult, simulate
+from .offload import choose_offload
 
 __all__ = [
     "CHEAP",
@@ -412,7 +413,15 @@ def evaluate(problem: Problem, partitioner: str, bound: float, steps: int) -> Ce
         return Cell(
             s, partitioner, status, bound, search_s=result.search_seconds, note=result.error
         )
-    sim = simulate(result.plan, steps=steps)
+    plan = choose_offload(result.plan, problem.offload)  # per stage (planner/offload.py)
+    sim = simulate(plan, steps=steps)
     status = "ok" if sim.fits else "does not fit"
-    note = "" if sim.fits else f"needs {sim.max_memory_bytes / 2**30:.2f} GiB on its fullest GPU"
-    return Cell(s, partitioner, status, bound, result.plan, sim, time.perf_counter() - t0, note)
+    note = "" if sim.fits else _overflow(sim)
+    return Cell(s, partitioner, status, bound, plan, sim, time.perf_counter() - t0, note)
+
+
+def _overflow(sim: SimResult) -> str:
+    if not sim.host_fits:
+        node = max(sim.nodes, key=lambda n: n.host_bytes - n.host_memory_bytes)
+        return f"needs {node.host_bytes / 2**30:.2f} GiB of host memory on node {node.node}"
+    return f"needs {sim.max_memory_bytes / 2**30:.2f} GiB on its fullest GPU"

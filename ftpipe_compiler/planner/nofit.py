@@ -9,7 +9,10 @@ optimizer state (`Problem.static_bytes`, one weight version). When it exceeds th
 memory together, no partitioner is run. More GPUs are counted by planning for them (the
 chain partitioner under the schedules asked for, the fewest GPUs where its plan fits);
 --dtype bf16-pure and --lora by their floor alone (they change what is traced), so they are
-offered as what would hold the weights, before activations.
+offered as what would hold the weights, before activations. Host offload (`--offload`) is
+offered when a plan with it fits these GPUs and the hosts' memory (planned, as --gpus); a
+problem that already offloads (`Problem.offload`) counts its GPU floor without what the host
+may hold, and the host's memory beside it.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import math
 from dataclasses import replace
 
 from ..costs.formulas import PRECISIONS, optimizer_state_elements, param_bytes
+from ..costs.host import host_param_bytes
 from ..errors import FtpipeError, InfeasibleError
 from ..partition import Problem
 from ..units import size
 from .matrix import evaluate
 
-__all__ = ["check_floor", "explain", "gpus_that_fit"]
+__all__ = ["check_floor", "explain", "floor_fits", "gpus_that_fit"]
 
 MAX_GPUS = 256  # the search for a GPU count gives up beyond this many
 LINEAR = {"Linear", "Conv1D"}  # module types LoRA adapts (Conv1D: GPT-2's linear layers)
@@ -32,9 +36,38 @@ HEADS = {"lm_head", "score", "classifier", "qa_outputs"}  # trained whole, not a
 
 def check_floor(problem: Problem, model: str, schedules: list[str], steps: int = 20) -> None:
     """Raise InfeasibleError with what would fit when the weights, gradients and optimizer
-    state alone exceed the GPUs' memory together."""
-    if _floor(problem) > problem.gpus * problem.memory:
+    state alone exceed the GPUs' memory together (or, offloading, the hosts')."""
+    if not floor_fits(problem):
         raise InfeasibleError(_message(problem, model, schedules, steps, activations=False))
+
+
+def floor_fits(problem: Problem) -> bool:
+    """Do the GPUs together hold what every plan keeps on them whatever its cut, and the
+    hosts what offloading every stage's optimizer would put there?"""
+    if _gpu_floor(problem) > problem.gpus * problem.memory:
+        return False
+    return _host_floor(problem) <= _host_capacity(problem)
+
+
+def _gpu_floor(problem: Problem) -> int:
+    """What every plan keeps on the GPUs: `_floor` less what the host may hold."""
+    return sum(sum(split) for split in problem.gpu_param_split.values())
+
+
+def _host_floor(problem: Problem) -> int:
+    """Host bytes when every trainable parameter's optimizer is offloaded (0: no offload)."""
+    if problem.offload not in ("auto", "optimizer"):
+        return 0
+    return sum(
+        host_param_bytes(p.shape, p.dtype, problem.optimizer, problem.precision)
+        for p in problem.graph.params
+        if p.trainable
+    )
+
+
+def _host_capacity(problem: Problem) -> int:
+    host = problem.hardware.host
+    return host.memory_bytes * math.ceil(problem.gpus / host.gpus_per_node)
 
 
 def explain(
@@ -111,6 +144,15 @@ def _message(problem: Problem, model: str, schedules, steps: int, *, activations
         f"{model} needs {size(floor)} for its weights, gradients and optimizer state "
         f"({_per_parameter(problem)}), {size(floor / gpus)} per GPU on {gpus}"
     )
+    if problem.offload != "none":
+        host = _host_floor(problem)
+        need += (
+            f"; offloading to the host (--offload {problem.offload}) leaves "
+            f"{size(_gpu_floor(problem) / gpus)} per GPU"
+            + (f" and {size(host)} of host memory (the hosts have "
+               f"{size(_host_capacity(problem))})" if host else "")
+        )  # fmt: skip
+        floor = _gpu_floor(problem)
     if activations:
         closest = (
             f": the closest plan needs {size(tightest)} on its fullest GPU" if tightest else ""
@@ -120,10 +162,16 @@ def _message(problem: Problem, model: str, schedules, steps: int, *, activations
             f"on every GPU{closest}"
         )
         start = gpus + 1
+    elif _host_floor(problem) > _host_capacity(problem):
+        need += ": more than the hosts hold"
+        start = gpus + 1
     else:
         need += f" before any activation, more than one {hw}'s {problem.memory_said()}"
         start = max(gpus + 1, math.ceil(floor / mem)) if mem > 0 else gpus + 1
     options = []
+    if problem.offload == "none" and not problem.hardware.host.device_is_host:
+        offload = _offload_option(problem, schedules, steps)
+        options += [offload] if offload else []
     found = gpus_that_fit(problem, schedules, start, steps)
     if found is not None:
         n, s = found
@@ -141,6 +189,28 @@ def _message(problem: Problem, model: str, schedules, steps: int, *, activations
         option = f"--lora r=16,alpha=32,targets={','.join(targets)}"
         options.append(_alternative(option, lora, problem, "plus the adapters"))
     return f"{need}; would fit: " + "; ".join(options)
+
+
+def _offload_option(problem: Problem, schedules, steps: int) -> str | None:
+    """'--offload auto (checked: ...)' when a plan offloading to the host fits these GPUs
+    and the hosts' memory; None when none does."""
+    offloading = replace(problem, offload="auto")
+    if not floor_fits(offloading):
+        return None
+    for s in schedules:
+        try:
+            sub = replace(offloading, schedule=s)
+        except FtpipeError:
+            continue
+        cell = evaluate(sub, "pipedream", math.nan, steps)
+        if cell.status == "ok":
+            what = sorted({x.offload.words() for x in cell.plan.stages if x.offload.any})
+            where = sum(x.offload.any for x in cell.plan.stages)
+            return (
+                f"--offload auto (checked: a plan under {s} fits with the {' / '.join(what)} "
+                f"of {where} stage{'s' * (where > 1)} on the host)"
+            )
+    return None
 
 
 def _alternative(option: str, floor: int, problem: Problem, extra: str = "") -> str:

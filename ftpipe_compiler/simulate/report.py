@@ -23,7 +23,9 @@ from ..graph.granularity import layer_key, layer_runs
 from ..plan import Plan, describe_remat
 from ..units import duration, size
 from ..version import __version__
+from .host import HOST_KINDS, offload_lines
 from .result import SimResult
+from .simulator import cpu_step_hidden
 
 LABEL_W, PLOT_W, ROW_H, AXIS_H = 64, 1100, 26, 24  # timeline, in px
 SLOT_W, BOX_W, BOX_H = 128, 112, 120  # memory chart: one slot per GPU
@@ -44,26 +46,35 @@ def _ticks(span: float, target: int = 10) -> list[float]:
     return [i * step for i in range(int(span / step) + 1)]
 
 
+HOST_FILLS = {"D": "#5b8def", "C": "#b03a2e", "U": "#f0a33a", "O": "#8e6bbf", "I": "#c9b3ea"}
+
+
 def timeline(plan: Plan, events, prefix: str = "") -> dict:
     """Rows are GPUs; a box per action (`events`: a SimResult's timeline, or a measured
     run's), coloured by stage: F solid, B hatched, R (recompute then backward) dark and
     hatched, W (a split backward's weight gradients) pale; a black tick where a stage takes
-    an optimizer step. `prefix` keeps the patterns of two drawings on one page apart."""
+    an optimizer step. Below them a row per GPU whose stages offload, its host link and the
+    CPU (`host.HOST_KINDS`, coloured by kind). `prefix` keeps the patterns of two drawings
+    on one page apart."""
     span = max((e.end for e in events), default=0.0) or 1.0
     scale = PLOT_W / span
-    boxes, marks = _boxes(events, scale, prefix)
+    hosts = sorted({e.gpu for e in events if e.kind in HOST_KINDS})
+    row = {("gpu", g): g for g in range(plan.gpus)}
+    row.update({("host", g): plan.gpus + i for i, g in enumerate(hosts)})
+    boxes, marks = _boxes(events, scale, prefix, row)
     stages = sorted({s.id for s in plan.stages})
+    labels = [f"GPU {g}" for g in range(plan.gpus)] + [f"host {g}" for g in hosts]
     return {
         "width": LABEL_W + PLOT_W + 16,
-        "height": AXIS_H + plan.gpus * ROW_H + 8,
+        "height": AXIS_H + len(labels) * ROW_H + 8,
         "rows": [
             {
-                "y": AXIS_H + g * ROW_H,
+                "y": AXIS_H + i * ROW_H,
                 "h": ROW_H,
-                "label": f"GPU {g}",
-                "mid": AXIS_H + g * ROW_H + ROW_H / 2 + 4,
+                "label": label,
+                "mid": AXIS_H + i * ROW_H + ROW_H / 2 + 4,
             }
-            for g in range(plan.gpus)
+            for i, label in enumerate(labels)
         ],
         "ticks": [{"x": round(LABEL_W + t * scale, 2), "label": f"{t:g}"} for t in _ticks(span)],
         "patterns": [
@@ -81,19 +92,40 @@ def timeline(plan: Plan, events, prefix: str = "") -> dict:
         "span": span,
         "left": LABEL_W,
         "right": LABEL_W + PLOT_W,
-        "bottom": AXIS_H + plan.gpus * ROW_H,
+        "bottom": AXIS_H + len(labels) * ROW_H,
+        "host": [
+            {"fill": HOST_FILLS[k], "text": what}
+            for k, what in HOST_KINDS.items()
+            if any(e.kind == k for e in events)
+        ],
     }
 
 
 _WHAT = {"F": "forward", "B": "backward", "R": "recompute + backward", "W": "weight gradients"}
 
 
-def _boxes(events, scale: float, prefix: str) -> tuple[list[dict], list[dict]]:
+def _boxes(events, scale: float, prefix: str, row: dict) -> tuple[list[dict], list[dict]]:
     """A box per action and a tick per optimizer step, in SVG coordinates."""
     boxes, marks = [], []
     for e in events:
         x = LABEL_W + e.start * scale
-        y = AXIS_H + e.gpu * ROW_H
+        host = e.kind in HOST_KINDS
+        y = AXIS_H + row[("host" if host else "gpu", e.gpu)] * ROW_H
+        if host:
+            boxes.append(
+                {
+                    "x": round(x, 2),
+                    "y": y + 3,
+                    "w": round(max((e.end - e.start) * scale, 0.4), 2),
+                    "h": ROW_H - 6,
+                    "fill": HOST_FILLS[e.kind],
+                    "kind": e.kind,
+                    "title": f"stage {e.stage} {HOST_KINDS[e.kind]}, "
+                    f"{'step' if e.kind in 'CU' else 'micro-batch'} {e.mb}: "
+                    f"{e.start:.4f}-{e.end:.4f} s",
+                }
+            )
+            continue
         if e.kind == "S":
             title = f"stage {e.stage} optimizer step {e.mb} at {e.start:.4f} s"
             marks.append({"x": round(x, 2), "y1": y + 1, "y2": y + ROW_H - 1, "title": title})
@@ -182,6 +214,7 @@ def render_report(plan: Plan, result: SimResult, command: str = "", measured=Non
         size=size,
         sent_bytes=sum(g.bytes_sent for g in result.gpus),
         remat=describe_remat(plan),
+        offload=offload_lines(plan, result, cpu_step_hidden(plan, result)),
     )
 
 
@@ -366,6 +399,7 @@ def stage_table(plan: Plan) -> list[dict]:
                 "received": size(s.input_bytes),
                 "compute": duration(s.compute_s),
                 "recompute": "yes" if s.recompute else "no",
+                "offload": s.offload.words() if s.offload.any else "no",
             }
         )
     return rows

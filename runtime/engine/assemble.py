@@ -68,9 +68,9 @@ def make_executor(run):
 def load_checkpoint(run) -> None:
     """A resumed run's weights, optimizer state, RNG, loss scale and kept weight versions."""
     first, ckpt, mixed = run.first, run.ckpt, run.mixed
-    state_device = "cpu" if mixed.offload is not None else None  # offloaded: straight to the host
     for s, mod in run.modules.items():
         load = lambda t, s=s, mod=mod: mixed.load(s, mod, t)  # noqa: E731
+        state_device = "cpu" if mixed.offloads(s) else None  # offloaded: straight to the host
         ckpt.load_stage(first, s, mod, run.optimizers[s], run.place.device, load, state_device)
     ckpt.load_rank(first)
     mixed.restore((run.manifest or {}).get("state", {}))

@@ -58,11 +58,25 @@ def prepare_rank(run, rank: int, gpu: int):
     modules = build_stages(run.topo, run.stage_classes, gpu, run.place.device, run.precision.dtype)
     if config.init:
         load_init(modules, config.init, plan)
-    offload = _offload(config, run.place)
+    planned = run.topo.offload_optimizer & set(modules)  # the plan's per-stage choice
+    offload = _offload(config, run.place, planned)
+    offloaded = None if config.offload_optimizer else planned  # the flag: every stage
     sharded = _sharded(run)
+    if sharded & planned:
+        raise PipelineConfigError(
+            f"the plan offloads stage {min(sharded & planned)}'s optimizer state to the host and "
+            "--shard-optimizer shards it across replicas; they do not run together yet: add "
+            "--no-shard-optimizer"
+        )
     # after --init: the masters copy the weights
-    mixed = MixedPrecision(run.precision, modules, offload=offload, sharded=sharded)
+    mixed = MixedPrecision(
+        run.precision, modules, offload=offload, offloaded=offloaded, sharded=sharded
+    )
     mixed.say = say
+    if run.topo.offload_optimizer and not config.offload_optimizer:  # said once (rank 0's say)
+        stages = ", ".join(map(str, sorted(run.topo.offload_optimizer)))
+        say(f"ftpipe: the plan keeps the master weights and optimizer state of stages {stages} "
+            "in host memory and steps them on the CPU")  # fmt: skip
     hyper = config.hyper
     reps = run.place.reps
     mixed.sharded_over = reps.count if sharded else 1
@@ -80,21 +94,32 @@ def prepare_rank(run, rank: int, gpu: int):
     return modules, optimizers, mixed, exporter, runlog
 
 
-def _offload(config, place) -> HostOffload | None:
-    """--offload-optimizer: the masters and optimizer state on the host."""
-    if not config.offload_optimizer:
+def _offload(config, place, planned=frozenset()) -> HostOffload | None:
+    """The host's side of the masters and optimizer state: --offload-optimizer (every stage),
+    or the stages of this rank the plan offloads (`planned`: its per-stage `offload`)."""
+    if not (config.offload_optimizer or planned):
         return None
+    what = (
+        "--offload-optimizer"
+        if config.offload_optimizer
+        else f"the plan's offload of stage {min(planned)}'s optimizer"
+    )
+    undo = (
+        "leave it out"
+        if config.offload_optimizer
+        else "compile the package again with --offload none"
+    )
     if place.reps.count > 1 and place.device.type == "cuda":
         # The replicas' all-reduce sums the gradients where the masters are; NCCL's cannot.
         raise PipelineConfigError(
-            "--offload-optimizer does not run with data-parallel replicas on CUDA yet; leave it "
-            "out, or compile the package with --replicas 1"
+            f"{what} does not run with data-parallel replicas on CUDA yet; {undo}, or compile "
+            "the package with --replicas 1"
         )
     if TrainingMode.of(config).freezing and not config.no_shrink and place.device.type == "cuda":
         # The switch to a shorter plan hands masters and state over through the device.
         raise PipelineConfigError(
-            "--offload-optimizer does not hand over to a shorter pipeline on CUDA yet; add "
-            "--no-shrink to freeze on this plan, or leave --offload-optimizer out"
+            f"{what} does not hand over to a shorter pipeline on CUDA yet; add --no-shrink to "
+            f"freeze on this plan, or {undo}"
         )
     return HostOffload(place.device)
 

@@ -4,6 +4,7 @@
     topo.stages_on(rank)            # [0, 2]
     topo.remote_ranks("add_7")      # ranks other than the producer's that consume it
     topo.transfers["shared.weight"].weight   # a parameter its owner stage sends along
+    topo.offload_optimizer          # stages the plan offloads the optimizer of: {1, 3}
     plan = read_plan("pkg/plan.json")   # the dict, or one sentence saying why it cannot be read
 
 Pure bookkeeping over the plan dict: every rank builds the same Topology, so decisions
@@ -89,6 +90,14 @@ class Topology:
             self.inputs = {s["id"]: tuple(s["inputs"]) for s in stages}
             self.outputs = {s["id"]: tuple(s["outputs"]) for s in stages}
             self.model_inputs = {s["id"]: tuple(s["model_inputs"]) for s in stages}
+            # What the planner chose to keep in host memory, per stage ({"optimizer": bool,
+            # "activations": bool}; absent: nothing): the stages whose optimizer is offloaded.
+            self.offload_optimizer = frozenset(
+                s["id"] for s in stages if (s.get("offload") or {}).get("optimizer")
+            )
+            self.offload_activations = frozenset(
+                s["id"] for s in stages if (s.get("offload") or {}).get("activations")
+            )
             params = {p["name"] for p in plan["params"]}
             self.transfers = {t["tensor"]: _transfer(t, params) for t in plan["transfers"]}
             copied = [p["name"] for p in plan["params"] if len(p["stages"]) > 1]

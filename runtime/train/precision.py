@@ -9,6 +9,7 @@
     ok = mixed.unscale_and_check(grads, total_norm_sq)   # False: overflow, skip the step
     mixed.after_step(stage)                # master -> the stage's 16-bit weights
     MixedPrecision(p, modules, offload=HostOffload(device))   # --offload-optimizer (`offload`)
+    MixedPrecision(p, modules, offload=host, offloaded={1})   # only stage 1's (the plan's choice)
     MixedPrecision(p, modules, sharded={2})   # stage 2's masters sharded (`zero`): mixed.shards
 
 | name | stages compute in | optimizer steps | bytes per trainable element |
@@ -29,12 +30,14 @@ the stages' 16-bit weights (a checkpoint loaded at the compute dtype, as
 `from_pretrained(dtype=...)` loads it); a resumed run takes them from its checkpoint, which
 holds them. A weight traced in fp32 (T5's `wo` under fp16: transformers'
 `_keep_in_fp32_modules`) stays fp32 and is its own master. With `offload` (--offload-optimizer,
-`offload.HostOffload`) every trainable weight, fp32 ones included, has its master on the host,
-where its gradients are summed and the optimizer steps it; `settle(stage)` at the stage's step
-waits for the gradients' copies. A stage in `sharded` (--shard-optimizer: `zero`) keeps its
-masters in its `ShardedOptimizer` (`shards[stage]`), 1/d of them per replica: a 16-bit
-weight's master here is a gradient-only stand-in (its fp32 gradient sums here, it holds no
-values), `stepped` is the replica's slices, and `after_step` all-gathers them into the weights.
+`offload.HostOffload`) every trainable weight, fp32 ones included, of the stages `offloaded`
+(default: all) has its master on the host, where its gradients are summed and the optimizer
+steps it; `settle(stage)` at the stage's step waits for the gradients' copies. The other
+stages keep theirs beside their weights, as without offload. A stage in `sharded`
+(--shard-optimizer: `zero`) keeps its masters in its `ShardedOptimizer` (`shards[stage]`),
+1/d of them per replica: a 16-bit weight's master here is a gradient-only stand-in (its fp32
+gradient sums here, it holds no values), `stepped` is the replica's slices, and `after_step`
+all-gathers them into the weights.
 
 fp16's overflow check is global: the squared gradient norm every synchronous step sums over
 all ranks (the one collective of the step) is inf or nan on every rank when any gradient
@@ -167,9 +170,13 @@ def plan_in(plan: dict, precision: Precision) -> dict:
 class MixedPrecision:
     """The trainable tensors of this rank's stages under `precision` (see the module doc)."""
 
-    def __init__(self, precision: Precision, modules: dict, offload=None, sharded=()):
+    def __init__(
+        self, precision: Precision, modules: dict, offload=None, offloaded=None, sharded=()
+    ):
         self.precision = precision
         self.offload = offload  # a HostOffload: the masters on the host; None: beside the weights
+        # stage -> its HostOffload, for the stages `offloaded` (None: every stage) when given
+        self._host = {s: offload if offloaded is None or s in offloaded else None for s in modules}
         self.shards: dict = {}  # stage -> its ShardedOptimizer (`zero`), which registers itself
         self.sharded_over = 1  # replicas the run's sharded stages are spread over (1: none)
         self.loss_scale = LossScale() if precision.loss_scaling else None
@@ -185,7 +192,7 @@ class MixedPrecision:
                 if not p.requires_grad:
                     continue
                 master = p
-                if offload is not None:
+                if self._host[s] is not None:
                     kept = torch.float32 if precision.master else p.dtype
                     master = offload.master_of(p, kept)
                 elif s in sharded and precision.master and p.dtype != torch.float32:
@@ -200,6 +207,10 @@ class MixedPrecision:
     @property
     def stages(self) -> list[int]:
         return list(self._pairs)
+
+    def offloads(self, stage: int) -> bool:
+        """Are this stage's masters and optimizer state on the host?"""
+        return self._host.get(stage) is not None
 
     def trainable(self, stage: int) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor whose .grad the optimizer reads): the masters, or the weights (a
@@ -249,8 +260,8 @@ class MixedPrecision:
         backward's weight pass, a set-aside weight version's backward): added where the
         weight's gradients sum, as autograd's hook would add it."""
         s, name, master = self._of[id(weight)]
-        if self.offload is not None:
-            self.offload.arrive(s, master, g)
+        if self._host[s] is not None:
+            self._host[s].arrive(s, master, g)
         elif master is weight:  # its own master: out of place, `g` may be held elsewhere
             weight.grad = g if weight.grad is None else weight.grad + g
         else:
@@ -262,8 +273,8 @@ class MixedPrecision:
         s, name, master = self._of[id(p)]
         if master is not p:
             g, p.grad = p.grad, None
-            if self.offload is not None:
-                self.offload.arrive(s, master, g)
+            if self._host[s] is not None:
+                self._host[s].arrive(s, master, g)
             else:
                 add_grad(master, g)
         self._arrived(s, name)
@@ -303,8 +314,8 @@ class MixedPrecision:
     def settle(self, stage: int) -> None:
         """At the stage's step, before its gradients are read: offloaded, every copy of them
         to the host summed in (nothing to do otherwise)."""
-        if self.offload is not None:
-            self.offload.settle(stage)
+        if self._host.get(stage) is not None:
+            self._host[stage].settle(stage)
 
     @torch.no_grad()
     def after_step(self, stage: int) -> None:
@@ -313,8 +324,9 @@ class MixedPrecision:
         if stage in self.shards:
             self.shards[stage].publish()
             return
-        if self.offload is not None:
-            self.offload.upload(stage, [(p, master) for _, p, master in self._pairs.get(stage, ())])
+        if self._host.get(stage) is not None:
+            pairs = [(p, master) for _, p, master in self._pairs.get(stage, ())]
+            self._host[stage].upload(stage, pairs)
             return
         for _, p, master in self._pairs.get(stage, ()):
             if master is not p:

@@ -3,6 +3,7 @@ would fit, each figure against its formula and the GPU count against the planner
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import replace
@@ -116,14 +117,17 @@ def test_the_activations_do_not_fit(problem):
 
 
 def test_compile_says_it_once(tmp_path, monkeypatch):
-    """`ftpipe compile` of 2.15 B parameters (traced on the meta device) on 2 x 11 GiB: one
-    line, no partitioner's or schedule's reason repeated (it was ~2,900 characters)."""
+    """`ftpipe compile --offload none` of 2.15 B parameters (traced on the meta device) on
+    2 x 11 GiB: one line, no partitioner's or schedule's reason repeated (it was ~2,900
+    characters); host offload, which would fit (4 B of fp32 weight per parameter on the GPUs,
+    20 B on the host), among the options."""
     monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parents[1]))
     r = CliRunner().invoke(cli, ["compile", "-m", "zoo_fixtures:wide_model", "-g", "2",
-                                 "--hardware", "rtx2080ti", "-o", str(tmp_path / "o")])  # fmt: skip
+                                 "--hardware", "rtx2080ti", "--offload", "none",
+                                 "-o", str(tmp_path / "o")])  # fmt: skip
     assert r.exit_code == 1 and "Traceback" not in r.output
     said = r.stderr.splitlines()[-1]
-    assert said.startswith("Error: zoo_fixtures needs 32.0 GiB for its weights") and len(said) < 600
+    assert said.startswith("Error: zoo_fixtures needs 32.0 GiB for its weights") and len(said) < 700
     assert re.search(
         r"16.0 GiB per GPU on 2 before any activation, more than one rtx2080ti's "
         r"[\d.]+ GiB \(11.0 GiB less the device's reserve\)",
@@ -132,5 +136,31 @@ def test_compile_says_it_once(tmp_path, monkeypatch):
     assert (
         "--gpus 4 (checked" in said and "--dtype bf16-pure (16.0 GiB: within these 2 GPUs" in said
     )
+    assert re.search(
+        r"--offload auto \(checked: a plan under \w+ fits with the optimizer state of 2 stages "
+        r"on the host\)",
+        said,
+    ), said
     assert "compile: partition" not in r.stderr  # no partitioner ran
     assert not (tmp_path / "o").exists()
+
+
+def test_compile_offloads_only_when_nothing_fits_without(tmp_path, monkeypatch):
+    """The same model with the default --offload auto compiles: nothing fits on the GPUs
+    alone, so both stages keep their fp32 optimizer state on the host, each said with the
+    memory its GPU would need without; the plan records it per stage."""
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parents[1]))
+    out = tmp_path / "o"
+    r = CliRunner().invoke(cli, ["compile", "-m", "zoo_fixtures:wide_model", "-g", "2",
+                                 "--hardware", "rtx2080ti", "--schedule", "1f1b,ftpipe",
+                                 "-p", "pipedream", "-o", str(out)])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    for g in (0, 1):
+        assert re.search(
+            rf"stage \d \(GPU {g}\) offloads its optimizer state: GPU {g} would need [\d.]+ GiB "
+            r"of its 11.0 GiB without offload",
+            r.output,
+        ), r.output
+    plan = json.loads((out / "plan.json").read_text())
+    assert [s["offload"] for s in plan["stages"]] == [{"optimizer": True, "activations": False}] * 2
+    assert plan["model"]["offload"] == "auto" and plan["summary"]["feasible"]
