@@ -49,26 +49,19 @@ __all__ = ["ActivationOffload", "OffloadStats", "of_run", "offloaded_stages"]
 MIN_BYTES = 2**20  # smaller saved tensors stay on the device (--offload-activations-min)
 
 
-def offloaded_stages(plan: dict, stages: Iterable[int], everything: bool) -> set[int]:
+def offloaded_stages(topo, stages: Iterable[int], everything: bool) -> set[int]:
     """This rank's stages whose activations go to the host: all with `everything`
-    (--offload-activations), else those the plan marks (`stages[i].offload.activations`; a
-    plan written before the field offloads nothing)."""
+    (--offload-activations), else those the plan marks (`Topology.offload_activations`, from
+    `stages[i].offload.activations`; a plan written before the field offloads nothing)."""
     stages = set(stages)
-    if everything:
-        return stages
-    marked = {
-        int(st["id"])
-        for st in plan.get("stages", ())
-        if ((st.get("offload") or {}).get("activations"))
-    }
-    return stages & marked
+    return stages if everything else stages & topo.offload_activations
 
 
 def of_run(run, forward_only: Iterable[int] = ()) -> ActivationOffload:
     """A run's offload: the stages of its rank the flag or the plan name (a forward-only,
     frozen stage keeps nothing: none of its), on its device."""
     config, topo = run.config, run.topo
-    stages = offloaded_stages(run.plan, run.modules, config.offload_activations)
+    stages = offloaded_stages(run.topo, run.modules, config.offload_activations)
     weights = {t for t, info in topo.transfers.items() if info.weight}
     return ActivationOffload(
         run.place.device,

@@ -15,6 +15,7 @@ from ftpipe_runtime import run
 from ftpipe_runtime.engine.act_offload import ActivationOffload, offloaded_stages
 from ftpipe_runtime.engine.dataflow import Planned
 from ftpipe_runtime.schedules import Action
+from ftpipe_runtime.spec.topology import Topology
 from runtime_reference import checkpoint_params
 from runtime_toy import STAGES, one_rank_plan, toy_plan
 
@@ -153,12 +154,12 @@ def test_small_tensors_stay_and_nothing_is_parked_without_stages():
 
 def test_the_plan_chooses_stages_unless_the_flag_takes_all():
     plan = toy_plan("two-ranks")
-    assert offloaded_stages(plan, [0, 2], everything=False) == set()  # no field: none
+    assert offloaded_stages(Topology(plan), [0, 2], everything=False) == set()  # no field: none
     plan["stages"][2]["offload"] = {"optimizer": False, "activations": True}
     plan["stages"][1]["offload"] = {"optimizer": True, "activations": True}
     plan["stages"][0]["offload"] = {"optimizer": True}
-    assert offloaded_stages(plan, [0, 2], everything=False) == {2}
-    assert offloaded_stages(plan, [0, 2], everything=True) == {0, 2}
+    assert offloaded_stages(Topology(plan), [0, 2], everything=False) == {2}
+    assert offloaded_stages(Topology(plan), [0, 2], everything=True) == {0, 2}
 
 
 # --- runs on one rank, in this process: the bytes parked on the device drop ---
