@@ -159,9 +159,9 @@ class Assignment:
         self._touch(gt)
         if a >= 0:
             self._touch(ga)
-        touched = (i, *c.preds[i]) if ga != gt else ()
-        for u in touched:
-            self._tensor(u, -1)
+        if ga != gt:  # tensor i now leaves from gt (its readers' GPUs are as they were)
+            self._sender(i, ga, -1)
+            self._sender(i, gt, +1)
         # Tensor i: stages that now receive it, or no longer do.
         if a >= 0 and self.stage_readers[i].get(a):
             self.input_bytes[a] += c.out[i]
@@ -205,8 +205,6 @@ class Assignment:
         self.last[t] += c.last[i]
         self.act[t] += c.act[i]
         self.stage[i] = t
-        for u in touched:
-            self._tensor(u, +1)
 
     def _touch(self, g: int) -> None:
         """GPU g's figures changed (its stages' work, bytes, inputs or parameters)."""
@@ -224,21 +222,30 @@ class Assignment:
             if not readers[s] and su != s:
                 self.input_bytes[s] += self.c.out[u]
             readers[s] += 1
-        self.gpu_readers[u][g] += d
+        on_gpu = self.gpu_readers[u]
+        had = on_gpu[g]
+        on_gpu[g] = had + d
+        if su >= 0 and g != self.gpu[su] and not (had and had + d):  # g starts or stops reading
+            self._transfer(u, self.gpu[su], g, d)
 
-    def _tensor(self, u: int, sign: int) -> None:
-        """Add or remove tensor u's transfers: once per destination GPU other than its own."""
-        su = self.stage[u]
-        if su < 0:
+    def _sender(self, u: int, g: int, sign: int) -> None:
+        """Add or remove tensor u's transfers as sent from GPU g: once per other GPU reading
+        it (g < 0: not placed, nothing sent)."""
+        if g < 0:
             return
-        gu, b = self.gpu[su], self.c.out[u]
-        dests = [h for h, k in self.gpu_readers[u].items() if k and h != gu]
-        self.fwd[gu] += sign * b * len(dests)
-        self._touch(gu)
+        for h, k in self.gpu_readers[u].items():
+            if k and h != g:
+                self._transfer(u, g, h, sign)
+
+    def _transfer(self, u: int, src: int, dst: int, sign: int) -> None:
+        """Tensor u sent from GPU src to GPU dst (sign=+1) or no longer (-1), its gradient
+        coming back if it carries one."""
+        b = self.c.out[u]
+        self.fwd[src] += sign * b
+        self._touch(src)
         if self.c.grad[u]:
-            for h in dests:
-                self.bwd[h] += sign * b
-                self._touch(h)
+            self.bwd[dst] += sign * b
+            self._touch(dst)
 
     def _param(self, p: int, sign: int) -> None:
         """Add or remove parameter p's state and traffic: static bytes on its owner's GPU (the
