@@ -29,6 +29,7 @@ from .exported import describe_value, to_graph
 from .fuse import fuse_linear_cross_entropy
 from .opgraph import OpGraph
 from .packing import check_documents_apart
+from .repeat import export_repeated
 
 
 @dataclass
@@ -57,16 +58,19 @@ def trace_model(
     inputs = spec.example_inputs(task, micro_batch, device)
     with noting() as stops, _held_output() as said, _ConstantsOnCpu():
         try:
-            program = torch.export.export(model, tuple(inputs.values()), strict=False)
+            program = _exported(spec, model, tuple(inputs.values()))
+        except TraceError:  # ours (a region that cannot be inlined): already one sentence
+            raise
         except Exception as e:  # the exporter raises many types; all mean the same to a user
             if stops:  # a Ctrl-C or SIGTERM the exporter wrapped into an error of its own
                 raise type(stops[0])() from None
             raise _trace_error(spec, e, said.getvalue()) from None
+    if stops:  # one the exporter swallowed (or the cut export's fallback to a whole one)
+        raise type(stops[0])()
     sys.stderr.write(said.getvalue())  # a successful export's warnings, as it said them
     _check_loss(spec, program)
     if spec.packed:  # the attention must mask by the documents the positions tell apart
         check_documents_apart(spec, program)
-    inline_regions(program.graph_module)
     if fuse_loss:
         fuse_linear_cross_entropy(program.graph_module)  # the LM head and its loss: one op
     graph, placeholders = to_graph(spec, task, micro_batch, model, inputs, program)
@@ -74,6 +78,37 @@ def trace_model(
         check_weights(spec.spec, read_headers(Path(spec.path)), graph.params)
     meta = {**graph.meta, "precision": precision, "compute_dtype": str(compute)[6:]}
     return Traced(replace(graph, meta=meta), program, placeholders)
+
+
+def _exported(spec: ModelSpec, model, args: tuple) -> torch.export.ExportedProgram:
+    """The program of the model's training forward, its regions inlined. A transformers
+    model's stacks of alike layers are exported cut short and copied out (`repeat`: the
+    same program, in a fraction of the time); a model function is exported whole (its
+    loops may do anything)."""
+    if spec.kind == "function":
+        program = _export(model, args)
+        inline_regions(program.graph_module)
+        return program
+    return export_repeated(model, args, _export, inline_regions)
+
+
+def _export(model, args: tuple) -> torch.export.ExportedProgram:
+    """torch.export (non-strict), without the source line of every op (unused here, a fifth
+    of the export's time)."""
+    with _config(torch.fx.config, do_not_emit_stack_traces=True):
+        return torch.export.export(model, args, strict=False)
+
+
+@contextlib.contextmanager
+def _config(module, **values):
+    saved = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
 
 
 class _ConstantsOnCpu(TorchFunctionMode):

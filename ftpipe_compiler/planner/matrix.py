@@ -20,8 +20,9 @@ Search order and pruning, so that the matrix stays within the compile budget:
    without a cheap plan that fits rank last; every schedule when no cheap partitioner is
    selected; under a schedule with a placement pattern they say n/a at once). Cells left
    out are marked "not searched" with the figure that ranked their schedule out.
-3. No plan under a schedule simulates a step faster than m x its lower bound on the period
-   (`Problem.lower_bound`: every GPU computes its share of m micro-batches per step); a cell
+3. No plan under a schedule simulates a step faster than its floor (`bounds.step_floor`: m x
+   the lower bound on the period, every GPU computing its share of m micro-batches per step;
+   under a synchronous schedule also one micro-batch's round trip); a cell
    whose bound is not below the best step found so far is skipped, marked "pruned" with
    both figures.
 The matrix keeps every cell: figures, or why it has none (not applicable, infeasible, does
@@ -53,6 +54,7 @@ from ..errors import FtpipeError, InfeasibleError, unknown
 from ..partition import PARTITIONERS, PATTERNED, Problem, run_partitioner
 from ..plan import Plan
 from ..simulate import SimResult, simulate
+from .bounds import step_floor
 from .offload import choose_offload
 
 __all__ = [
@@ -390,7 +392,7 @@ def _per_schedule(problem: Problem, schedules, names, cells) -> tuple[dict, dict
             for p in names:
                 cells[(s, p)] = Cell(s, p, "n/a", note=str(e))
             continue
-        bound[s] = problems[s].micro_batches * problems[s].lower_bound()
+        bound[s] = step_floor(problems[s])
     return problems, bound
 
 
