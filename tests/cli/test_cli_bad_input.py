@@ -232,7 +232,8 @@ def test_debug_shows_what_the_exporter_printed(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     r = CliRunner().invoke(cli, ["--debug", "profile", "-m", "zoo_fixtures:deep_untraceable_model"])
     assert type(r.exception).__name__ == "TraceError"
-    assert "def forward(self" in r.output and r.output.count("\n") > 100
+    # the partial graph, one line per op (no source lines: the export emits none)
+    assert "def forward(self" in r.output and r.output.count("aten.") > 20
 
 
 def test_one_line_from_the_installed_command_too(files, tmp_path):
