@@ -141,7 +141,7 @@ def test_a_worker_stopped_by_sigterm_stops_the_search(problem, monkeypatch, capf
     old = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     catch_sigterm()  # as the command does before the workers fork
     try:
-        with matrix._Cells({"1f1b": problem}, {"1f1b": 1.0}, 20, workers=2) as cells:
+        with matrix.CellPool(lambda key: matrix.evaluate(problem, key[1], 1.0, 20), 2) as cells:
             cells.want([("1f1b", "even-layers"), ("1f1b", "params")])
             worker = multiprocessing.active_children()[0]
             time.sleep(0.5)  # its cell begun
@@ -150,7 +150,7 @@ def test_a_worker_stopped_by_sigterm_stops_the_search(problem, monkeypatch, capf
             assert worker.exitcode == -signal.SIGTERM
             t0 = time.monotonic()
             with pytest.raises(Terminated):
-                cells.result("1f1b", "even-layers")
+                cells.result(("1f1b", "even-layers"))
         assert time.monotonic() - t0 < 30  # the other worker stopped, not waited for
     finally:
         signal.signal(signal.SIGTERM, old)
@@ -185,9 +185,9 @@ def test_a_signal_while_the_workers_fork_stops_the_search(problem, monkeypatch, 
         _SIGNAL_AFTER_FORK.append(sig)
         t0 = time.monotonic()
         with pytest.raises(stop):
-            with matrix._Cells({"1f1b": problem}, {"1f1b": 1.0}, 20, workers=2) as cells:
+            with matrix.CellPool(lambda key: matrix.evaluate(problem, key[1], 1.0, 20), 2) as cells:
                 cells.want([("1f1b", "even-layers"), ("1f1b", "params")])
-                cells.result("1f1b", "even-layers")
+                cells.result(("1f1b", "even-layers"))
         assert time.monotonic() - t0 < 30  # the workers stopped, not waited for
     finally:
         _SIGNAL_AFTER_FORK.clear()
