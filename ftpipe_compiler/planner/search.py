@@ -195,7 +195,7 @@ def cut_candidate(problem: Problem, candidate: Candidate, cluster: Cluster, spac
                 cluster=cluster,
                 recompute=candidate.recompute,
             )
-            sim = simulate(plan, steps=space.steps)
+            sim = simulate(plan, steps=space.steps, checked=False)  # the chosen one's checked
             if sim.fits and (best is None or sim.samples_per_s > best[1].samples_per_s):
                 best = (plan, sim, o)
             if sim.samples_per_s > (row.get("simulated_samples_per_s") or 0):
@@ -285,6 +285,7 @@ def plan_shape(graph_for: Callable[[int], object], cluster: Cluster, space: Spac
         why = "; ".join(f"{r.candidate.label}: {r.error}" for r in rows if r.error)[:500]
         raise InfeasibleError(f"no shape of {cluster.gpus} GPUs fits: {why or 'nothing to try'}")
     plan, sim, k = search.best
+    simulate(plan, steps=space.steps)  # its lists checked (the cells' were not)
     chosen, competitors = search.todo[k][1], search.competitors[k]
     rows = [
         Row(**{**r.__dict__, "status": "chosen"})

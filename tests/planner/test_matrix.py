@@ -200,3 +200,22 @@ def test_nothing_fits(problem):
     tiny = replace(problem, memory_bytes=1000)
     with pytest.raises(FtpipeError, match="no schedule and partitioner give a plan that fits"):
         search_matrix(tiny, ["1f1b", "zb1p"], progress=False)
+
+
+def test_only_the_winners_lists_are_validated(problem, monkeypatch):
+    """The cells' simulations skip the list check (the runtime's `validate`); the winner's
+    lists are checked before the search returns, so a schedule making lists that do not
+    hold stops it."""
+    import ftpipe_compiler.simulate.simulator as simulator
+    from ftpipe_runtime.schedules import ScheduleError
+
+    checked = []
+
+    def refuse(lists, graph, schedule, m, steps):
+        checked.append(schedule.name)
+        raise ScheduleError("these action lists deadlock: a test's refusal")
+
+    monkeypatch.setattr(simulator, "validate", refuse)
+    with pytest.raises(FtpipeError, match="a test's refusal"):
+        search_matrix(problem, ["1f1b", "ftpipe"], workers=1, progress=False)
+    assert len(checked) == 1  # the winner's only
