@@ -278,8 +278,9 @@ def plan_shape(graph_for: Callable[[int], object], cluster: Cluster, space: Spac
     bar = tqdm(total=len(todo), desc="planning", file=sys.stderr,
                disable=None if progress else True, leave=False)  # fmt: skip
     with CellPool(search.cut, space.workers) as pool:
-        for i, shape in enumerate(search.shapes):
-            rows += search.shape(pool, shape, search.shapes[i + 1 : i + 2], bar)
+        search.ahead(pool)
+        for shape in search.shapes:
+            rows += search.shape(pool, shape, bar)
     bar.close()
     if search.best is None:
         why = "; ".join(f"{r.candidate.label}: {r.error}" for r in rows if r.error)[:500]
@@ -327,13 +328,33 @@ class _Search:
         bound = self.todo[k][0]
         return self.best is not None and bound <= self.best[1].samples_per_s * (1 + self.space.gap)
 
-    def shape(self, pool: CellPool, ks: list[int], after: list[list[int]], bar) -> list[Row]:
-        """The rows of one shape's candidates: pruned, or cut by the cheap partitioners, and
-        the fastest `width` of them by the others too. The next shape's cheap cells are
-        wanted ahead (dropped if pruned when its turn comes)."""
-        pool.want([(k, p) for k in ks if not self._pruned(k) for p in self.cheap])
+    def ahead(self, pool: CellPool) -> None:
+        """Cells wanted before their turn, so that every core works: the cheap cuts shape by
+        shape (a candidate pruned by the cheap plans before it left out), then the slower
+        partitioners' cuts of every shape's likely candidates, longest first. A guess: the
+        search in order may prune some of them (wasted), or want one more (made then)."""
+        if not pool.ahead:
+            return
+        best, deep = 0.0, []
+        for ks in self.shapes:
+            quick = {}
+            for tier in _tiers(ks, lambda k: self.todo[k][0]):  # equal bounds: wanted together
+                live = [k for k in tier if self.todo[k][0] > best * (1 + self.space.gap)]
+                pool.want([(k, p) for k in live for p in self.cheap])
+                for k in live:
+                    quick[k] = best_for_candidate(*self._args(k), self._cuts(pool, k, self.cheap))
+                    best = max(best, _samples(quick[k][0]))
+            likely = self._deep(list(quick), quick)
+            deep += [k for k in likely if self.todo[k][0] > best * (1 + self.space.gap)]
+        pool.want(
+            sorted(((k, p) for k in deep for p in self.costly), key=lambda c: _slowest_first(c[1]))
+        )
+
+    def shape(self, pool: CellPool, ks: list[int], bar) -> list[Row]:
+        """The rows of one shape's candidates, best bound first: pruned, or cut by the cheap
+        partitioners, and the fastest `width` of them by the others too."""
         quick = {}
-        for k in ks:  # best bound first: a plan found prunes the candidates after it
+        for k in ks:  # a plan found prunes the candidates after it
             if self._pruned(k):
                 for p in self.names:
                     pool.drop((k, p))
@@ -341,15 +362,8 @@ class _Search:
             quick[k] = best_for_candidate(*self._args(k), self._cuts(pool, k, self.cheap))
             self._offer(k, *quick[k])
         live = list(quick)
-        free = [k for k in live if not self.todo[k][2].patterned]
-        ranked = sorted(free, key=lambda k: -_samples(quick[k][0]))[: self.space.width]
-        deep = [k for k in live if (k in ranked or self.todo[k][2].patterned)]
-        deep = [k for k in deep if not self._pruned(k)]
-        cells = sorted(
-            ((k, p) for k in deep for p in self.costly), key=lambda c: _slowest_first(c[1])
-        )
-        pool.want(cells, first=True)
-        pool.want([(k, p) for ks_ in after for k in ks_ if not self._pruned(k) for p in self.cheap])
+        likely = self._deep(live, quick)
+        deep = [k for k in likely if not self._pruned(k)]
         out = []
         for k in ks:
             bound, c, _ = self.todo[k]
@@ -362,10 +376,18 @@ class _Search:
             got, competitors = best_for_candidate(*self._args(k), self._cuts(pool, k, names))
             if k not in deep:
                 competitors += tuple(_not_cut(p) for p in self.costly)
-            out.append(self._row(k, got, competitors, time.perf_counter() - t, k in deep))
+            note = "" if k in deep else _NOTES[k in likely]
+            out.append(self._row(k, got, competitors, time.perf_counter() - t, note))
             self._offer(k, got, competitors)
             bar.update()
         return out
+
+    def _deep(self, live: list[int], quick: dict) -> list[int]:
+        """The candidates the slower partitioners cut: the `width` whose cheap plans simulate
+        fastest among those placed freely, and those with a placement pattern (n/a at once)."""
+        free = [k for k in live if not self.todo[k][2].patterned]
+        ranked = sorted(free, key=lambda k: -_samples(quick[k][0]))[: self.space.width]
+        return [k for k in live if k in ranked or self.todo[k][2].patterned]
 
     def _args(self, k: int) -> tuple:
         bound, c, problem = self.todo[k]
@@ -385,9 +407,8 @@ class _Search:
         if self.best is None or sim.samples_per_s > self.best[1].samples_per_s:
             self.best = (plan, sim, k)
 
-    def _row(self, k: int, got, competitors, seconds: float, deep: bool) -> Row:
+    def _row(self, k: int, got, competitors, seconds: float, note: str) -> Row:
         bound, c, _ = self.todo[k]
-        note = "" if deep else "cut by the cheap partitioners only (--search-width)"
         if got is None:
             why = "; ".join(x.get("error", "") for x in competitors if x.get("error"))
             return Row(c, bound, "infeasible", seconds=seconds,
@@ -395,6 +416,23 @@ class _Search:
         plan, sim, orientation = got
         return Row(c, bound, "simulated", plan.partitioner, orientation, sim.samples_per_s,
                    effective_speedup(plan, sim), seconds, note=note)  # fmt: skip
+
+
+_NOTES = {  # why the slower partitioners did not cut a candidate (ranked in the width or not)
+    False: "cut by the cheap partitioners only: others of its shape ranked first (--search-width)",
+    True: "cut by the cheap partitioners only: its bound is within the gap of the best plan",
+}
+
+
+def _tiers(ks: list[int], bound) -> list[list[int]]:
+    """Consecutive candidates of equal bound, together."""
+    out: list[list[int]] = []
+    for k in ks:
+        if out and bound(out[-1][0]) == bound(k):
+            out[-1].append(k)
+        else:
+            out.append([k])
+    return out
 
 
 def _samples(got) -> float:
