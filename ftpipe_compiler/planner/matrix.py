@@ -61,6 +61,7 @@ __all__ = [
     "GROUPS",
     "Cell",
     "CellPool",
+    "check_lists",
     "NothingFits",
     "cores",
     "evaluate",
@@ -222,8 +223,14 @@ def search_matrix(
                 cells[(s, p)] = _not_searched(s, p, bound[s], fastest[s], width)
     matrix = [cells[(s, p)] for s in schedules for p in names]
     winner = _winner(matrix)
-    simulate(winner.plan, steps=steps)  # its lists checked (the cells' were not)
+    check_lists(winner.plan, steps)
     return winner, matrix
+
+
+def check_lists(plan: Plan, steps: int) -> None:
+    """Validate the action lists a plan's simulation runs (the searches' cells skip that,
+    `simulate(checked=False)`, and check the plan they keep): FtpipeError if they do not hold."""
+    simulate(plan, steps=steps)
 
 
 def _slowest_first(cell: tuple[str, str]) -> int:

@@ -46,7 +46,7 @@ from ..partition import PARTITIONERS, Problem, run_partitioner
 from ..plan import Plan
 from ..simulate import SimResult, simulate
 from .bounds import throughput_bound
-from .matrix import CHEAP, SLOWEST_FIRST, CellPool
+from .matrix import CHEAP, SLOWEST_FIRST, CellPool, check_lists
 from .shapes import depths, orientations, placement
 
 __all__ = [
@@ -286,7 +286,7 @@ def plan_shape(graph_for: Callable[[int], object], cluster: Cluster, space: Spac
         why = "; ".join(f"{r.candidate.label}: {r.error}" for r in rows if r.error)[:500]
         raise InfeasibleError(f"no shape of {cluster.gpus} GPUs fits: {why or 'nothing to try'}")
     plan, sim, k = search.best
-    simulate(plan, steps=space.steps)  # its lists checked (the cells' were not)
+    check_lists(plan, space.steps)
     chosen, competitors = search.todo[k][1], search.competitors[k]
     rows = [
         Row(**{**r.__dict__, "status": "chosen"})

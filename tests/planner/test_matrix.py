@@ -123,6 +123,7 @@ def test_workers_prune_as_one_process(problem, monkeypatch):
         return Cell(sub.schedule, partitioner, "ok", bound, FakePlan(i), FakeSim(step))
 
     monkeypatch.setattr(matrix, "evaluate", evaluate)  # the workers fork with it
+    monkeypatch.setattr(matrix, "check_lists", lambda plan, steps: None)  # plans are fakes
     one = search_matrix(problem, SCHEDULES, width=2, workers=1)[1]
     two = search_matrix(problem, SCHEDULES, width=2, workers=2)[1]
     assert two == one
@@ -206,8 +207,9 @@ def test_only_the_winners_lists_are_validated(problem, monkeypatch):
     """The cells' simulations skip the list check (the runtime's `validate`); the winner's
     lists are checked before the search returns, so a schedule making lists that do not
     hold stops it."""
-    import ftpipe_compiler.simulate.simulator as simulator
     from ftpipe_runtime.schedules import ScheduleError
+
+    import ftpipe_compiler.simulate.simulator as simulator
 
     checked = []
 
