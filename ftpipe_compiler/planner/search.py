@@ -165,9 +165,9 @@ def best_for_candidate(problem: Problem, candidate: Candidate, cluster: Cluster,
                        cut: Callable[[str], tuple] | None = None):  # fmt: skip
     """The fastest fitting (plan, simulation, partitioner rows) of one candidate: every
     partitioner's cut, replicated and placed in each orientation, simulated. None: no fit.
-    `cut(partitioner)`: a partitioner's `cut_candidate`, made already (or not: None).
-
-    The one call the planner makes per candidate (a schedule search may take its place)."""
+    `cut(partitioner)`: a partitioner's `cut_candidate`, made already (or not: None), the
+    plan kept checked by the caller; without it, every cut is made here and the plan kept
+    checked here (`matrix.check_lists`)."""
     best, rows = None, []
     for name in _partitioners(space):
         got = cut(name) if cut else cut_candidate(problem, candidate, cluster, space, name)
@@ -177,6 +177,8 @@ def best_for_candidate(problem: Problem, candidate: Candidate, cluster: Cluster,
         if fastest and (best is None or fastest[1].samples_per_s > best[1].samples_per_s):
             best = fastest
         rows.append(row)
+    if best is not None and cut is None:
+        check_lists(best[0], space.steps)
     return best, tuple(rows)
 
 
