@@ -280,9 +280,8 @@ def plan_shape(graph_for: Callable[[int], object], cluster: Cluster, space: Spac
     bar = tqdm(total=len(todo), desc="planning", file=sys.stderr,
                disable=None if progress else True, leave=False)  # fmt: skip
     with CellPool(search.cut, space.workers) as pool:
-        search.ahead(pool)
-        for shape in search.shapes:
-            rows += search.shape(pool, shape, bar)
+        for i, shape in enumerate(search.shapes):
+            rows += search.shape(pool, shape, search.shapes[i + 1 : i + 2], bar)
     bar.close()
     if search.best is None:
         why = "; ".join(f"{r.candidate.label}: {r.error}" for r in rows if r.error)[:500]
@@ -330,42 +329,29 @@ class _Search:
         bound = self.todo[k][0]
         return self.best is not None and bound <= self.best[1].samples_per_s * (1 + self.space.gap)
 
-    def ahead(self, pool: CellPool) -> None:
-        """Cells wanted before their turn, so that every core works: the cheap cuts shape by
-        shape (a candidate pruned by the cheap plans before it left out), then the slower
-        partitioners' cuts of every shape's likely candidates, longest first. A guess: the
-        search in order may prune some of them (wasted), or want one more (made then)."""
-        if not pool.ahead:
-            return
-        best, deep = 0.0, []
-        for ks in self.shapes:
-            quick = {}
-            for tier in _tiers(ks, lambda k: self.todo[k][0]):  # equal bounds: wanted together
-                live = [k for k in tier if self.todo[k][0] > best * (1 + self.space.gap)]
-                pool.want([(k, p) for k in live for p in self.cheap])
-                for k in live:
-                    quick[k] = best_for_candidate(*self._args(k), self._cuts(pool, k, self.cheap))
-                    best = max(best, _samples(quick[k][0]))
-            likely = self._deep(list(quick), quick)
-            deep += [k for k in likely if self.todo[k][0] > best * (1 + self.space.gap)]
-        pool.want(
-            sorted(((k, p) for k in deep for p in self.costly), key=lambda c: _slowest_first(c[1]))
-        )
-
-    def shape(self, pool: CellPool, ks: list[int], bar) -> list[Row]:
+    def shape(self, pool: CellPool, ks: list[int], after: list[list[int]], bar) -> list[Row]:
         """The rows of one shape's candidates, best bound first: pruned, or cut by the cheap
-        partitioners, and the fastest `width` of them by the others too."""
+        partitioners, and the fastest `width` of them by the others too. While the slower
+        cuts run, the next shape's cheap ones are wanted ahead (dropped if pruned when their
+        turn comes), so that every core works."""
         quick = {}
-        for k in ks:  # a plan found prunes the candidates after it
-            if self._pruned(k):
-                for p in self.names:
-                    pool.drop((k, p))
-                continue
-            quick[k] = best_for_candidate(*self._args(k), self._cuts(pool, k, self.cheap))
-            self._offer(k, *quick[k])
+        for tier in _tiers(ks, lambda k: self.todo[k][0]):  # equal bounds: wanted together
+            pool.want([(k, p) for k in tier if not self._pruned(k) for p in self.cheap])
+            for k in tier:  # a plan found prunes the candidates after it
+                if self._pruned(k):
+                    for p in self.names:
+                        pool.drop((k, p))
+                    continue
+                quick[k] = best_for_candidate(*self._args(k), self._cuts(pool, k, self.cheap))
+                self._offer(k, *quick[k])
         live = list(quick)
         likely = self._deep(live, quick)
         deep = [k for k in likely if not self._pruned(k)]
+        slow = sorted(
+            ((k, p) for k in deep for p in self.costly), key=lambda c: _slowest_first(c[1])
+        )
+        pool.want(slow, first=True)
+        pool.want([(k, p) for ks_ in after for k in ks_ if not self._pruned(k) for p in self.cheap])
         out = []
         for k in ks:
             bound, c, _ = self.todo[k]
