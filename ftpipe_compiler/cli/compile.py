@@ -138,15 +138,16 @@ def _data_request(options: dict) -> DataRequest | None:
     default=1,
     show_default=True,
     help="Schedules (fastest by the quick partitioners' plans) under which the slower "
-    "partitioners (mixed, acyclic, metis) also run.",
+    "partitioners (mixed, acyclic, metis) also run (on a cluster: per shape, schedules "
+    "and recompute together).",
 )
 @click.option(
     "--jobs",
     "-j",
     type=click.IntRange(min=1),
     default=None,
-    help="Processes that search the partitioner x schedule matrix; the plan is the same "
-    "whatever the number (default: one per core).",
+    help="Processes that search the partitioner x schedule matrix (on a cluster, every "
+    "shape's); the plan is the same whatever the number (default: one per core).",
 )
 @partitioners_option
 @optimizer_option

@@ -174,7 +174,8 @@ def plan_cluster(job: Job, progress: Progress) -> None:
     t = job.task
     options = dict(schedule=job.schedules, replicas=job.replicas, micro_batches=job.micro_batches,
                    partitioners=job.partitioners, optimizer=job.optimizer or t.optimizer,
-                   seed=job.seed, steps=job.steps)  # fmt: skip
+                   seed=job.seed, steps=job.steps, width=job.search_width,
+                   workers=job.jobs)  # fmt: skip
     first = (job.spec, t, job.traced, job.graph)
     job.found, traces = plan_on_cluster(first, job.cluster, job.cost_args, options)
     _, _, job.traced, job.graph = traces[job.found.candidate.micro_batch]

@@ -64,6 +64,7 @@ def trace_model(
         except Exception as e:  # the exporter raises many types; all mean the same to a user
             if stops:  # a Ctrl-C or SIGTERM the exporter wrapped into an error of its own
                 raise type(stops[0])() from None
+            _printed_with_sources(model, tuple(inputs.values()), said)
             raise _trace_error(spec, e, said.getvalue()) from None
     if stops:  # one the exporter swallowed (or the cut export's fallback to a whole one)
         raise type(stops[0])()
@@ -92,11 +93,20 @@ def _exported(spec: ModelSpec, model, args: tuple) -> torch.export.ExportedProgr
     return export_repeated(model, args, _export, inline_regions)
 
 
-def _export(model, args: tuple) -> torch.export.ExportedProgram:
-    """torch.export (non-strict), without the source line of every op (unused here, a fifth
-    of the export's time)."""
-    with _config(torch.fx.config, do_not_emit_stack_traces=True):
+def _export(model, args: tuple, sources: bool = False) -> torch.export.ExportedProgram:
+    """torch.export (non-strict), without the source line of every op unless `sources`
+    (unused by a successful trace, a fifth of the export's time)."""
+    with _config(torch.fx.config, do_not_emit_stack_traces=not sources):
         return torch.export.export(model, args, strict=False)
+
+
+def _printed_with_sources(model, args: tuple, said: io.StringIO) -> None:
+    """After a failed export: what it prints with each op's source line (the partial graph
+    `--debug` shows), from exporting again (the failure's only cost)."""
+    said.seek(0)
+    said.truncate()
+    with contextlib.suppress(Exception):
+        _export(model, args, sources=True)
 
 
 @contextlib.contextmanager

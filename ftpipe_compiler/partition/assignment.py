@@ -49,6 +49,7 @@ class Assignment:
         # a refinement tries thousands of moves, each touching two or three GPUs of many.
         self._period: list[float | None] = [None] * G
         self._mem: list[int | None] = [None] * G
+        self._stale: set[int] = set(range(G))  # GPUs whose period went (see periods)
         self._mem_key = (-1, -1)  # (policy epoch, loss stage) the kept memory was made under
         # Build by "moving" every node in from nowhere (stage -1) so one code path keeps the books.
         place, self.stage = self.stage, [-1] * c.n
@@ -95,7 +96,13 @@ class Assignment:
         return got
 
     def periods(self) -> list[float]:
-        return [self.gpu_period(g) for g in range(self.gpus)]
+        per = self._period
+        for g in self._stale:
+            if per[g] is None:
+                self.gpu_period(g)
+        self._stale.clear()
+        self.gpu_period(self.gpu[self.loss])
+        return per.copy()
 
     def period(self) -> float:
         return max(self.periods())
@@ -209,6 +216,7 @@ class Assignment:
     def _touch(self, g: int) -> None:
         """GPU g's figures changed (its stages' work, bytes, inputs or parameters)."""
         self._period[g] = self._mem[g] = None
+        self._stale.add(g)
 
     def _consumer(self, u: int, su: int, s: int, g: int, d: int) -> None:
         """One more (d=+1) or one fewer (d=-1) consumer of tensor u in stage s on GPU g."""

@@ -61,6 +61,8 @@ __all__ = [
     "CHEAP",
     "GROUPS",
     "Cell",
+    "CellPool",
+    "check_lists",
     "NothingFits",
     "cores",
     "evaluate",
@@ -167,15 +169,15 @@ def search_matrix(
     total = len(problems) * len(names)
     best = [math.inf]
 
-    def settle(pool: _Cells, s: str, p: str) -> None:
+    def settle(pool: CellPool, s: str, p: str) -> None:
         """The cell as the search in order makes it: pruned by the best step so far, or
         evaluated (in a worker, perhaps ahead of time)."""
         if bound[s] >= best[0]:
             note = f"step >= {bound[s]:.4g} s, not below the best {best[0]:.4g} s"
             cells[(s, p)] = Cell(s, p, "pruned", bound[s], note=note)
-            pool.drop(s, p)
+            pool.drop((s, p))
         else:
-            cells[(s, p)] = cell = pool.result(s, p)
+            cells[(s, p)] = cell = pool.result((s, p))
             if cell.status == "ok":
                 best[0] = min(best[0], cell.step_s)
         if progress:
@@ -196,14 +198,16 @@ def search_matrix(
         )
 
     quick = [(s, p) for p in cheap for s in problems]
-    with _Cells(problems, bound, steps, workers) as pool:
+    # `evaluate` looked up at each call (tests put another in its place before the fork).
+    run = lambda key: evaluate(problems[key[0]], key[1], bound[key[0]], steps)  # noqa: E731
+    with CellPool(run, workers) as pool:
         # The free-placement schedules' quick cells first: they choose where the costly
         # partitioners run, which start (a guess) as soon as those are in, before the
         # patterned schedules' quick cells.
         pool.want([(s, p) for s, p in quick if not problems[s].patterned])
         if pool.ahead and cheap:  # the ranking as it will be unless pruning changes it
             guess = {s: math.inf if problems[s].patterned
-                     else min(pool.result(s, p).step_s for p in cheap) for s in problems}  # fmt: skip
+                     else min(pool.result((s, p)).step_s for p in cheap) for s in problems}  # fmt: skip
             pool.want(sorted(costly_cells(guess), key=_slowest_first))
         pool.want(quick)
         for s, p in quick:
@@ -219,7 +223,15 @@ def search_matrix(
             if (s, p) not in cells:
                 cells[(s, p)] = _not_searched(s, p, bound[s], fastest[s], width)
     matrix = [cells[(s, p)] for s in schedules for p in names]
-    return _winner(matrix), matrix
+    winner = _winner(matrix)
+    check_lists(winner.plan, steps)
+    return winner, matrix
+
+
+def check_lists(plan: Plan, steps: int) -> None:
+    """Validate the action lists a plan's simulation runs (the searches' cells skip that,
+    `simulate(checked=False)`, and check the plan they keep): FtpipeError if they do not hold."""
+    simulate(plan, steps=steps)
 
 
 def _slowest_first(cell: tuple[str, str]) -> int:
@@ -235,7 +247,7 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-# What the workers evaluate: set before they fork, so they inherit it instead of each task
+# What the workers run: set before they fork, so they inherit it instead of each task
 # carrying the problem (a T5-3B graph is a megabyte of pickle).
 _SHARED: dict = {}
 
@@ -249,18 +261,18 @@ def _leave_signals_to_the_parent() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def _evaluate_shared(s: str, p: str) -> Cell:
-    problems, bound, steps = _SHARED["work"]
-    return evaluate(problems[s], p, bound[s], steps)
+def _run_shared(key):
+    return _SHARED["run"](key)
 
 
-class _Cells:
-    """Cells evaluated by a pool of forked workers, at most one per worker in flight, the
-    wanted ones in order (so that later wishes can go first); with one worker, here, when
-    asked for. Results are the same either way: `evaluate` depends on its cell alone."""
+class CellPool:
+    """`run(key)` for the cells (hashable keys) of a search, by a pool of forked workers, at
+    most one per worker in flight, the wanted ones in order (so that later wishes can go
+    first); with one worker, here, when asked for. Results are the same either way: `run`
+    depends on its key alone (the matrix's cells, the cluster planner's)."""
 
-    def __init__(self, problems: dict, bound: dict, steps: int, workers: int | None):
-        self.work = (problems, bound, steps)
+    def __init__(self, run: Callable, workers: int | None):
+        self.run = run
         self.workers = cores() if workers is None else workers
         self.ahead = self.workers > 1 and "fork" in multiprocessing.get_all_start_methods()
         self.queue: list[tuple[str, str]] = []
@@ -269,9 +281,9 @@ class _Cells:
         self.executor = None
         self.seen: dict = {}  # pid -> worker, all started so far
 
-    def __enter__(self) -> _Cells:
+    def __enter__(self) -> CellPool:
         if self.ahead:
-            _SHARED["work"] = self.work
+            _SHARED["run"] = self.run
             context = multiprocessing.get_context("fork")
             self.executor = ProcessPoolExecutor(
                 self.workers, mp_context=context, initializer=_leave_signals_to_the_parent
@@ -281,7 +293,7 @@ class _Cells:
     def __exit__(self, error, *exc) -> None:
         if self.executor is None:
             return
-        _SHARED.pop("work", None)
+        _SHARED.pop("run", None)
         busy = [f for f in self.running.values() if not f.done()]
         if not busy and error is None:
             self.executor.shutdown()
@@ -318,15 +330,14 @@ class _Cells:
             self.queue += [k for k in keys if k not in self.queue]
         self._fill()
 
-    def drop(self, s: str, p: str) -> None:
+    def drop(self, key) -> None:
         """Not needed after all (pruned): not started if it has not."""
-        if (s, p) in self.queue:
-            self.queue.remove((s, p))
+        if key in self.queue:
+            self.queue.remove(key)
 
-    def result(self, s: str, p: str) -> Cell:
-        key = (s, p)
+    def result(self, key):
         if not self.ahead:
-            return evaluate(self.work[0][s], p, self.work[1][s], self.work[2])
+            return self.run(key)
         if key not in self.done and key not in self.running and key not in self.queue:
             self.want([key], first=True)
         while key not in self.done:
@@ -338,7 +349,7 @@ class _Cells:
             self._fill()
         return self.done[key]
 
-    def _result(self, f: Future) -> Cell:
+    def _result(self, f: Future):
         """The cell's result; a worker's exception is raised here. A worker ended by SIGTERM
         (`kill`, a memory watchdog's polite stop) stops the search as SIGTERM stops ftpipe."""
         try:
@@ -353,7 +364,7 @@ class _Cells:
             key = self.queue.pop(0)
             if key not in self.done and key not in self.running:
                 with held():  # the first submit forks the workers
-                    self.running[key] = self.executor.submit(_evaluate_shared, *key)
+                    self.running[key] = self.executor.submit(_run_shared, key)
                 self._processes()
 
     def _processes(self) -> list:
@@ -416,7 +427,7 @@ def evaluate(problem: Problem, partitioner: str, bound: float, steps: int) -> Ce
             s, partitioner, status, bound, search_s=result.search_seconds, note=result.error
         )
     plan = choose_offload(result.plan, problem.offload)  # per stage (planner/offload.py)
-    sim = simulate(plan, steps=steps)
+    sim = simulate(plan, steps=steps, checked=False)  # the winner's checked after
     status = "ok" if sim.fits else "does not fit"
     note = "" if sim.fits else _overflow(sim)
     return Cell(s, partitioner, status, bound, plan, sim, time.perf_counter() - t0, note)

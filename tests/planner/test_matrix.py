@@ -123,6 +123,7 @@ def test_workers_prune_as_one_process(problem, monkeypatch):
         return Cell(sub.schedule, partitioner, "ok", bound, FakePlan(i), FakeSim(step))
 
     monkeypatch.setattr(matrix, "evaluate", evaluate)  # the workers fork with it
+    monkeypatch.setattr(matrix, "check_lists", lambda plan, steps: None)  # plans are fakes
     one = search_matrix(problem, SCHEDULES, width=2, workers=1)[1]
     two = search_matrix(problem, SCHEDULES, width=2, workers=2)[1]
     assert two == one
@@ -141,7 +142,7 @@ def test_a_worker_stopped_by_sigterm_stops_the_search(problem, monkeypatch, capf
     old = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     catch_sigterm()  # as the command does before the workers fork
     try:
-        with matrix._Cells({"1f1b": problem}, {"1f1b": 1.0}, 20, workers=2) as cells:
+        with matrix.CellPool(lambda key: matrix.evaluate(problem, key[1], 1.0, 20), 2) as cells:
             cells.want([("1f1b", "even-layers"), ("1f1b", "params")])
             worker = multiprocessing.active_children()[0]
             time.sleep(0.5)  # its cell begun
@@ -150,7 +151,7 @@ def test_a_worker_stopped_by_sigterm_stops_the_search(problem, monkeypatch, capf
             assert worker.exitcode == -signal.SIGTERM
             t0 = time.monotonic()
             with pytest.raises(Terminated):
-                cells.result("1f1b", "even-layers")
+                cells.result(("1f1b", "even-layers"))
         assert time.monotonic() - t0 < 30  # the other worker stopped, not waited for
     finally:
         signal.signal(signal.SIGTERM, old)
@@ -185,9 +186,9 @@ def test_a_signal_while_the_workers_fork_stops_the_search(problem, monkeypatch, 
         _SIGNAL_AFTER_FORK.append(sig)
         t0 = time.monotonic()
         with pytest.raises(stop):
-            with matrix._Cells({"1f1b": problem}, {"1f1b": 1.0}, 20, workers=2) as cells:
+            with matrix.CellPool(lambda key: matrix.evaluate(problem, key[1], 1.0, 20), 2) as cells:
                 cells.want([("1f1b", "even-layers"), ("1f1b", "params")])
-                cells.result("1f1b", "even-layers")
+                cells.result(("1f1b", "even-layers"))
         assert time.monotonic() - t0 < 30  # the workers stopped, not waited for
     finally:
         _SIGNAL_AFTER_FORK.clear()
@@ -200,3 +201,23 @@ def test_nothing_fits(problem):
     tiny = replace(problem, memory_bytes=1000)
     with pytest.raises(FtpipeError, match="no schedule and partitioner give a plan that fits"):
         search_matrix(tiny, ["1f1b", "zb1p"], progress=False)
+
+
+def test_only_the_winners_lists_are_validated(problem, monkeypatch):
+    """The cells' simulations skip the list check (the runtime's `validate`); the winner's
+    lists are checked before the search returns, so a schedule making lists that do not
+    hold stops it."""
+    from ftpipe_runtime.schedules import ScheduleError
+
+    import ftpipe_compiler.simulate.simulator as simulator
+
+    checked = []
+
+    def refuse(lists, graph, schedule, m, steps):
+        checked.append(schedule.name)
+        raise ScheduleError("these action lists deadlock: a test's refusal")
+
+    monkeypatch.setattr(simulator, "validate", refuse)
+    with pytest.raises(FtpipeError, match="a test's refusal"):
+        search_matrix(problem, ["1f1b", "ftpipe"], workers=1, progress=False)
+    assert len(checked) == 1  # the winner's only
