@@ -64,7 +64,7 @@ FINAL = ["--data", "copy", "--optimizer", "adam", "--lr", "0.05", "--decay", "co
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", _some(list(SCHEDULES), {"1f1b", "zbv"}))
+@pytest.mark.parametrize("schedule", _some(list(SCHEDULES), {"zbv"}))
 def test_every_schedules_final_checkpoint_resumes(run_pipeline, tmp_path, schedule):
     """A finished run resumed for K more steps is the uninterrupted N + K run, bit for bit
     (a constant learning rate: a linear decay would follow --steps). Both save every N steps,

@@ -149,8 +149,9 @@ def _assert_params_close(got, want, noisy, lr, name):
     [
         ("gpt2-tiny", "gpipe"),
         ("t5-tiny", "1f1b"),
-        ("gpt2-tiny", "zb1p"),
-        ("t5-tiny", "interleaved"),
+        # zb1p's and interleaved's lists equal one process in test_pipeline_sync already
+        pytest.param("gpt2-tiny", "zb1p", marks=pytest.mark.exhaustive),
+        pytest.param("t5-tiny", "interleaved", marks=pytest.mark.exhaustive),
         ("llama-tiny", "zbv"),
         ("t5-remat", "gpipe"),
     ],
@@ -178,7 +179,9 @@ def test_sync_package_matches_the_model(run_pipeline, packages, tmp_path, model,
 ADAM = ["--optimizer", "adam", "--lr", "0.01", "--clip", "0"]  # the references' settings
 
 
-@pytest.mark.parametrize("model", ["gpt2-tiny", "t5-tiny", "t5-remat"])
+@pytest.mark.parametrize(
+    "model", ["gpt2-tiny", pytest.param("t5-tiny", marks=pytest.mark.exhaustive), "t5-remat"]
+)  # (t5-remat is t5-tiny's package with its stages recomputing)
 def test_ftpipe_package_follows_the_stale_rule(run_pipeline, packages, tmp_path, model):
     steps, lr = 3, 0.01
     log, params = _launch(run_pipeline, packages, model, "ftpipe", steps, tmp_path, ADAM)
