@@ -61,6 +61,7 @@ def plan_on_cluster(first, cluster: Cluster, cost_args: dict, options: dict) -> 
         steps=options["steps"],
         width=options.get("width", 1),
         workers=options.get("workers"),
+        shard=options.get("shard", "none"),
     )
     found = plan_shape(graph_for, cluster, space, progress=False)  # the driver's bar is enough
     return found, traces

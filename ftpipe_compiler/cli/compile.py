@@ -21,6 +21,7 @@ from ..model.data_shapes import SAMPLES, DataRequest
 from ..output import check_writable
 from ..planner.matrix import GROUPS, schedule_names
 from ..planner.offload import MODES as OFFLOAD_MODES
+from ..planner.offload import SHARD_MODES
 from .cluster import cluster_of
 from .compile_phases import Job, pipeline_for
 from .driver import drive
@@ -206,11 +207,24 @@ def _data_request(options: dict) -> DataRequest | None:
     "never; optimizer or activations on every stage. One pipeline only (not with "
     "--gpus-per-node, --cluster or --replicas).",
 )
+@click.option(
+    "--shard-optimizer",
+    "shard",
+    type=click.Choice(list(SHARD_MODES)),
+    default="auto",
+    show_default=True,
+    help="Shard a stage's fp32 masters and optimizer state across the data-parallel replicas "
+    "(ZeRO-1: each keeps 1/replicas; gradients reduce-scattered, weights all-gathered): auto "
+    "only where a GPU needs it to fit; none never; always every stage that trains. With "
+    "replicas only (--gpus-per-node, --cluster or --replicas); not with --freeze-training "
+    "or Adafactor.",
+)
 @_data_options
 @json_option()
 def compile_command(*, model, hardware, gpus, schedule, search_width, jobs, partitioners, optimizer,
                     micro_batches, steps, seed, gpus_per_node, cluster_file, replicas,
-                    freeze_alpha, output, force, offload, as_json, **cost_options):  # fmt: skip
+                    freeze_alpha, output, force, offload, shard, as_json,
+                    **cost_options):  # fmt: skip
     """Compile a model into a pipeline package: the plan, a report and the package to torchrun."""
     data = _data_request(cost_options)
     out = Path(output or Path("out") / _folder_name(model))
@@ -221,6 +235,16 @@ def compile_command(*, model, hardware, gpus, schedule, search_width, jobs, part
         raise click.UsageError(
             f"--offload {offload} plans one pipeline; leave out --gpus-per-node, --cluster and "
             "--replicas, or --offload"
+        )
+    if shard == "always" and not planned:
+        raise click.UsageError(
+            "--shard-optimizer always shards across data-parallel replicas; give --replicas, "
+            "--gpus-per-node or --cluster, or leave it out"
+        )
+    if shard == "always" and freeze_alpha is not None:
+        raise click.UsageError(
+            "--shard-optimizer always: a package that freezes layers (--freeze-training) "
+            "does not shard; leave one of them out"
         )
     cluster = cluster_of(hardware, gpus, gpus_per_node, cluster_file, replicas) if planned else None
     if cluster_file:
@@ -246,5 +270,6 @@ def compile_command(*, model, hardware, gpus, schedule, search_width, jobs, part
         cluster=cluster,
         data=data,
         offload=offload,
+        shard=shard,
     )
     drive(pipeline_for(job), job, as_json=as_json)

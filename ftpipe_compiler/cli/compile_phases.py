@@ -35,10 +35,11 @@ from ..output import output_folder
 from ..partition import problem_from_graph
 from ..planner.matrix import NothingFits, search_matrix, update_rule
 from ..planner.nofit import check_floor, explain, floor_fits
-from ..planner.offload import searches
+from ..planner.offload import searches, shard_refusal
 from ..planner.shrink import index_of, shrink_plans
 from ..simulate import write_report
 from ..simulate.host import offload_lines
+from ..simulate.network import shard_lines
 from ..simulate.simulator import cpu_step_hidden
 from .cluster import describe_shapes, plan_on_cluster
 from .driver import Phase, Pipeline, Progress
@@ -68,6 +69,7 @@ class Job:
     freeze_alpha: float | None
     cluster: Cluster | None  # given: the planner chooses replicas x depth on it
     offload: str = "auto"  # --offload (planner/offload.py's MODES)
+    shard: str = "auto"  # --shard-optimizer (planner/offload.py's SHARD_MODES)
     # --- added by the phases ---
     spec: object = None
     task: object = None
@@ -172,10 +174,14 @@ def search_schedules(job: Job, progress: Progress) -> None:
 def plan_cluster(job: Job, progress: Progress) -> None:
     """Replicas x depth, micro-batch, schedule and recompute on the cluster (planner/)."""
     t = job.task
+    optimizer = job.optimizer or t.optimizer
+    refused = shard_refusal(optimizer, freezing=job.freeze_alpha is not None)
+    if refused and job.shard == "always":
+        raise click.UsageError(f"--shard-optimizer always: {refused}; leave it out")
     options = dict(schedule=job.schedules, replicas=job.replicas, micro_batches=job.micro_batches,
-                   partitioners=job.partitioners, optimizer=job.optimizer or t.optimizer,
+                   partitioners=job.partitioners, optimizer=optimizer,
                    seed=job.seed, steps=job.steps, width=job.search_width,
-                   workers=job.jobs)  # fmt: skip
+                   workers=job.jobs, shard="none" if refused else job.shard)  # fmt: skip
     first = (job.spec, t, job.traced, job.graph)
     job.found, traces = plan_on_cluster(first, job.cluster, job.cost_args, options)
     _, _, job.traced, job.graph = traces[job.found.candidate.micro_batch]
@@ -311,6 +317,10 @@ def cluster_json(job: Job, timings: dict) -> dict:
         "winner": plan.partitioner,
         "gpus": plan.world,
         "planner": job.found.to_json(),
+        "shard_optimizer": {
+            "mode": job.plan.model.get("shard_optimizer", "none"),
+            "stages": [s.id for s in job.plan.stages if s.shard_optimizer],
+        },
         "package": str(job.package),
         "output": str(job.out),
         "simulated": job.sim.summary(),
@@ -324,6 +334,7 @@ def cluster_lines(job: Job, timings: dict) -> list[str]:
     return [
         *_data_lines(job),
         *describe_shapes(job.found, job.cluster),
+        *(f"  {line}" for line in shard_lines(job.plan)),
         f"schedule {job.plan.schedule}: " + _update_words(job.plan.schedule),
         _wrote(job, timings),
         *_shrink_lines(job),

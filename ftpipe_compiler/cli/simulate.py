@@ -17,6 +17,7 @@ from ..plan import Plan, describe_remat
 from ..simulate import compare, simulate, table
 from ..simulate.host import offload_lines
 from ..simulate.measured import load_measured
+from ..simulate.network import shard_lines
 from ..simulate.report import compare_line, write_report
 from ..simulate.simulator import cpu_step_hidden
 from ..units import mib
@@ -127,6 +128,7 @@ def _lines(plan: Plan, result, steps: int, run) -> list[str]:
     if describe_remat(plan):
         lines.append(f"  {describe_remat(plan)}")
     lines += [f"  {line}" for line in offload_lines(plan, result, cpu_step_hidden(plan, result))]
+    lines += [f"  {line}" for line in shard_lines(plan)]
     if run is not None:
         lines.append(f"  {compare_line(run, result)}")
     lines.append("\n  GPU   busy   memory GiB / capacity   headroom   stages")

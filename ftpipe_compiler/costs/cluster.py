@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..errors import FtpipeError
 from ..resources import load_config
-from .formulas import ring_allreduce_s
+from .formulas import ring_s
 from .hardware import Hardware, get_hardware
 
 __all__ = ["Cluster", "Link", "get_cluster", "load_cluster"]
@@ -51,11 +51,11 @@ class Link:
     latency_s: float = 0.0
     allreduce_bandwidth: tuple[tuple[float, float], ...] = ()
 
-    def allreduce_s(self, nbytes: float, replicas: int) -> float:
-        """Seconds of a ring all-reduce of `nbytes` among `replicas` ranks over this link."""
-        return ring_allreduce_s(
-            nbytes, replicas, self.allreduce_bandwidth_at(nbytes), self.latency_s
-        )
+    def allreduce_s(self, nbytes: float, replicas: int, passes: int = 2) -> float:
+        """Seconds of a ring all-reduce of `nbytes` among `replicas` ranks over this link;
+        `passes=1`: a reduce-scatter or an all-gather of them (`formulas.ring_s`)."""
+        bandwidth = self.allreduce_bandwidth_at(nbytes)
+        return ring_s(nbytes, replicas, bandwidth, self.latency_s, passes=passes)
 
     def allreduce_bandwidth_at(self, nbytes: float) -> float:
         points = self.allreduce_bandwidth

@@ -2,12 +2,14 @@
 
     period_s(compute_s=0.4, send_s=0.1, recv_s=0.5)          # 0.5: the receive is not hidden
     weight, state = param_bytes((1024, 4096), "float32", trainable=True, optimizer="adamw")
+    weight, state = param_bytes(shape, "bfloat16", True, "adamw", bf16, sharded_over=2)  # ZeRO-1
     held, transient = stage_memory(trainable_bytes=w, frozen_bytes=0, state_bytes=s,
                                    input_bytes=i, act_bytes=a, policy=policy)
     gpu_memory_bytes([(held, transient), ...])                # held summed, largest transient
     posted_bytes([8192] * 4 + [2**23], ahead_bytes=2**28, most=64)  # receive buffers posted ahead
     MemoryReserve(context_bytes=2**29, communicator_bytes=2**26, fragmentation=0.05).bytes(t, 3)
     ring_allreduce_s(nbytes=2**30, replicas=8, bandwidth=40e9, latency_s=1e-5)
+    ring_s(nbytes=2**30, replicas=8, bandwidth=40e9, passes=1)   # a reduce-scatter or all-gather
 
 Every partitioner, `Plan`, the planner and the simulator call these; partitioners may cache
 or batch the calls (the functions are plain arithmetic, so numpy arrays pass through), never
@@ -89,11 +91,19 @@ def param_bytes(
     trainable: bool,
     optimizer: str,
     precision: Precision = FP32,
+    sharded_over: int = 1,
 ) -> tuple[int, int]:
     """(bytes of one copy of the weight, bytes of its gradient and optimizer state). Tensors
     in the precision's compute dtype take its sizes; others (integer position ids, an fp32
     island of a 16-bit model such as T5's `wo` under fp16) their own dtype's, with a gradient
-    and optimizer state of that size and no master copy."""
+    and optimizer state of that size and no master copy.
+
+    `sharded_over` d > 1: its stage's optimizer state is sharded across d replicas
+    (ZeRO-1, `ftpipe_runtime.train.zero`): the gradient still sums whole on every replica,
+    and each keeps 1/d of the masters and optimizer state — the masters then a copy apart
+    from the weights even where the weights are their own (fp32, bf16-pure: each replica
+    steps its chunk and all-gathers it into the weights). The runtime's alignment padding
+    (a few elements a tensor) is not counted."""
     numel = math.prod(shape)
     torch_dtype = getattr(torch, dtype)
     size = torch.empty((), dtype=torch_dtype).element_size()
@@ -105,6 +115,9 @@ def param_bytes(
     if not trainable:
         return weight, 0
     state = optimizer_state_elements(shape, optimizer) * precision.state
+    if sharded_over > 1:
+        master = precision.master or precision.weight
+        return weight, numel * precision.grad + -(-(numel * master + state) // sharded_over)
     return weight, numel * (precision.grad + precision.master) + state
 
 
@@ -200,10 +213,20 @@ def ring_allreduce_s(
 ) -> float:
     """A ring all-reduce of `nbytes` among `replicas` ranks over links of `bandwidth`: each
     rank sends (and receives) 2(d-1) chunks of nbytes/d, one latency each."""
+    return ring_s(nbytes, replicas, bandwidth, latency_s, passes=2)
+
+
+def ring_s(
+    nbytes: float, replicas: int, bandwidth: float, latency_s: float = 0.0, passes: int = 1
+) -> float:
+    """`passes` trips of `nbytes` round a ring of `replicas` ranks: each rank sends (and
+    receives) (d-1) chunks of nbytes/d a pass, one latency each. One pass is a
+    reduce-scatter (of the whole `nbytes`) or an all-gather (into the whole); two are an
+    all-reduce."""
     if replicas <= 1 or nbytes <= 0:
         return 0.0
     d = replicas
-    return 2 * (d - 1) / d * nbytes / bandwidth + 2 * (d - 1) * latency_s
+    return passes * ((d - 1) / d * nbytes / bandwidth + (d - 1) * latency_s)
 
 
 def optimizer_step_s(held_bytes, hardware) -> float:

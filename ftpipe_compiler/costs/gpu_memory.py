@@ -21,7 +21,9 @@ it, each by the rule of the runtime code that holds it:
 - receive buffers posted ahead of need, per source `formulas.posted_bytes` of one step's
   messages (`comm.Comm.post_ahead`, `--post-ahead`);
 - with replicas, a flat copy of every trainable gradient for their all-reduce
-  (`replicas.GradSync`);
+  (`replicas.GradSync`); where a stage shards its optimizer state (`zero`), the flat copy
+  its reduce-scatter reads and the 1/replicas chunk it lands in (the all-gather of the new
+  weights after the step, at most two buckets at once, comes after those are let go);
 - during a backward, autograd's gradient of the largest tensor before it is added into its sum
   (in the tensor's dtype; a stage on a set-aside version makes the new sum beside the old,
   `executor._collect`), and under mixed precision its fp32 copy (the hook of `precision`);
@@ -43,7 +45,7 @@ from ftpipe_runtime.schedules import resolve_schedule
 from .formulas import PRECISIONS, gpu_memory_bytes, posted_bytes
 from .host import stage_host_bytes
 
-__all__ = ["GpuMemory", "gpu_memory"]
+__all__ = ["GpuMemory", "gpu_memory", "grad_bytes"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,17 @@ def gpu_memory(
     return replace(tensors, reserve=math.ceil(reserve))
 
 
+def grad_bytes(p, precision) -> int:
+    """A plan parameter's gradient as the runtime sums it (and the replicas sum it): its
+    weight's bytes at the precision's gradient size for its compute dtype (fp32 under mixed
+    precision; a tensor of another dtype keeps its own); 0 where it does not train."""
+    if not p.trainable:
+        return 0
+    if p.dtype == precision.compute:
+        return p.bytes * precision.grad // precision.weight
+    return p.bytes
+
+
 class _View:
     """The plan as the runtime sees it: which transfers are weights, who sends what to whom."""
 
@@ -167,13 +180,7 @@ class _View:
         return spanned if delay is None else min(spanned, delay + 1)
 
     def grad_bytes(self, p) -> int:
-        """A trainable parameter's gradient: its weight's bytes, at the precision's gradient
-        size for its compute dtype (a tensor of another dtype keeps its own)."""
-        if not p.trainable:
-            return 0
-        if p.dtype == self.precision.compute:
-            return p.bytes * self.precision.grad // self.precision.weight
-        return p.bytes
+        return grad_bytes(p, self.precision)
 
     def master_copy(self, stages) -> int:
         """Mixed precision: the fp32 copy of the largest 16-bit gradient the hook makes (on
@@ -249,6 +256,11 @@ class _View:
         return sum(1 for p in pairs if gpu in p) + 1 + (self.plan.replicas > 1)
 
     def replica_buffers(self, stages) -> int:
-        if self.plan.replicas <= 1:
+        d = self.plan.replicas
+        if d <= 1:
             return 0
-        return sum(self.grad_bytes(self.params[n]) for s in stages for n in s.params)
+        total = 0
+        for s in stages:
+            grads = sum(self.grad_bytes(self.params[n]) for n in s.params)
+            total += grads + (-(-grads // d) if s.sharded_over(d) > 1 else 0)
+        return total

@@ -138,7 +138,8 @@ def run_partitioner(problem: Problem, name: str) -> Result:
     try:
         # Offloading, what a GPU holds depends on what its stages offload, which the planner
         # chooses after the cut (planner/offload.py); the simulation then judges the memory.
-        plan.validate(memory=problem.offload == "none")
+        # Sharding across replicas likewise, after the plan is replicated (planner/search.py).
+        plan.validate(memory=problem.offload == "none" and problem.shard_over == 1)
     except FtpipeError as e:
         return Result(name, plan, False, f"{name}: {e}", plan.search_seconds)
     return Result(name, plan, True, "", plan.search_seconds)

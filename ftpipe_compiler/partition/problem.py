@@ -49,6 +49,10 @@ class Problem:
     # count a GPU's memory as if every stage offloaded what the mode allows
     # (`gpu_param_split`, `policy`); `planner.offload.choose_offload` then decides per stage.
     offload: str = "none"
+    # Replicas a stage's masters and optimizer state may be sharded across (ZeRO-1; 1:
+    # none): the partitioners count 1/shard_over of them on a GPU (`gpu_param_split`);
+    # `planner.offload.choose_offload` then shards per stage only where a GPU needs it.
+    shard_over: int = 1
 
     def __post_init__(self):
         if self.gpus < 1:
@@ -183,10 +187,17 @@ class Problem:
     @functools.cached_property
     def gpu_param_split(self) -> dict[str, tuple[int, int]]:
         """`param_split` as the partitioners count a GPU: where the optimizer may be offloaded,
-        a trainable parameter's gradient and optimizer state are on the host."""
-        if not self._frees("optimizer"):
-            return self.param_split
-        return {name: (w, 0) for name, (w, _) in self.param_split.items()}
+        a trainable parameter's gradient and optimizer state are on the host; where it may be
+        sharded across `shard_over` replicas, 1/shard_over of its masters and state here."""
+        if self._frees("optimizer"):
+            return {name: (w, 0) for name, (w, _) in self.param_split.items()}
+        if self.shard_over > 1:
+            return {
+                p.name: param_bytes(p.shape, p.dtype, p.trainable, self.optimizer,
+                                    self.precision, self.shard_over)
+                for p in self.graph.params
+            }  # fmt: skip
+        return self.param_split
 
     @functools.cached_property
     def static_bytes(self) -> dict[str, int]:

@@ -65,6 +65,11 @@ def _check_stages(plan: Plan) -> None:
                 f"stage {s.id}: its weight-gradient time {s.wgrad_s} is not part of its "
                 f"backward time {s.bwd_s}"
             )
+        if s.shard_optimizer and s.offload.optimizer:  # the runtime runs one or the other
+            raise FtpipeError(
+                f"stage {s.id} both offloads its optimizer state to the host and shards it "
+                "across replicas; compile the plan again"
+            )
 
 
 def _check_stage_graph(plan: Plan) -> None:

@@ -38,6 +38,14 @@ class Stage:
     # What it keeps in host memory instead of on its GPU (costs/host.py; the planner's
     # choice, `planner/offload.py`): plan.json's {"optimizer": bool, "activations": bool}.
     offload: Offload = Offload()
+    # Its fp32 masters and optimizer state sharded across the plan's replicas (ZeRO-1,
+    # `ftpipe_runtime.train.zero`; the planner's choice, never with `offload.optimizer`):
+    # plan.json's `shard_optimizer`, which the runtime reads.
+    shard_optimizer: bool = False
+
+    def sharded_over(self, replicas: int) -> int:
+        """Replicas its masters and optimizer state are cut among (1: whole on each)."""
+        return replicas if self.shard_optimizer and replicas > 1 else 1
 
     @property
     def compute_s(self) -> float:

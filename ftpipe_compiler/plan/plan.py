@@ -33,7 +33,7 @@ from ftpipe_runtime.schedules import (
 from ftpipe_runtime.spec.topology import Topology
 
 from ..costs.cluster import Cluster
-from ..costs.formulas import MemoryReserve, period_s, stage_memory
+from ..costs.formulas import PRECISIONS, MemoryReserve, param_bytes, period_s, stage_memory
 from ..costs.gpu_memory import GpuMemory, gpu_memory
 from ..costs.host import Host, Offload, host_memory
 from ..errors import FtpipeError, PlanFormatError
@@ -176,11 +176,24 @@ class Plan:
         return stage_memory(
             trainable_bytes=sum(p.bytes for p in owned if p.trainable),
             frozen_bytes=sum(p.bytes for p in owned if not p.trainable),
-            state_bytes=sum(p.static_bytes - p.bytes for p in owned),
+            state_bytes=self.state_bytes(s),
             input_bytes=0 if s.forward_only else s.input_bytes,
             act_bytes=s.act_bytes,
             policy=policy,
             offload=s.offload,
+        )
+
+    def state_bytes(self, s: Stage) -> int:
+        """Bytes of the gradients, masters and optimizer state of stage s's parameters on
+        each of its GPUs: 1/replicas of the masters and state where it shards them."""
+        owned = [self._param_by_name[n] for n in s.params]
+        d = s.sharded_over(self.replicas)
+        if d == 1:
+            return sum(p.static_bytes - p.bytes for p in owned)
+        precision = PRECISIONS[self.model.get("precision") or "fp32"]
+        return sum(
+            param_bytes(p.shape, p.dtype, p.trainable, self.optimizer, precision, d)[1]
+            for p in owned
         )
 
     @functools.cached_property

@@ -71,7 +71,7 @@ def memory_floor(problem: Problem) -> float:
     trainable = {p.name for p in problem.graph.params if p.trainable}
     held = sum(
         w * (versions if name in trainable else 1) + s
-        for name, (w, s) in problem.param_split.items()
+        for name, (w, s) in problem.gpu_param_split.items()  # less what may be sharded
     )
     if not problem.recompute:
         in_flight = min(p.in_flight for p in probes)

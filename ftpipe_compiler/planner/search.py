@@ -35,7 +35,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from tqdm import tqdm
 
@@ -47,6 +47,7 @@ from ..plan import Plan
 from ..simulate import SimResult, simulate
 from .bounds import throughput_bound
 from .matrix import CHEAP, SLOWEST_FIRST, CellPool, check_lists
+from .offload import choose_offload, shard_refusal
 from .shapes import depths, orientations, placement
 
 __all__ = [
@@ -77,6 +78,14 @@ class Space:
     gap: float = 0.05
     width: int = 1  # candidates of a shape the slower partitioners cut (compile's --search-width)
     workers: int | None = None  # processes (None: one per core)
+    # Sharding optimizer state across replicas (planner/offload.py's SHARD_MODES): none
+    # unless asked (`ftpipe compile` asks auto), nor where the update rule cannot shard.
+    shard: str = "none"
+
+    @property
+    def sharding(self) -> str:
+        """`shard`, or none where the runtime would refuse it (`offload.shard_refusal`)."""
+        return "none" if shard_refusal(self.optimizer) else self.shard
 
 
 @dataclass(frozen=True)
@@ -185,8 +194,20 @@ def best_for_candidate(problem: Problem, candidate: Candidate, cluster: Cluster,
 def cut_candidate(problem: Problem, candidate: Candidate, cluster: Cluster, space: Space,
                   partitioner: str) -> tuple[dict, tuple | None]:  # fmt: skip
     """One partitioner's cut of the candidate, replicated and placed in each orientation the
-    cluster allows, simulated: (its row, (plan, simulation, orientation) of the fastest that
-    fits, or None)."""
+    cluster allows, each stage's optimizer state sharded across the replicas as
+    `space.shard` says (`offload.choose_offload`), simulated: (its row, (plan, simulation,
+    orientation) of the fastest that fits, or None). Under `auto` the cut counting every
+    stage's state whole comes first, and the one counting it sharded (`problem.shard_over`)
+    only when that fits nowhere: a plan that shards never displaces one that need not."""
+    if space.sharding == "auto" and problem.shard_over > 1:
+        row, best = _placed(replace(problem, shard_over=1), candidate, cluster, space, partitioner)
+        if best is not None:
+            return row, best
+    return _placed(problem, candidate, cluster, space, partitioner)
+
+
+def _placed(problem: Problem, candidate: Candidate, cluster: Cluster, space: Space,
+            partitioner: str) -> tuple[dict, tuple | None]:  # fmt: skip
     r = run_partitioner(problem, partitioner)
     row, best = r.to_json(), None
     if r.feasible:
@@ -197,6 +218,7 @@ def cut_candidate(problem: Problem, candidate: Candidate, cluster: Cluster, spac
                 cluster=cluster,
                 recompute=candidate.recompute,
             )
+            plan = choose_offload(plan, "none", shard=space.sharding)
             sim = simulate(plan, steps=space.steps, checked=False)  # the chosen one's checked
             if sim.fits and (best is None or sim.samples_per_s > best[1].samples_per_s):
                 best = (plan, sim, o)
@@ -243,6 +265,7 @@ def _bounded(graph, cluster: Cluster, space: Space, sizes, hw):
                 micro_batches=c.micro_batches, seed=space.seed, recompute=c.recompute,
                 link_bandwidth=cluster.intra_node.bandwidth, rematerialise=True,
                 precision=PRECISIONS[(g.meta or {}).get("precision", "fp32")],  # as traced
+                shard_over=c.replicas if space.sharding != "none" else 1,
             )  # fmt: skip
         except FtpipeError as e:  # too few micro-batches for the schedule, and the like
             rows.append(Row(c, 0.0, "infeasible", error=str(e)))

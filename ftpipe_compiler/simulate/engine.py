@@ -8,8 +8,9 @@ finished F puts its tensors on the links (one per ordered GPU pair, one tensor a
 in the order they were produced); a finished B sends a gradient back once all consumers of
 that tensor on its GPU are done. Links, and with replicas the gradient all-reduce a stage
 starts during its last backward of a step, are `Network`'s; a stage's S waits for its
-all-reduce. The first S of a synchronised group on each GPU waits for all the group's GPUs
-(the synchronous schedules' flush) and for every all-reduce of its own stages. Each action
+all-reduce (a reduce-scatter where the stage shards its optimizer state, whose S then ends
+with the all-gather of its new weights). The first S of a synchronised group on each GPU
+waits for all the group's GPUs (the synchronous schedules' flush) and for every all-reduce of its own stages. Each action
 kind (`KINDS`) has one handler to start it and one to finish it. A stage whose backward is
 split (a W in its list) runs B for bwd_s - wgrad_s (plus recompute) and W for wgrad_s, frees
 the micro-batch at W, and its weight gradients (so its all-reduce) come with its last W.
@@ -68,7 +69,9 @@ class EventLoop:
         self.rec = {s: x.recompute_s for s, x in st.items()}
         # Seconds a stage's optimizer step takes on its GPU (Stage.step_s); the data-parallel
         # all-reduce before it is `ar_done`: when (stage, step)'s gradients are summed.
-        self.step_s = {s: x.step_s for s, x in st.items()}
+        # A stage sharding its optimizer state steps 1/replicas of its elements, then waits
+        # for the new weights' all-gather (`_step_end`).
+        self.step_s = {s: x.step_s / x.sharded_over(plan.replicas) for s, x in st.items()}
         self.host = host if host is not None and host.active else None
         if self.host is not None:  # offloaded: copies and sums in B (or W), the CPU's step in S
             for s, extra in host.grad_s.items():
@@ -216,7 +219,14 @@ class EventLoop:
             summed = max(self.ar_done.get((s, a.mb), 0.0) for s in self.stages_of[g])
             self._barrier(grp, a.mb, g, max(self.free[g], summed))
             return None
-        return self.ar_done.get((a.stage, a.mb), 0.0), self.step_s[a.stage]
+        ready = self.ar_done.get((a.stage, a.mb), 0.0)
+        start = max(self.free[g], ready)  # as try_start starts it
+        return ready, self._step_end(g, a.stage, start) - start
+
+    def _step_end(self, g: int, s: int, start: float) -> float:
+        """When stage s's step on GPU g, started at `start`, ends: its optimizer step, and
+        where it shards its state the all-gather of the new weights (`Network.all_gather`)."""
+        return self.net.all_gather(s, g, start + self.step_s[s])
 
     def _barrier(self, grp, step: int, g: int, arrive: float) -> None:
         """The first S of a step group on a GPU waits until every GPU of the group is there."""
@@ -227,7 +237,7 @@ class EventLoop:
         t0 = max(here.values())
         for h in here:  # each GPU's waiting S then takes its optimizer step
             self.released.add((grp, step, h))
-            self._push(h, t0, t0 + self.step_s[self.lists[h][self.pos[h]].stage])
+            self._push(h, t0, self._step_end(h, self.lists[h][self.pos[h]].stage, t0))
 
     def _send(self, src: int, dst: int, nbytes: int, t: float, step: int) -> float:
         if src != dst:

@@ -24,6 +24,7 @@ from ..plan import Plan, describe_remat
 from ..units import duration, size
 from ..version import __version__
 from .host import HOST_KINDS, offload_lines
+from .network import shard_lines
 from .result import SimResult
 from .simulator import cpu_step_hidden
 
@@ -215,6 +216,7 @@ def render_report(plan: Plan, result: SimResult, command: str = "", measured=Non
         sent_bytes=sum(g.bytes_sent for g in result.gpus),
         remat=describe_remat(plan),
         offload=offload_lines(plan, result, cpu_step_hidden(plan, result)),
+        sharded=shard_lines(plan),
     )
 
 
@@ -400,6 +402,7 @@ def stage_table(plan: Plan) -> list[dict]:
                 "compute": duration(s.compute_s),
                 "recompute": "yes" if s.recompute else "no",
                 "offload": s.offload.words() if s.offload.any else "no",
+                "sharded": f"across {plan.replicas}" if s.sharded_over(plan.replicas) > 1 else "no",
             }
         )
     return rows
