@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 CONSTRAINTS ?= constraints.txt
 LATEST ?= .venv-latest
 
-.PHONY: install test test-latest constraints lint format demo bench gpu-check gpu-wheels clean
+.PHONY: install test test-all test-latest constraints lint format demo bench gpu-check gpu-wheels audit clean
 
 install: $(VENV)/.installed
 
@@ -24,6 +24,10 @@ $(VENV)/.installed: setup.cfg pyproject.toml $(CONSTRAINTS)
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# Everything, the exhaustive parametrizations included (every schedule resumed: ~15 more minutes).
+test-all: install
+	$(BIN)/python -m pytest -q -m "exhaustive or not exhaustive" $(PYTEST_ARGS)
 
 # The tests against the newest releases of everything but torch (its own venv), so that a new
 # transformers is met on purpose; when green, `make constraints` records them for install.
@@ -50,18 +54,20 @@ format: install
 	$(BIN)/ruff format .
 
 # The main job: compile T5-3B for 8 GPUs (analytic costs, nothing downloaded) and simulate
-# the plan; then fine-tune a tiny Llama on question/answer text with torchrun on 2 CPU
-# processes, evaluating as it goes, and write it out as a HuggingFace folder.
+# the plan; then fine-tune a tiny Llama on chat conversations, packed into rows that keep
+# documents apart, with torchrun on 2 CPU processes, evaluating as it goes; write it out as a
+# HuggingFace folder and ask it questions through transformers and its chat template.
 demo: install
 	$(BIN)/ftpipe compile --model t5-3b --gpus 8 -o $(OUT)/t5-3b --force
 	$(BIN)/ftpipe simulate $(OUT)/t5-3b/plan.json --report $(OUT)/t5-3b/report.html
 	$(BIN)/python tools/demo_text.py $(OUT)/demo-text
-	$(BIN)/ftpipe compile --model $(OUT)/demo-text/tiny-llama --gpus 2 --seq-len 16 \
+	$(BIN)/ftpipe compile --model $(OUT)/demo-text/tiny-llama --gpus 2 --seq-len 32 --pack \
 		--micro-batch 4 --batch 16 -o $(OUT)/tiny-llama --force
 	cd $(OUT)/tiny-llama && OMP_NUM_THREADS=1 $(abspath $(BIN))/torchrun --nproc_per_node 2 \
 		-m tiny_llama_pipeline --device cpu --data ../demo-text/train.jsonl \
-		--eval-data ../demo-text/val.jsonl --prompt-field question --target-field answer \
-		--steps 40 --eval-every 10 --lr 3e-3 --log-every 10 --save-hf ../demo-text/fine-tuned
+		--eval-data ../demo-text/val.jsonl --chat-field messages --pack \
+		--steps 40 --eval-every 10 --lr 1e-2 --log-every 10 --save-hf ../demo-text/fine-tuned
+	$(BIN)/python tools/demo_text.py --generate $(OUT)/demo-text/fine-tuned
 
 bench: install
 	$(BIN)/python -m benchmarks --out BENCHMARKS.md
@@ -84,6 +90,10 @@ gpu-wheels:
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 		--platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
 		--platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $(GPU_WHEELS)
+
+# Bad inputs and faults, each run as a user meets them; writes docs/reliability.md.
+audit: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks.audit
 
 clean:
 	rm -rf $(OUT) build *.egg-info .pytest_cache .ruff_cache

@@ -23,6 +23,17 @@ What the simulator charges and where it comes from (`configs/hardware/<name>.jso
   and a plan costed at the fp32 rate would be that optimistic.
   `--only matmul` measures and stores this part alone.
 
+- the `host` section (optimizer offload: `ftpipe_compiler.costs.host`): `step_bandwidth`,
+  the bytes of masters, summed gradients and AdamW state the runtime's offloaded step (torch's
+  AdamW on CPU tensors, fused as `make_optimizer` makes it) steps per second on all of this
+  machine's cores (its node's rate; one thread's beside it), over `HOST_TENSORS` tensors of
+  `HOST_NUMEL` fp32 elements (beyond the cache, as a large stage's are), fastest of
+  `host_runs`; `sum_bandwidth`, a bf16 gradient's landing buffer added into its fp32 sum
+  (`precision.add_grad`); `link_bandwidth` = `node_bandwidth`, a gradient copied into its
+  landing buffer (on this machine the "GPU" is the host: the link is a copy in memory);
+  `memory_bytes`, this machine's memory (/proc/meminfo). `--only host` measures and stores
+  this part alone.
+
 - the node section's `intra_node` link (the data-parallel all-reduce): `latency_s` and the
   bandwidth each buffer size reaches, `allreduce_bandwidth`. 2 ranks all-reduce 1 to 100 MB
   (`allreduce.bench`) `allreduce_runs` times; each size's median is fitted by `fit` for the
@@ -41,13 +52,17 @@ import statistics
 import time
 from pathlib import Path
 
-import ftpipe_runtime  # noqa: F401 - before torch loads: the CPU allocator a run uses
+import ftpipe_runtime
+
+ftpipe_runtime.prepare_process()  # before torch loads: the CPU allocator a run uses
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 SMALL = (256, 1024)  # a transformer block's matrix: its step stays in cache
 LARGE = (50257, 256)  # GPT-2's embedding: its step streams from memory
 MATMUL = 1024  # the side of the square matmul that compares 16-bit math with fp32
 SIXTEEN_BIT = ("bfloat16", "float16")
+HOST_NUMEL = 8 * 2**20  # elements of one offloaded tensor: 32 MiB in fp32, beyond the cache
+HOST_TENSORS = 4
 
 
 def fit(rows, times) -> tuple[float, float]:
@@ -169,6 +184,66 @@ def sixteen_bit_peaks(peak_flops: float, matmul: dict) -> dict:
     return {name: float(f"{peak_flops * fp32 / matmul[f'{name}_s']:.3g}") for name in SIXTEEN_BIT}
 
 
+def measure_host(runs: int) -> dict:
+    """The offloaded step's, gradient sum's and landing copy's rates (see the module doc)."""
+    import os
+
+    import torch
+    from ftpipe_runtime.train.optim import make_optimizer
+    from ftpipe_runtime.train.precision import PRECISIONS, add_grad
+
+    from ftpipe_compiler.costs.host import host_step_bytes, host_sum_bytes
+
+    out = {"numel": HOST_NUMEL, "tensors": HOST_TENSORS, "cores": os.cpu_count() or 1}
+    shape, fp32 = (HOST_NUMEL,), PRECISIONS["fp32"]
+    step_bytes = HOST_TENSORS * host_step_bytes(shape, "float32", "adamw", fp32)
+    sum_bytes = host_sum_bytes(shape, "bfloat16", PRECISIONS["bf16"])
+    torch.manual_seed(0)
+    for threads in sorted({1, out["cores"]}):
+        torch.set_num_threads(threads)
+        masters = [torch.randn(HOST_NUMEL).requires_grad_(True) for _ in range(HOST_TENSORS)]
+        opt = make_optimizer("adamw", masters, lr=1e-4)
+        out["fused"] = bool(opt.defaults.get("fused"))
+        step = []
+        for i in range(runs + 1):
+            for m in masters:
+                m.grad = torch.randn_like(m) * 1e-3
+            start = time.perf_counter()
+            opt.step()
+            if i:  # the first step makes the state
+                step.append(time.perf_counter() - start)
+        landing = torch.randn(HOST_NUMEL).to(torch.bfloat16)
+        device_grad = torch.randn(HOST_NUMEL)
+        buf = torch.empty(HOST_NUMEL)
+        sums, copies = [], []
+        for _ in range(runs):
+            start = time.perf_counter()
+            add_grad(masters[0], landing)  # the sum exists after the first: an add in place
+            sums.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            buf.copy_(device_grad)
+            copies.append(time.perf_counter() - start)
+        out[f"threads_{threads}"] = {
+            "step_s": min(step),
+            "step_bandwidth": step_bytes / min(step),
+            "sum_bandwidth": sum_bytes / min(sums),
+            "copy_bandwidth": 4 * HOST_NUMEL / min(copies),
+        }
+    out["memory_bytes"] = memory_total_bytes()
+    return out
+
+
+def memory_total_bytes() -> int:
+    """This machine's memory (Linux /proc/meminfo), 0 when unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def measure_allreduce(runs: int, work: Path) -> dict:
     """2 ranks' all-reduce, each size's median of `runs` runs: the latency `fit` finds, and
     the bandwidth each size reaches after it (ring: 2(d-1)/d of the bytes cross each link)."""
@@ -189,25 +264,30 @@ def main(argv=None) -> None:
     ap.add_argument("--optimizer", default="adamw")
     ap.add_argument("--allreduce-runs", type=int, default=5, help="all-reduce runs (median)")
     ap.add_argument("--matmul-runs", type=int, default=5, help="matmuls per dtype (fastest)")
-    ap.add_argument("--only", choices=["matmul"], help="measure and store only this part")
+    ap.add_argument("--host-runs", type=int, default=5, help="offloaded steps timed (fastest)")
+    ap.add_argument("--only", choices=["matmul", "host"], help="measure and store only this part")
     ap.add_argument("--work", default=str(ROOT / "out" / "calibrate"))
     args = ap.parse_args(argv)
     path = ROOT / "configs" / "hardware" / f"{args.write}.json" if args.write else None
     hw = json.loads(path.read_text()) if path else None  # a bad name fails before measuring
     work = Path(args.work)
-    matmul = measure_matmul(args.matmul_runs)
+    matmul = measure_matmul(args.matmul_runs) if args.only in (None, "matmul") else None
+    host = measure_host(args.host_runs) if args.only in (None, "host") else None
     if args.only is None:
         link = measure_link(args.rounds, work)
         step = measure_step(args.optimizer, args.steps)
         allreduce = measure_allreduce(args.allreduce_runs, work)
         print(json.dumps({"link": link, "step": step, "allreduce": allreduce}, indent=1))
-    print(json.dumps({"matmul": matmul}, indent=1))
+    print(json.dumps({"matmul": matmul, "host": host}, indent=1))
     if path:
         from ftpipe_runtime.atomic import write_atomic
 
         if args.only is None:
             _store(hw, args, link, step, allreduce)
-        _store_matmul(hw, args, matmul)
+        if matmul is not None:
+            _store_matmul(hw, args, matmul)
+        if host is not None:
+            _store_host(hw, args, host)
         text = json.dumps(hw, indent=2)  # one [bytes, bandwidth] pair per line:
         write_atomic(path, re.sub(r"\[\s+(\S+),\s+(\S+)\s+\]", r"[\1, \2]", text) + "\n")
         print(f"wrote {path}")
@@ -249,6 +329,35 @@ def _store_matmul(hw: dict, args, matmul: dict) -> None:
         f"a {n} x {n} matmul on one thread (fastest of {args.matmul_runs}) took "
         f"{fp32 * 1e3:.0f} ms in fp32; {slower} slower; the CPU's bf16/fp16 flags: {flags}; "
         "peak_flops_16bit is peak_flops scaled by those ratios"
+    )
+    hw["sources"] = [s for s in hw.get("sources", []) if not s.startswith(note[:30])]
+    hw["sources"].append(note)
+
+
+def _store_host(hw: dict, args, host: dict) -> None:
+    """The node's figures into the `host` section: each the better of one thread and all the
+    cores (on a shared machine other processes may hold the other cores), both in the note."""
+    every, one = host[f"threads_{host['cores']}"], host["threads_1"]
+    best = {k: max(every[k], one[k]) for k in one}
+    section = hw.setdefault("host", {})
+    section["step_bandwidth"] = float(f"{best['step_bandwidth']:.3g}")
+    section["sum_bandwidth"] = float(f"{best['sum_bandwidth']:.3g}")
+    section["link_bandwidth"] = section["node_bandwidth"] = float(f"{best['copy_bandwidth']:.3g}")
+    if host["memory_bytes"]:
+        section["memory_bytes"] = host["memory_bytes"]
+    section["device_is_host"] = True
+    n, runs = host["numel"], args.host_runs
+    note = (
+        f"host (optimizer offload) measured by python -m benchmarks.calibrate on "
+        f"{datetime.date.today()}: the runtime's offloaded AdamW step (fused: {host['fused']}) "
+        f"over {host['tensors']} x {n:,} fp32 elements, fastest of {runs}: one thread "
+        f"{one['step_s'] * 1e3:.0f} ms = {one['step_bandwidth'] / 1e9:.2f} GB/s of masters, "
+        f"gradients and state, {host['cores']} threads {every['step_bandwidth'] / 1e9:.2f} GB/s; "
+        f"a bf16 gradient added into its fp32 sum {one['sum_bandwidth'] / 1e9:.2f} and "
+        f"{every['sum_bandwidth'] / 1e9:.2f} GB/s of bytes passed over; the landing copy (the "
+        f"link: the device is the host, a copy in memory) {one['copy_bandwidth'] / 1e9:.2f} and "
+        f"{every['copy_bandwidth'] / 1e9:.2f} GB/s; the better of each pair stored; "
+        "memory_bytes: /proc/meminfo's MemTotal"
     )
     hw["sources"] = [s for s in hw.get("sources", []) if not s.startswith(note[:30])]
     hw["sources"].append(note)

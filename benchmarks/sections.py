@@ -41,7 +41,7 @@ class Section:
 
 # BENCHMARKS.md's order
 NAMES = ["plans", "schedules", "zero_bubble", "compile", "runtime", "fidelity", "planner"]
-NAMES += ["allreduce", "startup", "freeze", "lora", "memory"]
+NAMES += ["allreduce", "startup", "freeze", "lora", "memory", "offload"]
 SECTIONS = {name: Section.of(importlib.import_module(f"benchmarks.{name}")) for name in NAMES}
 
 

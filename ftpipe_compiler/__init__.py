@@ -1,8 +1,7 @@
 """ftpipe's compiler: model -> graph -> costs -> problem -> plans -> simulation -> package.
 
-The runtime is imported first so that torch, loaded after it, puts large CPU tensors on
-huge pages (`ftpipe_runtime.job.cpu_allocator`): a measured profile then times its operators
-as the package's ranks will run them.
+Importing it loads nothing heavy: `ftpipe --help` and `ftpipe models` run without torch. The
+`ftpipe` command applies the runtime's process settings (`ftpipe_runtime.prepare_process`)
+before a command loads torch, so a measured profile times its operators as the package's
+ranks will run them.
 """
-
-import ftpipe_runtime  # noqa: F401 - before torch

@@ -1,5 +1,7 @@
 """One exception hierarchy; the CLI catches `FtpipeError` once and prints its message."""
 
+from ftpipe_runtime.errors import unknown_name
+
 
 class FtpipeError(Exception):
     """Bad input or an impossible request: the message says what is wrong and what to do."""
@@ -27,5 +29,4 @@ class OutputExistsError(FtpipeError):
 
 def unknown(kind: str, name: str, choices) -> UnknownNameError:
     """`unknown("partitioner", "foo", PARTITIONERS)` -> the standard unknown-name error."""
-    listed = ", ".join(sorted(choices))
-    return UnknownNameError(f"unknown {kind} {name!r}; choose from {listed}")
+    return UnknownNameError(unknown_name(kind, name, sorted(choices)))

@@ -29,7 +29,11 @@ def check_writable(out, force: bool) -> None:
     """Refuse before any work is done, so a long compile does not end in this error."""
     out = Path(out)
     here = Path.cwd().resolve()
-    if out.resolve() == here or out.resolve() in here.parents:
+    try:
+        resolved = out.resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python 3.11)
+        raise FtpipeError(f"cannot write {out}: {e}; choose another folder with -o") from None
+    if resolved == here or resolved in here.parents:
         raise OutputExistsError(
             f"{out} is the folder you are in (or holds it); choose another folder with -o"
         )
@@ -39,7 +43,7 @@ def check_writable(out, force: bool) -> None:
         raise OutputExistsError(
             f"{out} already exists; pass --force to replace it, or choose another folder with -o"
         )
-    parent = out.resolve().parent
+    parent = resolved.parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():

@@ -33,7 +33,8 @@ def config_names(kind: str) -> list[str]:
 
 
 def load_config(kind: str, name: str) -> dict | None:
+    """A shipped config by its name (None: no such name; a path is no name)."""
     path = configs_dir() / kind / f"{name}.json"
-    if not path.is_file():
+    if Path(name).name != name or name.startswith(".") or not path.is_file():
         return None
     return json.loads(path.read_text())

@@ -3,8 +3,8 @@
 Generated packages import this and torch, never the compiler. Its folders, in the order a
 run meets them (docs/architecture.md maps every module):
 
-- `job/`: one torchrun job on this rank: command line, ranks, liveness, the run's phases,
-  reports, `--check`, process settings.
+- `job/`: one torchrun job on this rank: command line, ranks, liveness, signals, the run's
+  phases, reports, `--check`, process settings.
 - `spec/`: the plan as data and the weights' names: the contract shared with the compiler.
 - `stage/`: what generated stages build on, and the fused LM-head loss they call.
 - `models/`: model families from their HuggingFace head (inputs, labels, synthetic batches).
@@ -14,43 +14,36 @@ run meets them (docs/architecture.md maps every module):
 - `train/`: the update rule: optimizers, mixed precision, data parallelism.
 - `checkpoint/`: checkpoints and HuggingFace folders.
 - `freeze/`: freeze training and the switch to shorter plans.
-- here: `errors` (the runtime's failures), `atomic` (every file written whole or not at all).
+- here: `prepare_process()` (the process settings a package applies before torch loads),
+  `errors` (the runtime's failures), `atomic` (every file written whole or not at all).
 """
 
-from .job.cpu_allocator import keep_heap, use_huge_pages
+import importlib
 
-use_huge_pages()  # before any module below imports torch
-keep_heap()
+# Importing the runtime loads nothing and changes nothing (no torch, no process settings): a
+# name is imported when first used, and a package's entry point calls `prepare_process()`.
+_HOMES = {
+    **dict.fromkeys(("PeerFailure", "PipelineConfigError", "ScheduleError"), ".errors"),
+    "prepare_process": ".job.cpu_allocator",
+    "run": ".job.train",
+    "main": ".job.cli",  # a generated package's entry: main(argv, stages, plan_path, package)
+    **dict.fromkeys(("STAGE_API", "Param", "StageModule"), ".stage.api"),
+    **dict.fromkeys(
+        ("SCHEDULES", "Action", "Schedule", "StageInfo", "StagePolicy", "actions",
+         "get_schedule", "interleave", "resolve_schedule", "validate"),
+        ".schedules",
+    ),
+}  # fmt: skip
+__all__ = list(_HOMES)  # every public name, each loaded from its home
 
-from .errors import PeerFailure, PipelineConfigError, ScheduleError  # noqa: E402
-from .job.train import run  # noqa: E402
-from .schedules import (  # noqa: E402
-    SCHEDULES,
-    Action,
-    Schedule,
-    StageInfo,
-    StagePolicy,
-    actions,
-    get_schedule,
-    interleave,
-    resolve_schedule,
-    validate,
-)
-from .stage import fused_loss  # noqa: E402, F401 - registers torch.ops.ftpipe for generated stages
 
-__all__ = [
-    "PeerFailure",
-    "PipelineConfigError",
-    "ScheduleError",
-    "run",
-    "SCHEDULES",
-    "Action",
-    "Schedule",
-    "StageInfo",
-    "StagePolicy",
-    "actions",
-    "get_schedule",
-    "interleave",
-    "resolve_schedule",
-    "validate",
-]
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .job.signals import starting
+
+    with starting():  # a command's Ctrl-C while torch loads: one line, not an import's traceback
+        value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value
+    return value

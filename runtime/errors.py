@@ -25,10 +25,16 @@ class WriteFailed(OSError):
     """A file could not be written (full disk, no permission); the previous one is intact."""
 
 
+def unknown_name(kind: str, name, choices, more: str = "") -> str:
+    """The one sentence for a name no registry holds, on both sides (the compiler's `unknown`,
+    `pick` here, click's option checks): "unknown schedule 'x'; choose from gpipe, 1f1b, ..."
+    (the choices in the order given, then `more`)."""
+    return f"unknown {kind} {name!r}; choose from {', '.join(choices)}{more}"
+
+
 def pick(table: dict, name: str, kind: str, error: type = PipelineConfigError, more: str = ""):
-    """`table[name]`, or the registries' one unknown-name error: "unknown schedule 'x';
-    choose from gpipe, 1f1b, ..." (the choices in the table's order, then `more`)."""
+    """`table[name]`, or the registries' one unknown-name error (`unknown_name`)."""
     try:
         return table[name]
     except KeyError:
-        raise error(f"unknown {kind} {name!r}; choose from {', '.join(table)}{more}") from None
+        raise error(unknown_name(kind, name, table, more)) from None

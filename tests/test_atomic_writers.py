@@ -67,7 +67,7 @@ def _compile_output(folder: Path):
     job = types.SimpleNamespace(out=folder / "out", force=True, plan=plan, command="pytest",
                                 sim=simulate(plan, steps=2), traced=traced, graph=graph,
                                 spec=spec, shrinks=[])  # fmt: skip
-    generate(job)
+    generate(job, lambda done, total, what: None)
 
 
 def _checkpoint(folder: Path):

@@ -89,3 +89,35 @@ class NoGradTable(nn.Module):
 
 def no_grad_model():
     return NoGradTable(), (torch.randn(4, 8),)
+
+
+class Wide(nn.Module):
+    """Eight 16k x 16k layers: 2.15 B parameters, 32 GiB to train in fp32 with AdamW."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(16384, 16384, bias=False) for _ in range(8)))
+
+    def forward(self, x):
+        return self.layers(x).square().mean()
+
+
+def wide_model():
+    with torch.device("meta"):  # traced, never run: no 8 GiB of weights in a test
+        return Wide(), (torch.randn(2, 16384),)
+
+
+class DeepThenBranches(nn.Module):
+    """Forty layers, then a branch on the data: the exporter prints the graph it had."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(4, 4) for _ in range(40)))
+
+    def forward(self, x):
+        y = self.layers(x)
+        return y.mean() if y.sum() > 0 else y.sum()
+
+
+def deep_untraceable_model():
+    return DeepThenBranches(), (torch.randn(4, 4),)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -27,13 +26,15 @@ MB = 1e6
 
 def child(args: list[str]) -> None:
     """Run the CLI in this process and print what its memory did, as JSON."""
+    from ftpipe_runtime.job.report import peak_resident_bytes
+
     from ftpipe_compiler.cli import cli
     from ftpipe_compiler.graph.opgraph import OpGraph
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "graph.json"
         cli.main(args=["profile", *args, "-o", str(out)], standalone_mode=False)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = peak_resident_bytes()
         graph = OpGraph.load(out)
     m = graph.meta["measured"]
     print(

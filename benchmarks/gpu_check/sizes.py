@@ -65,7 +65,7 @@ SIZES = {
         profile_model="llama-3.2-1b",
         profile_seq=512,
         profile_memory_gb=4.0,
-        eager_repeats=5,
+        eager_repeats=11,
     ),
     "cpu": Sizes(
         schedule_model="llama-tiny",

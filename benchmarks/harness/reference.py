@@ -131,7 +131,7 @@ def train_single(plan: dict, weights: str, steps: int, lr: float, seed: int) -> 
     from ftpipe_runtime.data.batches import make_data
 
     model = load_weights(build_model(plan["model"]["model_name"]), weights)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)  # the runtime's default
     data = make_data(plan["model"], None, seed)
     m = int(plan["micro_batches"])
     losses, ends = [], []

@@ -86,7 +86,7 @@ def first_step(folder: Path, package: str, argv: list[str], tag: str, timeout=30
         seen = []
         for line in procs[0].stderr:
             seen.append(line)
-            if line.startswith("step 1/"):
+            if "step 1/" in line:  # after the log line's time and rank
                 seconds = time.perf_counter() - begun
                 break
         else:

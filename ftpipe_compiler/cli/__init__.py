@@ -1,4 +1,5 @@
-"""The `ftpipe` command line: the group (group.py) and one module per command.
+"""The `ftpipe` command line: the group (group.py) and one module per command, each loaded
+when it runs (so `ftpipe --help` loads no torch).
 
 ftpipe = ftpipe_compiler.cli:main          # setup.cfg's entry point
 CliRunner().invoke(cli, ["compile", ...])  # tests
@@ -6,18 +7,29 @@ CliRunner().invoke(cli, ["compile", ...])  # tests
 
 from __future__ import annotations
 
-from .compile import compile_command
+from ftpipe_runtime import prepare_process
+from ftpipe_runtime.job.signals import catch_sigterm
+
 from .group import cli
-from .models import models
-from .partition import partition
-from .profile import profile
-from .simulate import simulate_command
 
-__all__ = ["cli", "main"]
+__all__ = ["COMMANDS", "cli", "main"]
 
-for _command in (compile_command, models, partition, profile, simulate_command):
-    cli.add_command(_command)
+# name: (module, attribute, the first sentence of its help, which `ftpipe --help` lists; a
+# test checks it against the command's own)
+COMMANDS = {
+    "compile": (".compile", "compile_command", "Compile a model into a pipeline package: the "
+                "plan, a report and the package to torchrun."),
+    "models": (".models", "models", "The models, hardware and tasks that ship with ftpipe."),
+    "partition": (".partition", "partition", "Run the partitioners on a costed graph (from "
+                  "`ftpipe profile -o`) and keep the best plan."),
+    "profile": (".profile", "profile", "Trace a model into an operator graph and cost every node."),
+    "simulate": (".simulate", "simulate_command", "Simulate a plan: step time, samples/s, "
+                 "bubble, and per GPU busy time and memory."),
+}  # fmt: skip
+cli.lazy = COMMANDS
 
 
 def main(argv=None) -> None:
+    prepare_process()  # before a command loads torch: the CPU allocator as the ranks run it
+    catch_sigterm()  # SIGTERM unwinds like Ctrl-C: outputs stay whole, exit code 143
     cli.main(args=argv, prog_name="ftpipe")

@@ -59,8 +59,10 @@ def plan_on_cluster(first, cluster: Cluster, cost_args: dict, options: dict) -> 
         optimizer=options["optimizer"],
         seed=options["seed"],
         steps=options["steps"],
+        width=options.get("width", 1),
+        workers=options.get("workers"),
     )
-    found = plan_shape(graph_for, cluster, space, progress=options["progress"])
+    found = plan_shape(graph_for, cluster, space, progress=False)  # the driver's bar is enough
     return found, traces
 
 

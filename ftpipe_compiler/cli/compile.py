@@ -13,11 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+from ftpipe_runtime.data.text import TextOptions
 from ftpipe_runtime.schedules import SCHEDULES
 
 from ..errors import FtpipeError
+from ..model.data_shapes import SAMPLES, DataRequest
 from ..output import check_writable
 from ..planner.matrix import GROUPS, schedule_names
+from ..planner.offload import MODES as OFFLOAD_MODES
 from .cluster import cluster_of
 from .compile_phases import Job, pipeline_for
 from .driver import drive
@@ -48,6 +51,74 @@ def _schedules(ctx, param, value: str) -> list[str]:
         raise click.BadParameter(str(e)) from None
 
 
+_TEXT = ("text_field", "prompt_field", "target_field", "chat_field", "chat_template")
+
+
+def _data_options(f):
+    """--data FILE and how to read it (as the package reads it): the lengths from the data."""
+    options = (
+        click.option(
+            "--data",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="A text file to fine-tune on (.jsonl/.json/.csv/.parquet/.txt): set --seq-len "
+            "(and --target-len) from its token lengths, tokenized by the model folder's "
+            f"tokenizer (at most {SAMPLES} samples, drawn at random); an explicit length wins. "
+            "(default: none, the task's lengths)",
+        ),
+        click.option(
+            "--len-percentile",
+            type=click.FloatRange(0, 100, min_open=True),
+            default=99.0,
+            show_default=True,
+            help="With --data: the share of samples (nearest rank, %) the lengths fit; "
+            "rounded up to a multiple of 8.",
+        ),
+        click.option(
+            "--text-field",
+            default=None,
+            help="With --data: the field of the text (default: text).",
+        ),
+        click.option(
+            "--prompt-field",
+            default=None,
+            help="With --data: prompts (with targets; default: none).",
+        ),
+        click.option("--target-field", default=None, help="With --data: targets (default: none)."),
+        click.option(
+            "--chat-field", default=None, help="With --data: chat messages (default: none)."
+        ),
+        click.option(
+            "--chat-template",
+            default=None,
+            help="With --data: a Jinja chat template (default: the tokenizer's).",
+        ),
+        click.option(
+            "--pack",
+            is_flag=True,
+            help="Trace a causal LM for packed rows whose documents stay apart (position ids "
+            "restart per document, attention never crosses one; run the package with --pack); "
+            "with --data, the length stays the task's (default: off).",
+        ),
+    )
+    for o in reversed(options):
+        f = o(f)
+    return f
+
+
+def _data_request(options: dict) -> DataRequest | None:
+    """Takes the data options out of `options` (the rest, --pack too, are costed_graph's)."""
+    path, percentile = options.pop("data"), options.pop("len_percentile")
+    text = TextOptions(**{k: options.pop(k) for k in _TEXT}, pack=options["pack"])
+    if path is None:
+        given = next((k for k, v in text.to_json().items() if v and k != "pack"), None)
+        if given:
+            flag = "--" + given.replace("_", "-")
+            raise click.UsageError(f"{flag} says how to read --data FILE; pass --data")
+        return None
+    return DataRequest(path, text, percentile)
+
+
 @click.command("compile")
 @traced_options
 @click.option(
@@ -67,11 +138,20 @@ def _schedules(ctx, param, value: str) -> list[str]:
     default=1,
     show_default=True,
     help="Schedules (fastest by the quick partitioners' plans) under which the slower "
-    "partitioners (mixed, acyclic, metis) also run.",
+    "partitioners (mixed, acyclic, metis) also run (on a cluster: per shape, schedules "
+    "and recompute together).",
+)
+@click.option(
+    "--jobs",
+    "-j",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Processes that search the partitioner x schedule matrix (on a cluster, every "
+    "shape's); the plan is the same whatever the number (default: one per core).",
 )
 @partitioners_option
 @optimizer_option
-@micro_batches_option("Micro-batches per step.")
+@micro_batches_option("Micro-batches per step (default: the task's batch / micro-batch).")
 @steps_option(20, 2, "Simulated steps per plan.")
 @seed_option
 @click.option(
@@ -86,7 +166,8 @@ def _schedules(ctx, param, value: str) -> list[str]:
     "cluster_file",
     type=click.Path(dir_okay=False),
     default=None,
-    help="A cluster description (JSON: gpu, gpus_per_node, intra_node, inter_node) to plan for.",
+    help="A cluster description (JSON: gpu, gpus_per_node, intra_node, inter_node) to plan for "
+    "(default: one pipeline, or the hardware file's nodes with --gpus-per-node).",
 )
 @click.option(
     "--replicas",
@@ -104,7 +185,8 @@ def _schedules(ctx, param, value: str) -> list[str]:
     help="Also write the plans a freeze-training run (PipeTransformer; run it with "
     "--freeze-alpha or --freeze-at) switches to as it freezes layers: the active layers on "
     "GPUS/2, GPUS/4 ... GPUs, the freed GPUs as data-parallel replicas, one halving per "
-    "decision of the freeze rule with this alpha at its fastest (<package>/elastic/).",
+    "decision of the freeze rule with this alpha at its fastest (<package>/elastic/; "
+    "default: none).",
 )
 @click.option(
     "-o",
@@ -114,14 +196,32 @@ def _schedules(ctx, param, value: str) -> list[str]:
     help="Output folder (default out/<model>).",
 )
 @click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
+@click.option(
+    "--offload",
+    type=click.Choice(list(OFFLOAD_MODES)),
+    default="auto",
+    show_default=True,
+    help="What stages keep in host memory: auto offloads per stage only what a GPU needs "
+    "when nothing fits without (optimizer state first where cheaper, or activations); none "
+    "never; optimizer or activations on every stage. One pipeline only (not with "
+    "--gpus-per-node, --cluster or --replicas).",
+)
+@_data_options
 @json_option()
-def compile_command(*, model, hardware, gpus, schedule, search_width, partitioners, optimizer,
+def compile_command(*, model, hardware, gpus, schedule, search_width, jobs, partitioners, optimizer,
                     micro_batches, steps, seed, gpus_per_node, cluster_file, replicas,
-                    freeze_alpha, output, force, as_json, **cost_options):  # fmt: skip
+                    freeze_alpha, output, force, offload, as_json, **cost_options):  # fmt: skip
     """Compile a model into a pipeline package: the plan, a report and the package to torchrun."""
+    data = _data_request(cost_options)
     out = Path(output or Path("out") / _folder_name(model))
     check_writable(out, force)  # before minutes of work, not after
     planned = gpus_per_node or cluster_file or replicas
+    if planned and offload in ("optimizer", "activations"):
+        # The runtime cannot sum replicas' gradients where the masters are on the host (CUDA).
+        raise click.UsageError(
+            f"--offload {offload} plans one pipeline; leave out --gpus-per-node, --cluster and "
+            "--replicas, or --offload"
+        )
     cluster = cluster_of(hardware, gpus, gpus_per_node, cluster_file, replicas) if planned else None
     if cluster_file:
         hardware = cluster.gpu.name  # the cluster's GPU is the one to cost
@@ -135,6 +235,7 @@ def compile_command(*, model, hardware, gpus, schedule, search_width, partitione
         gpus=gpus,
         schedules=schedule,
         search_width=search_width,
+        jobs=jobs,
         partitioners=names(partitioners),
         optimizer=optimizer,
         micro_batches=micro_batches,
@@ -143,6 +244,7 @@ def compile_command(*, model, hardware, gpus, schedule, search_width, partitione
         seed=seed,
         freeze_alpha=freeze_alpha,
         cluster=cluster,
-        progress=not as_json,
+        data=data,
+        offload=offload,
     )
     drive(pipeline_for(job), job, as_json=as_json)

@@ -1,13 +1,14 @@
 """`ftpipe compile`'s phases and what it prints; `compile.py` turns the options into a `Job`
 and `driver.drive` runs one of the two pipelines:
 
-    one pipeline:  trace and profile -> partition x schedule, simulated -> [freeze-training
-                   plans] -> generate
-    on a cluster:  trace and profile -> plan replicas x depth -> [freeze-training plans]
-                   -> generate
+    one pipeline:  [measure the data] -> trace and profile -> partition x schedule, simulated
+                   -> [freeze-training plans] -> generate
+    on a cluster:  [measure the data] -> trace and profile -> plan replicas x depth
+                   -> [freeze-training plans] -> generate
 
-Each phase reads what the earlier ones left on the job and adds its own; none of them times,
-prints or draws progress.
+Each phase reads what the earlier ones left on the job and adds its own; none of them times
+or prints: the driver does, and draws the progress a phase reports (`progress(done, total,
+what)`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import click
@@ -26,14 +27,21 @@ from ..codegen import generate_package
 from ..costs.cluster import Cluster
 from ..costs.formulas import describe
 from ..costs.profilers import costed_graph
+from ..model.data_shapes import data_shapes
 from ..model.frozen import describe_frozen
+from ..model.tasks import resolve_task
+from ..model.zoo import resolve_model
 from ..output import output_folder
 from ..partition import problem_from_graph
-from ..planner.matrix import search_matrix
+from ..planner.matrix import NothingFits, search_matrix, update_rule
+from ..planner.nofit import check_floor, explain, floor_fits
+from ..planner.offload import searches
 from ..planner.shrink import index_of, shrink_plans
 from ..simulate import write_report
+from ..simulate.host import offload_lines
+from ..simulate.simulator import cpu_step_hidden
 from .cluster import describe_shapes, plan_on_cluster
-from .driver import Phase, Pipeline
+from .driver import Phase, Pipeline, Progress
 from .tables import matrix_table
 
 __all__ = ["Job", "pipeline_for"]
@@ -50,6 +58,7 @@ class Job:
     gpus: int
     schedules: list[str]
     search_width: int
+    jobs: int | None  # processes for the search (None: one per core)
     partitioners: list[str] | None
     optimizer: str | None
     micro_batches: int | None
@@ -58,7 +67,7 @@ class Job:
     seed: int
     freeze_alpha: float | None
     cluster: Cluster | None  # given: the planner chooses replicas x depth on it
-    progress: bool
+    offload: str = "auto"  # --offload (planner/offload.py's MODES)
     # --- added by the phases ---
     spec: object = None
     task: object = None
@@ -72,6 +81,8 @@ class Job:
     sim: object = None
     shrinks: tuple = ()
     package: Path | None = None
+    data: object = None  # --data: DataRequest; measure_data sets the lengths from it
+    shapes: object = None  # measure_data: the DataShapes chosen
 
 
 def pipeline_for(job: Job) -> Pipeline:
@@ -82,6 +93,7 @@ def pipeline_for(job: Job) -> Pipeline:
     )
     shrink = (Phase("freeze-training plans", "freeze_training_s", freeze_training, weight=0),)
     phases = (
+        *((Phase("measure the data", "data_s", measure_data),) if job.data else ()),
         Phase("trace and profile", "trace_profile_s", trace),
         search,
         *(shrink if job.freeze_alpha is not None else ()),
@@ -93,8 +105,23 @@ def pipeline_for(job: Job) -> Pipeline:
 
 
 # --- phases ---
-def trace(job: Job) -> None:
-    job.spec, job.task, job.traced, job.graph = costed_graph(**job.cost_args)
+def measure_data(job: Job, progress: Progress) -> None:
+    """--data: the sequence (and target) length from the data's token lengths, unless given."""
+    args, d = job.cost_args, job.data
+    spec = resolve_model(args["model"], args.get("head"))
+    seq_len = args.get("seq_len")
+    if d.text.pack and not seq_len:  # packed rows: the task's length unless given
+        seq_len = resolve_task(spec, args.get("task"), None, None, None, None).seq_len
+    job.shapes = data_shapes(spec, d.path, d.text, percentile=d.percentile,
+                             seq_len=seq_len, target_len=args.get("target_len"))  # fmt: skip
+    for key in ("seq_len", "target_len"):
+        if getattr(job.shapes, key):
+            args[key] = getattr(job.shapes, key)
+
+
+def trace(job: Job, progress: Progress) -> None:
+    measured = {"progress": progress} if job.cost_args.get("profile") == "measured" else {}
+    job.spec, job.task, job.traced, job.graph = costed_graph(**job.cost_args, **measured)
     t = job.task
     if job.micro_batches and job.cost_args.get("batch") and not job.cluster:
         if job.micro_batches * t.micro_batch != t.batch:
@@ -104,10 +131,12 @@ def trace(job: Job) -> None:
             )
 
 
-def search_schedules(job: Job) -> None:
-    """Every partitioner under every schedule asked for, simulated (planner/matrix.py)."""
+def search_schedules(job: Job, progress: Progress) -> None:
+    """Every partitioner under every schedule asked for, simulated (planner/matrix.py); with
+    --offload auto, again with every stage free to offload only when nothing fits without
+    (planner/offload.py)."""
     t = job.task
-    job.problem = problem_from_graph(
+    base = problem_from_graph(
         job.graph,
         job.gpus,
         job.cost_args["hardware"],
@@ -116,20 +145,37 @@ def search_schedules(job: Job) -> None:
         job.micro_batches or t.micro_batches,
         job.seed,
     )
-    job.best, job.matrix = search_matrix(job.problem, job.schedules, job.partitioners,
-                                         steps=job.steps, width=job.search_width)  # fmt: skip
+    name = job.spec.name
+    modes = searches(job.offload, base.hardware.host)
+    for mode in modes:
+        job.problem = replace(base, offload=mode)
+        last = mode == modes[-1]
+        if not floor_fits(job.problem):  # before minutes of search
+            if last:
+                check_floor(job.problem, name, job.schedules, job.steps)
+            continue
+        try:
+            job.best, job.matrix = search_matrix(job.problem, job.schedules, job.partitioners,
+                                                 steps=job.steps, width=job.search_width,
+                                                 progress=progress, workers=job.jobs)  # fmt: skip
+        except NothingFits as e:
+            if last:
+                raise explain(job.problem, name, job.schedules, e.matrix, job.steps) from None
+            continue
+        break
     job.sim = job.best.sim
     rows = tuple(c.to_json() for c in job.matrix)
     job.plan = job.best.plan.with_(competitors=rows, simulated=job.sim.summary(),
                                    command=job.command)  # fmt: skip
 
 
-def plan_cluster(job: Job) -> None:
+def plan_cluster(job: Job, progress: Progress) -> None:
     """Replicas x depth, micro-batch, schedule and recompute on the cluster (planner/)."""
     t = job.task
     options = dict(schedule=job.schedules, replicas=job.replicas, micro_batches=job.micro_batches,
                    partitioners=job.partitioners, optimizer=job.optimizer or t.optimizer,
-                   seed=job.seed, steps=job.steps, progress=job.progress)  # fmt: skip
+                   seed=job.seed, steps=job.steps, width=job.search_width,
+                   workers=job.jobs)  # fmt: skip
     first = (job.spec, t, job.traced, job.graph)
     job.found, traces = plan_on_cluster(first, job.cluster, job.cost_args, options)
     _, _, job.traced, job.graph = traces[job.found.candidate.micro_batch]
@@ -138,7 +184,7 @@ def plan_cluster(job: Job) -> None:
                                     simulated=job.sim.summary(), command=job.command)  # fmt: skip
 
 
-def freeze_training(job: Job) -> None:
+def freeze_training(job: Job, progress: Progress) -> None:
     """--freeze-training: the shorter pipelines' plans (planner/shrink.py)."""
     job.shrinks = shrink_plans(job.graph, job.plan, alpha=job.freeze_alpha,
                                hardware=job.cost_args["hardware"] or job.graph.hardware,
@@ -146,18 +192,22 @@ def freeze_training(job: Job) -> None:
                                seed=job.seed)  # fmt: skip
 
 
-def generate(job: Job) -> None:
+def generate(job: Job, progress: Progress) -> None:
     """Write plan.json, report.html and the package into `out`, all or nothing; each
     shrink's package goes in the package's elastic/<name>/."""
     with output_folder(job.out, job.force) as tmp:
-        job.plan.save(tmp / "plan.json")
         write_report(tmp / "report.html", job.plan, job.sim, job.command)
         pkg = generate_package(job.traced, job.graph, job.plan, job.spec, tmp, job.command,
                                force=True)  # fmt: skip
+        # One plan file: what `ftpipe simulate out/plan.json` reads is, byte for byte, what the
+        # package runs (its transfers as wired, its paths relative to the package).
+        shutil.copyfile(pkg / "plan.json", tmp / "plan.json")
         for s in job.shrinks:
             sub = generate_package(job.traced, job.graph, s.plan, job.spec,
                                    tmp / "_elastic" / s.name, job.command, force=True)  # fmt: skip
             (pkg / "elastic").mkdir(exist_ok=True)
+            # As deep as where it was written: its paths relative to itself (the model's
+            # folder) stay right.
             sub.rename(pkg / "elastic" / s.name)
         if job.shrinks:
             shutil.rmtree(tmp / "_elastic")  # emptied: each shrink moved into the package
@@ -174,18 +224,31 @@ def one_json(job: Job, timings: dict) -> dict:
         "precision": job.problem.precision.name,
         "frozen": [p.name for p in job.graph.params if p.frozen],
         "schedule": job.best.schedule,
+        "update": update_rule(job.best.schedule),
+        "best_sync": _cell_json(_best_exact(job)),
         "gpus": job.plan.gpus,
+        "offload": {"mode": job.offload, "stages": [asdict(s.offload) for s in job.plan.stages]},
         "results": list(job.plan.competitors),
         "package": str(job.package),
         "output": str(job.out),
         "simulated": job.sim.summary(),
         "timings": timings,
+        **_data_json(job),
     }
+
+
+def _cell_json(cell) -> dict | None:
+    if cell is None:
+        return None
+    return {"schedule": cell.schedule, "partitioner": cell.partitioner,
+            "simulated_step_time_s": cell.step_s,
+            "simulated_samples_per_s": cell.sim.samples_per_s}  # fmt: skip
 
 
 def one_lines(job: Job, timings: dict) -> list[str]:
     graph, problem, plan, best, sim = job.graph, job.problem, job.plan, job.best, job.sim
     lines = [
+        *_data_lines(job),
         f"{job.spec.name}: {len(graph.nodes):,} nodes, {graph.num_parameters:,} parameters, "
         f"{job.gpus} x {problem.hardware.name}, {problem.optimizer}, "
         f"{problem.micro_batches} micro-batches of {graph.meta.get('micro_batch')}",
@@ -193,7 +256,10 @@ def one_lines(job: Job, timings: dict) -> list[str]:
         *([describe_frozen(graph)] if describe_frozen(graph) else []),
         matrix_table(list(plan.competitors)),
         f"winner: {best.partitioner} under {best.schedule} ({len(plan.stages)} stages, "
-        f"{sim.samples_per_s:.2f} samples/s simulated, bubble {sim.bubble_fraction:.1%})",
+        f"{sim.samples_per_s:.2f} samples/s simulated, bubble {sim.bubble_fraction:.1%}); "
+        + _update_words(best.schedule),
+        *_exact_line(job),
+        *(f"  {line}" for line in offload_lines(plan, sim, cpu_step_hidden(plan, sim))),
         _wrote(job, timings),
     ]
     if plan.gpus < job.gpus:
@@ -205,6 +271,36 @@ def one_lines(job: Job, timings: dict) -> list[str]:
     pkg = job.package.name
     lines.append(f"run it: cd {_quoted(job.out)} && torchrun --nproc_per_node {plan.gpus} -m {pkg}")
     return lines
+
+
+def _update_words(schedule: str) -> str:
+    """Whether a schedule trains like one process, in words."""
+    if update_rule(schedule) == "sync":
+        return "synchronous: it trains exactly as one process would"
+    return "asynchronous: some stages train on stale weights, unlike one process"
+
+
+def _best_exact(job: Job):
+    """The fastest fitting cell whose schedule is synchronous; None when there is none."""
+    exact = [c for c in job.matrix if c.status == "ok" and update_rule(c.schedule) == "sync"]
+    return min(exact, key=lambda c: c.step_s, default=None)
+
+
+def _exact_line(job: Job) -> list[str]:
+    """Under an asynchronous winner: what the best synchronous plan gives, and how to get it."""
+    if update_rule(job.best.schedule) == "sync":
+        return []
+    exact = _best_exact(job)
+    searched = any(update_rule(s) == "sync" for s in job.schedules)
+    if exact is None:
+        why = "fits" if searched else "was searched (--schedule)"
+        return [f"  no synchronous schedule's plan {why}; --schedule sync plans only those"]
+    slower = exact.step_s / job.best.step_s - 1
+    return [
+        f"  best synchronous plan: {exact.partitioner} under {exact.schedule}, "
+        f"{exact.sim.samples_per_s:.2f} samples/s ({slower:.0%} slower per step); "
+        "--schedule sync plans only the synchronous schedules"
+    ]
 
 
 def cluster_json(job: Job, timings: dict) -> dict:
@@ -219,17 +315,28 @@ def cluster_json(job: Job, timings: dict) -> dict:
         "output": str(job.out),
         "simulated": job.sim.summary(),
         "timings": timings,
+        **_data_json(job),
     }
 
 
 def cluster_lines(job: Job, timings: dict) -> list[str]:
     hint = launch_hint(job.plan.to_json())
     return [
+        *_data_lines(job),
         *describe_shapes(job.found, job.cluster),
+        f"schedule {job.plan.schedule}: " + _update_words(job.plan.schedule),
         _wrote(job, timings),
         *_shrink_lines(job),
         f"run it on every node: cd {_quoted(job.out)} && torchrun {hint} -m {job.package.name}",
     ]
+
+
+def _data_lines(job: Job) -> list[str]:
+    return [job.shapes.line()] if job.shapes else []
+
+
+def _data_json(job: Job) -> dict:
+    return {"data": job.shapes.to_json()} if job.shapes else {}
 
 
 def _wrote(job: Job, timings: dict) -> str:

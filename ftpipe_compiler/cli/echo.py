@@ -9,7 +9,7 @@ import sys
 
 import click
 
-__all__ = ["command_line", "echo_json", "echo_lines"]
+__all__ = ["command_line", "echo_json", "echo_lines", "json_option"]
 
 
 def command_line() -> str:
@@ -26,3 +26,7 @@ def echo_json(obj) -> None:
 def echo_lines(lines) -> None:
     for line in lines:
         click.echo(line)
+
+
+def json_option(help: str = "Print machine-readable results."):
+    return click.option("--json", "as_json", is_flag=True, help=help)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import click
-from ftpipe_runtime.models import HEADS
+from ftpipe_runtime.models.heads import HEADS
 
 from ..resources import config_names, load_config
-from .echo import echo_json
-from .options import json_option
+from .echo import echo_json, json_option
 
 
 @click.command()

@@ -9,6 +9,7 @@ arrive as keywords for `costed_graph` (which hands the last four to `measured_co
 from __future__ import annotations
 
 import click
+from ftpipe_runtime.errors import unknown_name
 from ftpipe_runtime.models import HEADS
 from ftpipe_runtime.models.lora import LoraSpec
 from ftpipe_runtime.train.precision import PRECISIONS
@@ -16,6 +17,10 @@ from ftpipe_runtime.train.precision import PRECISIONS
 from ..costs.measured import DEVICES
 from ..costs.profilers import GRANULARITIES, PROFILERS
 from ..partition import PARTITIONERS
+from ..resources import config_names
+from .echo import json_option  # noqa: F401 - the commands' options in one place
+from .hardware import DEFAULT as DEFAULT_HARDWARE
+from .hardware import default_hardware
 
 __all__ = [
     "json_option",
@@ -48,11 +53,22 @@ def names(value: str | None) -> list[str] | None:
     return [n.strip() for n in value.split(",") if n.strip()] or None
 
 
-def json_option(help: str = "Print machine-readable results."):
-    return click.option("--json", "as_json", is_flag=True, help=help)
+def _partitioners(ctx, param, value: str | None) -> str | None:
+    """-p, refused as a usage error when it names a partitioner that does not exist."""
+    for name in names(value) or ():
+        if name not in PARTITIONERS:
+            raise click.BadParameter(unknown_name("partitioner", name, PARTITIONERS))
+    return value
 
 
-seed_option = click.option("--seed", type=int, default=0, show_default=True)
+seed_option = click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Seed of the partitioners' random choices (METIS, tie-breaks): the same seed, the "
+    "same plan.",
+)
 optimizer_option = click.option(
     "--optimizer",
     default=None,
@@ -62,7 +78,8 @@ partitioners_option = click.option(
     "--partitioners",
     "-p",
     default=None,
-    help=f"Comma-separated subset of {', '.join(PARTITIONERS)}.",
+    help=f"Comma-separated subset of {', '.join(PARTITIONERS)} (default: all).",
+    callback=_partitioners,
 )
 
 
@@ -80,6 +97,13 @@ def steps_option(default: int, minimum: int, help: str):
 
 def output_file_option(help: str):
     return click.option("-o", "--output", type=click.Path(dir_okay=False), default=None, help=help)
+
+
+def _hardware(ctx, param, value: str | None) -> str:
+    """--hardware, or the default: looked for only when not given (it may start CUDA)."""
+    if value is not None and value not in config_names("hardware"):
+        raise click.BadParameter(unknown_name("hardware", value, config_names("hardware")))
+    return value or default_hardware()
 
 
 def _lora_checked(ctx, param, value: str | None) -> str | None:
@@ -116,13 +140,13 @@ _model = _all(
         "--seq-len",
         type=click.IntRange(min=1),
         default=None,
-        help="Tokens per sequence (encoder side).",
+        help="Tokens per sequence (encoder side; default: the task's).",
     ),
     click.option(
         "--target-len",
         type=click.IntRange(min=1),
         default=None,
-        help="Decoder tokens of a seq2seq LM.",
+        help="Decoder tokens of a seq2seq LM (default: the task's).",
     ),
     click.option(
         "--micro-batch",
@@ -141,7 +165,11 @@ _model = _all(
 
 _costs = _all(
     click.option(
-        "--hardware", default="rtx2080ti", show_default=True, help="GPU spec for the costs."
+        "--hardware",
+        default=None,
+        callback=_hardware,
+        help="The GPU to cost and plan for: a hardware file (ftpipe models; default: this "
+        f"machine's GPU when a file describes it, else {DEFAULT_HARDWARE}).",
     ),
     click.option(
         "--dtype",
@@ -159,7 +187,7 @@ _costs = _all(
         help="Freeze the parameters whose names match REGEX from their start (e.g. "
         "'encoder.block.[0-9]\\.'): no gradient, no optimizer state; stages with nothing "
         "trainable before them run forwards only. A module:function model's own "
-        "requires_grad counts too.",
+        "requires_grad counts too (default: nothing frozen).",
     ),
     click.option(
         "--lora",
@@ -167,7 +195,8 @@ _costs = _all(
         metavar="SPEC",
         callback=_lora_checked,
         help="Train LoRA adapters (peft) on a frozen base: r=16,alpha=32,targets=q_proj,"
-        "v_proj[,dropout=0.05]; export writes peft's adapter folder.",
+        "v_proj[,dropout=0.05]; export writes peft's adapter folder (default: train every "
+        "weight).",
     ),
     click.option(
         "--fuse-loss/--no-fuse-loss",
@@ -178,7 +207,12 @@ _costs = _all(
         "--no-fuse-loss keeps the model's own ops.",
     ),
     click.option(
-        "--granularity", type=click.Choice(GRANULARITIES), default="op", show_default=True
+        "--granularity",
+        type=click.Choice(GRANULARITIES),
+        default="op",
+        show_default=True,
+        help="Graph nodes: op, one per operator, or layer, one per run of a layer's operators "
+        "(fewer nodes: faster to plan, coarser cuts).",
     ),
     click.option(
         "--profile",
@@ -203,7 +237,8 @@ _measured = _all(
         "memory_limit_gb",
         type=click.FloatRange(min=0, min_open=True),
         default=None,
-        help="GB a measured block may use on the device; a bigger block is an error.",
+        help="GB a measured block may use on the device; a bigger block is an error "
+        "(default: no limit).",
     ),
     click.option(
         "--repeats",

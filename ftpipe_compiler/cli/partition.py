@@ -44,7 +44,7 @@ from .tables import partition_table
 @micro_batches_option("Micro-batches per step (default: task batch / micro-batch).")
 @partitioners_option
 @seed_option
-@output_file_option("Write the winning plan here.")
+@output_file_option("Write the winning plan here (default: print the table only).")
 @json_option()
 def partition(
     graph_file,

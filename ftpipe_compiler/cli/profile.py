@@ -11,13 +11,14 @@ import click
 from ftpipe_runtime.atomic import check_writable_file
 
 from ..costs.profilers import costed_graph
+from ..units import size
 from .echo import echo_json
 from .options import json_option, output_file_option, traced_options
 
 
 @click.command()
 @traced_options
-@output_file_option("Write the costed graph here.")
+@output_file_option("Write the costed graph here (default: print the summary only).")
 @json_option("Print the summary as JSON.")
 def profile(
     model, task, seq_len, micro_batch, hardware, granularity, profiler, output, as_json, **options
@@ -66,7 +67,7 @@ def profile(
     )
     click.echo(
         f"  nodes {len(graph.nodes):,}  edges {len(graph.edges):,}  parameters {graph.num_parameters:,} "
-        f"({graph.param_bytes / 2**30:.2f} GiB)"
+        f"({size(graph.param_bytes)})"
     )
     click.echo(
         f"  forward {graph.total_flops / 1e12:.3f} TFLOP, {fwd * 1e3:.1f} ms; backward {bwd * 1e3:.1f} ms "

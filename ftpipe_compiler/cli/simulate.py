@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import click
 from ftpipe_runtime.atomic import check_writable_file
+from ftpipe_runtime.errors import unknown_name
 from ftpipe_runtime.schedules import SCHEDULES
 
 from ..plan import Plan, describe_remat
 from ..simulate import compare, simulate, table
+from ..simulate.host import offload_lines
 from ..simulate.measured import load_measured
 from ..simulate.report import compare_line, write_report
+from ..simulate.simulator import cpu_step_hidden
 from ..units import mib
 from .echo import echo_json, echo_lines
 from .options import json_option, micro_batches_option, steps_option
@@ -35,7 +38,7 @@ from .options import json_option, micro_batches_option, steps_option
     "--report",
     type=click.Path(dir_okay=False),
     default=None,
-    help="Write an HTML report (timeline, memory and utilisation per GPU) here.",
+    help="Write an HTML report (timeline, memory and utilisation per GPU) here (default: none).",
 )
 @click.option(
     "--compare",
@@ -43,7 +46,7 @@ from .options import json_option, micro_batches_option, steps_option
     type=click.Path(dir_okay=False),
     default=None,
     help="A run's trace (the package's --trace FILE): its measured step time and timeline "
-    "beside the simulated ones (its schedule and micro-batches unless given).",
+    "beside the simulated ones (its schedule and micro-batches unless given; default: none).",
 )
 @json_option("Print machine-readable JSON.")
 def simulate_command(plan_files, schedule, micro_batches, steps, report, trace, as_json):
@@ -99,7 +102,7 @@ def _schedule_names(schedule: str | None) -> list[str | None]:
     for name in names:
         if name is not None and name not in SCHEDULES and not name.lower().endswith(".csv"):
             raise click.BadParameter(
-                f"unknown schedule {name!r}; choose from {', '.join(SCHEDULES)} or give a .csv",
+                unknown_name("schedule", name, SCHEDULES, " or give a .csv"),
                 param_hint="'--schedule'",
             )
     return names
@@ -123,6 +126,7 @@ def _lines(plan: Plan, result, steps: int, run) -> list[str]:
     ]
     if describe_remat(plan):
         lines.append(f"  {describe_remat(plan)}")
+    lines += [f"  {line}" for line in offload_lines(plan, result, cpu_step_hidden(plan, result))]
     if run is not None:
         lines.append(f"  {compare_line(run, result)}")
     lines.append("\n  GPU   busy   memory GiB / capacity   headroom   stages")

@@ -12,15 +12,19 @@ from __future__ import annotations
 import json
 import keyword
 import math
+import os
+import shlex
 from pathlib import Path
 
 import jinja2
 import torch
 from ftpipe_runtime.atomic import atomic_open, write_atomic
 from ftpipe_runtime.spec.weights import WRAPPER_PREFIX, parameters_on_meta
+from ftpipe_runtime.stage.api import STAGE_API
 from torch import nn
-from tqdm import tqdm
 
+from ..costs.analytic import backward_factor
+from ..costs.hardware import get_hardware
 from ..errors import FtpipeError, OutputExistsError
 from ..graph.opgraph import OpGraph
 from ..graph.trace import Traced
@@ -69,6 +73,7 @@ def generate_package(
     )
     info = {p.name: p for p in plan.params}
     compute = getattr(torch, graph.meta.get("compute_dtype", "float32"))
+    command = portable_command(command, out_dir)
     generated_by = f"ftpipe {__version__}: {command}"
     stages, uses_operator = _stage_contexts(traced, wiring, names, info, compute)
     buffers = _buffer_values(
@@ -80,8 +85,17 @@ def generate_package(
             if not (p.trainable or p.frozen) and any(p.name in st.params for st in wiring.stages)
         ],
     )
-    extra = {"path": spec.path} if spec.path else {}
+    # Paths relative to the package: no path of this machine is baked in, so the package
+    # runs wherever it is copied with its model beside it (or `--weights DIR`).
+    model_dir = _relative(spec.path, final) if spec.path else ""
+    extra = {"path": model_dir} if spec.path else {}
+    extra |= _rates(graph, plan)
+    given = str(plan.model.get("spec") or "")
+    if os.path.isabs(given):  # a folder named on the command line
+        extra["spec"] = _relative(given, final)
     pplan = package_plan(plan, wiring, extra, generated_by)
+    if "command" in pplan:
+        pplan["command"] = command
     context = {
         "generated_by": generated_by,
         "command": command,
@@ -92,8 +106,10 @@ def generate_package(
         "stages": stages,
         "uses_operator": uses_operator,
         "has_buffers": bool(buffers),
-        "weights_dir": spec.path if _has_safetensors(spec.path) else "",
+        "weights_dir": model_dir if _has_safetensors(spec.path) else "",
         "traced_dtype": str(compute).removeprefix("torch."),
+        "stage_api": STAGE_API,
+        "launch": _launch(plan),
     }
     files = _render(context)
     files["plan.json"] = json.dumps(pplan, indent=1) + "\n"
@@ -108,7 +124,7 @@ def _stage_contexts(traced: Traced, wiring, names, info, compute) -> tuple[list[
     stages = []
     uses_operator = False
     summaries = describe(wiring.stages)
-    for st in tqdm(wiring.stages, desc="generating stages", unit="stage", disable=None):
+    for st in wiring.stages:
         emitter = StageEmitter(
             st,
             wiring,
@@ -186,7 +202,8 @@ def py_tuple(items) -> Source:
 
 
 def _param_row(p) -> Source:
-    return literal((p.name, tuple(p.shape), p.dtype, p.trainable, tuple(p.aliases)))
+    row = (p.name, tuple(p.shape), p.dtype, p.trainable, tuple(p.aliases))
+    return Source(f"Param{literal(row)}")
 
 
 def _number(v) -> bool:
@@ -198,6 +215,55 @@ def _figure(v) -> str:
     if not _number(v):
         return str(v)
     return f"{v:,}" if isinstance(v, int) else f"{v:,.4g}"
+
+
+def _relative(path, start: Path) -> str:
+    """`path` relative to the folder `start` (which need not exist yet), POSIX-style."""
+    return Path(os.path.relpath(Path(path).resolve(), Path(start).resolve())).as_posix()
+
+
+def portable_command(command: str, base: Path) -> str:
+    """The compile command for the headers, its absolute paths made relative to `base` (the
+    folder holding the package, where its README runs it from): no generated file names a
+    path of the machine that compiled it."""
+    try:
+        words = shlex.split(command)
+    except ValueError:  # not a shell line (a caller's own text): said as it is
+        return command
+    out = []
+    for word in words:
+        flag, eq, value = word.partition("=") if word.startswith("-") else ("", "", word)
+        if os.path.isabs(value):
+            value = _relative(value, base)
+        out.append(flag + eq + value)
+    return shlex.join(out) if out != words else command
+
+
+def _launch(plan: Plan) -> dict:
+    """The README's multi-node launch: the plan's nodes where it was made for a cluster,
+    else its processes over two nodes where they split evenly."""
+    world = plan.world
+    if plan.cluster is not None:
+        per_node = min(plan.cluster.gpus_per_node, world)
+    else:
+        per_node = world // 2 if world > 1 and world % 2 == 0 else 1
+    return {"world": world, "per_node": per_node, "nodes": -(-world // per_node)}
+
+
+def _rates(graph: OpGraph, plan: Plan) -> dict:
+    """What the runtime's MFU needs: the model FLOPs of one micro-batch (forward and
+    backward, no recompute; 0 where the profile counted none) and the compiled hardware's
+    peak FLOP/s per dtype ("tf32": fp32 matrix products on tensor cores)."""
+    flops = sum(
+        n.flops * (1.0 + (backward_factor(graph, n) if n.requires_grad else 0.0))
+        for n in graph.nodes
+    )
+    try:
+        hw = get_hardware(str(plan.model.get("hardware") or ""))
+    except FtpipeError:  # a plan from elsewhere: no peak, no MFU
+        return {"flops_per_micro_batch": flops}
+    peaks = {"float32": hw.peak_flops, "tf32": hw.peak_flops_tf32, **dict(hw.peak_flops_16bit)}
+    return {"flops_per_micro_batch": flops, "peak_flops": {k: v for k, v in peaks.items() if v}}
 
 
 def _has_safetensors(path: str) -> bool:

@@ -93,6 +93,7 @@ def run_blocks(
             host[name] = model_inputs[key]
     timings = {}
     for b in blocks:
+        clock.reset_peak()  # the block's peak: its weights, inputs, activations, gradients
         params = weights.materialise(b.params)
         timings[b.id], outs = time_block(b, params, host, clock, repeats, seed)
         host.update(zip(b.outputs, (_map(o, lambda t: t.detach().to("cpu")) for o in outs)))
@@ -107,8 +108,8 @@ def run_blocks(
 
 
 def time_block(b: Block, params: dict, host: dict, clock, repeats: int, seed: int):
-    """(Timing, the block's output values) from one warm-up and `repeats` timed runs."""
-    clock.reset_peak()
+    """(Timing, the block's output values) from one warm-up and `repeats` timed runs (the
+    peak counts from the caller's `clock.reset_peak()`, before it materialised `params`)."""
     leaves = {a: _map(host[a], _leaf(clock.device, a in b.grad_inputs)) for a in b.inputs}
     grad_wrt = [t for t in params.values() if t.requires_grad]
     wrt_inputs = [t for a in b.grad_inputs for t in _tensors(leaves[a]) if t.requires_grad]

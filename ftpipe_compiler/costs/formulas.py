@@ -29,9 +29,12 @@ import math
 from dataclasses import dataclass
 
 import torch
+from ftpipe_runtime.errors import unknown_name
+from ftpipe_runtime.train.optim import OPTIMIZERS as RUNTIME_OPTIMIZERS
 from ftpipe_runtime.train.precision import PRECISIONS as RUNTIME_PRECISIONS
 
-OPTIMIZERS = ("sgd", "adam", "adamw", "adafactor")
+OPTIMIZERS = tuple(RUNTIME_OPTIMIZERS)  # the runtime's update rules, in its order
+ACTIVATIONS_ON_GPU = 2  # offloaded activations: the micro-batch in flight and one prefetched
 
 
 @dataclass(frozen=True)
@@ -71,16 +74,13 @@ def describe(precision: Precision, hardware=None) -> str:
 
 
 def optimizer_state_elements(shape: tuple[int, ...], optimizer: str) -> int:
-    """`optimizer_state_elements((1024, 4096), "adamw")` -> 2 * 1024 * 4096 (two moments)."""
-    numel = math.prod(shape)
-    if optimizer in ("adam", "adamw"):
-        return 2 * numel
-    if optimizer == "sgd":
-        return 0
-    if optimizer == "adafactor":
-        # Factored second moment (a row and a column vector) for matrices, no momentum.
-        return shape[-2] + shape[-1] if len(shape) >= 2 else numel
-    raise ValueError(f"unknown optimizer {optimizer!r}; choose from {', '.join(OPTIMIZERS)}")
+    """`optimizer_state_elements((1024, 4096), "adamw")` -> 2 * 1024 * 4096 (two moments): the
+    runtime's own count (`ftpipe_runtime.train.optim.OPTIMIZERS`)."""
+    try:
+        rule = RUNTIME_OPTIMIZERS[optimizer]
+    except KeyError:
+        raise ValueError(unknown_name("optimizer", optimizer, OPTIMIZERS)) from None
+    return rule.state_elements(tuple(shape))
 
 
 def param_bytes(
@@ -120,14 +120,23 @@ def weight_copies(policy) -> int:
 
 
 def stage_memory(
-    *, trainable_bytes, frozen_bytes, state_bytes, input_bytes, act_bytes, policy
+    *, trainable_bytes, frozen_bytes, state_bytes, input_bytes, act_bytes, policy, offload=None
 ) -> tuple:
-    """(bytes a stage holds throughout, bytes it needs on top while one backward runs)."""
+    """(bytes a stage holds throughout, bytes it needs on top while one backward runs).
+    `offload` (`costs.host.Offload`, what the stage keeps on the host): its optimizer, and the
+    GPU holds no gradient sum, master or optimizer state; its activations, and the GPU holds
+    what it keeps for a backward (activations, or inputs where it recomputes) for at most
+    `ACTIVATIONS_ON_GPU` micro-batches."""
+    if offload is not None and offload.optimizer:
+        state_bytes = 0 * state_bytes
+    in_flight = policy.in_flight
+    if offload is not None and offload.activations:
+        in_flight = min(in_flight, ACTIVATIONS_ON_GPU)
     static = trainable_bytes * weight_copies(policy) + frozen_bytes + state_bytes
     if policy.recompute:
         kept = policy.deferred * act_bytes if policy.split else 0 * act_bytes
-        return static + policy.in_flight * input_bytes + kept, act_bytes
-    return static + policy.in_flight * act_bytes, 0 * act_bytes
+        return static + in_flight * input_bytes + kept, act_bytes
+    return static + in_flight * act_bytes, 0 * act_bytes
 
 
 def gpu_memory_bytes(stages) -> int:

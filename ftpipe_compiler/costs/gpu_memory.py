@@ -26,7 +26,10 @@ it, each by the rule of the runtime code that holds it:
   (in the tensor's dtype; a stage on a set-aside version makes the new sum beside the old,
   `executor._collect`), and under mixed precision its fp32 copy (the hook of `precision`);
 - the device's reserve (`formulas.MemoryReserve`): context, a communicator per process group
-  (one per directed pair of GPUs that exchange messages, and the job's own), fragmentation.
+  (one per directed pair of GPUs that exchange messages, and the job's own), fragmentation;
+- where the device is the host (a CPU rank: `Host.device_is_host`), what its stages offload
+  (`host.stage_host_bytes`): the same memory. A stage that offloads its optimizer keeps no
+  gradient sum, master or state here and makes no fp32 copy of a gradient here.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from dataclasses import asdict, dataclass, fields, replace
 from ftpipe_runtime.engine.comm import POST_AHEAD_BYTES, POST_AHEAD_MESSAGES
 from ftpipe_runtime.schedules import resolve_schedule
 
-from .formulas import PRECISIONS, gpu_memory_bytes, posted_bytes, stage_memory
+from .formulas import PRECISIONS, gpu_memory_bytes, posted_bytes
+from .host import stage_host_bytes
 
 __all__ = ["GpuMemory", "gpu_memory"]
 
@@ -54,6 +58,7 @@ class GpuMemory:
     replicas: int  # flat gradient copies for the replicas' all-reduce
     transient: int  # one backward's gradient of the largest tensor (and its fp32 copy)
     reserve: int  # context, communicators, fragmentation
+    host: int = 0  # offloaded, where the device is the host (a CPU rank): the same memory
 
     @property
     def tensors(self) -> int:
@@ -86,19 +91,7 @@ def gpu_memory(
         if deferred:
             policy = replace(policy, deferred=deferred[s.id])
         policies[s.id] = policy
-    parts = []
-    for s in mine:
-        owned = [view.params[n] for n in s.params]
-        parts.append(
-            stage_memory(
-                trainable_bytes=sum(p.bytes for p in owned if p.trainable),
-                frozen_bytes=sum(p.bytes for p in owned if not p.trainable),
-                state_bytes=sum(p.static_bytes - p.bytes for p in owned),
-                input_bytes=0 if s.forward_only else s.input_bytes,
-                act_bytes=s.act_bytes,
-                policy=policies[s.id],
-            )
-        )
+    parts = [plan.stage_memory(s, in_flight, deferred) for s in mine]
     stages = gpu_memory_bytes(parts)
     read = [t for t in view.weights if view.read_on(t, gpu)]
     copies = sum(
@@ -124,6 +117,9 @@ def gpu_memory(
         replicas=view.replica_buffers(mine),
         transient=largest + view.master_copy(mine),
         reserve=0,
+        host=sum(stage_host_bytes(plan, s, in_flight[s.id] if in_flight else None) for s in mine)
+        if plan.host.device_is_host
+        else 0,
     )
     reserve = plan.reserve.bytes(tensors.total, view.communicators(gpu))
     return replace(tensors, reserve=math.ceil(reserve))
@@ -180,13 +176,15 @@ class _View:
         return p.bytes
 
     def master_copy(self, stages) -> int:
-        """Mixed precision: the fp32 copy of the largest 16-bit gradient the hook makes."""
+        """Mixed precision: the fp32 copy of the largest 16-bit gradient the hook makes (on
+        the host where the stage offloads its optimizer)."""
         if not self.precision.master:
             return 0
         return max(
             (
                 p.bytes * 4 // self.precision.weight
                 for s in stages
+                if not s.offload.optimizer
                 for p in (self.params[n] for n in s.params)
                 if p.trainable and p.dtype == self.precision.compute
             ),

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
-from ..errors import unknown
+from ..errors import FtpipeError, unknown
 from ..resources import config_names, load_config
 from .formulas import MemoryReserve
+from .host import Host
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,9 @@ class Hardware:
     tf32: bool = True  # the run lets fp32 products use TF32 (its --tf32, default on)
     # What the device holds besides a run's tensors: context, communicators, fragmentation.
     memory_reserve: MemoryReserve = MemoryReserve()
+    # The node's host memory, its GPUs' link to it and its CPUs' optimizer step (`host`
+    # section, defaults filled in: costs/host.py): what offloading costs.
+    host: Host = Host()
 
     def step_bandwidth(self, held_bytes: int) -> float:
         """What the optimizer step of a parameter holding `held_bytes` (weights, gradient,
@@ -67,12 +72,40 @@ class Hardware:
 
     @classmethod
     def from_json(cls, d: dict) -> Hardware:
-        d = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
-        d["peak_flops_16bit"] = tuple(sorted(dict(d.get("peak_flops_16bit") or {}).items()))
+        """A hardware description (a configs/hardware file, or a cluster file's `gpu`); a
+        missing or non-positive figure is one sentence."""
+        if not isinstance(d, dict):
+            raise FtpipeError(f"a hardware description must be a JSON object, not {d!r:.60}")
+        need = ("name", "memory_bytes", "peak_flops", "memory_bandwidth", "link_bandwidth")
+        figures = [
+            k for k in need[1:] if not (_number(d.get(k)) and math.isfinite(d[k]) and d[k] > 0)
+        ]
+        if not isinstance(d.get("name"), str) or figures:
+            raise FtpipeError(
+                f"hardware {d.get('name', '')!r}: {', '.join(need)} are required, the numbers "
+                f"finite and positive ({', '.join(figures) or 'name'} is not)"
+            )
+        given, d = d, {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        try:
+            d["peak_flops_16bit"] = tuple(sorted(dict(d.get("peak_flops_16bit") or {}).items()))
+        except (TypeError, ValueError):
+            raise FtpipeError(
+                f"hardware {d['name']!r}: peak_flops_16bit maps dtypes to FLOP/s"
+            ) from None
         reserve = d.get("memory_reserve") or {}
         fields = MemoryReserve.__dataclass_fields__
         d["memory_reserve"] = MemoryReserve(**{k: v for k, v in reserve.items() if k in fields})
+        host = given.get("host") or {}
+        per_node = host.get("gpus_per_node") or (given.get("node") or {}).get("gpus") or 1
+        try:
+            d["host"] = Host.of(host, d["memory_bytes"], per_node)
+        except ValueError as e:
+            raise FtpipeError(f"hardware {d['name']!r}: {e}") from None
         return cls(**d)
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def get_hardware(name: str, *, tf32: bool = True) -> Hardware:

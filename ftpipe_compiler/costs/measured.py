@@ -37,7 +37,6 @@ limit peaks at 712 MB RSS (tools/check_measured_memory.py prints these figures).
 from __future__ import annotations
 
 import platform
-import resource
 import sys
 import time
 from dataclasses import replace
@@ -45,6 +44,7 @@ from dataclasses import replace
 import torch
 from ftpipe_runtime.errors import WriteFailed
 from ftpipe_runtime.job.device import use_tf32
+from ftpipe_runtime.job.report import peak_resident_bytes, resident_bytes
 from tqdm import tqdm
 
 from ..errors import FtpipeError, unknown
@@ -83,7 +83,7 @@ class CpuClock:
         pass
 
     def peak_bytes(self) -> int:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        return peak_resident_bytes()  # this process's own, not its parent's (ru_maxrss)
 
 
 class CudaClock:
@@ -94,6 +94,7 @@ class CudaClock:
         self.name = self.identity = torch.cuda.get_device_name(self.device)
         use_tf32(self.device, True)  # fp32 products as a run makes them (its default --tf32)
         self.per_block_peak = True
+        self.base = 0
 
     def time(self, fn, *args):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -105,10 +106,13 @@ class CudaClock:
         return start.elapsed_time(end) / 1e3, out
 
     def reset_peak(self) -> None:
+        # What the process held before the block (another model of the same process, a
+        # caller's tensors) is not the block's: its peak counts from here.
         torch.cuda.reset_peak_memory_stats(self.device)
+        self.base = torch.cuda.memory_allocated(self.device)
 
     def peak_bytes(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - self.base
 
 
 DEVICES = {"cpu": CpuClock, "cuda": CudaClock}
@@ -124,6 +128,7 @@ def measured_costs(
     cache: bool = True,
     cache_dir=None,
     seed: int = 0,
+    progress=None,
 ) -> OpGraph:
     """The costed graph (profile "measured", hardware = the device's name) of `traced`."""
     if repeats < 1:
@@ -143,9 +148,17 @@ def measured_costs(
     hit = load_profile(key, reference, cache_dir) if cache else None
     if hit is not None:
         return replace(hit, meta={**hit.meta, "measured": {**hit.meta["measured"], "cache": "hit"}})
-    rss_before, t0 = current_rss_bytes(), time.perf_counter()
-    bar = tqdm(total=len(blocks), desc=f"timing blocks on {device}", unit="block", disable=None)
-    run = run_blocks(traced, blocks, weights, clock, repeats, seed, bar.update)
+    rss_before, t0 = resident_bytes(), time.perf_counter()
+    # A bar of its own on a terminal, unless the caller shows progress (`ftpipe compile`'s one).
+    bar = tqdm(total=len(blocks), desc=f"timing blocks on {device}", unit="block",
+               disable=None if progress is None else True)  # fmt: skip
+
+    def tick() -> None:
+        bar.update()
+        if progress is not None:
+            progress(bar.n, len(blocks), f"timing blocks on {device}")
+
+    run = run_blocks(traced, blocks, weights, clock, repeats, seed, tick)
     bar.close()
     timed = {b: dict(fwd_s=t.fwd_s, bwd_s=t.bwd_s, wgrad_s=t.wgrad_s, recompute_s=t.recompute_s,
                      act_bytes=t.act_bytes) for b, t in run["timings"].items()}  # fmt: skip
@@ -223,8 +236,3 @@ def check_memory_limit(blocks: list[Block], graph: OpGraph, limit_gb, granularit
                 f"gradients, inputs and activations), more than --memory-limit {limit_gb:g} GB; "
                 f"{advice}"
             )
-
-
-def current_rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ftpipe_runtime.errors import unknown_name
 from ftpipe_runtime.train.precision import PRECISIONS
 
 from ..errors import FtpipeError
@@ -39,21 +40,22 @@ def costed_graph(
     freeze: str | None = None,
     lora: str | None = None,
     fuse_loss: bool = True,
+    pack: bool = False,
     **measured_options,
 ) -> tuple[ModelSpec, Task, Traced, OpGraph]:
     if granularity not in GRANULARITIES:
-        raise FtpipeError(
-            f"unknown granularity {granularity!r}; choose from {', '.join(GRANULARITIES)}"
-        )
+        raise FtpipeError(unknown_name("granularity", granularity, GRANULARITIES))
     if profile not in PROFILERS:
-        raise FtpipeError(f"unknown profiler {profile!r}; choose from {', '.join(PROFILERS)}")
+        raise FtpipeError(unknown_name("profiler", profile, PROFILERS))
     hw = get_hardware(hardware)
     spec = resolve_model(model, head)
     if freeze or lora:  # applied when the model is built (frozen.adapted)
         spec = replace(spec, freeze=freeze or "", lora=parse_lora(lora))
+    if pack:  # packed documents kept apart: traced with position ids (ModelSpec.for_packing)
+        spec = spec.for_packing()
     t = resolve_task(spec, task, seq_len, target_len, micro_batch, batch)
     if precision not in PRECISIONS:
-        raise FtpipeError(f"unknown precision {precision!r}; choose from {', '.join(PRECISIONS)}")
+        raise FtpipeError(unknown_name("precision", precision, PRECISIONS))
     traced = trace_model(spec, t, t.micro_batch, precision=precision, fuse_loss=fuse_loss)
     if profile == "measured":
         graph = measured_costs(traced, spec, granularity=granularity, **measured_options)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 
 import torch
-from ftpipe_runtime import fused_loss  # noqa: F401 - registers torch.ops.ftpipe
+from ftpipe_runtime.stage import fused_loss  # noqa: F401 - registers torch.ops.ftpipe
 from torch import fx
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 

@@ -1,9 +1,13 @@
 """`layer` granularity: collapse an op graph to one node per run of a layer's ops.
 
 graph = collapse(op_graph)     # T5-3B: 2,607 op nodes -> about 100 layer nodes
+layer_runs({0: [("encoder.block.0", "T5Block"), ("encoder.block.1", "T5Block")]})
+                               # {0: ["encoder.block.0-1 (T5Block)"]}: what a stage holds
 """
 
 from __future__ import annotations
+
+import re
 
 from .opgraph import Edge, Node, OpGraph
 
@@ -87,3 +91,45 @@ def sublayer_key(scope: str) -> str:
 def _common_type(grp) -> str:
     types = {n.module_type for n in grp}
     return types.pop() if len(types) == 1 else "mixed"
+
+
+def layer_runs(held: dict[int, list[tuple[str, str]]]) -> dict[int, list[str]]:
+    """Per stage, its (layer key, module type) in order, in words: numbered runs merged
+    (`encoder.block.0-2 (T5Block)`), `(part)` where a layer is split between stages."""
+    owners: dict[str, set[int]] = {}
+    for sid, layers in held.items():
+        for key, _ in layers:
+            owners.setdefault(key, set()).add(sid)
+    out = {}
+    for sid, layers in held.items():
+        runs: list[list] = []  # [prefix, first, last, type, part]
+        for key, mtype in layers:
+            part = len(owners[key]) > 1
+            m = re.fullmatch(r"(.*\.)(\d+)", key)
+            if (
+                m
+                and runs
+                and not part
+                and not runs[-1][4]
+                and runs[-1][0] == m.group(1)
+                and runs[-1][3] == mtype
+                and runs[-1][2] == int(m.group(2)) - 1
+            ):
+                runs[-1][2] += 1
+                continue
+            if m:
+                runs.append([m.group(1), int(m.group(2)), int(m.group(2)), mtype, part])
+            else:
+                runs.append([key or "top level", None, None, mtype, part])
+        out[sid] = [_words(*r) for r in runs]
+    return out
+
+
+def _words(prefix, first, last, mtype, part) -> str:
+    if first is None:
+        name = prefix
+    elif first == last:
+        name = f"{prefix}{first}"
+    else:
+        name = f"{prefix}{first}-{last}"
+    return name + (f" ({mtype})" if mtype else "") + (" (part)" if part else "")

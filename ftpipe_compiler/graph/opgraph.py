@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field, replace
 import networkx as nx
 import torch
 from ftpipe_runtime.atomic import write_atomic
+from ftpipe_runtime.errors import PipelineConfigError
+from ftpipe_runtime.spec.topology import read_json as _read_json
 
 from ..errors import FtpipeError, PlanFormatError
 from ..version import GRAPH_FORMAT
@@ -186,6 +188,9 @@ class OpGraph:
             raise FtpipeError("a parameter name appears twice (tied weights not merged)")
         known = set(self.param)
         for n in self.nodes:
+            costs = (n.flops, n.bytes_moved, n.fwd_s, n.bwd_s, n.wgrad_s, n.recompute_s)
+            if not all(math.isfinite(c) and c >= 0 for c in costs):
+                raise FtpipeError(f"node {n.id} has a negative or non-finite cost")
             unknown = set(n.params) - known
             if unknown:
                 raise FtpipeError(f"node {n.id} reads unknown parameters {sorted(unknown)}")
@@ -254,21 +259,12 @@ class OpGraph:
 
 
 def read_json(path, what: str) -> dict:
-    """Read a JSON file or raise one clear sentence about why it cannot be used."""
+    """Read a JSON file or raise one clear sentence about why it cannot be used (the
+    runtime's reader: one wording for a damaged file on both sides)."""
     try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise PlanFormatError(f"{what} file {path} does not exist") from None
-    except UnicodeDecodeError:
-        raise PlanFormatError(f"{what} file {path} is not text (a binary file?)") from None
-    except json.JSONDecodeError as e:
-        raise PlanFormatError(
-            f"{what} file {path} is not valid JSON (truncated or damaged? {e.msg} at line "
-            f"{e.lineno}); write it again"
-        ) from None
-    except OSError as e:
-        raise PlanFormatError(f"cannot read the {what} file {path}: {e.strerror}") from None
+        return _read_json(path, what, "write it again")
+    except PipelineConfigError as e:
+        raise PlanFormatError(str(e)) from None
 
 
 def _typed(cls, d: dict):

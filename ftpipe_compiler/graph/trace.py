@@ -10,16 +10,16 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import signal
 import sys
 import textwrap
-import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from ftpipe_runtime.job.signals import noting
 from ftpipe_runtime.train.precision import get_precision
 from torch import fx
+from torch.overrides import TorchFunctionMode
 
 from ..errors import TraceError
 from ..model.folder import check_weights, read_headers
@@ -28,6 +28,8 @@ from ..model.zoo import ModelSpec
 from .exported import describe_value, to_graph
 from .fuse import fuse_linear_cross_entropy
 from .opgraph import OpGraph
+from .packing import check_documents_apart
+from .repeat import export_repeated
 
 
 @dataclass
@@ -54,16 +56,22 @@ def trace_model(
     if model is None:
         model = spec.build(device, dtype=None if compute == torch.float32 else compute)
     inputs = spec.example_inputs(task, micro_batch, device)
-    with _noting_ctrl_c() as interrupted, _held_output() as said:
+    with noting() as stops, _held_output() as said, _ConstantsOnCpu():
         try:
-            program = torch.export.export(model, tuple(inputs.values()), strict=False)
+            program = _exported(spec, model, tuple(inputs.values()))
+        except TraceError:  # ours (a region that cannot be inlined): already one sentence
+            raise
         except Exception as e:  # the exporter raises many types; all mean the same to a user
-            if interrupted:  # a Ctrl-C the exporter wrapped into an error of its own
-                raise KeyboardInterrupt from None
+            if stops:  # a Ctrl-C or SIGTERM the exporter wrapped into an error of its own
+                raise type(stops[0])() from None
+            _printed_with_sources(model, tuple(inputs.values()), said)
             raise _trace_error(spec, e, said.getvalue()) from None
+    if stops:  # one the exporter swallowed (or the cut export's fallback to a whole one)
+        raise type(stops[0])()
     sys.stderr.write(said.getvalue())  # a successful export's warnings, as it said them
     _check_loss(spec, program)
-    inline_regions(program.graph_module)
+    if spec.packed:  # the attention must mask by the documents the positions tell apart
+        check_documents_apart(spec, program)
     if fuse_loss:
         fuse_linear_cross_entropy(program.graph_module)  # the LM head and its loss: one op
     graph, placeholders = to_graph(spec, task, micro_batch, model, inputs, program)
@@ -71,6 +79,84 @@ def trace_model(
         check_weights(spec.spec, read_headers(Path(spec.path)), graph.params)
     meta = {**graph.meta, "precision": precision, "compute_dtype": str(compute)[6:]}
     return Traced(replace(graph, meta=meta), program, placeholders)
+
+
+def _exported(spec: ModelSpec, model, args: tuple) -> torch.export.ExportedProgram:
+    """The program of the model's training forward, its regions inlined. A transformers
+    model's stacks of alike layers are exported cut short and copied out (`repeat`: the
+    same program, in a fraction of the time); a model function is exported whole (its
+    loops may do anything)."""
+    if spec.kind == "function":
+        program = _export(model, args)
+        inline_regions(program.graph_module)
+        return program
+    return export_repeated(model, args, _export, inline_regions)
+
+
+def _export(model, args: tuple, sources: bool = False) -> torch.export.ExportedProgram:
+    """torch.export (non-strict), without the source line of every op unless `sources`
+    (unused by a successful trace, a fifth of the export's time)."""
+    with _config(torch.fx.config, do_not_emit_stack_traces=not sources):
+        return torch.export.export(model, args, strict=False)
+
+
+def _printed_with_sources(model, args: tuple, said: io.StringIO) -> None:
+    """After a failed export: what it prints with each op's source line (the partial graph
+    `--debug` shows), from exporting again (the failure's only cost)."""
+    said.seek(0)
+    said.truncate()
+    with contextlib.suppress(Exception):
+        _export(model, args, sources=True)
+
+
+@contextlib.contextmanager
+def _config(module, **values):
+    saved = {k: getattr(module, k) for k in values}
+    for k, v in values.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
+
+
+class _ConstantsOnCpu(TorchFunctionMode):
+    """Tensors the forward makes from Python data (Falcon's `qkv[..., [-2], :]`, a
+    `torch.tensor(x, device=h.device)`) become constants of the program; made on `meta` they
+    would lose their values, so they are made on the CPU (indices index a tensor on any
+    device; other data is moved as the model asked, an op of the graph), and the generated
+    stages hold them with their values."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and len(args) >= 2:
+            args = (args[0], _index_on_cpu(args[1]), *args[2:])
+        elif func in (torch.tensor, torch.as_tensor) and _is_meta(kwargs.get("device")):
+            device = kwargs.pop("device")
+            return func(*args, **kwargs).to(device)
+        return func(*args, **kwargs)
+
+
+def _is_meta(device) -> bool:
+    return device is not None and torch.device(device).type == "meta"
+
+
+def _index_on_cpu(index):
+    """An index with its lists of ints or bools as CPU tensors (what torch would make of
+    them, but on the indexed tensor's device)."""
+    if isinstance(index, tuple):
+        return tuple(_index_on_cpu(i) for i in index)
+    if isinstance(index, list) and index and _plain(index):
+        return torch.tensor(index)
+    return index
+
+
+def _plain(data) -> bool:
+    """Ints or bools only, possibly nested: data, not a list of tensors or slices."""
+    if isinstance(data, list):
+        return all(_plain(d) for d in data)
+    return isinstance(data, (int, bool))
 
 
 @contextlib.contextmanager
@@ -159,26 +245,6 @@ _REGIONS = {
     torch.ops.higher_order.wrap_with_set_grad_enabled: lambda args: args,
     torch.ops.higher_order.wrap_with_autocast: _autocast_off,
 }
-
-
-@contextlib.contextmanager
-def _noting_ctrl_c():
-    """A list that becomes non-empty when SIGINT arrives; the interrupt is still raised."""
-    seen: list[bool] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield seen
-        return
-    previous = signal.getsignal(signal.SIGINT)
-
-    def note(signum, frame):
-        seen.append(True)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, note)
-    try:
-        yield seen
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _raised_by_user_code(e: BaseException) -> bool:

@@ -39,7 +39,7 @@ def not_cached(repo_id: str) -> str:
     local = repo_id.split("/")[-1]
     return (
         f"{repo_id} is not a folder here and not in the local HuggingFace cache "
-        f"({cache_dir()}); ftpipe downloads nothing: get it with `huggingface-cli download "
+        f"({cache_dir()}); ftpipe downloads nothing: get it with `hf download "
         f"{repo_id} --local-dir {local}` and pass --model {local}, or pick a shipped model "
         "(ftpipe models)"
     )

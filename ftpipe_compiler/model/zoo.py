@@ -16,11 +16,12 @@ from __future__ import annotations
 import importlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from ftpipe_runtime.models import HEADS, Vocab, get_head, input_shapes, synthetic_batch
+from ftpipe_runtime.models.heads import problem_type
 from torch import nn
 
 from ..errors import FtpipeError, unknown
@@ -75,6 +76,7 @@ class ModelSpec:
     parameters: int = 0
     freeze: str = ""  # --freeze: a regex of parameter names to freeze (frozen.py)
     lora: dict | None = None  # --lora: LoraSpec.to_json(), the adapters peft wraps in
+    packed: bool = False  # --pack: traced for packed documents (for_packing)
 
     @property
     def model_type(self) -> str:
@@ -98,6 +100,28 @@ class ModelSpec:
                 "way; give its model_type a 'shift' rule in ftpipe_runtime/models/heads.py"
             )
         return frozen.adapted(LossModel(model, self.inputs), self.freeze, self.lora)
+
+    def for_packing(self) -> ModelSpec:
+        """This causal LM traced for packed documents (`--pack`): position ids in, no 2-D
+        attention mask, so the model derives a mask that keeps documents apart
+        (ftpipe_runtime.models.packing)."""
+        if self.head != "causal-lm":
+            what = f"a {self.head} model" if self.head else "a model function"
+            raise FtpipeError(
+                f"--pack packs documents for a causal LM, and {self.spec} is {what}; leave "
+                "--pack out"
+            )
+        from ftpipe_runtime.models import hf
+
+        try:
+            config = hf.hf_config(self.config)
+            inputs = hf.forward_inputs(self.hf_class, self.head, config, packed=True)
+        except ValueError as e:
+            raise FtpipeError(
+                f"{self.spec}: {e} (packed documents are told apart by their positions); "
+                "leave --pack out"
+            ) from None
+        return replace(self, inputs=inputs, packed=True)
 
     def checkpoint_aliases(self, model: nn.Module) -> dict[str, str]:
         """Parameter -> the other name the folder's checkpoint holds it under (if any)."""
@@ -253,8 +277,14 @@ def _hf_spec(spec: str, name: str, kind: str, config: dict, head, **extra) -> Mo
             )
         hf_config = hf.hf_config(config)
         inputs = hf.forward_inputs(cls, head, hf_config)
-    except (ValueError, KeyError, TypeError, ImportError, ArithmeticError) as e:
-        raise FtpipeError(f"{spec}: cannot use this {model_type} model ({e})") from None
+        implied = problem_type(HEADS[head], hf.vocab_of(hf_config))
+        if implied and not config.get("problem_type"):  # the head's, not guessed from labels
+            config = {**config, "problem_type": implied}
+    except FtpipeError:
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers' and huggingface_hub's checks of it
+        said = " ".join(str(e).split())[:300]
+        raise FtpipeError(f"{spec}: cannot use this {model_type} model ({said})") from None
     positions = getattr(hf_config, "max_position_embeddings", 0)
     return ModelSpec(
         spec=spec,

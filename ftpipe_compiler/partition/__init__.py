@@ -136,7 +136,9 @@ def run_partitioner(problem: Problem, name: str) -> Result:
     except InfeasibleError as e:
         return Result(name, None, False, str(e), time.perf_counter() - t0)
     try:
-        plan.validate()
+        # Offloading, what a GPU holds depends on what its stages offload, which the planner
+        # chooses after the cut (planner/offload.py); the simulation then judges the memory.
+        plan.validate(memory=problem.offload == "none")
     except FtpipeError as e:
         return Result(name, plan, False, f"{name}: {e}", plan.search_seconds)
     return Result(name, plan, True, "", plan.search_seconds)

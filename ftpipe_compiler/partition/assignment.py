@@ -45,6 +45,12 @@ class Assignment:
         self.trainable, self.frozen, self.state = [0] * S, [0] * S, [0] * S
         self.stage_edges: dict[tuple[int, int], int] = defaultdict(int)  # tensor and weight edges
         self._pols, self._pols_loss, self._epoch = {}, -1, 0  # stage policies, see _policy
+        # Per-GPU period and memory, kept until a move changes what they read (see _touch):
+        # a refinement tries thousands of moves, each touching two or three GPUs of many.
+        self._period: list[float | None] = [None] * G
+        self._mem: list[int | None] = [None] * G
+        self._stale: set[int] = set(range(G))  # GPUs whose period went (see periods)
+        self._mem_key = (-1, -1)  # (policy epoch, loss stage) the kept memory was made under
         # Build by "moving" every node in from nowhere (stage -1) so one code path keeps the books.
         place, self.stage = self.stage, [-1] * c.n
         for i in range(c.n):
@@ -83,11 +89,20 @@ class Assignment:
         return policy
 
     def gpu_period(self, g: int) -> float:
-        bw = self.c.problem.bandwidth
-        return period_s(self.compute(g), self.fwd[g] / bw, self.bwd[g] / bw)
+        got = self._period[g]
+        if got is None or self.gpu[self.loss] == g:  # the loss GPU's compute asks its policy
+            bw = self.c.problem.bandwidth
+            got = self._period[g] = period_s(self.compute(g), self.fwd[g] / bw, self.bwd[g] / bw)
+        return got
 
     def periods(self) -> list[float]:
-        return [self.gpu_period(g) for g in range(self.gpus)]
+        per = self._period
+        for g in self._stale:
+            if per[g] is None:
+                self.gpu_period(g)
+        self._stale.clear()
+        self.gpu_period(self.gpu[self.loss])
+        return per.copy()
 
     def period(self) -> float:
         return max(self.periods())
@@ -98,6 +113,13 @@ class Assignment:
     def memory(self, g: int) -> int:
         if self._dirty:
             self._depths()
+        if self._mem_key != (self._epoch, self.loss):  # policies may have changed: all stale
+            self._mem_key, self._mem = (self._epoch, self.loss), [None] * self.gpus
+        if self._mem[g] is None:
+            self._mem[g] = self._memory(g)
+        return self._mem[g]
+
+    def _memory(self, g: int) -> int:
         parts = []
         for s in self.on[g]:
             if not self.size[s]:
@@ -141,9 +163,12 @@ class Assignment:
         if a == t:
             return
         ga, gt = (self.gpu[a] if a >= 0 else -1), self.gpu[t]
-        touched = (i, *c.preds[i]) if ga != gt else ()
-        for u in touched:
-            self._tensor(u, -1)
+        self._touch(gt)
+        if a >= 0:
+            self._touch(ga)
+        if ga != gt:  # tensor i now leaves from gt (its readers' GPUs are as they were)
+            self._sender(i, ga, -1)
+            self._sender(i, gt, +1)
         # Tensor i: stages that now receive it, or no longer do.
         if a >= 0 and self.stage_readers[i].get(a):
             self.input_bytes[a] += c.out[i]
@@ -187,11 +212,15 @@ class Assignment:
         self.last[t] += c.last[i]
         self.act[t] += c.act[i]
         self.stage[i] = t
-        for u in touched:
-            self._tensor(u, +1)
+
+    def _touch(self, g: int) -> None:
+        """GPU g's figures changed (its stages' work, bytes, inputs or parameters)."""
+        self._period[g] = self._mem[g] = None
+        self._stale.add(g)
 
     def _consumer(self, u: int, su: int, s: int, g: int, d: int) -> None:
         """One more (d=+1) or one fewer (d=-1) consumer of tensor u in stage s on GPU g."""
+        self._touch(g)
         readers = self.stage_readers[u]
         if d < 0:
             readers[s] -= 1
@@ -201,19 +230,30 @@ class Assignment:
             if not readers[s] and su != s:
                 self.input_bytes[s] += self.c.out[u]
             readers[s] += 1
-        self.gpu_readers[u][g] += d
+        on_gpu = self.gpu_readers[u]
+        had = on_gpu[g]
+        on_gpu[g] = had + d
+        if su >= 0 and g != self.gpu[su] and not (had and had + d):  # g starts or stops reading
+            self._transfer(u, self.gpu[su], g, d)
 
-    def _tensor(self, u: int, sign: int) -> None:
-        """Add or remove tensor u's transfers: once per destination GPU other than its own."""
-        su = self.stage[u]
-        if su < 0:
+    def _sender(self, u: int, g: int, sign: int) -> None:
+        """Add or remove tensor u's transfers as sent from GPU g: once per other GPU reading
+        it (g < 0: not placed, nothing sent)."""
+        if g < 0:
             return
-        gu, b = self.gpu[su], self.c.out[u]
-        dests = [h for h, k in self.gpu_readers[u].items() if k and h != gu]
-        self.fwd[gu] += sign * b * len(dests)
+        for h, k in self.gpu_readers[u].items():
+            if k and h != g:
+                self._transfer(u, g, h, sign)
+
+    def _transfer(self, u: int, src: int, dst: int, sign: int) -> None:
+        """Tensor u sent from GPU src to GPU dst (sign=+1) or no longer (-1), its gradient
+        coming back if it carries one."""
+        b = self.c.out[u]
+        self.fwd[src] += sign * b
+        self._touch(src)
         if self.c.grad[u]:
-            for h in dests:
-                self.bwd[h] += sign * b
+            self.bwd[dst] += sign * b
+            self._touch(dst)
 
     def _param(self, p: int, sign: int) -> None:
         """Add or remove parameter p's state and traffic: static bytes on its owner's GPU (the
@@ -222,6 +262,8 @@ class Assignment:
         if not stages:
             return
         own, g, b = stages[0], self.gpu[stages[0]], self.c.pbytes[p]
+        for s in stages:  # the owner's state and bytes sent, each reader's inputs
+            self._touch(self.gpu[s])
         self.trainable[own] += sign * self.c.ptrainable[p]
         self.frozen[own] += sign * self.c.pfrozen[p]
         self.state[own] += sign * self.c.pstate[p]

@@ -46,6 +46,7 @@ def build_plan(
         latency_s=problem.hardware.link_latency_s,
         memory_bytes=problem.capacity,
         reserve=problem.hardware.memory_reserve,
+        host=problem.hardware.host,
         stages=tuple(stages),
         transfers=transfers,
         params=_params(problem, cut),

@@ -27,9 +27,11 @@ from ..costs.formulas import period_s, stage_memory
 from .indexed import NodeCosts
 
 
-class Chain:
+class _Tables:
+    """Segment k..j's figures for every k <= j (read-only arrays, shared by the chains made
+    of the same figures)."""
+
     def __init__(self, costs: NodeCosts, units: list[list[int]], progress: bool = False):
-        self.c, self.units = costs, units
         U = len(units)
         cons, prod_out, ends, out_unit, first_use, last_use_p = _unit_tables(costs, units)
         bw = costs.problem.bandwidth
@@ -85,6 +87,42 @@ class Chain:
                 self.static[k, j] = static
                 self.trainable[k, j], self.frozen[k, j], self.state[k, j] = trainable, frozen, state
                 self.inb[k, j], self.act[k, j], self.has_out[k, j] = inb, act, has_out
+        for a in (self.period, self.static, self.trainable, self.frozen, self.state):
+            a.flags.writeable = False
+        for a in (self.inb, self.act, self.has_out):
+            a.flags.writeable = False
+
+
+_KEEP_TABLES = 4
+_TABLES: dict[tuple, tuple] = {}  # fingerprint -> (the graph, kept alive for its id; _Tables)
+
+
+def _fingerprint(costs: NodeCosts, units: list[list[int]]) -> tuple:
+    """Everything `_Tables` reads: the graph's structure (its identity: NodeCosts takes the
+    rest from it) and the figures the problem puts on it."""
+    c = costs
+    return (
+        id(c.problem.graph),
+        c.problem.bandwidth,
+        tuple(map(tuple, units)),
+        *(tuple(x) for x in (c.rec, c.last, c.act, c.pstatic, c.ptrainable, c.pfrozen, c.pstate)),
+    )
+
+
+class Chain:
+    def __init__(self, costs: NodeCosts, units: list[list[int]], progress: bool = False):
+        self.c, self.units = costs, units
+        # Every schedule's cell of the matrix asks for the same chain: its tables are made once.
+        key = _fingerprint(costs, units)
+        got = _TABLES.get(key)
+        if got is None:
+            got = _TABLES[key] = (costs.problem.graph, _Tables(costs, units, progress))
+            while len(_TABLES) > _KEEP_TABLES:
+                _TABLES.pop(next(iter(_TABLES)))
+        t = got[1]
+        self.period, self.static = t.period, t.static
+        self.trainable, self.frozen, self.state = t.trainable, t.frozen, t.state
+        self.inb, self.act, self.has_out = t.inb, t.act, t.has_out
 
     def __len__(self) -> int:
         return len(self.units)

@@ -2,7 +2,7 @@
 
 costs = NodeCosts.of(problem); costs.rec[i], costs.preds[i], costs.params[i] ...
 topological_stages(costs, stage_of)       # stage ids renumbered along the stage graph
-raise infeasible(problem, "mixed")        # "mixed: infeasible: needs 3 GPUs / 31.2 GB ..."
+raise infeasible(problem, "mixed")        # "mixed: infeasible: needs 3 GPUs / 29.1 GiB ..."
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ftpipe_runtime.schedules import StageInfo
 
 from ..errors import FtpipeError, InfeasibleError
+from ..units import size
 from .problem import Problem
 
 
@@ -58,10 +59,10 @@ class NodeCosts:
             preds=[tuple(sorted({idx[p] for p in g.preds[n.id]})) for n in g.nodes],
             succs=[tuple(sorted({idx[s] for s in g.succs[n.id]})) for n in g.nodes],
             params=[tuple(dict.fromkeys(pidx[p] for p in n.params)) for n in g.nodes],
-            pstatic=[problem.static_bytes[p.name] for p in g.params],
+            pstatic=[sum(problem.gpu_param_split[p.name]) for p in g.params],
             ptrainable=[problem.param_split[p.name][0] if p.trainable else 0 for p in g.params],
             pfrozen=[0 if p.trainable else problem.param_split[p.name][0] for p in g.params],
-            pstate=[problem.param_split[p.name][1] for p in g.params],
+            pstate=[problem.gpu_param_split[p.name][1] for p in g.params],
             pbytes=[p.bytes for p in g.params],
             ptrain=[p.trainable for p in g.params],
             inputs=[tuple(dict.fromkeys(iidx[x] for x in n.inputs)) for n in g.nodes],
@@ -123,21 +124,19 @@ def topological_stages(costs: NodeCosts, stage_of: list[int]) -> list[int]:
 
 
 def infeasible(problem: Problem, partitioner: str, why: str = "") -> InfeasibleError:
-    """'infeasible: needs 3 GPUs / 31.2 GB' when the weights alone need more GPUs; when they
+    """'infeasible: needs 3 GPUs / 29.1 GiB' when the weights alone need more GPUs; when they
     would fit, activations or indivisible layers are what is missing: 'needs more than P'."""
-    total = sum(problem.static_bytes.values())
+    total = sum(sum(split) for split in problem.gpu_param_split.values())  # on the GPUs
     need = max(1, -(-total // problem.memory)) if problem.memory > 0 else problem.gpus + 1
-    have = f"have {problem.gpus} x {problem.memory / 1e9:.1f} GB"
-    if problem.memory < problem.capacity:  # the device's reserve and a backward's gradient
-        have += f" ({problem.capacity / 1e9:.1f} GB less the device's reserve)"
+    have = f"have {problem.gpus} x {problem.memory_said()}"
     tail = f" ({why})" if why else ""
     if need > problem.gpus:
         return InfeasibleError(
-            f"{partitioner}: infeasible: needs {need} GPUs / {total / 1e9:.1f} GB of weights, "
+            f"{partitioner}: infeasible: needs {need} GPUs / {size(total)} of weights, "
             f"gradients and optimizer state; {have}{tail}"
         )
     return InfeasibleError(
-        f"{partitioner}: infeasible: needs more than {problem.gpus} GPUs / {total / 1e9:.1f} GB: the "
+        f"{partitioner}: infeasible: needs more than {problem.gpus} GPUs / {size(total)}: the "
         f"weights, gradients and optimizer state fit in {need}, but not with the activations and "
         f"layer sizes; {have}{tail}"
     )

@@ -31,7 +31,7 @@ def pipedream(problem, max_units: int = MAX_UNITS) -> Plan:
     t0 = time.perf_counter()
     costs = NodeCosts.of(problem)
     units = compress(costs, [[i] for i in range(costs.n)], max_units)
-    chain = Chain(costs, units, progress=True)
+    chain = Chain(costs, units)
     n = problem.chain_length  # a schedule with a pattern (WPipe's loop) gets exactly its stages
     segs = chain.split(chain.period, n, exact=problem.patterned, per_gpu=problem.per_gpu)
     if segs is None:

@@ -12,15 +12,20 @@ import bisect
 import functools
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ftpipe_runtime.engine.comm import POST_AHEAD_BYTES, POST_AHEAD_MESSAGES
+from ftpipe_runtime.errors import unknown_name
 from ftpipe_runtime.schedules import SCHEDULES, Schedule, ScheduleError, StageInfo, StagePolicy
+from ftpipe_runtime.train.precision import get_precision
 
-from ..costs.formulas import FP32, OPTIMIZERS, Precision, param_bytes
+from ..costs.formulas import ACTIVATIONS_ON_GPU, FP32, OPTIMIZERS, Precision, param_bytes
 from ..costs.hardware import Hardware
 from ..errors import FtpipeError, unknown
 from ..graph.opgraph import OpGraph
+from ..units import size
+
+OFFLOAD_MODES = ("none", "auto", "optimizer", "activations")  # planner/offload.py's MODES
 
 
 @dataclass(frozen=True)
@@ -39,16 +44,27 @@ class Problem:
     # Stages recompute cheap tensors made from inputs and weights alone instead of receiving
     # them (partition/remat): on for real models (`problem_from_graph`, the planner).
     rematerialise: bool = False
+    # What stages may keep in host memory (planner/offload.py's modes): "none"; "optimizer",
+    # "activations" (every stage); "auto" (either, where a GPU needs it). The partitioners
+    # count a GPU's memory as if every stage offloaded what the mode allows
+    # (`gpu_param_split`, `policy`); `planner.offload.choose_offload` then decides per stage.
+    offload: str = "none"
 
     def __post_init__(self):
         if self.gpus < 1:
             raise FtpipeError(f"--gpus must be at least 1, not {self.gpus}")
+        if self.gpus > len(self.graph.nodes):  # each GPU used holds a node at least: the plan
+            object.__setattr__(self, "gpus", max(1, len(self.graph.nodes)))  # keeps to those
         if self.optimizer not in OPTIMIZERS:
-            raise FtpipeError(
-                f"unknown optimizer {self.optimizer!r}; choose from {', '.join(OPTIMIZERS)}"
-            )
+            raise FtpipeError(unknown_name("optimizer", self.optimizer, OPTIMIZERS))
         if self.schedule not in SCHEDULES:
             raise unknown("schedule", self.schedule, SCHEDULES)
+        if get_precision(self.precision.name).loss_scaling and not self.sched.synchronous:
+            raise FtpipeError(  # the runtime refuses it (precision.for_run): plan none
+                f"--dtype {self.precision.name} scales the loss by a factor all stages change "
+                f"together, and {self.schedule} does not step them together; plan it under a "
+                "synchronous schedule (gpipe, 1f1b, zb1p...) or use bf16"
+            )
         if not self.recompute and not SCHEDULES[self.schedule].can_keep_activations:
             raise FtpipeError(f"{self.schedule} must recompute; plan it with recompute")
         try:
@@ -58,6 +74,8 @@ class Problem:
             raise FtpipeError(str(e)) from None
         if self.graph.profile == "none":
             raise FtpipeError("the graph has no costs; profile it first (ftpipe profile)")
+        if self.offload not in OFFLOAD_MODES:
+            raise FtpipeError(unknown_name("offload", self.offload, OFFLOAD_MODES))
 
     @property
     def capacity(self) -> int:
@@ -79,6 +97,12 @@ class Problem:
         message = max((n.out_bytes for n in self.graph.nodes), default=0)
         posted = min(2, self.gpus - 1) * min(POST_AHEAD_BYTES, POST_AHEAD_MESSAGES * message)
         return max(0, usable - largest - fp32_copy - posted)
+
+    def memory_said(self) -> str:
+        """`memory` as printed: '10.6 GiB (11.0 GiB less the device's reserve)'."""
+        if self.memory < self.capacity:
+            return f"{size(self.memory)} ({size(self.capacity)} less the device's reserve)"
+        return size(self.memory)
 
     @property
     def bandwidth(self) -> float:
@@ -105,10 +129,15 @@ class Problem:
         return self.per_gpu * self.gpus
 
     def policy(self, st: StageInfo) -> StagePolicy:
-        """What a stage keeps under the schedule (cached: partitioners ask in inner loops)."""
+        """What a stage keeps under the schedule (cached: partitioners ask in inner loops);
+        where activations may be offloaded, on the GPU: at most `ACTIVATIONS_ON_GPU`
+        micro-batches in flight."""
         got = self._policies.get(st)
         if got is None:
-            got = self._policies[st] = self.sched.policy(st, self.micro_batches, self.gpus)
+            got = self.sched.policy(st, self.micro_batches, self.gpus)
+            if self._frees("activations") and got.in_flight > ACTIVATIONS_ON_GPU:
+                got = replace(got, in_flight=ACTIVATIONS_ON_GPU)
+            self._policies[st] = got
         return got
 
     @functools.cached_property
@@ -146,6 +175,18 @@ class Problem:
             p.name: param_bytes(p.shape, p.dtype, p.trainable, self.optimizer, self.precision)
             for p in self.graph.params
         }
+
+    def _frees(self, kind: str) -> bool:
+        """May stages offload `kind` to free GPU memory? Not where the device is the host."""
+        return self.offload in ("auto", kind) and not self.hardware.host.device_is_host
+
+    @functools.cached_property
+    def gpu_param_split(self) -> dict[str, tuple[int, int]]:
+        """`param_split` as the partitioners count a GPU: where the optimizer may be offloaded,
+        a trainable parameter's gradient and optimizer state are on the host."""
+        if not self._frees("optimizer"):
+            return self.param_split
+        return {name: (w, 0) for name, (w, _) in self.param_split.items()}
 
     @functools.cached_property
     def static_bytes(self) -> dict[str, int]:

@@ -139,10 +139,12 @@ def _fit_move(lay, units, border, preds, succs):
 
 def _best_move(lay, g, units, border, preds, succs, cur, per, work):
     best = None
-    loss, top = lay.loss, max(per)
+    loss, top, least = lay.loss, max(per), min(per)
     for s in lay.on[g]:
         for k in sorted(border[s]):
             rec, last, has_out = work[k]
+            if not has_out and least + min(rec, last) >= per[g]:
+                continue  # every target would grow as slow as g (the test below, for all)
             for t in _targets(lay, s, preds[k], succs[k]):
                 h = lay.gpu[t]
                 if h == g:

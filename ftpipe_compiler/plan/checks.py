@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import networkx as nx
 from ftpipe_runtime.schedules import SCHEDULES, ScheduleError, resolve_schedule
 
+from ..costs.host import host_memory
 from ..errors import FtpipeError, unknown
 
 if TYPE_CHECKING:  # plan.py imports this module; the type is only for reading
@@ -109,4 +110,10 @@ def _check_memory(plan: Plan) -> None:
         raise FtpipeError(
             f"GPU {over[0]} needs {plan.gpu_memory(over[0]) / 2**30:.1f} GiB, more than its "
             f"{plan.memory_bytes / 2**30:.1f} GiB"
+        )
+    if not plan.host_fits:
+        node, held = max(host_memory(plan).items(), key=lambda kv: kv[1])
+        raise FtpipeError(
+            f"node {node}'s host needs {held / 2**30:.1f} GiB for what its stages offload, more "
+            f"than its {plan.host.memory_bytes / 2**30:.1f} GiB"
         )

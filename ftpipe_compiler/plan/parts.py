@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..costs.host import Offload
 from ..graph.opgraph import kept_forward_s, step_work_s
 
 __all__ = ["PlanParam", "Stage", "Transfer"]
@@ -34,6 +35,9 @@ class Stage:
     forward_only: bool = False
     # Its optimizer step (formulas.optimizer_step_s of the parameters it owns; 0: free).
     step_s: float = 0.0
+    # What it keeps in host memory instead of on its GPU (costs/host.py; the planner's
+    # choice, `planner/offload.py`): plan.json's {"optimizer": bool, "activations": bool}.
+    offload: Offload = Offload()
 
     @property
     def compute_s(self) -> float:

@@ -22,6 +22,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from ftpipe_runtime.atomic import write_atomic
+from ftpipe_runtime.errors import PipelineConfigError
 from ftpipe_runtime.schedules import (
     ScheduleError,
     StageInfo,
@@ -29,10 +30,12 @@ from ftpipe_runtime.schedules import (
     resolve_schedule,
     with_chunks,
 )
+from ftpipe_runtime.spec.topology import Topology
 
 from ..costs.cluster import Cluster
-from ..costs.formulas import MemoryReserve, period_s
+from ..costs.formulas import MemoryReserve, period_s, stage_memory
 from ..costs.gpu_memory import GpuMemory, gpu_memory
+from ..costs.host import Host, Offload, host_memory
 from ..errors import FtpipeError, PlanFormatError
 from ..graph.opgraph import _typed, read_json
 from ..units import mib
@@ -74,6 +77,8 @@ class Plan:
     latency_s: float = 0.0
     # What each GPU holds besides the run's tensors (the hardware's context, communicators).
     reserve: MemoryReserve = MemoryReserve()
+    # The host memory, link and CPUs offloaded stages use (the hardware's `host`, resolved).
+    host: Host = Host()
     version: str = __version__
 
     # --- where the ranks are ---
@@ -158,13 +163,43 @@ class Plan:
         """The same peak, by what holds it."""
         return gpu_memory(self, gpu, in_flight, deferred)
 
+    def stage_memory(
+        self, s: Stage, in_flight: dict[int, int] | None = None, deferred: dict | None = None
+    ) -> tuple[int, int]:
+        """(bytes the stage holds throughout, bytes it needs on top while one backward runs)."""
+        policy = self.policies[s.id]
+        if in_flight:
+            policy = replace(policy, in_flight=in_flight[s.id])
+        if deferred:
+            policy = replace(policy, deferred=deferred[s.id])
+        owned = [self._param_by_name[n] for n in s.params]
+        return stage_memory(
+            trainable_bytes=sum(p.bytes for p in owned if p.trainable),
+            frozen_bytes=sum(p.bytes for p in owned if not p.trainable),
+            state_bytes=sum(p.static_bytes - p.bytes for p in owned),
+            input_bytes=0 if s.forward_only else s.input_bytes,
+            act_bytes=s.act_bytes,
+            policy=policy,
+            offload=s.offload,
+        )
+
+    @functools.cached_property
+    def _param_by_name(self) -> dict[str, PlanParam]:
+        return {p.name: p for p in self.params}
+
     @property
     def max_memory_bytes(self) -> int:
         return max(self.gpu_memory(g) for g in range(self.gpus))
 
     @property
     def feasible(self) -> bool:
-        return self.max_memory_bytes <= self.memory_bytes
+        """Every GPU within its memory, and every node's host within its own."""
+        return self.max_memory_bytes <= self.memory_bytes and self.host_fits
+
+    @property
+    def host_fits(self) -> bool:
+        """What the stages offload fits each node's host memory (`costs.host.host_memory`)."""
+        return all(b <= self.host.memory_bytes for b in host_memory(self).values())
 
     @property
     def idle_gpus(self) -> list[int]:
@@ -217,18 +252,19 @@ class Plan:
                 f"ftpipe reads formats {' and '.join(map(str, READABLE_FORMATS))}: run `ftpipe compile` "
                 "again with this version"
             )
-        nested = ("stages", "transfers", "params", "cluster", "reserve")
+        nested = ("stages", "transfers", "params", "cluster", "reserve", "host")
         flat = [f.name for f in fields(cls) if f.name not in nested]
         try:
             plan = _typed(
                 cls,
                 {k: d[k] for k in flat if k in d}
                 | {
-                    "stages": tuple(_typed(Stage, s) for s in d["stages"]),
+                    "stages": tuple(_stage(s) for s in d["stages"]),
                     "transfers": tuple(_typed(Transfer, t) for t in d["transfers"]),
                     "params": tuple(_typed(PlanParam, p) for p in d["params"]),
                     "cluster": Cluster.from_json(d["cluster"]) if d.get("cluster") else None,
                     "reserve": _typed(MemoryReserve, d.get("reserve") or {}),
+                    "host": _typed(Host, d.get("host") or {}),
                 },
             )
         except (KeyError, TypeError, ValueError, AttributeError, FtpipeError) as e:
@@ -249,16 +285,28 @@ class Plan:
 
     @classmethod
     def load(cls, path) -> Plan:
-        """Read and check a plan file (structure, not memory: `simulate` shows what overflows)."""
-        plan = cls.from_json(read_json(path, "plan"))
+        """Read and check a plan file (structure, not memory: `simulate` shows what overflows).
+        Read as the runtime reads it, and held to the runtime's checks after the compiler's
+        own (a superset, with the compiler's wording), so a plan `simulate` accepts is one a
+        package runs."""
+        d = read_json(path, "plan")
+        plan = cls.from_json(d)
         try:
             plan.validate(memory=False)
-        except FtpipeError as e:
+            Topology(d)
+        except (FtpipeError, PipelineConfigError) as e:
             raise PlanFormatError(f"{path} is not a valid plan: {e}") from None
         return plan
 
     def with_(self, **changes) -> Plan:
         return replace(self, **changes)
+
+
+def _stage(d: dict) -> Stage:
+    """A stage from JSON, its `offload` object (absent in plans before offload: none)."""
+    if not isinstance(d, dict):
+        raise TypeError(f"a Stage must be a JSON object, not {type(d).__name__}")
+    return _typed(Stage, {**d, "offload": _typed(Offload, d.get("offload") or {})})
 
 
 def describe_remat(plan: Plan) -> str:

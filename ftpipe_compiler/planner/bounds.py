@@ -1,6 +1,7 @@
 """Upper bounds on what a shape can reach, so the planner skips shapes that cannot win.
 
     bound = throughput_bound(problem, replicas=4, cluster=cluster)   # samples/s no plan beats
+    step_floor(problem)                                             # seconds no step goes below
     memory_floor(problem)                                           # bytes the fullest GPU needs
 
 Every figure is a bound over all partitions of the shape, so a shape whose bound is below
@@ -9,6 +10,11 @@ the best plan found so far cannot beat it:
 - compute: a step of m micro-batches keeps some GPU busy m x `Problem.lower_bound()`
   (FTPipe eq. 1's period can be no lower than the work spread evenly, nor than the largest
   indivisible node);
+- round trip: under a synchronous schedule (a flush: every GPU's next forward waits for
+  the optimizer steps, which wait for every backward) a step holds at least one
+  micro-batch's forward along the graph's longest path and its backward back along the
+  longest one (the input-gradient part: a split backward defers the rest), whatever the
+  cut: a pipeline deeper than its micro-batches are many is mostly fill and drain;
 - network: every step each stage sums its gradients with its replicas. Over one node the
   GPUs reduce in parallel, the busiest at least the average's share; across nodes the
   pipeline's node interfaces carry its whole model's ring traffic, the busiest at least
@@ -33,6 +39,29 @@ def gradient_bytes(problem: Problem) -> int:
     the runtime reduces each gradient in its parameter's dtype, one weight's worth."""
     trainable = {p.name for p in problem.graph.params if p.trainable}
     return sum(w for name, (w, _) in problem.param_split.items() if name in trainable)
+
+
+def round_trip_s(problem: Problem) -> float:
+    """Seconds of one micro-batch's forward along the graph's longest path to the loss plus
+    its input-gradient backward along the longest path back (transfers and recompute not
+    counted: a bound)."""
+    g = problem.graph
+    fwd: dict[str, float] = {}
+    bwd: dict[str, float] = {}
+    for n in g.nodes:  # in topological order
+        preds = g.preds[n.id]
+        fwd[n.id] = n.fwd_s + max((fwd[p] for p in preds), default=0.0)
+        bwd[n.id] = n.bwd_s - n.wgrad_s + max((bwd[p] for p in preds), default=0.0)
+    return fwd[g.output] + bwd[g.output]
+
+
+def step_floor(problem: Problem) -> float:
+    """Seconds per step no plan of the problem goes below (compute, and under a synchronous
+    schedule the round trip)."""
+    floor = problem.micro_batches * problem.lower_bound()
+    if problem.sched.synchronous:
+        floor = max(floor, round_trip_s(problem))
+    return floor
 
 
 def memory_floor(problem: Problem) -> float:
@@ -76,7 +105,7 @@ def throughput_bound(
     if memory_floor(problem) > problem.memory:
         return 0.0
     m = problem.micro_batches
-    compute = m * problem.lower_bound()
+    compute = step_floor(problem)
     network = min(allreduce_floor(problem, replicas, cluster, o) for o in orientations)
     step = max(compute, network)
     size = int(problem.graph.meta.get("micro_batch", 1))

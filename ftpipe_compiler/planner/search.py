@@ -11,11 +11,17 @@ pipeline): every competing partitioner cuts the pipeline, every cut is placed in
 orientation the cluster allows and simulated with its replicas, the most samples/s that fit
 win.
 
-Candidates are taken best bound first (`bounds.throughput_bound`); one whose bound is not
-above the best plan found so far by more than the `gap` is pruned, with its bound in the
-table: the plan chosen is within `gap` of every candidate left unexplored (as a MIP
-solver's relative gap). Graphs of other micro-batch sizes are traced when a bound first
-needs them.
+Candidates of one shape (d, p, b, m) differ by schedule and recompute only, and are searched
+together, as `ftpipe compile` searches one pipeline's schedules (planner/matrix.py): the
+cheap partitioners (`matrix.CHEAP`) cut every candidate, and the others only the `width`
+candidates whose cheap plans simulate fastest (those with a placement pattern too, where
+they say n/a at once); the rest keep their cheap plans, marked so. Shapes are taken best
+bound first (`bounds.throughput_bound`); a candidate whose bound is not above the best plan
+found so far by more than the `gap` is pruned, with its bound in the table: the plan chosen
+is within `gap` of every candidate left unexplored (as a MIP solver's relative gap). Graphs
+of other micro-batch sizes are traced when a bound first needs them. The cells (a
+candidate, a partitioner) run in a process per core (`matrix.CellPool`); the search is the
+same whatever the number.
 
 *Effective speedup* (`effective_speedup`): the plan's simulated samples/s over those of
 one GPU doing the same computation alone, the plan's forward, backward and recompute
@@ -35,11 +41,12 @@ from tqdm import tqdm
 
 from ..costs.cluster import Cluster
 from ..costs.formulas import PRECISIONS
-from ..errors import FtpipeError, InfeasibleError
-from ..partition import Problem, run_partitioners
+from ..errors import FtpipeError, InfeasibleError, unknown
+from ..partition import PARTITIONERS, Problem, run_partitioner
 from ..plan import Plan
 from ..simulate import SimResult, simulate
 from .bounds import throughput_bound
+from .matrix import CHEAP, SLOWEST_FIRST, CellPool, check_lists
 from .shapes import depths, orientations, placement
 
 __all__ = [
@@ -68,6 +75,8 @@ class Space:
     seed: int = 0
     steps: int = 20  # simulated per plan
     gap: float = 0.05
+    width: int = 1  # candidates of a shape the slower partitioners cut (compile's --search-width)
+    workers: int | None = None  # processes (None: one per core)
 
 
 @dataclass(frozen=True)
@@ -101,6 +110,7 @@ class Row:
     effective_speedup: float = 0.0
     seconds: float = 0.0
     error: str = ""
+    note: str = ""  # e.g. why the slower partitioners did not cut it
 
     def to_json(self) -> dict:
         return {
@@ -151,31 +161,57 @@ def effective_speedup(plan: Plan, sim: SimResult, useful: bool = False) -> float
     return sim.samples_per_s * work / size if work > 0 else 0.0
 
 
-def best_for_candidate(problem: Problem, candidate: Candidate, cluster: Cluster, space: Space):
+def best_for_candidate(problem: Problem, candidate: Candidate, cluster: Cluster, space: Space,
+                       cut: Callable[[str], tuple] | None = None):  # fmt: skip
     """The fastest fitting (plan, simulation, partitioner rows) of one candidate: every
     partitioner's cut, replicated and placed in each orientation, simulated. None: no fit.
-
-    The one call the planner makes per candidate (a schedule search may take its place)."""
-    results = run_partitioners(problem, space.partitioners, progress=False)
+    `cut(partitioner)`: a partitioner's `cut_candidate`, made already (or not: None), the
+    plan kept checked by the caller; without it, every cut is made here and the plan kept
+    checked here (`matrix.check_lists`)."""
     best, rows = None, []
-    for r in results:
-        row = r.to_json()
-        if r.feasible:
-            for o in orientations(cluster, candidate.replicas, candidate.gpus):
-                plan = r.plan.with_(
-                    replicas=candidate.replicas,
-                    placement=placement(candidate.replicas, candidate.gpus, o),
-                    cluster=cluster,
-                    recompute=candidate.recompute,
-                )
-                sim = simulate(plan, steps=space.steps)
-                if sim.fits and (best is None or sim.samples_per_s > best[1].samples_per_s):
-                    best = (plan, sim, o)
-                if sim.samples_per_s > (row.get("simulated_samples_per_s") or 0):
-                    row.update(simulated_step_time_s=sim.step_time_s,
-                               simulated_samples_per_s=sim.samples_per_s, orientation=o)  # fmt: skip
+    for name in _partitioners(space):
+        got = cut(name) if cut else cut_candidate(problem, candidate, cluster, space, name)
+        if got is None:
+            continue
+        row, fastest = got
+        if fastest and (best is None or fastest[1].samples_per_s > best[1].samples_per_s):
+            best = fastest
         rows.append(row)
+    if best is not None and cut is None:
+        check_lists(best[0], space.steps)
     return best, tuple(rows)
+
+
+def cut_candidate(problem: Problem, candidate: Candidate, cluster: Cluster, space: Space,
+                  partitioner: str) -> tuple[dict, tuple | None]:  # fmt: skip
+    """One partitioner's cut of the candidate, replicated and placed in each orientation the
+    cluster allows, simulated: (its row, (plan, simulation, orientation) of the fastest that
+    fits, or None)."""
+    r = run_partitioner(problem, partitioner)
+    row, best = r.to_json(), None
+    if r.feasible:
+        for o in orientations(cluster, candidate.replicas, candidate.gpus):
+            plan = r.plan.with_(
+                replicas=candidate.replicas,
+                placement=placement(candidate.replicas, candidate.gpus, o),
+                cluster=cluster,
+                recompute=candidate.recompute,
+            )
+            sim = simulate(plan, steps=space.steps, checked=False)  # the chosen one's checked
+            if sim.fits and (best is None or sim.samples_per_s > best[1].samples_per_s):
+                best = (plan, sim, o)
+            if sim.samples_per_s > (row.get("simulated_samples_per_s") or 0):
+                row.update(simulated_step_time_s=sim.step_time_s,
+                           simulated_samples_per_s=sim.samples_per_s, orientation=o)  # fmt: skip
+    return row, best
+
+
+def _partitioners(space: Space) -> list[str]:
+    names = list(PARTITIONERS) if space.partitioners is None else list(space.partitioners)
+    for n in names:
+        if n not in PARTITIONERS:
+            raise unknown("partitioner", n, PARTITIONERS)
+    return names
 
 
 def candidates(cluster: Cluster, space: Space, sizes: tuple[int, ...]) -> list[Candidate]:
@@ -239,38 +275,20 @@ def plan_shape(graph_for: Callable[[int], object], cluster: Cluster, space: Spac
     sizes = space.micro_batch_sizes or (int(graph_for(None).meta.get("micro_batch", 1)),)
     hw = hardware or cluster.gpu
     todo, rows = _bounded(graph, cluster, space, sizes, hw)
-    # Best bound first; among equal bounds the cheaper partitioning (fewer GPUs per pipeline).
-    todo.sort(
-        key=lambda x: (-x[0], x[1].gpus, -x[1].micro_batch, x[1].schedule, not x[1].recompute)
-    )
-    best = None
-    bar = tqdm(todo, desc="planning", file=sys.stderr, disable=None if progress else True,
-               leave=False)  # fmt: skip
-    for bound, c, problem in bar:
-        if best is not None and bound <= best[1].samples_per_s * (1 + space.gap):
-            rows.append(Row(c, bound, "pruned"))
-            continue
-        bar.set_postfix_str(c.label)
-        t = time.perf_counter()
-        got, competitors = best_for_candidate(problem, c, cluster, space)
-        seconds = time.perf_counter() - t
-        if got is None:
-            why = (
-                "; ".join(x.get("error", "") for x in competitors if x.get("error"))
-                or "nothing fits"
-            )
-            rows.append(Row(c, bound, "infeasible", seconds=seconds, error=why[:300]))
-            continue
-        plan, sim, orientation = got
-        rows.append(Row(c, bound, "simulated", plan.partitioner, orientation, sim.samples_per_s,
-                        effective_speedup(plan, sim), seconds))  # fmt: skip
-        if best is None or sim.samples_per_s > best[1].samples_per_s:
-            best = (plan, sim, c, competitors)
+    names = _partitioners(space)
+    search = _Search(todo, cluster, space, names)
+    bar = tqdm(total=len(todo), desc="planning", file=sys.stderr,
+               disable=None if progress else True, leave=False)  # fmt: skip
+    with CellPool(search.cut, space.workers) as pool:
+        for i, shape in enumerate(search.shapes):
+            rows += search.shape(pool, shape, search.shapes[i + 1 : i + 2], bar)
     bar.close()
-    if best is None:
+    if search.best is None:
         why = "; ".join(f"{r.candidate.label}: {r.error}" for r in rows if r.error)[:500]
         raise InfeasibleError(f"no shape of {cluster.gpus} GPUs fits: {why or 'nothing to try'}")
-    plan, sim, chosen, competitors = best
+    plan, sim, k = search.best
+    check_lists(plan, space.steps)
+    chosen, competitors = search.todo[k][1], search.competitors[k]
     rows = [
         Row(**{**r.__dict__, "status": "chosen"})
         if r.candidate == chosen and r.status == "simulated"
@@ -279,3 +297,144 @@ def plan_shape(graph_for: Callable[[int], object], cluster: Cluster, space: Spac
     ]
     rows.sort(key=lambda r: (-r.samples_per_s, -r.bound))
     return Found(plan, sim, chosen, tuple(rows), time.perf_counter() - t0, traced["s"], competitors)
+
+
+class _Search:
+    """The shapes' candidates, best bound first, and the best plan found so far. A cell is
+    (candidate's position, partitioner); `cut` makes one (in a worker)."""
+
+    def __init__(self, todo: list, cluster: Cluster, space: Space, names: list[str]):
+        self.cluster, self.space, self.names = cluster, space, names
+        # Best bound first; among equal bounds the cheaper partitioning (fewer GPUs per
+        # pipeline), then the larger micro-batch, the schedule's name, recompute first.
+        todo = sorted(
+            todo,
+            key=lambda x: (-x[0], x[1].gpus, -x[1].micro_batch, x[1].schedule, not x[1].recompute),
+        )
+        self.todo = todo
+        shapes: dict[tuple, list[int]] = {}
+        for k, (_, c, _) in enumerate(todo):
+            shapes.setdefault((c.replicas, c.gpus, c.micro_batch, c.micro_batches), []).append(k)
+        self.shapes = list(shapes.values())  # in the order of their best bounds
+        self.cheap = [n for n in names if n in CHEAP]
+        self.costly = sorted((n for n in names if n not in CHEAP), key=_slowest_first)
+        self.best = None  # (plan, sim, candidate's position) of the fastest so far
+        self.competitors: dict[int, tuple] = {}  # candidate's position -> its partitioners' rows
+
+    def cut(self, key: tuple[int, str]) -> tuple[dict, tuple | None]:
+        _, c, problem = self.todo[key[0]]
+        return cut_candidate(problem, c, self.cluster, self.space, key[1])
+
+    def _pruned(self, k: int) -> bool:
+        bound = self.todo[k][0]
+        return self.best is not None and bound <= self.best[1].samples_per_s * (1 + self.space.gap)
+
+    def shape(self, pool: CellPool, ks: list[int], after: list[list[int]], bar) -> list[Row]:
+        """The rows of one shape's candidates, best bound first: pruned, or cut by the cheap
+        partitioners, and the fastest `width` of them by the others too. While the slower
+        cuts run, the next shape's cheap ones are wanted ahead (dropped if pruned when their
+        turn comes), so that every core works."""
+        quick = {}
+        for tier in _tiers(ks, lambda k: self.todo[k][0]):  # equal bounds: wanted together
+            pool.want([(k, p) for k in tier if not self._pruned(k) for p in self.cheap])
+            for k in tier:  # a plan found prunes the candidates after it
+                if self._pruned(k):
+                    for p in self.names:
+                        pool.drop((k, p))
+                    continue
+                quick[k] = best_for_candidate(*self._args(k), self._cuts(pool, k, self.cheap))
+                self._offer(k, *quick[k])
+        live = list(quick)
+        likely = self._deep(live, quick)
+        deep = [k for k in likely if not self._pruned(k)]
+        slow = sorted(
+            ((k, p) for k in deep for p in self.costly), key=lambda c: _slowest_first(c[1])
+        )
+        pool.want(slow, first=True)
+        pool.want([(k, p) for ks_ in after for k in ks_ if not self._pruned(k) for p in self.cheap])
+        out = []
+        for k in ks:
+            bound, c, _ = self.todo[k]
+            if k not in live:
+                out.append(Row(c, bound, "pruned"))
+                bar.update()
+                continue
+            t = time.perf_counter()
+            names = self.names if k in deep else self.cheap
+            got, competitors = best_for_candidate(*self._args(k), self._cuts(pool, k, names))
+            if k not in deep:
+                competitors += tuple(_not_cut(p) for p in self.costly)
+            note = "" if k in deep else _NOTES[k in likely]
+            out.append(self._row(k, got, competitors, time.perf_counter() - t, note))
+            self._offer(k, got, competitors)
+            bar.update()
+        return out
+
+    def _deep(self, live: list[int], quick: dict) -> list[int]:
+        """The candidates the slower partitioners cut: the `width` whose cheap plans simulate
+        fastest among those placed freely, and those with a placement pattern (n/a at once)."""
+        free = [k for k in live if not self.todo[k][2].patterned]
+        ranked = sorted(free, key=lambda k: -_samples(quick[k][0]))[: self.space.width]
+        return [k for k in live if k in ranked or self.todo[k][2].patterned]
+
+    def _args(self, k: int) -> tuple:
+        bound, c, problem = self.todo[k]
+        return problem, c, self.cluster, self.space
+
+    def _cuts(self, pool: CellPool, k: int, names: list[str]):
+        """The cells of candidate k for best_for_candidate: these partitioners', in order."""
+        wanted = set(names)
+        return lambda p: pool.result((k, p)) if p in wanted else None
+
+    def _offer(self, k: int, got, competitors) -> None:
+        """Candidate k's fastest plan so far (its cheap cuts, then all its cuts)."""
+        self.competitors[k] = competitors
+        if got is None:
+            return
+        plan, sim, _ = got
+        if self.best is None or sim.samples_per_s > self.best[1].samples_per_s:
+            self.best = (plan, sim, k)
+
+    def _row(self, k: int, got, competitors, seconds: float, note: str) -> Row:
+        bound, c, _ = self.todo[k]
+        if got is None:
+            why = "; ".join(x.get("error", "") for x in competitors if x.get("error"))
+            return Row(c, bound, "infeasible", seconds=seconds,
+                       error=(why or "nothing fits")[:300], note=note)  # fmt: skip
+        plan, sim, orientation = got
+        return Row(c, bound, "simulated", plan.partitioner, orientation, sim.samples_per_s,
+                   effective_speedup(plan, sim), seconds, note=note)  # fmt: skip
+
+
+_NOTES = {  # why the slower partitioners did not cut a candidate (ranked in the width or not)
+    False: "cut by the cheap partitioners only: others of its shape ranked first (--search-width)",
+    True: "cut by the cheap partitioners only: its bound is within the gap of the best plan",
+}
+
+
+def _tiers(ks: list[int], bound) -> list[list[int]]:
+    """Consecutive candidates of equal bound, together."""
+    out: list[list[int]] = []
+    for k in ks:
+        if out and bound(out[-1][0]) == bound(k):
+            out[-1].append(k)
+        else:
+            out.append([k])
+    return out
+
+
+def _samples(got) -> float:
+    return got[1].samples_per_s if got else 0.0
+
+
+def _slowest_first(p: str) -> int:
+    return SLOWEST_FIRST.index(p) if p in SLOWEST_FIRST else len(SLOWEST_FIRST)
+
+
+def _not_cut(partitioner: str) -> dict:
+    return {
+        "partitioner": partitioner,
+        "feasible": False,
+        "error": f"{partitioner}: not searched (its cheap plans ranked this candidate out)",
+        "search_seconds": 0.0,
+    }

@@ -19,6 +19,8 @@ exactly; one node of any size takes every shape.
 
 from __future__ import annotations
 
+from ftpipe_runtime.errors import unknown_name
+
 from ..costs import cluster as _cluster
 
 ORIENTATIONS = ("pipeline", "replica")
@@ -58,7 +60,7 @@ def placement(replicas: int, gpus: int, orientation: str) -> tuple[tuple[int, in
         return tuple(divmod(rank, gpus) for rank in range(replicas * gpus))
     if orientation == "replica":
         return tuple(divmod(rank, replicas)[::-1] for rank in range(replicas * gpus))
-    raise ValueError(f"unknown orientation {orientation!r}; choose from {', '.join(ORIENTATIONS)}")
+    raise ValueError(unknown_name("orientation", orientation, ORIENTATIONS))
 
 
 def orientation_of(placed) -> str:

@@ -21,6 +21,10 @@ synchronous schedule, at once when the owner's GPU has stepped), arriving for ev
 micro-batch that reads it; its gradient goes back once per step, summed, after the last
 backward of the step of its readers on a GPU (behind their activations' gradients), and
 only the owner's last backward of the step waits for it.
+
+Offloaded stages (`host.HostTraffic`, `host`): their gradient copies and sums lengthen their
+B (or W) and the CPU's step their S; an offloaded backward also waits for its activations
+to be fetched back; the host's marks go on the timeline beside the actions.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class EventLoop:
         versions: dict | None = None,
         weights_once: bool = True,
         synchronous: bool = False,
+        host=None,
     ):
         self.lists, self.cap_steps = lists, timeline_steps
         self.cap_mbs = timeline_steps * micro_batches
@@ -64,6 +69,11 @@ class EventLoop:
         # Seconds a stage's optimizer step takes on its GPU (Stage.step_s); the data-parallel
         # all-reduce before it is `ar_done`: when (stage, step)'s gradients are summed.
         self.step_s = {s: x.step_s for s, x in st.items()}
+        self.host = host if host is not None and host.active else None
+        if self.host is not None:  # offloaded: copies and sums in B (or W), the CPU's step in S
+            for s, extra in host.grad_s.items():
+                (self.wgrad if s in split else self.bwd)[s] += extra
+            self.step_s.update(host.step_s)
         self.b_done: dict[tuple[int, int], int] = {}
         self.ar_done: dict[tuple[int, int], float] = {}
         self.stages_of = {g: [s for s in st if self.gpu[s] == g] for g in lists}
@@ -192,7 +202,10 @@ class EventLoop:
         if self.bcount[s][m] < self.need_b[s]:
             self.waiting[g] = ("B", s, m)
             return None
-        return self.btime[s][m], self.bwd[s] + (self.rec[s] if a.recompute else 0.0)
+        ready = self.btime[s][m]
+        if self.host is not None:  # its offloaded activations fetched back
+            ready = max(ready, self.host.fetched(g, s, m, max(self.free[g], ready)))
+        return ready, self.bwd[s] + (self.rec[s] if a.recompute else 0.0)
 
     def _start_w(self, g: int, a):
         return 0.0, self.wgrad[a.stage]  # its B ran earlier on this GPU
@@ -231,6 +244,8 @@ class EventLoop:
             kind = "R" if a.recompute else a.kind
             self.timeline.append(Event(g, a.stage, kind, a.mb, start, t))
         self.finish_of[a.kind](g, a, start, t)
+        if self.host is not None:
+            self.host.finished(g, a, start, t)
         self.try_start(g)
 
     def _finish_f(self, g: int, a, start: float, t: float) -> None:

@@ -23,6 +23,11 @@ class GpuResult:
     memory_bytes: int  # capacity
     stages: tuple[int, ...]
     bytes_sent: int  # per step: activations, weights and their gradients
+    # Offloaded stages (simulate/host.py), per step: bytes over its host link each way and
+    # the CPU's optimizer steps of its stages.
+    host_bytes_down: int = 0
+    host_bytes_up: int = 0
+    cpu_step_s: float = 0.0
 
     @property
     def fits(self) -> bool:
@@ -35,8 +40,22 @@ class GpuResult:
 
 
 @dataclass(frozen=True)
+class NodeResult:
+    """One node's host memory: what its ranks' offloaded stages hold, and what it has."""
+
+    node: int
+    host_bytes: int
+    host_memory_bytes: int
+
+    @property
+    def fits(self) -> bool:
+        return self.host_bytes <= self.host_memory_bytes
+
+
+@dataclass(frozen=True)
 class Event:
-    """One action on the timeline; kind F, B, R (recompute + backward) or S (step, mb = step)."""
+    """One action on the timeline; kind F, B, R (recompute + backward), W or S (step, mb =
+    step); on a GPU's host link (`host.HOST_KINDS`) D, C, U (step), O or I."""
 
     gpu: int
     stage: int
@@ -63,6 +82,7 @@ class SimResult:
     gpus: tuple[GpuResult, ...]
     timeline: tuple[Event, ...] = ()  # the first few steps, for the report
     replicas: int = 1  # data-parallel copies of the pipeline (samples/s counts them all)
+    nodes: tuple[NodeResult, ...] = ()  # host memory per node, where stages offload
 
     @property
     def max_memory_bytes(self) -> int:
@@ -70,7 +90,11 @@ class SimResult:
 
     @property
     def fits(self) -> bool:
-        return all(g.fits for g in self.gpus)
+        return all(g.fits for g in self.gpus) and self.host_fits
+
+    @property
+    def host_fits(self) -> bool:
+        return all(n.fits for n in self.nodes)
 
     def summary(self) -> dict:
         """The figures `ftpipe simulate --json` prints."""
@@ -90,9 +114,19 @@ class SimResult:
                     "headroom_bytes": g.headroom_bytes,
                     "stages": list(g.stages),
                     "bytes_sent": g.bytes_sent,
+                    **(
+                        {
+                            "host_bytes_down": g.host_bytes_down,
+                            "host_bytes_up": g.host_bytes_up,
+                            "cpu_step_s": g.cpu_step_s,
+                        }
+                        if self.nodes
+                        else {}
+                    ),  # fmt: skip
                 }
                 for g in self.gpus
             ],
+            **({"nodes": [asdict(n) for n in self.nodes]} if self.nodes else {}),
         }
 
     def to_json(self) -> dict:
@@ -104,12 +138,13 @@ class SimResult:
     @classmethod
     def from_json(cls, d: dict) -> SimResult:
         try:
-            names = {f.name for f in fields(cls)} - {"gpus", "timeline", "replicas"}
+            names = {f.name for f in fields(cls)} - {"gpus", "timeline", "replicas", "nodes"}
             return cls(
                 **{k: tuple(d[k]) if isinstance(d[k], list) else d[k] for k in names},
                 replicas=d.get("replicas", 1),
                 gpus=tuple(GpuResult(**{**g, "stages": tuple(g["stages"])}) for g in d["gpus"]),
                 timeline=tuple(Event(*row) for row in d.get("timeline", ())),
+                nodes=tuple(NodeResult(**n) for n in d.get("nodes", ())),
             )
         except (KeyError, TypeError) as e:
             raise PlanFormatError(

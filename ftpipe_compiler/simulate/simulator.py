@@ -2,6 +2,7 @@
 
     result = simulate(plan)                                   # the plan's own schedule
     result = simulate(plan, "gpipe", micro_batches=8, steps=4)
+    cpu_step_hidden(plan, result)       # offloaded: the share of the CPU step the schedule hides
 
 Each GPU runs the schedule's action list (the runtime's very lists, checked by the same
 `validate`; a CSV file of per-GPU actions works as well) strictly in order; an action
@@ -19,7 +20,10 @@ GPU hand over for free. A tensor's time on a link is the link's latency plus its
 the bandwidth. A stage's S takes its optimizer step's time (`Stage.step_s`: its weights,
 gradients and optimizer state streamed at the machine's step bandwidth). Under a
 synchronous schedule every GPU's optimizer steps wait for the slowest GPU (the flush, and
-one gradient norm); under the asynchronous one every stage steps at its own pace. With replicas (data parallelism) one
+one gradient norm); under the asynchronous one every stage steps at its own pace. A stage that
+offloads its optimizer or activations to the host adds the host link's copies and the CPU's
+step as the runtime runs them (`host.HostTraffic`); each node's host memory is checked against
+its hardware's (`SimResult.nodes`). With replicas (data parallelism) one
 replica is timed, its links and the all-reduce of each stage's gradients modelled by
 `network.Network`; samples/s count every replica.
 
@@ -32,6 +36,7 @@ measured step that no measured step includes the drain.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from ftpipe_runtime.schedules import (
@@ -43,12 +48,17 @@ from ftpipe_runtime.schedules import (
     validate,
 )
 
+from ..costs.host import host_memory
 from ..errors import FtpipeError, unknown
 from ..plan import Plan
 from .engine import EventLoop
-from .result import GpuResult, SimResult
+from .host import HostTraffic
+from .result import GpuResult, NodeResult, SimResult
 
 TIMELINE_STEPS = 3  # steps kept on the timeline for the report
+
+
+MAX_ACTIONS = 5_000_000  # what one simulation may execute: about a minute
 
 
 def simulate(
@@ -58,9 +68,12 @@ def simulate(
     steps: int = 10,
     *,
     weights_once: bool = True,
+    checked: bool = True,
 ) -> SimResult:
     """`weights_once=False` sends a weight read by other stages with every micro-batch, as
-    the runtime did before (benchmarks compare the bytes); the runtime itself never does."""
+    the runtime did before (benchmarks compare the bytes); the runtime itself never does.
+    `checked=False` leaves out `validate` of the lists: a search simulating many plans
+    checks the one it keeps (the runtime checks its lists again when it starts)."""
     name = schedule or plan.schedule
     if name not in SCHEDULES and not name.lower().endswith(".csv"):
         raise unknown("schedule", name, SCHEDULES)
@@ -71,6 +84,13 @@ def simulate(
     m = micro_batches or sched.micro_batches or plan.micro_batches
     if m < 1 or steps < 1:
         raise FtpipeError(f"micro-batches and steps must be at least 1, not {m} and {steps}")
+    actions = 3 * steps * m * len(plan.stages)  # a forward, a backward, a weight pass at most
+    if actions > MAX_ACTIONS:
+        raise FtpipeError(
+            f"{steps} steps of {m} micro-batches on {len(plan.stages)} stages are {actions:.2g} "
+            f"actions to simulate, more than {MAX_ACTIONS:.0g} (minutes); lower --steps or "
+            "--micro-batches (per-step figures are the steady state's: 10 steps show it)"
+        )
     infos = plan.stage_infos()
     policies = sched.policies(infos, m)
     # Which stages recompute depends on the schedule, and memory follows from that.
@@ -94,7 +114,8 @@ def simulate(
         raise FtpipeError(str(e)) from None
     try:
         lists = sched.actions(infos, m, run_steps)
-        validate(lists, StageGraph.of(infos, consumers), sched, m, run_steps)
+        if checked:
+            validate(lists, StageGraph.of(infos, consumers), sched, m, run_steps)
     except ScheduleError as e:
         raise FtpipeError(f"schedule {name}: {e}") from None
     # A weight read by other stages goes once per version of its owner's weights, the
@@ -102,6 +123,12 @@ def simulate(
     owners = {t.producer for t in plan.transfers if t.tensor in {p.name for p in plan.params}}
     gpu = {s.id: s.gpu for s in plan.stages}
     versions = {s: ForwardVersions(lists[gpu[s]], s, policies[s], m) for s in owners}
+    kept = min(steps, TIMELINE_STEPS)
+    host = (
+        HostTraffic(plan, lists, kept * m, kept)
+        if any(s.offload.any for s in plan.stages)
+        else None
+    )
     run = EventLoop(
         plan,
         lists,
@@ -112,14 +139,17 @@ def simulate(
         versions,
         weights_once,
         synchronous=sched.synchronous,
+        host=host,
     )
     run.go()
-    return _result(plan, run, name, m, steps, run_steps)
+    return _result(plan, run, name, m, steps, run_steps, host)
 
 
-def _result(plan: Plan, run: EventLoop, name: str, m: int, steps: int, run_steps: int):
+def _result(plan: Plan, run: EventLoop, name: str, m: int, steps: int, run_steps: int,
+            host: HostTraffic | None = None):  # fmt: skip
     """The figures of a finished run: step time over the second half of the steps (the
-    first half warms the pipeline up), busy fractions and peak memory per GPU."""
+    first half warms the pipeline up), busy fractions and peak memory per GPU; with
+    offloaded stages their host traffic and each node's host memory."""
     lists = run.lists
     ends = [max(run.step_end[g].get(k, 0.0) for g in lists) for k in range(steps)]
     n = steps // 2
@@ -131,6 +161,8 @@ def _result(plan: Plan, run: EventLoop, name: str, m: int, steps: int, run_steps
         for g in range(plan.gpus)
     }
     in_flight = {s.id: run.peak[s.id] for s in plan.stages}
+    traffic = host.per_step(m) if host is not None else {}
+    none = {"down": 0, "up": 0, "cpu_s": 0.0}
     gpus = tuple(
         GpuResult(
             gpu=g,
@@ -139,9 +171,16 @@ def _result(plan: Plan, run: EventLoop, name: str, m: int, steps: int, run_steps
             memory_bytes=plan.memory_bytes,
             stages=tuple(s.id for s in plan.stages_on(g)),
             bytes_sent=round(sum(run.sent_in.get((g, k), 0) for k in measured) / len(measured)),
+            host_bytes_down=traffic.get(g, none)["down"],
+            host_bytes_up=traffic.get(g, none)["up"],
+            cpu_step_s=traffic.get(g, none)["cpu_s"],
         )
         for g in range(plan.gpus)
     )
+    nodes = ()
+    if host is not None:
+        held = host_memory(plan, in_flight)
+        nodes = tuple(NodeResult(n, b, plan.host.memory_bytes) for n, b in sorted(held.items()))
     used = [busy[g] for g in range(plan.gpus) if plan.stages_on(g)]
     size = int(plan.model.get("micro_batch", 1))
     return SimResult(
@@ -156,10 +195,24 @@ def _result(plan: Plan, run: EventLoop, name: str, m: int, steps: int, run_steps
         step_ends_s=tuple(ends),
         in_flight=tuple(in_flight[s.id] for s in plan.stages),
         gpus=gpus,
-        timeline=tuple(run.timeline),
+        timeline=(*run.timeline, *(host.events if host is not None else ())),
         replicas=plan.replicas,
+        nodes=nodes,
     )
 
 
 def _overlap(intervals, lo: float, hi: float) -> float:
     return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in intervals)
+
+
+def cpu_step_hidden(plan: Plan, result: SimResult) -> float | None:
+    """The share of the CPU's optimizer step a step does not wait for: 1 - (its step time
+    less the same plan's with a free CPU step) / the longest CPU step of one GPU. None when
+    nothing is stepped on the CPU."""
+    cpu = max((g.cpu_step_s for g in result.gpus), default=0.0)
+    if cpu <= 0:
+        return None
+    free = plan.with_(host=replace(plan.host, step_bandwidth=math.inf))
+    base = simulate(free, result.schedule, result.micro_batches, result.steps)
+    exposed = max(0.0, result.step_time_s - base.step_time_s)
+    return min(1.0, max(0.0, 1.0 - exposed / cpu))

@@ -51,29 +51,34 @@ def default_dir(plan: dict) -> str:
     return str(Path("checkpoints") / f"{name.strip('_') or 'pipeline'}-{plan_hash(plan)[:8]}")
 
 
-_TEXT_OPTIONS = ("text_field", "prompt_field", "target_field", "tokenizer", "pack", "truncate")
+_TEXT_OPTIONS = ("text_field", "prompt_field", "target_field", "chat_field", "chat_template",
+                 "tokenizer", "pack", "truncate")  # fmt: skip
 
 
-def run_identity(plan: dict, args, schedule: str, micro_batches: int) -> dict:
+def run_identity(plan: dict, config, schedule: str, micro_batches: int) -> dict:
     """What a resumed run must share with the one that saved: else it is another run."""
-    data = args.data or "synthetic"
+    data = config.data or "synthetic"
     if Path(data).is_file():
         data = f"{Path(data).name} ({Path(data).stat().st_size} bytes)"
-    text = {k: getattr(args, k, None) for k in _TEXT_OPTIONS if getattr(args, k, None)}
-    if getattr(args, "shuffle_seed", None) is not None:
-        text["shuffle_seed"] = args.shuffle_seed
+    text = {k: getattr(config, k, None) for k in _TEXT_OPTIONS if getattr(config, k, None)}
+    if getattr(config, "shuffle_seed", None) is not None:
+        text["shuffle_seed"] = config.shuffle_seed
     return text | {
         "plan": plan_hash(plan),
-        "dtype": getattr(args, "dtype", "fp32"),
+        "dtype": getattr(config, "dtype", "fp32"),
         "schedule": schedule,
         "micro_batches": micro_batches,
-        "seed": args.seed,
+        "seed": config.seed,
         "data": data,
-        "optimizer": args.optimizer,
-        "lr": args.lr,
-        "warmup": args.warmup,
-        "decay": args.decay,
-        "clip": args.clip,
+        "optimizer": config.optimizer,
+        "lr": config.lr,
+        "warmup": config.warmup,
+        "decay": config.decay,
+        "decay_fraction": getattr(config, "decay_fraction", 0.1),
+        "weight_decay": getattr(config, "weight_decay", 0.0),
+        "betas": [getattr(config, "adam_beta1", 0.9), getattr(config, "adam_beta2", 0.999)],
+        "eps": getattr(config, "adam_epsilon", 1e-8),
+        "clip": config.clip,
     }
 
 

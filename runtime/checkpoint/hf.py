@@ -18,6 +18,8 @@ Needs transformers and safetensors (`ftpipe[hf]`).
 from __future__ import annotations
 
 import argparse
+import fnmatch
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -32,7 +34,7 @@ from ..spec.topology import read_plan
 from ..spec.weights import initial_value
 from .store import Checkpoints, default_dir, plan_hash, read_tensors, step_dir
 
-__all__ = ["export_checkpoint", "gather_tensors", "main", "write_hf_folder"]
+__all__ = ["check_replaceable", "export_checkpoint", "gather_tensors", "main", "write_hf_folder"]
 
 MAX_SHARD = "5GB"
 MERGE_HELP = "LoRA: also write the model with the adapters merged in, as <folder>/merged"
@@ -55,6 +57,30 @@ def check_exportable(plan: dict) -> None:
         raise PipelineConfigError(
             "a HuggingFace folder needs transformers and safetensors: pip install 'ftpipe[hf]'"
         ) from None
+
+
+# What an export writes (save_pretrained, peft, the tokenizer copied): a folder holding only
+# these is an earlier export, which a new one replaces whole; any other file is the user's.
+EXPORTED = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+            "adapter_config.json", "README.md", "merged", *TOKENIZER_FILES)  # fmt: skip
+
+
+def check_replaceable(out) -> None:
+    """Refuse to replace `out` (the export is swapped in whole) when it holds anything an
+    export does not write: the user's own files would go with it."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise PipelineConfigError(f"{out} is a file; give a folder to write the model in")
+    if not out.is_dir():
+        return
+    foreign = sorted(
+        p.name for p in out.iterdir() if not any(fnmatch.fnmatch(p.name, e) for e in EXPORTED)
+    )
+    if foreign:
+        raise PipelineConfigError(
+            f"{out} holds files a model export does not write ({', '.join(foreign[:3])}), "
+            "which replacing it would delete; give a new or empty folder"
+        )
 
 
 def owners(plan: dict) -> dict[str, int]:
@@ -95,7 +121,7 @@ def gather_tensors(plan: dict, mine: dict, rank: int, world: int, device, dtype_
 
 def write_hf_folder(
     out, plan: dict, tensors: dict, tokenizer=None, max_shard_size=MAX_SHARD, say=print,
-    merge_lora=False,
+    merge_lora=False, chat_template=None,
 ) -> Path:  # fmt: skip
     """`out` as `save_pretrained` writes it, from the stages' tensors by name. A LoRA model
     (`plan["model"]["lora"]`): peft's adapter folder (adapter_config.json,
@@ -103,6 +129,7 @@ def write_hf_folder(
     with the adapters merged in (peft's `merge_and_unload`) as a HuggingFace folder in
     `out/merged`."""
     check_exportable(plan)
+    check_replaceable(out)
     from ..models.hf import build_model
     from ..models.lora import wrap
 
@@ -126,10 +153,10 @@ def write_hf_folder(
             if merge_lora:
                 merged = net.merge_and_unload()
                 merged.save_pretrained(str(tmp / "merged"), max_shard_size=max_shard_size)
-                copy_tokenizer(tokenizer or model.get("path"), tmp / "merged")
+                copy_tokenizer(tokenizer or model.get("path"), tmp / "merged", chat_template)
         else:
             net.save_pretrained(str(tmp), max_shard_size=max_shard_size)
-        copied = copy_tokenizer(tokenizer or model.get("path"), tmp)
+        copied = copy_tokenizer(tokenizer or model.get("path"), tmp, chat_template)
     if not copied:
         say(f"ftpipe: note: {out} has no tokenizer (none found); pass --tokenizer FOLDER")
     return out
@@ -197,23 +224,29 @@ def _initial_frozen(plan: dict, keys: dict[str, str]) -> dict:
     return found
 
 
-def copy_tokenizer(folder, out: Path) -> list[str]:
-    """Copy the tokenizer files of `folder` into `out`; the names copied."""
+def copy_tokenizer(folder, out: Path, chat_template=None) -> list[str]:
+    """Copy the tokenizer files of `folder` into `out`; the names copied. `chat_template`: the
+    Jinja file the run rendered its chat data with (`--chat-template`), written as the
+    folder's chat_template.jinja, so `apply_chat_template` on the export renders as training
+    did (AutoTokenizer takes that file over a template in tokenizer_config.json)."""
     if not folder or not Path(folder).is_dir():
         return []
     names = sorted({p.name for pat in TOKENIZER_FILES for p in Path(folder).glob(pat)})
     for name in names:
         if (Path(folder) / name).is_file():
             shutil.copyfile(Path(folder) / name, out / name)
+    if chat_template:
+        shutil.copyfile(chat_template, out / "chat_template.jinja")
     return names
 
 
 def export_checkpoint(
     plan: dict, root, step: int | None, out, tokenizer=None, max_shard_size=MAX_SHARD, say=print,
-    merge_lora=False,
+    merge_lora=False, chat_template=None,
 ) -> tuple[int, Path]:  # fmt: skip
     """Write the HuggingFace folder of checkpoint `step` (the newest complete one: None)."""
     check_exportable(plan)
+    check_replaceable(out)
     ckpt = Checkpoints(root, 0, int(plan["gpus"]), {"plan": plan_hash(plan)}, keep=0)
     complete = dict(ckpt.complete())
     if not complete:
@@ -240,7 +273,18 @@ def export_checkpoint(
             tensors.update(read_tensors(path))
         except (FileNotFoundError, ValueError) as e:
             raise PipelineConfigError(f"cannot read {path} ({e})") from None
-    return step, write_hf_folder(out, plan, tensors, tokenizer, max_shard_size, say, merge_lora)
+    return step, write_hf_folder(
+        out, plan, tensors, tokenizer, max_shard_size, say, merge_lora, chat_template
+    )
+
+
+def shard_size(text: str) -> int:
+    """An argparse type: bytes, or a whole number of KB, MB, GB or TB (`5GB`)."""
+    found = re.fullmatch(r"\s*(\d+)\s*([KMGT]B)?\s*", text, re.IGNORECASE)
+    if found is None or int(found[1]) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; give e.g. 5GB, 500MB or bytes")
+    unit = (found[2] or "B").upper()
+    return int(found[1]) * 1000 ** "BKMGT".index(unit[0])
 
 
 def main(argv, plan_path, prog: str = "export") -> int:
@@ -252,7 +296,12 @@ def main(argv, plan_path, prog: str = "export") -> int:
     p.add_argument("--step", type=int, default=None, help="default: the newest complete one")
     p.add_argument("-o", "--output", required=True, help="the folder to write")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    p.add_argument("--max-shard-size", default=MAX_SHARD, help=f"default {MAX_SHARD}")
+    p.add_argument(
+        "--chat-template", default=None, help="a Jinja chat template file to write beside it"
+    )
+    p.add_argument(
+        "--max-shard-size", type=shard_size, default=MAX_SHARD, help=f"default {MAX_SHARD}"
+    )
     p.add_argument("--merge-lora", action="store_true", help=MERGE_HELP)
     args = p.parse_args(argv)
     try:
@@ -260,7 +309,7 @@ def main(argv, plan_path, prog: str = "export") -> int:
         root = args.checkpoint_dir or default_dir(plan)
         step, out = export_checkpoint(
             plan, root, args.step, args.output, args.tokenizer, args.max_shard_size,
-            merge_lora=args.merge_lora,
+            merge_lora=args.merge_lora, chat_template=args.chat_template,
         )  # fmt: skip
     except (PipelineConfigError, WriteFailed) as e:
         print(f"ftpipe: {e}", file=sys.stderr)

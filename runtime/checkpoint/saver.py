@@ -2,6 +2,8 @@
 once its step is taken (an asynchronous schedule steps its stages at different times), then
 the rank's manifest once all of its stages are saved. A save that fails (a full disk) removes
 the step's folder and stops the run in one sentence; the checkpoints before it are intact.
+A stage with sharded optimizer state (`train.zero`) is gathered first, by every replica
+together, and written whole by the first: the files are those of an unsharded run.
 
     saver = Saver(ckpt, every=10, steps=100, micro_batches=8)
     saver.modules, saver.optimizers, saver.precision = modules, optimizers, mixed
@@ -45,10 +47,15 @@ class Saver:
             ) from e.__cause__
 
     def _save(self, event, done: int) -> None:
-        for s in event.stages if self.stages else ():
-            mixed, module = self.precision, self.modules[s]
+        for s in event.stages:
+            mixed, module, optimizer = self.precision, self.modules[s], self.optimizers[s]
+            whole = optimizer.gather() if s in getattr(mixed, "shards", {}) else None
+            if not self.stages:  # (a sharded stage's replicas took part in the gather)
+                continue
             tensors = mixed.state_dict(s, module) if mixed is not None else None
-            self.ckpt.save_stage(done, s, module, self.optimizers[s], tensors)
+            if whole is not None:  # the masters and the state put together
+                tensors, optimizer = {**tensors, **whole.masters}, whole
+            self.ckpt.save_stage(done, s, module, optimizer, tensors)
         self._saved.setdefault(done, set()).update(event.stages)
         if self._saved[done] == set(self.modules):
             scale = getattr(self.precision, "loss_scale", None)

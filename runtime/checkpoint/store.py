@@ -196,6 +196,8 @@ class Checkpoints:
             return {"damaged": f"{path.name} is not a checkpoint manifest"}
         if m.get("format") != FORMAT:
             return {"damaged": f"{path.name} has format {m.get('format')!r}, not {FORMAT}"}
+        if m.get("step") != step or not _well_typed(m):  # edited, or another step's
+            return {"damaged": f"{path.name} is not this step's manifest (a field edited?)"}
         return m
 
     def complete(self) -> list[tuple[int, list[dict]]]:
@@ -257,8 +259,8 @@ class Checkpoints:
             if not bad:
                 return step, manifests[self.rank]
             self.say(
-                f"ftpipe: checkpoint {step_dir(self.root, step)} is damaged ({bad[0][1]}, rank "
-                f"{bad[0][0]}); trying the one before"
+                f"ftpipe: warning: checkpoint {step_dir(self.root, step)} is damaged "
+                f"({bad[0][1]}, rank {bad[0][0]}); trying the one before"
             )
         if candidates:
             raise PipelineConfigError(
@@ -285,8 +287,11 @@ class Checkpoints:
         run = next((m.get("run") for m in manifests if "run" in m), None)
         return difference(run, self.run) if isinstance(run, dict) else None
 
-    def load_stage(self, step: int, stage: int, module, optimizer, device, load=None) -> None:
-        """Stage tensors into `module` (or through `load(tensors)`), then its optimizer state."""
+    def load_stage(
+        self, step: int, stage: int, module, optimizer, device, load=None, state_device=None
+    ) -> None:
+        """Stage tensors into `module` (or through `load(tensors)`), then its optimizer state
+        (onto `state_device` when given: the host, where it is offloaded)."""
         folder = step_dir(self.root, step)
         path = folder / f"stage-{stage}.safetensors"
         try:
@@ -294,7 +299,8 @@ class Checkpoints:
             (load or module.load_state_dict)(tensors)
             extra = folder / f"stage-{stage}.optimizer.pt"
             if optimizer is not None and extra.is_file():
-                optimizer.load_state_dict(torch.load(extra, map_location=device, weights_only=True))
+                where = state_device or device
+                optimizer.load_state_dict(torch.load(extra, map_location=where, weights_only=True))
         except FileNotFoundError:
             raise PipelineConfigError(f"{folder} has no stage {stage}: another plan?") from None
         except (RuntimeError, KeyError, ValueError) as e:
@@ -342,3 +348,13 @@ class Checkpoints:
             with contextlib.suppress(OSError):
                 manifest.unlink()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _well_typed(m: dict) -> bool:
+    """The manifest's fields a resume reads have their types: files as {name: [size, crc]}."""
+    files = m.get("files", {})
+    sized = all(
+        isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v)
+        for v in (files.values() if isinstance(files, dict) else [None])
+    )
+    return sized and isinstance(m.get("run", {}), dict) and isinstance(m.get("world", 1), int)

@@ -12,7 +12,8 @@ is a learnable synthetic task (counting sequences; labels follow from them) for 
 asynchronous loss fall. A file holds token ids (`.pt`, `.jsonl` of id lists) or text
 (`.jsonl`, `.json`, `.csv`, `.parquet`, `.txt`: `text_data` tokenizes it with the model's
 tokenizer); every rank derives the same sample order (a seeded permutation per epoch); inputs
-it lacks follow from the model's head (masks, causal-LM labels, seq2seq decoder inputs). An
+it lacks follow from the model's head (masks, causal-LM labels, seq2seq decoder inputs, the
+positions of rows that hold one sample each). An
 evaluation set (`evaluation=True`) is read once, in order, by `EvalData`.
 """
 
@@ -23,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import PipelineConfigError
+from ..errors import PipelineConfigError, unknown_name
 from ..models import HEADS, IGNORE, Vocab, decoder_inputs, shift_right, synthetic_batch
+from ..models.packing import POSITIONS
 from .text import TEXT_FORMATS, TextOptions, is_text_file, load_tokenizer, read_text
 from .tokens import TOKEN_COLUMNS, read_token_ids
 
@@ -56,6 +58,13 @@ class _Inputs:
                 )
             batch[name] = self.make(name, mb, batch)
         return batch[name]
+
+    def peek(self, name: str, mb: int) -> torch.Tensor:
+        """Input `name` of micro-batch `mb`, made afresh unless cached, and not cached: a
+        step's labels counted ahead (`train.loss_weights`) leave the cache to the
+        micro-batches being trained (filling it so grew a rank's peak by 90 MB)."""
+        batch = self._cache.get(mb, {})
+        return batch[name] if name in batch else self.make(name, mb, {})
 
     def make(self, name: str, mb: int, batch: dict) -> torch.Tensor:
         raise NotImplementedError
@@ -99,7 +108,9 @@ class FileData(_Inputs):
             )
         if len(keep) < _rows(self.columns):
             dropped = _rows(self.columns) - len(keep)
-            (say or _warn)(f"ftpipe: {path}: left out {dropped} samples with nothing to predict")
+            (say or _warn)(
+                f"ftpipe: note: {path}: left out {dropped} samples with nothing to predict"
+            )
             self.columns = {k: [v[r] for r in keep] for k, v in self.columns.items()}
         self.size = len(keep)
         self.micro_batch = next(iter(self.specs.values()))[0][0]
@@ -144,7 +155,8 @@ class FileData(_Inputs):
         if name == "attention_mask" and "input_ids" in self.columns:
             return self.real(mb, shape[1]).to(dtype)
         if name == "labels" and self.head is not None and self.head.labels_are_input_ids:
-            ids = self.get("input_ids", mb).clone()
+            ids = batch["input_ids"] if "input_ids" in batch else self.make("input_ids", mb, batch)
+            ids = ids.clone()
             return ids.masked_fill(~self.real(mb, ids.shape[1]), IGNORE).to(dtype)
         if name == "decoder_input_ids" and "labels" in self.specs:
             return decoder_inputs(
@@ -152,6 +164,8 @@ class FileData(_Inputs):
             )
         if name == "token_type_ids":
             return torch.zeros(shape, dtype=dtype)
+        if name == POSITIONS:  # rows not packed, on a package compiled for packing: one each
+            return torch.arange(shape[1]).expand(shape).to(dtype)
         raise PipelineConfigError(
             f"the data file has no {name!r} and it cannot be derived; give each sample as an "
             f"object with {', '.join(self.specs)}"
@@ -232,8 +246,12 @@ def make_data(
         return SOURCES[source or "synthetic"](model, seed)
     if not source.endswith(FILE_SUFFIXES):
         raise PipelineConfigError(
-            f"unknown data {source!r}; choose from {', '.join(SOURCES)}, a .pt / .jsonl file "
-            f"of token ids or a {' / '.join(TEXT_FORMATS)} file of text"
+            unknown_name(
+                "data",
+                source,
+                SOURCES,
+                f", a .pt / .jsonl file of token ids or a {' / '.join(TEXT_FORMATS)} file of text",
+            )
         )
     if Path(source).is_file() and Path(source).stat().st_size == 0:
         raise PipelineConfigError(f"{source} is empty; give one sample per line or row")

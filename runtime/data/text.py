@@ -14,9 +14,13 @@ What a sample becomes depends on the model's head:
 - causal LM, `--prompt-field/--target-field`: prompt then target then end-of-sequence; labels
   are -100 on the prompt, so the loss counts the target only.
 - seq2seq LM (`--prompt-field/--target-field`): source tokens in, target tokens as labels.
+- causal LM, `--chat-field` (e.g. `messages`): a list of {role, content} messages rendered
+  with the chat template (the tokenizer's, or `--chat-template FILE`); labels on the
+  assistant turns only (`chat.py`).
 
-Samples are padded to the compiled length; `pack=True` (causal LM) concatenates them, each
-ended by the end-of-sequence token, and cuts the stream into full rows instead. A sample
+Samples are padded to the compiled length; `pack=True` (causal LM) joins them, each ended by
+the end-of-sequence token, into full rows instead (`packing.py`: whole samples kept apart by
+their positions in a package compiled with --pack, else one stream cut into rows). A sample
 longer than the compiled length is refused, naming it; `truncate=True` cuts it with a warning.
 """
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import random
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +37,19 @@ import torch
 
 from ..errors import PipelineConfigError
 from ..models import IGNORE
+from ..models.packing import packs_documents
+from .chat import chat_columns, chat_template
+from .packing import concatenate, end_documents, pack_documents
 
-__all__ = ["TEXT_FORMATS", "TextOptions", "is_text_file", "load_tokenizer", "read_text"]
+__all__ = [
+    "TEXT_FORMATS",
+    "TextOptions",
+    "check_utf8",
+    "is_text_file",
+    "load_tokenizer",
+    "read_text",
+    "text_columns",
+]
 
 TEXT_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet",
                 ".txt": "text"}  # fmt: skip
@@ -49,13 +65,30 @@ class TextOptions:
     target_field: str | None = None
     pack: bool = False
     truncate: bool = False
+    chat_field: str | None = None  # a list of {role, content} messages per sample (chat.py)
+    chat_template: str | None = None  # a Jinja file instead of the tokenizer's template
 
     @property
     def pairs(self) -> bool:
         return self.prompt_field is not None or self.target_field is not None
 
     def given(self) -> bool:
-        return self.text_field is not None or self.pairs
+        return self.text_field is not None or self.pairs or self.chat_field is not None
+
+    def fields(self) -> list[str]:
+        """The fields a sample is read from, after checking that they go together."""
+        if self.chat_field is not None and (self.text_field is not None or self.pairs):
+            raise PipelineConfigError(
+                "--chat-field is the whole sample; leave out --text-field, --prompt-field and "
+                "--target-field"
+            )
+        if self.chat_template and self.chat_field is None:
+            raise PipelineConfigError("--chat-template renders --chat-field; pass --chat-field")
+        if self.pairs and not (self.prompt_field and self.target_field):
+            raise PipelineConfigError("give both --prompt-field and --target-field, or neither")
+        if self.chat_field is not None:
+            return [self.chat_field]
+        return [self.prompt_field, self.target_field] if self.pairs else [self.text_field or "text"]
 
     def to_json(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v not in (None, False)}
@@ -70,7 +103,7 @@ def is_text_file(path, model_inputs=()) -> bool:
     if suffix != ".jsonl":
         return True
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
+        with open(path, encoding="utf-8-sig", errors="replace") as f:  # (only a peek)
             first = next((line for line in f if line.strip()), "")
         record = json.loads(first)
     except (OSError, ValueError):
@@ -106,48 +139,62 @@ def load_tokenizer(folder):
 def read_text(path, model: dict, options: TextOptions, tokenizer, say=print) -> dict:
     """Token-id columns of the text file `path` for the plan's `model` (see the module doc)."""
     path = Path(path)
-    head = model.get("head", "")
+    columns = text_columns(path, model.get("head", ""), options, tokenizer)
+    lengths = {n: shape[1] for n, (shape, _) in model["inputs"].items() if len(shape) > 1}
+    if not options.pack:
+        return _fit(columns, lengths, path.name, options.truncate, say)
+    columns = end_documents(columns, _eos(tokenizer))
+    if packs_documents(model):
+        rows = _fit(columns, {"input_ids": lengths["input_ids"]}, path.name, options.truncate, say)
+        return pack_documents(rows, lengths["input_ids"])
+    say(
+        f"ftpipe: note: {path.name}: this package was compiled without --pack, so packed texts "
+        "attend to each other and their positions run on; compile with `ftpipe compile --pack` "
+        "to keep them apart"
+    )
+    return concatenate(columns, lengths["input_ids"])
+
+
+def text_columns(path, head: str, options: TextOptions, tokenizer, samples: int | None = None):
+    """Each sample's token ids, uncut and unpadded: {"input_ids": [[...], ...], "labels"?}.
+    `samples`: at most this many, drawn at random (seeded) when the file has more (what
+    `ftpipe compile --data` measures lengths on)."""
+    path = Path(path)
     if head not in TEXT_HEADS:
         raise PipelineConfigError(
             f"text data is for causal-lm and seq2seq-lm models, and this one is a "
             f"{head or 'model without a head'}; give a .pt or .jsonl file of token ids"
         )
-    if head == "seq2seq-lm" and not (options.prompt_field and options.target_field):
+    fields = options.fields()
+    if head == "seq2seq-lm" and not options.pairs:
         raise PipelineConfigError(
             f"{path.name}: a seq2seq model learns targets from sources; pass --prompt-field "
             "and --target-field"
         )
-    if options.pairs and not (options.prompt_field and options.target_field):
-        raise PipelineConfigError("give both --prompt-field and --target-field, or neither")
     if options.pack and head != "causal-lm":
         raise PipelineConfigError("--pack joins texts for a causal LM; leave it out here")
-    fields = (
-        [options.prompt_field, options.target_field]
-        if options.pairs
-        else [options.text_field or "text"]
-    )
-    rows = _read_rows(path, fields)
-    lengths = {n: shape[1] for n, (shape, _) in model["inputs"].items() if len(shape) > 1}
+    rows, index = _read_rows(path, fields, chat=options.chat_field is not None, samples=samples)
+    if options.chat_field is not None:
+        template = chat_template(tokenizer, options.chat_template)
+        return chat_columns(tokenizer, rows[fields[0]], template, lambda i: _where(path, index[i]))
     if head == "seq2seq-lm":
-        columns = {
+        return {
             "input_ids": _ids(tokenizer, rows[fields[0]]),
             "labels": _ids(tokenizer, rows[fields[1]]),
         }
-    else:
-        columns = _causal(tokenizer, rows, fields, options.pairs)
-    if options.pack:
-        return _pack(columns, lengths["input_ids"], _eos(tokenizer))
-    return _fit(columns, lengths, path.name, options.truncate, say)
+    return _causal(tokenizer, rows, fields, options.pairs)
 
 
-def _read_rows(path: Path, fields: list[str]) -> dict[str, list[str]]:
+def _read_rows(path: Path, fields: list[str], chat: bool = False, samples: int | None = None):
+    """The fields' values of the samples kept, and each one's row in the file. Text samples
+    with an empty field are left out; chat samples (lists, checked by chat.py) are all kept."""
     if not path.is_file():
         raise PipelineConfigError(f"no data file {path}")
     if path.stat().st_size == 0:
         raise PipelineConfigError(f"{path} is empty; give one sample per line or row")
     builder = TEXT_FORMATS[path.suffix]
     if builder != "parquet":  # the others are text
-        _check_utf8(path)
+        check_utf8(path)
     try:
         import datasets
     except ImportError:
@@ -172,25 +219,45 @@ def _read_rows(path: Path, fields: list[str]) -> dict[str, list[str]]:
     if missing:
         raise PipelineConfigError(
             f"{path} has no field {missing[0]!r} (it has {', '.join(table.column_names)}); "
-            "name the text with --text-field, or a pair with --prompt-field and --target-field"
+            "name the text with --text-field, a pair with --prompt-field and --target-field, "
+            "or chat messages with --chat-field"
         )
     out = {f: table[f] for f in fields}
+    rows = list(range(table.num_rows))
+    if samples is not None and len(rows) > samples:
+        rows = sorted(random.Random(0).sample(rows, samples))  # a seeded subset, in file order
+    if chat:
+        return {f: [v[i] for i in rows] for f, v in out.items()}, rows
     for f, values in out.items():
-        bad = next((i for i, v in enumerate(values) if not isinstance(v, str)), None)
+        bad = next((i for i in rows if not isinstance(values[i], str)), None)
         if bad is not None:
             raise PipelineConfigError(
                 f"{path} sample {bad + 1}: field {f!r} holds {type(values[bad]).__name__}, not text"
             )
-    keep = [i for i in range(table.num_rows) if all(out[f][i].strip() for f in fields)]
+    keep = [i for i in rows if all(out[f][i].strip() for f in fields)]
     if not keep:
         raise PipelineConfigError(f"{path} holds only empty texts")
-    return {f: [v[i] for i in keep] for f, v in out.items()}
+    return {f: [v[i] for i in keep] for f, v in out.items()}, keep
 
 
-def _check_utf8(path: Path, chunk: int = 1 << 20) -> None:
-    """A text file is UTF-8, or one sentence naming its first other byte. pyarrow's readers
-    take such a file and fail only when a row is read back (a raw UnicodeDecodeError), so
-    every byte is decoded here first, a megabyte at a time."""
+def _where(path: Path, row: int) -> str:
+    """Sample `row` (from 0) named as a person finds it: its line in a .jsonl, else its number."""
+    if path.suffix != ".jsonl":
+        return f"{path} sample {row + 1}"
+    with open(path, encoding="utf-8") as f:  # datasets skips blank lines; count them here
+        seen = -1
+        for line_number, line in enumerate(f, 1):
+            seen += bool(line.strip())
+            if seen == row:
+                return f"{path} line {line_number}"
+    return f"{path} sample {row + 1}"
+
+
+def check_utf8(path: Path, chunk: int = 1 << 20) -> None:
+    """A text file is UTF-8 without NUL bytes, or one sentence naming its first other byte.
+    pyarrow's readers take such a file and fail only when a row is read back (a raw
+    UnicodeDecodeError), and a NUL is a binary file's, never text's (the tokenizer would make
+    it an unknown word), so every byte is checked here first, a megabyte at a time."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     read = lines = 0  # bytes read before this piece, and the line ends among them
     with open(path, "rb") as f:
@@ -208,6 +275,12 @@ def _check_utf8(path: Path, chunk: int = 1 << 20) -> None:
                 ) from None
             if not piece:
                 return
+            if (nul := piece.find(b"\0")) >= 0:
+                line = lines + piece[:nul].count(b"\n") + 1
+                raise PipelineConfigError(
+                    f"{path} line {line} (byte {read + nul}) holds a NUL byte, which text does "
+                    "not; is it a binary file? save the text as UTF-8"
+                )
             read += len(piece)
             lines += piece.count(b"\n")
 
@@ -233,7 +306,7 @@ def _causal(tokenizer, rows, fields, pairs: bool) -> dict[str, list[list[int]]]:
 
 def _fit(columns: dict, lengths: dict, name: str, truncate: bool, say) -> dict:
     """Rows no longer than the compiled lengths: refused, or cut with a warning."""
-    cut = 0
+    cut = set()  # the samples cut (a sample's labels are cut with its tokens: counted once)
     for column, rows in columns.items():
         limit = lengths.get(column, lengths["input_ids"])
         seq2seq = column == "labels" and "decoder_input_ids" in lengths
@@ -248,20 +321,10 @@ def _fit(columns: dict, lengths: dict, name: str, truncate: bool, say) -> dict:
                     f"or compile again with a longer {flag}"
                 )
             rows[i] = row[:limit]
-            cut += 1
+            cut.add(i)
     if cut:
-        say(f"ftpipe: warning: {name}: cut {cut} texts to the compiled length (--truncate)")
+        say(f"ftpipe: warning: {name}: cut {len(cut)} texts to the compiled length (--truncate)")
     return {k: [torch.tensor(r, dtype=torch.long) for r in v] for k, v in columns.items()}
-
-
-def _pack(columns: dict, length: int, eos: list[int]) -> dict:
-    """One stream of every sample (each ended by end-of-sequence), cut into rows of `length`."""
-    ends = [not eos or row[-1:] != eos for row in columns["input_ids"]]  # eos missing
-    out = {}
-    for column, rows in columns.items():
-        flat = [t for row, add in zip(rows, ends) for t in (row + eos if add else row)]
-        out[column] = list(torch.tensor(flat, dtype=torch.long).split(length))
-    return out
 
 
 def _short(e: BaseException) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..errors import PipelineConfigError
+from .text import check_utf8
 
 __all__ = ["TOKEN_COLUMNS", "read_token_ids"]
 
@@ -62,7 +63,8 @@ def _read_pt(path: Path) -> dict[str, list[torch.Tensor]]:
 
 def _read_jsonl(path: Path) -> dict[str, list[torch.Tensor]]:
     cols: dict[str, list[torch.Tensor]] = {}
-    with open(path, encoding="utf-8", errors="replace") as f:
+    check_utf8(path)  # a byte that is not UTF-8 is one sentence, not a column of garbage
+    with open(path, encoding="utf-8-sig") as f:  # (a byte-order mark is skipped)
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue

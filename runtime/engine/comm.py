@@ -5,6 +5,8 @@
     comm.send(1, ("act", "add_7", 3), tensor)      # non-blocking
     x = comm.recv(0, ("act", "add_7", 3))           # waits while rank 0 lives, else PeerFailure
     work = comm.all_reduce_async(flat, ranks)       # gradient buckets with the replicas
+    work = comm.reduce_scatter_async(out, flat, ranks)   # sharded state (train.zero): 1/d each
+    work = comm.all_gather_async(out, shard, ranks)      # ... and the shards back to everyone
 
 Ranks in `send`, `recv` and `all_reduce` are the pipeline's GPUs (`rank`, `world`: this
 process's GPU and the pipeline's GPU count); with data parallelism (`replicas`, a
@@ -181,7 +183,10 @@ class Comm:
     # --- the per-step losses and evaluation results, from the loss stages to rank 0 ---
     def send_loss(self, tag: int, message: torch.Tensor) -> None:
         group = self.loss_groups[self.global_rank]
-        work = dist.isend(message, dst=0, group=group, tag=tag)
+        work = _post(
+            lambda: dist.isend(message, dst=0, group=group, tag=tag),
+            lambda: "sending a loss to rank 0",
+        )
         self._keep_sent(work, message, 0, ("loss", "", tag))
 
     def listen_losses(self, messages) -> threading.Thread:
@@ -216,7 +221,10 @@ class Comm:
         count = self.sent.setdefault(key[0], [0, 0])
         count[0], count[1] = count[0] + 1, count[1] + t.nbytes
         group = self.pair_groups[(self.rank, dst)]
-        work = dist.isend(t, dst=self.ranks[dst], group=group, tag=i)
+        work = _post(
+            lambda: dist.isend(t, dst=self.ranks[dst], group=group, tag=i),
+            lambda: f"sending {describe(key)} to rank {dst}",
+        )
         self._keep_sent(work, t, dst, key)
 
     def recv(self, src: int, key: Key) -> torch.Tensor:
@@ -255,7 +263,10 @@ class Comm:
         shape, dtype = self.spec_of(k)
         buf = torch.empty(shape, dtype=dtype, device=self.device)
         group = self.pair_groups[(src, self.rank)]
-        work = dist.irecv(buf, src=self.ranks[src], group=group, tag=i)
+        work = _post(
+            lambda: dist.irecv(buf, src=self.ranks[src], group=group, tag=i),
+            lambda: f"waiting for {describe(k)} from rank {src}",
+        )
         self._posted[(src, k)] = (work, buf)
         self._waiting[src] += buf.nbytes
         self._pending[src] += 1
@@ -307,17 +318,65 @@ class Comm:
         self._let_go(lambda s: True)
 
     # --- collectives ---
-    def all_reduce(self, tensor: torch.Tensor, ranks, what: str) -> torch.Tensor:
-        """Sum over `ranks` (GPUs of this replica's pipeline) in place (a no-op on one)."""
-        ranks = tuple(sorted(self.ranks[r] for r in ranks))
+    def all_reduce(
+        self, tensor: torch.Tensor, ranks, what: str, replicas: bool = False
+    ) -> torch.Tensor:
+        """Sum over `ranks` (GPUs of this replica's pipeline; with `replicas`, those GPUs of
+        every replica) in place (a no-op on one)."""
+        pipelines = self.pipelines if replicas else [self.ranks]
+        ranks = tuple(sorted(p[r] for p in pipelines for r in ranks))
         if len(ranks) > 1:
-            work = dist.all_reduce(tensor, group=self._group(ranks), async_op=True)
-            self.wait(work, f"summing {what} with ranks {list(ranks)} (one of them stopped)")
+            doing = f"summing {what} with ranks {list(ranks)} (one of them stopped)"
+            group = self._group(ranks)
+            work = _post(lambda: dist.all_reduce(tensor, group=group, async_op=True), lambda: doing)
+            self.wait(work, doing)
         return tensor
 
     def all_reduce_async(self, tensor: torch.Tensor, ranks: tuple[int, ...]):
         """Start summing `tensor` in place over job ranks `ranks`; `wait` for the result."""
-        return dist.all_reduce(tensor, group=self._group(tuple(sorted(ranks))), async_op=True)
+        group = self._group(tuple(sorted(ranks)))
+        self._count("grad all-reduce", 2 * (len(ranks) - 1) / len(ranks) * tensor.nbytes)
+        return _post(
+            lambda: dist.all_reduce(tensor, group=group, async_op=True),
+            lambda: f"summing gradients with ranks {sorted(ranks)}",
+        )
+
+    def reduce_scatter_async(self, out: torch.Tensor, flat: torch.Tensor, ranks):
+        """Start summing `flat` over job ranks `ranks`, each keeping in `out` its 1/d of the
+        sum (the i-th of the sorted ranks: the i-th chunk); `wait` for it. NCCL has the
+        collective. Gloo's (torch 2.13: ProcessGroupGloo::reduce_scatter_tensor_coalesced) is
+        an all-reduce of the whole tensor and a copy of the chunk, which moves twice the bytes
+        and saves nothing; here each rank sends chunk j to the j-th rank in one all-to-all
+        and sums the d chunks it gets, in rank order: (d-1)/d of `flat` out and in, as a ring
+        reduce-scatter moves."""
+        ranks = tuple(sorted(ranks))
+        group, d = self._group(ranks), len(ranks)
+        self._count("grad reduce-scatter", (d - 1) / d * flat.nbytes)
+        what = lambda: f"summing gradient shards with ranks {list(ranks)}"  # noqa: E731
+        if self.device.type == "cuda":
+            scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+            return _post(lambda: scatter(out, flat, group=group, async_op=True), what)
+        got = torch.empty_like(flat)
+        work = _post(lambda: dist.all_to_all_single(got, flat, group=group, async_op=True), what)
+        return _Summed(work, got.view(d, -1), out)
+
+    def all_gather_async(self, out: torch.Tensor, shard: torch.Tensor, ranks, kind="weights"):
+        """Start gathering every rank's `shard` into `out` (the i-th of the sorted job ranks'
+        at the i-th place) over `ranks`; `wait` for it. Gloo's all-gather is its own.
+        `kind`: what is gathered (counted in `sent` as "<kind> all-gather")."""
+        ranks = tuple(sorted(ranks))
+        group, d = self._group(ranks), len(ranks)
+        self._count(f"{kind} all-gather", (d - 1) * shard.nbytes)
+        return _post(
+            lambda: dist.all_gather_into_tensor(out, shard, group=group, async_op=True),
+            lambda: f"gathering {kind} shards from ranks {list(ranks)}",
+        )
+
+    def _count(self, kind: str, sent: float) -> None:
+        """A collective's bytes this rank sends, as its ring algorithm sends them (a trace
+        reports them beside the messages: `sent`)."""
+        count = self.sent.setdefault(kind, [0, 0])
+        count[0], count[1] = count[0] + 1, count[1] + round(sent)
 
     def _group(self, ranks: tuple[int, ...]):
         if ranks not in self.groups and len(ranks) == self.world_size:
@@ -338,6 +397,33 @@ class Comm:
             raise liveness.failure(f"gave up {what}", e) from e
         finally:
             self.waited += time.perf_counter() - t
+
+
+class _Summed:
+    """Gloo's reduce-scatter (`Comm.reduce_scatter_async`): the all-to-all in flight, then
+    the d chunks received summed into the rank's own (the receive buffer, the size of the
+    flat gradients, lives until then)."""
+
+    def __init__(self, work, got: torch.Tensor, out: torch.Tensor):
+        self.work, self.got, self.out = work, got, out
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self) -> None:
+        self.work.wait()
+        torch.sum(self.got, 0, out=self.out)
+
+
+def _post(start, what):
+    """`start()`, a transfer's start. Gloo refuses one at once on a pair whose peer has
+    closed it, before any wait: that is the peer gone, named as a wait names it (`what()`,
+    and the peer's own sentence: a peer's Ctrl-C is 130 here too), not an unexpected error
+    (exit 1, when the peer stopped while this rank was between its waits)."""
+    try:
+        return start()
+    except RuntimeError as e:
+        raise liveness.failure(f"gave up {what()}", e) from e
 
 
 def _block(work) -> None:

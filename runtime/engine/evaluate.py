@@ -23,8 +23,9 @@ forward needs and the lists stay deadlock-free (the validator checks them all th
 a synchronous schedule every stage has then taken step k, under an asynchronous one each stage
 evaluates the weights it holds at that point (a stage that forwards ahead may not have applied
 step k yet), as it trains. The last round comes after everything. The loss stage adds up each
-batch's loss weighted by its real samples and sends rank 0 [sum, samples, seconds]: the mean
-loss of the evaluation set.
+batch's loss weighted by its label tokens (`train.loss_weights.loss_items`: samples for a
+per-sample head) and sends rank 0 [sum, tokens, samples, seconds]: the token-weighted mean
+loss of the evaluation set, whatever its batch size (as the training loss).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from ..schedules import Action
+from ..train.loss_weights import loss_items
 from ..train.replicas import LossGather
 from .outputs import Outputs
 
@@ -142,13 +144,14 @@ def _round_start(j: int, batches: int) -> int:
 
 
 def reporter(plan: dict, steps: int, first: int, every: int, progress):
-    """Rank 0's callback for round r's [weighted loss, samples, seconds]: `progress.evaluated`."""
+    """Rank 0's callback for round r's [weighted loss, tokens, samples, seconds]:
+    `progress.evaluated`."""
     points = eval_points(steps, first, every)
     head = plan.get("model", {}).get("head", "")
 
     def on_eval(r: int, message) -> None:
-        total, samples, _ = (float(x) for x in message)
-        loss = total / samples
+        total, tokens, samples, _ = (float(x) for x in message)
+        loss = total / tokens if tokens else math.nan
         progress.evaluated(first + points[r] + 1, loss, perplexity(head, loss), int(samples))
 
     return on_eval
@@ -176,7 +179,7 @@ def loss_messages(
 def listen_for_losses(run):
     """Rank 0's thread receiving the losses (and evaluation results) of the loss stage's
     ranks, or None when rank 0 holds the only loss stage. `run`: the run's state
-    (`run._Run`: topo, flow, comm, executor, progress, on_eval, sources, place, m, args)."""
+    (`run._Run`: topo, flow, comm, executor, progress, on_eval, sources, place, m, config)."""
     topo, flow, comm, m = run.topo, run.flow, run.comm, run.m
     reps, loss_rank = run.place.reps, topo.rank_of[topo.loss_stage]
     if reps.count > 1:  # every replica's losses, one step's together
@@ -194,11 +197,11 @@ def listen_for_losses(run):
         return None
     evals = run.sources.eval
     n = evals.micro_batches if evals is not None else 1
-    steps, on_loss, on_eval = run.args.steps, run.progress.loss, run.on_eval
+    steps, on_loss, on_eval = run.config.steps, run.progress.loss, run.on_eval
     messages = (  # made as the listener needs them, from the loss rank's actions
         (loss_rank, k, m + 1, lambda msg, k=k: on_loss(k, msg))
         if kind == "loss"
-        else (loss_rank, steps + k, 3, lambda msg, k=k: on_eval(k, msg))
+        else (loss_rank, steps + k, 4, lambda msg, k=k: on_eval(k, msg))
         for kind, k in loss_messages(flow.listed(loss_rank), topo.loss_stage, m, n)
     )
     return comm.listen_losses(messages)
@@ -232,7 +235,8 @@ class Evaluator:
         self.tag_base, self.on_result = tag_base, on_result
         weights = RoundWeights(topo, self.batches, synchronous)
         self.outputs = Outputs(topo, rank, comm, "eval", weights)
-        self.sums: dict[int, list[float]] = {}  # round -> [weighted loss, samples, batches]
+        # round -> [loss weighted by tokens, tokens, samples, batches]
+        self.sums: dict[int, list[float]] = {}
         self.start = time.perf_counter()
 
     @torch.no_grad()
@@ -252,18 +256,21 @@ class Evaluator:
         for t in self.topo.outputs[s]:
             self.outputs.put(t, j, out[t])
         if s == self.topo.loss_stage:
-            self._add(j, float(out["loss"]), self.data.weight(index))
+            self._add(j, out["loss"], loss_items(self.data, index), self.data.weight(index))
 
-    def _add(self, j: int, loss: float, weight: int) -> None:
+    def _add(self, j: int, loss: torch.Tensor, tokens: int, samples: int) -> None:
         r = j // self.batches
-        total = self.sums.setdefault(r, [0.0, 0.0, 0])
-        total[0] += loss * weight
-        total[1] += weight
-        total[2] += 1
-        if total[2] < self.batches:
+        total = self.sums.setdefault(r, [0.0, 0, 0, 0])
+        if tokens:  # a batch with nothing to predict has a mean loss of 0/0: left out
+            total[0] += float(loss) * tokens
+        total[1] += tokens
+        total[2] += samples
+        total[3] += 1
+        if total[3] < self.batches:
             return
         del self.sums[r]
-        message = torch.tensor([total[0], total[1], time.perf_counter() - self.start])
+        seconds = time.perf_counter() - self.start
+        message = torch.tensor([total[0], total[1], total[2], seconds], dtype=torch.float64)
         if self.rank != 0:
             self.comm.send_loss(self.tag_base + r, message.double().to(self.device))
         elif self.on_result is not None:

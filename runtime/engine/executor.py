@@ -31,6 +31,10 @@ Frozen weights (`frozen`): a stage with nothing trainable and no gradient crossi
 borders is forward-only: its forwards run without autograd and keep nothing, its B and W
 are no-ops (`forward_only`).
 
+Activation offload (`offload`, `act_offload.ActivationOffload`): what a forward keeps for its
+backward (autograd's saved tensors, or a recomputing stage's inputs) waits on the host, and
+comes back one backward ahead; it watches the rank's actions to see which backward is next.
+
 Random numbers (dropout): a forward of micro-batch mb on stage s draws from a generator
 seeded by (seed, s, mb), and its recompute from the same seed, so the masks do not depend on
 what ran before: a resumed run that fills its pipeline again draws the very same ones.
@@ -46,7 +50,9 @@ import torch
 from ..errors import PipelineConfigError
 from ..schedules import Versions
 from ..stage.frozen import forward_only_stages
+from ..train.loss_weights import LossWeights
 from ..train.precision import MixedPrecision, get_precision
+from .act_offload import ActivationOffload
 from .outputs import Outputs
 from .split_backward import backward_input, backward_weight
 from .trace import Tracer
@@ -73,6 +79,9 @@ class Executor:
         self.comm, self.data, self.stepper = comm, data, stepper
         self.m, self.device, self.on_loss = micro_batches, torch.device(device), on_loss
         self.seed = seed
+        # Each micro-batch's share of its step's label tokens: the loss is their sum over
+        # their number, across micro-batches and replicas (as the HuggingFace Trainer's).
+        self.loss_weights = LossWeights(data, micro_batches)
         # Where the weights' gradients go (fp32 masters under bf16/fp16), fp16's loss scale.
         if precision is None:
             precision = MixedPrecision(get_precision("fp32"), modules)
@@ -96,6 +105,9 @@ class Executor:
         self.made: dict[str, torch.Tensor] = {}  # weight read by other ranks -> the parameter
         # One handler per action kind; evaluation's ("E") is added by the run when it has one.
         self.handlers = {"F": self.forward, "B": self.backward, "W": self.weight, "S": self.step}
+        # Saved activations parked on the host between a forward and its backward (the run
+        # sets one offloading its stages: `act_offload.of_run`); by default none.
+        self.offload = ActivationOffload(self.device)
 
     def run(self, items, after=None) -> None:
         """Run `items` (Dataflow.actions(rank)) in order."""
@@ -107,7 +119,7 @@ class Executor:
                 f"stage {s} needs its weights after {v} steps, which the checkpoint does not "
                 "hold; it was saved by an older ftpipe: start afresh without --resume"
             )
-        for i, item in enumerate(items):
+        for i, item in enumerate(self.offload.watch(items)):
             self.now = item
             with self.tracer.action(item.action):
                 self.handlers[item.action.kind](i, item.action)
@@ -124,16 +136,21 @@ class Executor:
         keep_graph = not self.policies[s].recompute and s not in self.forward_only
         params = self._version(a)
         order = self.flow.sending_order(s)
-        with self._seeded(s, m), torch.set_grad_enabled(keep_graph):
+        parking = self.offload.saving(s, m, keep_graph)
+        with self._seeded(s, m), torch.set_grad_enabled(keep_graph), parking:
             out = self._call(s, params, inputs)
         if s not in self.forward_only:
-            self.saved[(s, m)] = (inputs, out if keep_graph else None, params)
+            kept = self.offload.park(s, m, inputs, out, params, self.modules[s])
+            self.saved[(s, m)] = (kept, out if keep_graph else None, params)
         for t in order:
             self.acts.put(t, m, self._checked(t, out))
             if self.flow.shared(t):
                 self.made[t] = out[t]  # the parameter: the step below sends its next version
         if s == self.topo.loss_stage:
-            self._record_loss(m, out["loss"].detach().float())
+            _, share = self.loss_weights.of(m)
+            # its share of the step's loss (0 for one with nothing to predict: a NaN mean)
+            loss = out["loss"].detach().double()
+            self._record_loss(m, loss * share if share else torch.zeros_like(loss))
 
     def _checked(self, t: str, out: dict) -> torch.Tensor:
         info = self.topo.transfers[t]
@@ -151,9 +168,9 @@ class Executor:
         step[m] = loss.reshape(())
         if len(step) < self.m:
             return
-        # The losses and when this rank finished the step's forwards (ranks start together),
-        # left on the device: reading them here would wait for the GPU every step
-        # (`report.Progress` reads them when they are there).
+        # The micro-batches' shares of the step's loss and when this rank finished the
+        # step's forwards (ranks start together), left on the device: reading them here
+        # would wait for the GPU every step (`report.Progress` reads them when they are there).
         values = torch.stack([step[j] for j in sorted(step)]).double()
         when = torch.full((1,), time.perf_counter() - self.start, dtype=values.dtype,
                           device=values.device)  # fmt: skip
@@ -170,14 +187,18 @@ class Executor:
         if s in self.forward_only:
             return
         inputs, out, params = self.saved.pop((s, m))
+        inputs = self.offload.fetch(s, m, inputs)
         if out is None:
             with self._seeded(s, m), torch.enable_grad():
                 out = self._call(s, params, inputs)
         roots, grads = [], []
         if s == self.topo.loss_stage:
-            # Gradients accumulate over the step (and carry fp16's loss scale).
-            roots.append(out["loss"] * (self.precision.multiplier() / self.m))
-            grads.append(None)
+            # Gradients accumulate over the step (and carry fp16's loss scale); a micro-batch
+            # with nothing to predict adds nothing (its loss is 0/0).
+            weight, _ = self.loss_weights.of(m)
+            if weight:
+                roots.append(out["loss"] * (self.precision.multiplier() * weight))
+                grads.append(None)
         last = self._counted_backward(s)
         split = self.policies[s].split
         # Weights whose gradient, summed over the step, is taken after the rest of the

@@ -16,7 +16,9 @@ its page faults (each of a fresh CPU tensor's 4 KB pages costs one without huge 
 `cpu_allocator`), `sys` the part of `cpu` spent in the kernel (a profile taken in a tight
 loop rarely sees the kernel's share grow; a run can: on a VM whose host takes freed memory
 back, touching it again costs several times more); and what it sent to other ranks per
-message kind ("act", "grad", "weight", "wgrad", "eval": [messages, bytes]). Format 1 rows
+message kind ("act", "grad", "weight", "wgrad", "eval": [messages, bytes]; the replicas'
+collectives as a ring sends them: "grad all-reduce", "grad reduce-scatter", "weights
+all-gather", "optimizer state all-gather"). Format 1 rows
 have the first six only, format 2 the first eight.
 Rank 0 gathers the rows and writes them, atomically, with the run's schedule and
 micro-batches.

@@ -42,6 +42,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..train.zero import replica_norms
+
 __all__ = [
     "FreezeTraining",
     "bound_schedule",
@@ -161,12 +163,15 @@ class FreezeTraining:
         """At a step's gradients: the squared norm of each layer's gradient on this rank."""
         if not self.due(ev.step):
             return
-        sq = torch.zeros(len(self.units), dtype=torch.float64)
+        # Row 0: the gradients every replica holds alike; row 1: this replica's slices of
+        # sharded stages' (`zero`), which the sum over the replicas completes.
+        sq = torch.zeros(2, len(self.units), dtype=torch.float64)
         for s in ev.stages:
-            for name, t in self.mixed.trainable(s):
+            row = sq[1 if s in self.mixed.shards else 0]
+            for name, t in self.mixed.stepped(s):
                 unit = self.unit_of.get(name)
                 if unit is not None and t.grad is not None:
-                    sq[unit] += t.grad.detach().double().pow(2).sum().cpu()
+                    row[unit] += t.grad.detach().double().pow(2).sum().cpu()
         self._norms[ev.step] = (sq, ev.ranks)
 
     def after_step(self, ev, step: int) -> None:
@@ -174,7 +179,9 @@ class FreezeTraining:
         if not self.due(step):
             return
         sq, ranks = self._norms.pop(step)
-        total = self.comm.all_reduce(sq.to(self.comm.device), ranks, "the layers' gradient norms")
+        whole, part = sq.to(self.comm.device)
+        what = "the layers' gradient norms"
+        total = replica_norms(self.comm, whole, part, ranks, self.mixed.sharded_over, what)
         norms = total.cpu().sqrt().tolist()
         done = step + 1
         before = self.frozen
@@ -202,6 +209,9 @@ class FreezeTraining:
         for s, opt in self.optimizers.items():
             gone = {id(t) for t in self.mixed.freeze(s, names)}
             if opt is None or not gone:
+                continue
+            if s in self.mixed.shards:  # laid out again over what still trains
+                opt.relayout()
                 continue
             for group in opt.param_groups:
                 group["params"] = [t for t in group["params"] if id(t) not in gone]

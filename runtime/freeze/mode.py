@@ -3,7 +3,7 @@ training (PipeTransformer §3.1, `freezing.py`) and the shorter plans it switche
 (§3.2-3.3, `elastic.py`). Frozen parameters and LoRA need nothing here: they are in the
 plan (`Param.frozen`) and the stages (`frozen.py`).
 
-    mode = TrainingMode.of(args, Shrinks.beside(plan_path))
+    mode = TrainingMode.of(config, Shrinks.beside(plan_path))
     end = mode.segment_end(first, steps, gpus)      # where this plan's segment ends
     freezer = mode.freezer(plan, modules, ...)       # None without freeze training
     carried = mode.switch(...)                       # at a segment's end: the next plan
@@ -32,8 +32,8 @@ class TrainingMode:
     decisions: list = field(default_factory=list, compare=False)  # across the run's plans
 
     @classmethod
-    def of(cls, args, shrinks: Shrinks | None = None) -> TrainingMode:
-        mode = cls(args.freeze_alpha, args.freeze_every, tuple(args.freeze_at))
+    def of(cls, config, shrinks: Shrinks | None = None) -> TrainingMode:
+        mode = cls(config.freeze_alpha, config.freeze_every, tuple(config.freeze_at))
         return mode if not mode.freezing else cls(mode.alpha, mode.every, mode.forced, shrinks)
 
     @property
@@ -49,9 +49,9 @@ class TrainingMode:
         pending = bool(self.shrinks and self.shrinks.pending(gpus))
         return segment_end(first, steps, self.decides, pending)
 
-    def check(self, schedule, name: str, *, shrinking: bool, args, evaluating: bool) -> None:
+    def check(self, schedule, name: str, *, shrinking: bool, config, evaluating: bool) -> None:
         """What freeze training cannot run with yet, refused before any rank waits."""
-        if shrinking and (evaluating or args.save_hf or args.trace):
+        if shrinking and (evaluating or config.save_hf or config.trace):
             raise PipelineConfigError(
                 "evaluation, --save-hf and --trace do not run with a pipeline that shrinks yet "
                 "(elastic/ beside the plan); leave them out, or compile without --freeze-training"

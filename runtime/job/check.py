@@ -184,7 +184,9 @@ def compare_gradients(stages: dict, net):
 def main(argv, stage_classes: dict, load_plan, prog: str = "--check") -> int:
     """The `--check` command line; `load_plan()` returns the package's plan."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="of the synthetic inputs and weights (default 0)"
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
     try:  # a damaged plan.json (`topology.read_plan`'s sentence), weights that do not fit...

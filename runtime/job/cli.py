@@ -9,11 +9,29 @@ main(sys.argv[1:], STAGES, PLAN_PATH, package="t5_tiny_pipeline")   # the packag
 
 from __future__ import annotations
 
+import sys
+
 __all__ = ["main"]
 
 
 def main(argv: list[str], stages: dict, plan_path, package: str) -> int:
-    argv = list(argv)
+    from .signals import catch_sigterm, stopped
+
+    catch_sigterm()
+    try:
+        return _main(list(argv), stages, plan_path, package)
+    except KeyboardInterrupt as e:  # --check, export (a run says so itself, on every rank)
+        why, code = stopped(e, "outputs that existed are unchanged")
+        print(f"ftpipe: {why}", file=sys.stderr, flush=True)
+        return code
+
+
+def _main(argv: list[str], stages: dict, plan_path, package: str) -> int:
+    from .options import use_weights
+
+    # `--weights DIR` before anything reads the plan or builds a stage: train, --check and
+    # export all read the model's folder from there.
+    argv = use_weights(list(argv), prog=f"python -m {package}")
 
     def load_plan() -> dict:  # damaged or from another version: one sentence, not a traceback
         from ..spec.topology import read_plan

@@ -1,7 +1,7 @@
 """Large CPU tensors on transparent huge pages: decided before torch loads.
 
-    import ftpipe_runtime        # first: a package's __init__ and the compiler import it so
-    import torch                 # torch then puts tensors of 2 MB or more on huge pages
+    ftpipe_runtime.prepare_process()  # first: a package's entry point and `ftpipe` call it
+    import torch                      # torch then puts tensors of 2 MB or more on huge pages
 
 PyTorch's CPU allocator returns every freed tensor of more than 32 MB to the OS (glibc maps
 such blocks afresh each time), so each new one pays a page fault per 4 KB page: a GPT-2
@@ -33,7 +33,7 @@ import functools
 import os
 import sys
 
-__all__ = ["VARIABLE", "keep_heap", "release_free_heap", "use_huge_pages"]
+__all__ = ["VARIABLE", "keep_heap", "prepare_process", "release_free_heap", "use_huge_pages"]
 
 VARIABLE = "THP_MEM_ALLOC_ENABLE"
 
@@ -43,6 +43,13 @@ def use_huge_pages() -> None:
     read the environment then, so nothing changes."""
     if "torch" not in sys.modules:
         os.environ.setdefault(VARIABLE, "1")
+
+
+def prepare_process() -> None:
+    """The CPU allocator's settings for a run or a measured profile, before torch loads (called
+    explicitly: importing the runtime changes nothing)."""
+    use_huge_pages()
+    keep_heap()
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h

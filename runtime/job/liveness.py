@@ -28,9 +28,10 @@ steps ahead). The process groups get `backstop`, far beyond.
 While the main thread waits (`waiting`), the watchdog ends the process as soon as a peer is
 gone, with one sentence naming the peer and what this rank waited for; a busy main thread
 is never ended by it (its save may be worth finishing) and learns of a lost peer at its
-next wait. A gloo wait blocks in C++ where Python cannot interrupt it, so Ctrl-C reaches
-the watchdog through the signal wake-up pipe: a waiting rank stops at once, a busy one
-gets `GRACE_S` to stop by itself (its KeyboardInterrupt) first.
+next wait. A gloo wait blocks in C++ where Python cannot interrupt it, so Ctrl-C (and
+SIGTERM: `signals.catch_sigterm`, exit code 143) reaches the watchdog through the signal
+wake-up pipe: a waiting rank stops at once, a busy one gets `GRACE_S` to stop by itself
+(its KeyboardInterrupt, or `Terminated`) first.
 
 Every time is this rank's own monotonic clock (when it saw a heartbeat change), so the
 machines' clocks need not agree, and a watchdog kept from running (the main thread holding
@@ -53,9 +54,11 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..errors import PeerFailure
+from .signals import Terminated, stopped
 
 __all__ = [
     "INTERRUPTED",
+    "TERMINATED",
     "Liveness",
     "backstop",
     "current",
@@ -66,9 +69,12 @@ __all__ = [
     "waiting",
 ]
 
-INTERRUPTED = ("interrupted (Ctrl-C); complete checkpoints already written are kept", 130)
+KEPT = "complete checkpoints already written are kept"
+INTERRUPTED = stopped(KeyboardInterrupt(), KEPT)  # (the sentence, 130)
+TERMINATED = stopped(Terminated(), KEPT)  # (the sentence, 143): torchrun stopping a worker
 BEAT_S = 1.0  # between heartbeats (a quarter of --timeout when that is shorter)
 GRACE_S = 2.0  # Ctrl-C: how long a busy main thread gets to stop by itself
+CLOSED = ("Connection closed by peer", "Connection reset by peer")
 ANNOUNCE_S = 2.0  # at most this long telling the peers, even with the store gone
 POLL_S = 0.05  # the meeting: how often to look for the others
 
@@ -117,7 +123,10 @@ def failure(prefix: str, error: Exception) -> PeerFailure:
     said = _current.said() if _current is not None else None
     if said is not None:
         return PeerFailure(f"{prefix}: {said[0]}", code=said[1])
-    return PeerFailure(f"{prefix}: {short(error)}")
+    text = short(error)
+    if any(closed in text for closed in CLOSED):  # gloo's words for a peer gone without one
+        text = "its connection closed: it was killed, or its machine lost"
+    return PeerFailure(f"{prefix}: {text}")
 
 
 def die(why: str, code: int):
@@ -174,7 +183,7 @@ class Liveness:
         self.what: str | None = None  # what the main thread waits for; None: it works
         self.progress, self.moved = 0, now
         self.beats = 0
-        self.interrupted: float | None = None  # when Ctrl-C came
+        self.interrupted: tuple[float, tuple[str, int]] | None = None  # when Ctrl-C came, why
         self._lock = threading.Lock()  # one write at a time: no beat after the last word
         self._said = False
         self._closing = threading.Event()
@@ -310,9 +319,9 @@ class Liveness:
     def _verdict(self) -> tuple[str, int] | None:
         what = self.what
         if self.interrupted is not None and (
-            what is not None or _now() - self.interrupted > GRACE_S
+            what is not None or _now() - self.interrupted[0] > GRACE_S
         ):
-            return INTERRUPTED
+            return self.interrupted[1]
         if what is None:
             return None
         gone = self.gone()
@@ -325,8 +334,12 @@ class Liveness:
             return
         read_end = self._wakeup[0]
         ready, _, _ = select.select([read_end], [], [], self.beat_s)
-        if ready and signal.SIGINT in os.read(read_end, 512):
-            self.interrupted = self.interrupted or _now()
+        if ready and self.interrupted is None:
+            came = os.read(read_end, 512)
+            for signum, verdict in ((signal.SIGTERM, TERMINATED), (signal.SIGINT, INTERRUPTED)):
+                if signum in came:
+                    self.interrupted = (_now(), verdict)
+                    break
 
     def _beat(self) -> None:
         with self._lock:
@@ -376,5 +389,6 @@ class Liveness:
 
 
 def _code(peer: _Peer) -> int:
-    """A peer interrupted by Ctrl-C interrupts the run: 130 here too; else 1."""
-    return INTERRUPTED[1] if peer.code == INTERRUPTED[1] else 1
+    """A peer interrupted by Ctrl-C (or SIGTERM) interrupts the run: 130 (143) here too;
+    else 1."""
+    return peer.code if peer.code in (INTERRUPTED[1], TERMINATED[1]) else 1

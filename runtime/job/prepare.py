@@ -17,53 +17,163 @@ import torch
 from ..atomic import check_writable_file, check_writable_folder
 from ..data.sources import HFExporter
 from ..errors import PipelineConfigError
+from ..freeze.mode import TrainingMode
 from ..stage.package import build_stages, load_init
-from ..train.optim import lr_at, make_optimizer
+from ..train.offload import HostOffload
+from ..train.optim import make_optimizer
 from ..train.precision import MixedPrecision
+from ..train.zero import SHARDABLE, ShardedOptimizer
+from .config import RunConfig
 from .device import use_tf32
 from .report import memory_meter
 from .runlog import RunLog
 
-__all__ = ["lr_changes", "prepare_rank"]
+__all__ = ["lr_changes", "prepare_rank", "sharded_stages"]
 
 
 def prepare_rank(run, rank: int, gpu: int):
     """This rank's checks and set-up: its --log-json and --trace, its checkpoint folder, its
     export and log, its stages and --init weights, their precision and optimizers. `run`:
-    the run's settled state (`run._Run`: plan, args, topo, ckpt, place, precision, say)."""
-    plan, args, ckpt, carried, say = run.plan, run.args, run.ckpt, run.carried, run.say
-    if args.log_json and rank == 0:
-        check_writable_file(args.log_json, "--log-json")
-    if args.trace and rank == 0:
-        check_writable_file(args.trace, "--trace")
-    if args.save_every:
+    the run's settled state (`run._Run`: plan, config, topo, ckpt, place, precision, say)."""
+    plan, config, ckpt, carried, say = run.plan, run.config, run.ckpt, run.carried, run.say
+    if config.log_json and rank == 0:
+        check_writable_file(config.log_json, "--log-json")
+    if config.trace and rank == 0:
+        check_writable_file(config.trace, "--trace")
+    if config.save_every:
         _check_folder(ckpt.root)
-        if not (args.resume or args.overwrite_checkpoints):
+        if not (config.resume or config.overwrite_checkpoints):
             ckpt.refuse_foreign()
-    exporter = HFExporter(plan, args, ckpt, say) if args.save_hf else None
-    runlog = RunLog(args.log_dir, rank, say=say) if args.log_dir and not carried else None
+    exporter = HFExporter(plan, config, ckpt, say) if config.save_hf else None
+    wanted = config.log_dir or config.log_jsonl or config.tensorboard or config.wandb
+    runlog = None
+    if wanted and not carried:
+        runlog = RunLog(
+            config.log_dir, rank, say=say, jsonl=config.log_jsonl, tensorboard=config.tensorboard,
+            wandb=config.wandb, config=config.to_dict(),
+        )  # fmt: skip
     runlog = carried.runlog if carried else runlog
     memory_meter(str(run.place.device))  # started before any stage exists: what they add counts
-    use_tf32(run.place.device, args.tf32)
+    use_tf32(run.place.device, config.tf32)
     modules = build_stages(run.topo, run.stage_classes, gpu, run.place.device, run.precision.dtype)
-    if args.init:
-        load_init(modules, args.init, plan)
-    mixed = MixedPrecision(run.precision, modules)  # after --init: the masters copy the weights
+    if config.init:
+        load_init(modules, config.init, plan)
+    planned = run.topo.offload_optimizer & set(modules)  # the plan's per-stage choice
+    offload = _offload(config, run.place, planned)
+    offloaded = None if config.offload_optimizer else planned  # the flag: every stage
+    sharded = _sharded(run)
+    if sharded & planned:
+        raise PipelineConfigError(
+            f"the plan offloads stage {min(sharded & planned)}'s optimizer state to the host and "
+            "--shard-optimizer shards it across replicas; they do not run together yet: add "
+            "--no-shard-optimizer"
+        )
+    # after --init: the masters copy the weights
+    mixed = MixedPrecision(
+        run.precision, modules, offload=offload, offloaded=offloaded, sharded=sharded
+    )
     mixed.say = say
-    optimizers = {
-        s: make_optimizer(args.optimizer, [t for _, t in mixed.trainable(s)], args.lr)
-        for s in modules
-    }
-    torch.manual_seed(args.seed * 7919 + rank)  # the rank's own generator, repeats per run
+    if run.topo.offload_optimizer and not config.offload_optimizer:  # said once (rank 0's say)
+        stages = ", ".join(map(str, sorted(run.topo.offload_optimizer)))
+        say(f"ftpipe: the plan keeps the master weights and optimizer state of stages {stages} "
+            "in host memory and steps them on the CPU")  # fmt: skip
+    hyper = config.hyper
+    reps = run.place.reps
+    mixed.sharded_over = reps.count if sharded else 1
+    index = sorted(reps.stage_group(gpu)).index(rank)  # this rank's shards (`zero`)
+    optimizers = {}
+    for s in modules:
+        trainable = [t for _, t in mixed.trainable(s)]
+        optimizers[s] = (
+            ShardedOptimizer(mixed, s, replicas=reps.count, index=index,
+                             optimizer=config.optimizer, lr=config.lr, hyper=hyper)
+            if s in sharded and trainable
+            else make_optimizer(config.optimizer, trainable, config.lr, hyper)
+        )  # fmt: skip
+    torch.manual_seed(config.seed * 7919 + rank)  # the rank's own generator, repeats per run
     return modules, optimizers, mixed, exporter, runlog
 
 
-def lr_changes(args, saved_steps, first: int) -> bool:
+def _offload(config, place, planned=frozenset()) -> HostOffload | None:
+    """The host's side of the masters and optimizer state: --offload-optimizer (every stage),
+    or the stages of this rank the plan offloads (`planned`: its per-stage `offload`)."""
+    if not (config.offload_optimizer or planned):
+        return None
+    what = (
+        "--offload-optimizer"
+        if config.offload_optimizer
+        else f"the plan's offload of stage {min(planned)}'s optimizer"
+    )
+    undo = (
+        "leave it out"
+        if config.offload_optimizer
+        else "compile the package again with --offload none"
+    )
+    if place.reps.count > 1 and place.device.type == "cuda":
+        # The replicas' all-reduce sums the gradients where the masters are; NCCL's cannot.
+        raise PipelineConfigError(
+            f"{what} does not run with data-parallel replicas on CUDA yet; {undo}, or compile "
+            "the package with --replicas 1"
+        )
+    if TrainingMode.of(config).freezing and not config.no_shrink and place.device.type == "cuda":
+        # The switch to a shorter plan hands masters and state over through the device.
+        raise PipelineConfigError(
+            f"{what} does not hand over to a shorter pipeline on CUDA yet; add --no-shrink to "
+            f"freeze on this plan, or {undo}"
+        )
+    return HostOffload(place.device)
+
+
+def sharded_stages(plan: dict, choice: bool | None) -> set[int]:
+    """The plan's stages whose optimizer state is sharded across its replicas: every one
+    (--shard-optimizer), none (--no-shard-optimizer), or those whose `shard_optimizer` the
+    plan set (the compiler's choice; no flag)."""
+    if choice is not None:
+        return {int(st["id"]) for st in plan["stages"]} if choice else set()
+    return {int(st["id"]) for st in plan["stages"] if st.get("shard_optimizer")}
+
+
+def _sharded(run) -> set[int]:
+    """This rank's stages whose optimizer state is sharded, or one sentence saying why it
+    cannot be; the same on every rank (the plan's and the options' alone). None with one
+    replica, where there is nothing to shard across."""
+    config, reps = run.config, run.place.reps
+    chosen = sharded_stages(run.plan, config.shard_optimizer)
+    if not chosen:
+        return set()
+    if reps.count == 1:
+        if config.shard_optimizer:
+            run.say(
+                "ftpipe: note: --shard-optimizer shards across data-parallel replicas and this "
+                "package has one, so nothing is sharded (compile it with --replicas 2 or more)"
+            )
+        return set()
+    if config.offload_optimizer:
+        # Both place the masters; sharding them on the host is not written.
+        raise PipelineConfigError(
+            "--offload-optimizer and sharded optimizer state do not run together yet; pick "
+            "one (--no-shard-optimizer overrides the plan's sharding)"
+        )
+    if config.optimizer.lower() not in SHARDABLE:
+        raise PipelineConfigError(
+            f"--optimizer {config.optimizer} cannot step a replica's slice of the weights "
+            "(its state is per matrix, not per element), so its state cannot be sharded; "
+            f"pick {', '.join(SHARDABLE)}, or add --no-shard-optimizer"
+        )
+    if run.mode.shrinks is not None:
+        # The switch to a shorter plan moves whole tensors between ranks.
+        raise PipelineConfigError(
+            "sharded optimizer state does not hand over to a shorter pipeline yet; add "
+            "--no-shrink to freeze on this plan, or --no-shard-optimizer"
+        )
+    return chosen
+
+
+def lr_changes(config: RunConfig, saved_steps, first: int) -> bool:
     """Does --steps (which the learning-rate decay depends on) change the rates from `first`?"""
-    if not isinstance(saved_steps, int) or saved_steps == args.steps:
+    if not isinstance(saved_steps, int) or saved_steps == config.steps:
         return False
-    rate = lambda k, steps: lr_at(k, args.lr, steps, args.warmup, args.decay)  # noqa: E731
-    return any(rate(k, saved_steps) != rate(k, args.steps) for k in range(first, args.steps))
+    return any(config.lr_at(k, saved_steps) != config.lr_at(k) for k in range(first, config.steps))
 
 
 def _check_folder(root: Path) -> None:

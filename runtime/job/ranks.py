@@ -1,7 +1,7 @@
 """Where this process runs and how the ranks meet: the rank's place, the small collectives
 the run needs outside the schedule (gather, barrier, agreeing to start), and how a rank stops.
 
-    place = Place.of(plan, args.device, rank)    # replica, pipeline GPU, torch device
+    place = Place.of(plan, config.device, rank)    # replica, pipeline GPU, torch device
     agree_to_start(failure, rank, world)         # every rank learns who could not start
     first = all_gather(value, world)             # a small picklable value from every rank
 

@@ -1,47 +1,94 @@
-"""What a run tells its user: per-step loss and throughput on rank 0, memory of every rank.
+"""What a run tells its user: per-step figures on rank 0, memory of every rank.
 
 progress = Progress(enabled=rank == 0, steps=100, first=0, samples_per_step=32)
-progress.loss(step, per_micro_batch_losses)   # logs "step 3/100  loss 4.1234  812 samples/s"
+progress.loss(step, loss_shares)   # logs "step 3/100  loss 4.1234  lr ... eta ..."
+progress.grad_norm(step, squared_norm)        # where the run computed the global norm
 progress.close()
 memory_meter("cpu").peaks()                   # {"allocated": bytes, "reserved": bytes}
 
-A progress bar only when stderr is a terminal; otherwise (a log file, a CI job, torchrun's
-captured output) a plain line every `log_every` steps and nothing else.
+A step's figures (`Progress.figures`): loss, learning rate, gradient norm (before clipping;
+only where the step computes the norm over the whole pipeline: a synchronous schedule
+that clips, or fp16's overflow check; otherwise left out rather than computed for the log),
+tokens/s (the input positions, padding included), samples/s, rank 0's peak memory, the time
+left, and on a GPU the model FLOPs utilisation (MFU: the plan's FLOPs per step, forward
+and backward without recompute, against the compiled hardware's peak for the run's dtype
+on every GPU). Every step goes to the run's log (`runlog.RunLog`: log.jsonl, TensorBoard,
+W&B); a line is logged (`logs`) every `log_every` steps, and a progress bar is drawn only
+when stderr is a terminal.
 
-A step's losses may come as a GPU tensor: they are copied to pinned host memory without
-waiting and read once the GPU has made them (at a later step's losses, or at `close`), so
-reporting a loss never stalls the rank that queues the GPU's work.
+A step's losses (and its norm) may come as GPU tensors: they are copied to pinned host
+memory without waiting and read once the GPU has made them (at a later step's losses, or at
+`close`), so reporting never stalls the rank that queues the GPU's work.
 """
 
 from __future__ import annotations
 
 import collections
+import datetime
 import functools
+import logging
 import resource
 import sys
 import threading
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
-__all__ = ["Memory", "Progress", "checksums", "human_bytes", "memory_meter", "resident_bytes"]
+from .logs import LOGGER
+
+__all__ = [
+    "Memory",
+    "Progress",
+    "Rates",
+    "checksums",
+    "human_bytes",
+    "memory_meter",
+    "resident_bytes",
+]
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What turns a step's time into rates: its tokens, FLOPs, and the peak FLOP/s of all
+    the run's GPUs (0: no MFU, as on a CPU)."""
+
+    tokens_per_step: int = 0
+    flops_per_step: float = 0.0
+    peak_flops: float = 0.0
 
 
 class Progress:
     def __init__(
-        self, enabled: bool, steps: int, first: int, samples_per_step: int, log_every: int = 1
+        self,
+        enabled: bool,
+        steps: int,
+        first: int,
+        samples_per_step: int,
+        log_every: int = 1,
+        *,
+        rates: Rates = Rates(),
+        memory=None,
+        norms: bool = False,
+        bar: bool = True,
     ):
+        """`memory`: () -> this rank's peak bytes; `norms`: every step's gradient norm comes
+        (`grad_norm`), so a step is reported once it has its norm too; `bar`: draw one on a
+        terminal (not under -q)."""
         self.enabled, self.steps, self.first = enabled, steps, first
         self.samples_per_step, self.log_every = samples_per_step, max(1, log_every)
-        self.log = None  # a RunLog: JSON lines and TensorBoard scalars
+        self.rates, self.memory, self.expect_norms = rates, memory, norms
+        self.log = None  # a RunLog: JSON lines, TensorBoard, W&B
         self.lr_of = None  # step -> learning rate, for the log
+        self.logger = logging.getLogger(LOGGER)
         self.losses: dict[int, float] = {}
+        self.norms: dict[int, tuple] = {}  # step -> (squared norm on the host, CUDA event)
         self.evals: dict[int, dict] = {}  # step -> {"loss", "perplexity", "samples"}
         self.times: dict[int, float] = {}  # seconds from the start to each step's end
         self.bar = None
         self.pending = collections.deque()  # (step, host tensor, CUDA event or None)
         self.lock = threading.Lock()  # the loss rank's thread and rank 0's listener both report
-        if enabled and sys.stderr.isatty():
+        if enabled and bar and sys.stderr.isatty():
             self.bar = tqdm(
                 total=steps - first,
                 desc="steps",
@@ -52,24 +99,27 @@ class Progress:
             )
 
     def loss(self, step: int, message: torch.Tensor) -> None:
-        """`message`: the step's micro-batch losses, then seconds since training started; on
-        a GPU, read when it is there (in step order: `drain`)."""
+        """`message`: the step's micro-batches' shares of its loss, then seconds since
+        training started; on a GPU, read when it is there (in step order: `drain`)."""
         with self.lock:
-            ready = None
-            if message.device.type == "cuda":
-                with torch.cuda.device(message.device):
-                    host = torch.empty(message.shape, dtype=torch.float64, pin_memory=True)
-                    host.copy_(message, non_blocking=True)
-                    ready = torch.cuda.Event()
-                    ready.record()
-                message = host
-            self.pending.append((step, message, ready))
+            self.pending.append((step, *_to_host(message)))
+            self.drain(wait=False)
+
+    def grad_norm(self, step: int, squared: torch.Tensor) -> None:
+        """The step's squared gradient norm over the whole pipeline (before clipping)."""
+        if not self.enabled:
+            return
+        with self.lock:
+            self.norms[step] = _to_host(squared.detach().reshape(1).clone())
             self.drain(wait=False)
 
     def drain(self, wait: bool = True) -> None:
-        """Report the losses that are on the host by now, in order (all of them: `wait`)."""
+        """Report the steps whose losses (and norm) are on the host by now, in order (all of
+        them: `wait`)."""
         while self.pending:
             step, message, ready = self.pending[0]
+            if not wait and self.expect_norms and step not in self.norms:
+                return
             if ready is not None and not wait and not ready.query():
                 return
             if ready is not None:
@@ -79,22 +129,44 @@ class Progress:
 
     def _report(self, step: int, message: torch.Tensor) -> None:
         message = message.double().cpu()
-        self.losses[step] = float(message[:-1].mean())
+        # each micro-batch's share of the step's loss (of every replica's): their sum
+        self.losses[step] = float(message[:-1].sum())
         self.times[step] = float(message[-1])
         if not self.enabled:
             return
+        figures = self.figures(step)
         if self.log is not None:
-            lr = self.lr_of(step) if self.lr_of is not None else None
-            self.log.record("train", step + 1, loss=self.losses[step], lr=lr,
-                            samples_per_s=self.samples_per_s(), time_s=self.times[step])  # fmt: skip
+            self.log.record("train", step + 1, **figures)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{self.losses[step]:.4f}")
         if (step + 1) % self.log_every == 0 or step in (self.first, self.steps - 1):
-            self.write(
-                f"step {step + 1}/{self.steps}  loss {self.losses[step]:.4f}  "
-                f"{self.samples_per_s():.1f} samples/s"
-            )
+            self.write(f"step {step + 1}/{self.steps}  " + step_line(figures))
+
+    def figures(self, step: int) -> dict:
+        """What the log says of `step`: the keys of `step_line` (those the run has)."""
+        out = {"loss": self.losses[step]}
+        if self.lr_of is not None:
+            out["lr"] = self.lr_of(step)
+        norm = self.norms.pop(step, None)
+        if norm is not None:
+            squared, ready = norm
+            if ready is not None:
+                ready.synchronize()
+            out["grad_norm"] = float(squared.double().sqrt())
+        rate = self.samples_per_s()
+        out["samples_per_s"] = rate
+        if self.rates.tokens_per_step:
+            out["tokens_per_s"] = rate / self.samples_per_step * self.rates.tokens_per_step
+        if self.memory is not None:
+            out["peak_memory_bytes"] = int(self.memory())
+        done = step - self.first + 1
+        out["eta_s"] = (self.steps - step - 1) * self.times[step] / max(done, 1)
+        if self.rates.flops_per_step and self.rates.peak_flops:
+            steps_per_s = rate / self.samples_per_step
+            out["mfu"] = self.rates.flops_per_step * steps_per_s / self.rates.peak_flops
+        out["time_s"] = self.times[step]
+        return out
 
     def evaluated(self, step: int, loss: float, ppl: float | None, samples: int) -> None:
         """An evaluation after `step` steps: its mean loss (and perplexity) over `samples`."""
@@ -119,17 +191,47 @@ class Progress:
         t = sorted(self.times.values())
         return (len(t) - 1) * self.samples_per_step / max(t[-1] - t[0], 1e-9)
 
-    def write(self, line: str) -> None:
-        if self.bar is not None:
-            self.bar.write(line, file=sys.stderr)
-        else:
-            print(line, file=sys.stderr, flush=True)
+    def write(self, line: str, level: int = logging.INFO) -> None:
+        """A line of rank 0's log (`logs`: time and rank before it; below a bar's line)."""
+        self.logger.log(level, line)
 
     def close(self) -> None:
         with self.lock:
             self.drain(wait=True)
         if self.bar is not None:
             self.bar.close()
+
+
+def step_line(figures: dict) -> str:
+    """`loss 4.1234  lr 1.00e-03  grad_norm 0.981  2,048 tokens/s  32.0 samples/s  mem 1.2
+    GiB  eta 0:01:05  mfu 41.2%`: the figures the step has, two spaces apart."""
+    f = figures
+    parts = [f"loss {f['loss']:.4f}"]
+    if "lr" in f:
+        parts.append(f"lr {f['lr']:.3e}")
+    if "grad_norm" in f:
+        parts.append(f"grad_norm {f['grad_norm']:.4g}")
+    if "tokens_per_s" in f:
+        parts.append(f"{f['tokens_per_s']:,.0f} tokens/s")
+    parts.append(f"{f['samples_per_s']:.1f} samples/s")
+    if "peak_memory_bytes" in f:
+        parts.append(f"mem {human_bytes(f['peak_memory_bytes'])}")
+    parts.append(f"eta {datetime.timedelta(seconds=round(f['eta_s']))}")
+    if "mfu" in f:
+        parts.append(f"mfu {100 * f['mfu']:.1f}%")
+    return "  ".join(parts)
+
+
+def _to_host(t: torch.Tensor) -> tuple[torch.Tensor, object]:
+    """(`t` on the host, a CUDA event to wait for before reading it, or None)."""
+    if t.device.type != "cuda":
+        return t, None
+    with torch.cuda.device(t.device):
+        host = torch.empty(t.shape, dtype=torch.float64, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+    return host, ready
 
 
 class Memory:
@@ -196,8 +298,17 @@ def resident_bytes() -> int:
 
 
 def peak_resident_bytes() -> int:
-    """The process's peak resident set (getrusage: KiB on Linux, bytes on macOS)."""
-    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    """The process's peak resident set. Linux: /proc's VmHWM, this program's own; getrusage's
+    ru_maxrss is not: a child started by fork or vfork and exec keeps its parent's peak at
+    that moment (torchrun's agent, or pytest holding a GB, made a rank "peak" at theirs)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB; bytes on macOS
     return peak if sys.platform == "darwin" else peak * 1024
 
 

@@ -14,8 +14,8 @@ made a step window at a time (`schedules.Timeline`), so starting takes as long f
 wait lasted: no heartbeat for --timeout, a rank that said it stopped, or no rank progressing
 for --hang-timeout while one is busy. Every way a rank stops is one line on stderr, the
 peers told, and an exit code: 1 for a failure (bad input, a lost peer, a failed write, an
-unexpected error: --debug shows its traceback), 130 for Ctrl-C (and on the peers of an
-interrupted rank), 3 for FTPIPE_FAULT's exit (`os._exit`: a process group with a dead
+unexpected error: --debug shows its traceback), 130 for Ctrl-C and 143 for SIGTERM (and on
+the peers of an interrupted rank), 3 for FTPIPE_FAULT's exit (`os._exit`: a process group with a dead
 member cannot be shut down cleanly). A rank that cannot start (a wrong `--init`, say) tells
 the others when they meet, and they all stop naming it.
 FTPIPE_FAULT=rank:step:exit|hang|raise|slow[:seconds] makes a rank exit, hang, raise an
@@ -24,6 +24,8 @@ unexpected error or stall after that step, for tests of exactly that.
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import sys
 import time
@@ -46,15 +48,17 @@ from ..freeze.elastic import Carried, Shrinks, load_carried
 from ..freeze.mode import TrainingMode, segment_line, segment_row
 from ..schedules import Timeline, resolve_schedule
 from ..spec.topology import Topology, read_plan
-from ..train.optim import lr_at
 from ..train.precision import for_run, plan_in
 from ..train.replicas import Shard
 from . import liveness
-from .liveness import INTERRUPTED, die
+from .config import RunConfig
+from .liveness import INTERRUPTED, TERMINATED, die
+from .logs import LOGGER, sayer, setup_logging
 from .options import parse_args
 from .prepare import lr_changes, prepare_rank
 from .ranks import Place, agree_to_start, all_gather, barrier, fault_of
-from .report import Progress
+from .report import Progress, Rates, memory_meter
+from .signals import Terminated, catch_sigterm
 from .summary import finish, gather_trace, save_hf
 
 __all__ = ["run"]
@@ -67,24 +71,26 @@ def run(plan: dict | str | os.PathLike, stages: dict, argv: list[str] | None = N
     """
     rank = int(os.environ.get("RANK", 0))
     argv_plan = plan
+    catch_sigterm()  # torchrun's stop: one line and 143, as Ctrl-C's 130
     try:
         plan = read_plan(plan) if not isinstance(plan, dict) else plan
         Topology(plan)  # before the arguments, whose defaults come from the plan
     except PipelineConfigError as e:
         raise SystemExit(f"ftpipe: {e}") from None
-    args = parse_args(argv, plan)
+    config = parse_args(argv, plan, package=_package_of(stages))
+    setup_logging(rank, config.loudness)
     try:
         # Freeze training on a package compiled with --freeze-training: segments, each on
         # its plan, the next one shorter (ftpipe_runtime.freeze.elastic).
         # --no-shrink: freeze, but stay on this plan (the shorter ones beside it unused).
-        plain = isinstance(argv_plan, dict) or args.no_shrink
+        plain = isinstance(argv_plan, dict) or config.no_shrink
         shrinks = None if plain else Shrinks.beside(Path(argv_plan))
-        mode = TrainingMode.of(args, shrinks)
+        mode = TrainingMode.of(config, shrinks)
         carried = None
-        while isinstance(got := _Run(plan, stages, args, rank, mode, carried).train(), Carried):
+        while isinstance(got := _Run(plan, stages, config, rank, mode, carried).train(), Carried):
             carried, plan, stages = got, got.plan, got.stages
     except BaseException as e:  # noqa: BLE001 - every way out: one line, peers told, a code
-        _stop(e, args.debug)
+        _stop(e, config.debug)
     if (live := liveness.current()) is not None:
         live.close()
     return got
@@ -108,6 +114,8 @@ def _stop(e: BaseException, debug: bool):
 
 
 def _sentence(e: BaseException, debug: bool) -> tuple[str, int]:
+    if isinstance(e, Terminated):
+        return TERMINATED
     if isinstance(e, KeyboardInterrupt):
         return INTERRUPTED
     if isinstance(e, PeerFailure):
@@ -126,11 +134,13 @@ class _Run:
     meeting), connect, build the executor, execute, and end (the summary, or what the next
     plan carries on with). The phases share what they make as attributes."""
 
-    def __init__(self, plan, stage_classes, args, rank: int, mode: TrainingMode, carried):
-        self.plan, self.stage_classes, self.args = plan, stage_classes, args
+    def __init__(
+        self, plan, stage_classes, config: RunConfig, rank: int, mode: TrainingMode, carried
+    ):
+        self.plan, self.stage_classes, self.config = plan, stage_classes, config
         self.mode, self.carried = mode, carried
-        self.place = Place.of(plan, args.device, rank)
-        self.say = (lambda line: print(line, file=sys.stderr, flush=True)) if rank == 0 else _quiet
+        self.place = Place.of(plan, config.device, rank)
+        self.say = sayer(logging.getLogger(LOGGER)) if rank == 0 else _quiet
 
     def note(self, line: str) -> None:
         """A line from rank 0 beside its progress bar."""
@@ -151,36 +161,42 @@ class _Run:
         first what every rank finds alike (the data, which settles --steps under --epochs;
         the schedule's lists on this plan: a CSV file that skips or deadlocks), then (in
         `start`) what is this rank's own, which the others hear of when they meet."""
-        plan, args, carried, reps = self.plan, self.args, self.carried, self.place.reps
-        self.name = args.schedule or plan["schedule"]
+        plan, config, carried, reps = self.plan, self.config, self.carried, self.place.reps
+        self.name = config.schedule or plan["schedule"]
         sched = resolve_schedule(self.name)
         if not plan.get("recompute", True) and sched.can_keep_activations:
             sched = sched.without_recompute()  # the planner chose to keep activations
-        m = args.micro_batches or sched.micro_batches or int(plan["micro_batches"])
+        m = config.micro_batches or sched.micro_batches or int(plan["micro_batches"])
         m = carried.micro_batches if carried else m
         self.sched, self.m = sched, m
-        self.precision = for_run(plan, args.dtype, sched)
+        self.precision = for_run(plan, config.dtype, sched)
         self.topo = topo = Topology(plan_in(plan, self.precision))  # messages in compute dtype
-        self.sources = sources = open_sources(plan, args, m, self.say)
-        if reps.count > 1 and (sources.eval is not None or args.save_hf):
+        self.sources = sources = open_sources(plan, config, m, self.say)
+        self.config = config = config.with_steps(sources.steps)  # --epochs counted on the data
+        if reps.count > 1 and (sources.eval is not None or config.save_hf):
             raise PipelineConfigError(
                 "evaluation and --save-hf do not run with data-parallel replicas yet; leave them "
                 "out, or compile the package with --replicas 1"
             )
         self.data = Shard(sources.train, self.place.replica, reps.count, m)
         self.first = carried.first if carried else 0
-        self.stop = self.mode.segment_end(self.first, args.steps, topo.world)
-        self.mode.check(sched, self.name, shrinking=self.stop < args.steps, args=args,
+        self.stop = self.mode.segment_end(self.first, config.steps, topo.world)
+        self.mode.check(sched, self.name, shrinking=self.stop < config.steps, config=config,
                         evaluating=sources.eval is not None)  # fmt: skip
         self.timeline = Timeline(
-            sched, topo.stage_infos(), m, self.stop, drain_every=args.save_every
+            sched, topo.stage_infos(), m, self.stop, drain_every=config.save_every
         )
         self.timeline.check(topo.stage_graph(), self.every_step)
-        root = Path(args.checkpoint_dir or checkpoint.default_dir(plan))
+        root = Path(config.checkpoint_dir or checkpoint.default_dir(plan))
         self.root = root / carried.name if carried else root  # each plan's checkpoints its own
-        identity = checkpoint.run_identity(plan, args, self.name, m)
+        identity = checkpoint.run_identity(plan, config, self.name, m)
         self.ckpt = checkpoint.Checkpoints(
-            self.root, self.place.rank, self.place.world, identity, args.keep_checkpoints, self.say
+            self.root,
+            self.place.rank,
+            self.place.world,
+            identity,
+            config.keep_checkpoints,
+            self.say,
         )
 
     def every_step(self, n: int):
@@ -190,14 +206,14 @@ class _Run:
     def start(self) -> None:
         """This rank's own set-up, then the meeting (where a rank that failed is named), then
         the step to start from (--resume)."""
-        args, place = self.args, self.place
+        config, place = self.config, self.place
         # Beating from the start: a rank that loads its weights for minutes is waited for.
         live = liveness.start(
             place.rank,
             place.world,
-            args.init_method,
-            timeout_s=args.timeout,
-            hang_s=args.hang_timeout,
+            config.init_method,
+            timeout_s=config.timeout,
+            hang_s=config.hang_timeout,
         )
         failure = None
         try:
@@ -207,25 +223,25 @@ class _Run:
             failure = e
         if live is not None and not dist.is_initialized():
             live.meet()
-            backstop = liveness.backstop(args.hang_timeout)
+            backstop = liveness.backstop(config.hang_timeout)
             init_distributed(place.rank, place.world, place.device.type, live.pg_store, backstop)
         agree_to_start(failure, place.rank, place.world)
         self.manifest = None
-        if args.resume:
+        if config.resume:
             self.first, self.manifest = self.ckpt.choose(lambda v: all_gather(v, place.world))
         first = self.first
-        if first >= args.steps:
+        if first >= config.steps:
             raise PipelineConfigError(f"the checkpoint is at step {first}; ask for more --steps")
-        if self.manifest and lr_changes(args, self.manifest.get("steps"), first):
+        if self.manifest and lr_changes(config, self.manifest.get("steps"), first):
             self.say(
                 f"ftpipe: note: the checkpoint's run had --steps {self.manifest['steps']}, this "
-                f"one {args.steps}; the learning-rate schedule changes from step {first}"
+                f"one {config.steps}; the learning-rate schedule changes from step {first}"
             )
-        if place.rank == 0 and (args.save_every or args.resume):
+        if place.rank == 0 and (config.save_every or config.resume):
             remove_temporaries(self.root)  # of a killed save; nobody saves before the barrier
-        if args.save_every:  # the run's id in its manifests, and --overwrite-checkpoints
+        if config.save_every:  # the run's id in its manifests, and --overwrite-checkpoints
             agree = lambda v: all_gather(v, place.world, "naming the run")  # noqa: E731
-            self.ckpt.start(self.manifest, agree, replace=args.overwrite_checkpoints)
+            self.ckpt.start(self.manifest, agree, replace=config.overwrite_checkpoints)
         if first:  # the pipeline fills again from the checkpoint's step
             self.timeline = self.timeline.resumed(first)
             self.timeline.check(self.topo.stage_graph(), self.every_step)
@@ -235,17 +251,17 @@ class _Run:
         pipeline's ranks when a synchronous step clips (fp16's overflow check rides on it:
         the norm is computed then even without clipping), and each GPU's gradients with its
         replicas."""
-        args, topo, place, reps = self.args, self.topo, self.place, self.place.reps
-        rounds = dict(data=self.sources.eval, steps=args.steps, every=args.eval_every)
+        config, topo, place, reps = self.config, self.topo, self.place, self.place.reps
+        rounds = dict(data=self.sources.eval, steps=config.steps, every=config.eval_every)
         self.flow = Dataflow(topo, self.timeline, splicer(topo, self.m, first=self.first, **rounds))
-        backstop = liveness.backstop(args.hang_timeout).total_seconds()
+        backstop = liveness.backstop(config.hang_timeout).total_seconds()
         self.comm = Comm(
             place.gpu, topo.world, place.device, backstop, self.flow, _message_specs(topo),
-            reps, place.replica, ahead_bytes=int(args.post_ahead * 2**20),
+            reps, place.replica, ahead_bytes=int(config.post_ahead * 2**20),
         )  # fmt: skip
         freezing = self.mode.freezing
         collective = self.sched.synchronous and (
-            args.clip or self.precision.loss_scaling or freezing
+            config.clip or self.precision.loss_scaling or freezing
         )
         collective_sets = [tuple(range(topo.world))] if collective else []
         dp_sets = [reps.stage_group(g) for g in range(topo.world)] if reps.count > 1 else []
@@ -255,16 +271,21 @@ class _Run:
     def build(self) -> None:
         """Progress, freezing, checkpoints, the optimizer steps and the executor; then the
         resumed run's weights, state and kept weight versions."""
-        args, place, carried, mixed = self.args, self.place, self.carried, self.mixed
+        config, place, carried, mixed = self.config, self.place, self.carried, self.mixed
         micro_batch = next(iter(self.plan["model"]["inputs"].values()))[0][0]
         self.samples = place.reps.count * self.m * micro_batch
+        # The step's gradient norm is in hand where it clips over the whole pipeline (or
+        # checks fp16 overflow): the log shows it there, and computes none of its own.
+        norms = self.sched.synchronous and bool(config.clip or self.precision.loss_scaling)
         self.progress = progress = Progress(
-            place.rank == 0, args.steps, self.first, self.samples, args.log_every
-        )
+            place.rank == 0, config.steps, self.first, self.samples, config.log_every,
+            rates=self.rates(), memory=lambda: memory_meter(str(place.device)).peaks()["allocated"],
+            norms=norms and place.rank == 0, bar=not config.quiet,
+        )  # fmt: skip
         progress.log, progress.lr_of = self.runlog, self.lr_of
         if carried:
             progress.losses.update(carried.losses)
-        if args.resume:
+        if config.resume:
             root = self.root
             where = (
                 f"step {self.first} of {root}" if self.first else f"step 0: no checkpoint in {root}"
@@ -272,28 +293,76 @@ class _Run:
             self.note(f"resuming from {where}")
         self.freezer = freezer = self.mode.freezer(
             self.plan, self.modules, self.optimizers, mixed, self.comm,
-            resume=args.resume, say=progress.write, runlog=self.runlog,
+            resume=config.resume, say=progress.write, runlog=self.runlog,
         )  # fmt: skip
         if carried:  # the same layers frozen, then the weights and state handed over loaded
             freezer.start_frozen(carried.frozen)
             load_carried(carried, self.modules, self.optimizers, mixed)
         self.saver = saver = Saver(
-            self.ckpt, args.save_every, args.steps, self.m, stages=place.replica == 0
+            self.ckpt, config.save_every, config.steps, self.m, stages=place.replica == 0
         )
         saver.modules, saver.optimizers, saver.precision = self.modules, self.optimizers, mixed
         self.stepper = make_stepper(self)
+        if norms and place.rank == 0:
+            self.stepper.on_norm = progress.grad_norm
         self.executor, self.on_eval = make_executor(self)
         saver.versions, saver.drained = self.executor.kept_versions, self.timeline.drains
         if self.first and not carried:
             load_checkpoint(self)
+        if not carried:
+            self.announce()
+
+    def rates(self) -> Rates:
+        """Tokens and model FLOPs of a step, and the peak FLOP/s of every GPU of the run (on
+        a GPU: the compiled hardware's, in the run's dtype; MFU against it)."""
+        model, place = self.plan["model"], self.place
+        inputs = model.get("inputs") or {}
+        shape = (inputs.get("input_ids") or next(iter(inputs.values()), [[0]]))[0]
+        micro_batches = self.m * place.reps.count  # of a step, every replica's
+        tokens = micro_batches * math.prod(shape)
+        flops = float(model.get("flops_per_micro_batch") or 0.0) * micro_batches
+        peaks = model.get("peak_flops") or {}
+        dtype = str(self.precision.dtype).removeprefix("torch.")
+        if dtype == "float32" and self.config.tf32 and peaks.get("tf32"):
+            dtype = "tf32"
+        peak = float(peaks.get(dtype) or 0.0) * place.world
+        return Rates(tokens, flops, peak if place.device.type == "cuda" else 0.0)
+
+    def announce(self) -> None:
+        """Rank 0 says once where the run's outputs go, and what it trains on."""
+        if self.place.rank != 0:
+            return
+        config, log = self.config, self.progress.logger
+        if config.save_every:
+            log.info("checkpoints: %s, every %d steps", self.root, config.save_every)
+        else:
+            log.info("checkpoints: none (--save-every N saves to %s)", self.root)
+        places = self.runlog.where() if self.runlog is not None else []
+        log.info("logs: %s", "; ".join(places) if places else "these lines only (--log-dir, "
+                 "--log-jsonl, --tensorboard, --wandb write more)")  # fmt: skip
+        if config.log_json:
+            log.info("summary: %s", config.log_json)
+        if config.save_hf:
+            log.info("export: %s (HuggingFace folder) at the end", config.save_hf)
+        if config.data is None or config.data == "synthetic":
+            log.warning(
+                "training on synthetic tokens (random ids of the compiled shapes): pass --data "
+                "FILE to fine-tune on your data"
+            )
+        elif config.data == "copy":
+            log.info("training on the synthetic copy task (counting sequences)")
+        rates = self.progress.rates
+        if rates.peak_flops:
+            log.debug("MFU against %.4g TFLOP/s in all (%s's peak)", rates.peak_flops / 1e12,
+                      self.plan["model"].get("hardware"))  # fmt: skip
+        log.debug("options: %s", config.to_dict())
 
     def lr_of(self, k: int) -> float:
-        args = self.args
-        return lr_at(k, args.lr, args.steps, args.warmup, args.decay)
+        return self.config.lr_at(k)
 
     def execute(self) -> float:
         """This rank's actions, timed (seconds); rank 0 hears the loss stage's losses."""
-        args, place, comm = self.args, self.place, self.comm
+        config, place, comm = self.config, self.place, self.comm
         fault = fault_of(place.rank)
 
         def after(i, item):
@@ -310,7 +379,7 @@ class _Run:
                 die("FTPIPE_FAULT stops this rank", 3)
 
         barrier(place.world, "starting")
-        self.executor.tracer = self.tracer = Tracer(comm, keep=bool(args.trace))
+        self.executor.tracer = self.tracer = Tracer(comm, keep=bool(config.trace))
         self.tracer.start()
         listener = listen_for_losses(self) if place.rank == 0 else None
         start = time.perf_counter()
@@ -334,14 +403,14 @@ class _Run:
             *done,
             segment_row(self.first, self.stop, place.reps, self.samples, wall, progress.times),
         ]
-        if self.stop < self.args.steps:
+        if self.stop < self.config.steps:
             progress.close()
             self.note(segment_line(segments[-1]))
             return self.mode.switch(self, self.stop, segments)
         if carried:
             self.note(segment_line(segments[-1]))
         wall = sum(row["wall_s"] for row in segments)  # of every plan's steps
-        if self.args.trace:
+        if self.config.trace:
             gather_trace(self, self.tracer, self.first)
         progress.close()
         if self.exporter is not None:
@@ -357,6 +426,12 @@ def _message_specs(topo: Topology):
         return t.shape, t.dtype
 
     return spec_of
+
+
+def _package_of(stages: dict) -> str:
+    """The generated package's name, for --help (its stages live in `<package>.stages`)."""
+    first = next(iter(stages.values()), None)
+    return (getattr(first, "__module__", "") or "").rpartition(".")[0] or "<package>"
 
 
 def _quiet(line: str) -> None:

@@ -19,7 +19,18 @@ from .heads import (
     input_shapes,
     with_dropout,
 )
-from .synthetic import LABELS, SHIFTS, decoder_inputs, shift_right, synthetic_batch
+
+_SYNTHETIC = ("LABELS", "SHIFTS", "decoder_inputs", "shift_right", "synthetic_batch")
+
+
+def __getattr__(name: str):
+    # `synthetic` needs torch; `heads` does not, and `ftpipe models` reads only it.
+    if name in _SYNTHETIC:
+        from . import synthetic
+
+        return getattr(synthetic, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "FAMILY_RULES",

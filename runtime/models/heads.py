@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from ..errors import unknown_name
+
 IGNORE = -100  # label of a position the loss skips (padding): HuggingFace's ignore_index
 
 
@@ -32,6 +34,17 @@ class Head:
     def labels_are_input_ids(self) -> bool:
         """Causal LM: the label of a token is the token (the model shifts it by one)."""
         return self.name == "causal-lm"
+
+    def loss_items(self, labels) -> int:
+        """What the head's loss averages over in a batch whose `self.labels[0]` are `labels`:
+        its label tokens that count (not IGNORE; a causal LM's from the second on, as the
+        model shifts them: HuggingFace's `ForCausalLMLoss` and the Trainer's count), or its
+        samples for a head with one label per sample (a classifier's loss is their mean)."""
+        if self.label_length == "sample":
+            return int(labels.shape[0])
+        if self.labels_are_input_ids:
+            labels = labels[..., 1:]
+        return int((labels != IGNORE).sum())
 
 
 HEADS = {
@@ -71,7 +84,7 @@ def get_head(name: str) -> Head:
     try:
         return HEADS[name]
     except KeyError:
-        raise ValueError(f"unknown head {name!r}; choose from {', '.join(HEADS)}") from None
+        raise ValueError(unknown_name("head", name, HEADS)) from None
 
 
 @dataclass(frozen=True)
@@ -93,9 +106,13 @@ class Vocab:
         return cls(**{f.name: int(d[f.name]) for f in fields(cls) if d.get(f.name) is not None})
 
 
-def input_names(head: Head, forward_params, vocab: Vocab) -> tuple[str, ...]:
-    """The inputs to feed, in the order of the forward's own parameters."""
-    wanted = {"input_ids", "attention_mask", *head.labels}
+def input_names(
+    head: Head, forward_params, vocab: Vocab, *, packed: bool = False
+) -> tuple[str, ...]:
+    """The inputs to feed, in the order of the forward's own parameters. `packed` (a causal LM
+    compiled with --pack): position ids instead of the 2-D attention mask, from which the model
+    derives a mask that keeps packed documents apart (`packing.py`)."""
+    wanted = {"input_ids", "position_ids" if packed else "attention_mask", *head.labels}
     if head.decoder:
         wanted.add("decoder_input_ids")
     if vocab.type_vocab_size >= 2:  # GPT-2 takes token_type_ids too, but has no types
@@ -104,7 +121,19 @@ def input_names(head: Head, forward_params, vocab: Vocab) -> tuple[str, ...]:
     missing = [n for n in ("input_ids", *head.labels) if n not in names]
     if missing:
         raise ValueError(f"its forward takes no {', '.join(missing)}, which a {head.name} needs")
+    if packed and "position_ids" not in names:
+        raise ValueError("its forward takes no position_ids, which --pack needs")
     return names
+
+
+def problem_type(head: Head, vocab: Vocab) -> str | None:
+    """What a sequence classifier's labels make of it (transformers' `config.problem_type`):
+    one class regresses a float label (MSE), more pick one class of an int label (cross-entropy).
+    Set in the config, it spares the forward guessing from the labels (DeBERTa-v2 looks at
+    their values, which no trace can follow)."""
+    if head.name != "sequence-classification":
+        return None
+    return "regression" if vocab.num_labels == 1 else "single_label_classification"
 
 
 def input_shapes(
@@ -112,9 +141,7 @@ def input_shapes(
 ) -> dict[str, tuple[list[int], str]]:
     """name -> (per-sample shape, dtype) of each input."""
     per = {"seq": [seq_len], "target": [target_len], "sample": []}
-    # one "class": HuggingFace's sequence classifiers then regress (a float label, MSE loss)
-    float_labels = head.name == "sequence-classification" and vocab is not None
-    float_labels = float_labels and vocab.num_labels == 1
+    float_labels = vocab is not None and problem_type(head, vocab) == "regression"
     out = {}
     for n in names:
         if n in head.labels:

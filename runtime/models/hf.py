@@ -90,10 +90,11 @@ def vocab_of(config) -> Vocab:
     )
 
 
-def forward_inputs(class_name: str, head: str, config) -> tuple[str, ...]:
-    """The inputs a `head` of this class takes, named and ordered by its forward signature."""
+def forward_inputs(class_name: str, head: str, config, *, packed: bool = False) -> tuple[str, ...]:
+    """The inputs a `head` of this class takes, named and ordered by its forward signature
+    (`packed`: for packed documents, see `heads.input_names`)."""
     params = inspect.signature(model_class(class_name).forward).parameters
-    return input_names(get_head(head), list(params), vocab_of(config))
+    return input_names(get_head(head), list(params), vocab_of(config), packed=packed)
 
 
 def build_model(

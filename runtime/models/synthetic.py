@@ -6,7 +6,9 @@
 `head`, `model_type` and `vocab` (`Vocab.to_json()`). Each input of micro-batch `index` is drawn from a
 generator seeded by (seed, index, its name), so every rank, the compiler and the check make
 the same tensors. Rows end in padding (row r in min(r, seq / 8) tokens), masked in the
-attention mask and ignored in the labels, so the mask path is exercised too. `counting=True`
+attention mask and ignored in the labels, so the mask path is exercised too; a model compiled
+for packed documents (`packing.py`) gets rows of 1 to 4 documents instead, cut at drawn points,
+their positions restarting. `counting=True`
 makes a learnable task instead: counting sequences (next token = this + 1), labels that
 follow from them.
 """
@@ -18,6 +20,7 @@ import zlib
 import torch
 
 from .heads import HEADS, IGNORE, Vocab, family_rule
+from .packing import POSITIONS, packs_documents, positions, starts_ignored
 
 MASKED_LM_FRACTION = 0.15  # of the tokens a masked LM predicts (BERT's)
 
@@ -60,6 +63,7 @@ class _Draw:
         self.head = HEADS.get(model.get("head") or "")
         self.vocab = Vocab.from_json(model.get("vocab"))
         self.model_type = model.get("model_type", "")
+        self.packed = packs_documents(model)
         self.index, self.seed, self.counting = index, seed, counting
         self.made: dict[str, torch.Tensor] = {}
 
@@ -93,6 +97,16 @@ class _Draw:
         pads = torch.clamp(torch.arange(rows), max=self.seq // 8)
         return torch.arange(self.seq) < (self.seq - pads)[:, None]
 
+    def documents(self, shape) -> torch.Tensor:
+        """Positions of rows of 1 to 4 documents each, cut at up to 3 drawn points."""
+        gen, seq = self.gen(POSITIONS), shape[-1]
+        rows = []
+        for _ in range(shape[0]):
+            cuts = sorted(set(torch.randint(1, max(seq, 2), (3,), generator=gen).tolist()))
+            bounds = [0, *(c for c in cuts if c < seq), seq]
+            rows.append(positions([b - a for a, b in zip(bounds, bounds[1:])]))
+        return torch.stack(rows)
+
     def make(self, name: str, shape, dtype) -> torch.Tensor:
         v = self.vocab
         if name == "input_ids":
@@ -102,6 +116,8 @@ class _Draw:
             return self.randint(name, v.vocab_size, shape)
         if name == "attention_mask":
             return self.real()
+        if name == POSITIONS:
+            return self.documents(shape)
         if name == "token_type_ids":  # a first and a second segment, as in sentence pairs
             return (torch.arange(shape[-1]) >= shape[-1] // 2).expand(shape).clone()
         if name == "decoder_input_ids" and "labels" in self.specs:
@@ -121,7 +137,8 @@ class _Draw:
 
 
 def _next_tokens(d: _Draw, name, shape):
-    return d.get("input_ids").masked_fill(~d.real(), IGNORE)
+    labels = d.get("input_ids").masked_fill(~d.real(), IGNORE)
+    return starts_ignored(labels, d.get(POSITIONS)) if d.packed else labels
 
 
 def _some_tokens(d: _Draw, name, shape):

@@ -96,7 +96,9 @@ def _merge(stages, per_stage, sync, priority) -> tuple[dict[int, list[Action]], 
 
 class _Ideal:
     """The state of one idealised run (`_merge`): time `t`, each stage's next action, when
-    each action ended, and each GPU's actions keyed by their start."""
+    each action ended, and each GPU's actions keyed by their start. A head action's inputs
+    are looked at when it becomes the head and, while one has not started, when that one
+    starts: then it is known when the head may start (`soon`, then `now` on its GPU)."""
 
     def __init__(self, stages, per_stage, sync, priority):
         self.info = {s.id: s for s in stages}
@@ -109,61 +111,94 @@ class _Ideal:
         self.group_of = {s: tuple(g) for g in sync for s in g}
         self.end = {k: {s: {} for s in self.info} for k in "FBW"}  # kind -> stage -> mb -> end
         self.pos = dict.fromkeys(self.info, 0)
+        self.heads = {s: (self.per_stage[s] or [None])[0] for s in self.info}  # next actions
+        self.order = {s: k for k, s in enumerate(self.info)}
+        self.stepping = {s for s, a in self.heads.items() if a is not None and a.kind == "S"}
         self.gpu_free = dict.fromkeys(self.on_gpu, 0)
         self.arrived: dict[tuple, set[int]] = {}  # (group, step) -> stages waiting at that step
         self.keyed: dict[int, list[tuple]] = {g: [] for g in self.on_gpu}
         self.left = sum(len(v) for v in per_stage.values())
         self.times: list[int] = []
         self.t = 0
+        self.soon: dict[int, list] = {g: [] for g in self.on_gpu}  # heaps of (may start, stage)
+        self.now: dict[int, set[int]] = {g: set() for g in self.on_gpu}  # heads that may start
+        self.blocked: dict[tuple, list[int]] = {}  # (kind, stage, mb) -> heads waiting on it
+        for s in self.info:
+            self._arm(s)
 
     def head(self, s: int) -> Action | None:
-        acts = self.per_stage[s]
-        return acts[self.pos[s]] if self.pos[s] < len(acts) else None
+        return self.heads[s]
 
-    def ready(self, s: int, a: Action) -> bool:
-        end, later = self.end, self.t + 1
+    def _next(self, s: int) -> None:
+        """Stage s's head action is taken: the one after it is its head."""
+        acts, at = self.per_stage[s], self.pos[s] + 1
+        self.pos[s] = at
+        a = self.heads[s] = acts[at] if at < len(acts) else None
+        if a is not None and a.kind == "S":
+            self.stepping.add(s)
+        else:
+            self.stepping.discard(s)
+        self._arm(s)
+
+    def _arm(self, s: int) -> None:
+        """When stage s's head (not a step) may start: its inputs all ended, or the input not
+        started yet that it waits on."""
+        a = self.heads[s]
+        if a is None or a.kind == "S":
+            return
         if a.kind == "W":
-            return end["B"][s].get(a.mb, later) <= self.t
-        if a.kind == "B" and end["F"][s].get(a.mb, later) > self.t:
-            return False
-        done = end[a.kind]
-        needed = self.producers[s] if a.kind == "F" else self.consumers[s]
-        return all(done[d].get(a.mb, later) <= self.t for d in needed)
+            inputs = [("B", s)]
+        else:
+            needed = self.producers[s] if a.kind == "F" else self.consumers[s]
+            inputs = [(a.kind, d) for d in needed] + ([("F", s)] if a.kind == "B" else [])
+        at = 0
+        for kind, d in inputs:
+            x = self.end[kind][d].get(a.mb)
+            if x is None:
+                self.blocked.setdefault((kind, d, a.mb), []).append(s)
+                return
+            at = max(at, x)
+        heapq.heappush(self.soon[self.info[s].gpu], (at, s))
 
     def take_steps(self) -> None:
         """Steps cost no time; a synchronised one waits for its whole group."""
-        for s in self.info:
-            a = self.head(s)
-            if a is None or a.kind != "S" or self.gpu_free[self.info[s].gpu] > self.t:
+        t = self.t
+        for s in sorted(self.stepping, key=self.order.__getitem__):  # the stages' order
+            a = self.heads[s]  # (a group completed before it in this round may have moved it)
+            if a is None or a.kind != "S" or self.gpu_free[self.info[s].gpu] > t:
                 continue
             group = self.group_of.get(s, (s,))
             waiting = self.arrived.setdefault((group, a.mb), set())
             waiting.add(s)
             if len(waiting) == len(group):
                 for member in group:
-                    row = (self.t, 0, group[0], a.mb, member, self.head(member))
+                    row = (t, 0, group[0], a.mb, member, self.heads[member])
                     self.keyed[self.info[member].gpu].append(row)
-                    self.pos[member] += 1
+                    self._next(member)
                 self.left -= len(group)
 
     def dispatch(self) -> None:
         """Every idle GPU starts the ready head action its priority ranks first."""
-        for g, ids in self.on_gpu.items():
-            if self.gpu_free[g] > self.t:
+        t, heads, info = self.t, self.heads, self.info
+        for g in self.on_gpu:
+            if self.gpu_free[g] > t:
                 continue
-            todo = [
-                (self.priority(a, self.info[s]), s, a)
-                for s in ids
-                if (a := self.head(s)) is not None and a.kind != "S" and self.ready(s, a)
-            ]
-            if todo:
-                _, s, a = min(todo)
-                done = self.t + duration(a, s in self.split)
-                self.gpu_free[g] = self.end[a.kind][s][a.mb] = done
-                self.keyed[g].append((self.t, 1, s, a.mb, s, a))
-                self.pos[s] += 1
-                self.left -= 1
-                heapq.heappush(self.times, done)
+            soon, now = self.soon[g], self.now[g]
+            while soon and soon[0][0] <= t:
+                now.add(heapq.heappop(soon)[1])
+            if not now:
+                continue
+            _, s = min((self.priority(heads[s], info[s]), s) for s in now)
+            now.discard(s)
+            a = heads[s]
+            done = t + duration(a, s in self.split)
+            self.gpu_free[g] = self.end[a.kind][s][a.mb] = done
+            for waiting in self.blocked.pop((a.kind, s, a.mb), ()):
+                self._arm(waiting)
+            self.keyed[g].append((t, 1, s, a.mb, s, a))
+            self._next(s)
+            self.left -= 1
+            heapq.heappush(self.times, done)
 
     def advance(self) -> None:
         """To the next time an action ends; nothing running with actions left: a deadlock."""

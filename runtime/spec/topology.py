@@ -4,6 +4,7 @@
     topo.stages_on(rank)            # [0, 2]
     topo.remote_ranks("add_7")      # ranks other than the producer's that consume it
     topo.transfers["shared.weight"].weight   # a parameter its owner stage sends along
+    topo.offload_optimizer          # stages the plan offloads the optimizer of: {1, 3}
     plan = read_plan("pkg/plan.json")   # the dict, or one sentence saying why it cannot be read
 
 Pure bookkeeping over the plan dict: every rank builds the same Topology, so decisions
@@ -16,37 +17,47 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ..errors import PipelineConfigError
 from ..schedules import StageGraph, StageInfo, with_chunks
-
-# Bumped whenever plan.json changes shape; the compiler and the runtime refuse other formats.
-# Format 2 added data parallelism (replicas, placement, cluster); a format-1 plan is one
-# pipeline, read as such.
-PLAN_FORMAT = 2
-READABLE_FORMATS = (1, 2)
+from .format import PLAN_FORMAT, READABLE_FORMATS
+from .weights import model_folder
 
 
 def read_plan(path) -> dict:
-    """The plan file a package runs, or a PipelineConfigError saying why it cannot be used."""
+    """The plan file a package runs, or a PipelineConfigError saying why it cannot be used
+    (the compiler's `Plan.load` reads with `read_json` and checks with `Topology` too)."""
     plan = read_json(path, "the plan", "compile the package again")
     Topology(plan)  # the checks, now, before anything starts
+    model = plan.get("model")
+    if isinstance(model, dict) and model.get("path") is not None:
+        model["path"] = model_folder(model["path"], Path(path).parent)
     return plan
 
 
 def read_json(path, what: str, remedy: str):
-    """A JSON file's value, or a PipelineConfigError naming `what` it is and the `remedy`."""
+    """A JSON file's value, or a PipelineConfigError naming `what` it is ("the plan") and the
+    `remedy`. Every JSON file ftpipe reads back (plans, traces, the compiler's graphs) goes
+    through here, so a damaged one reads the same wherever it is met."""
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
-    except OSError as e:
-        raise PipelineConfigError(f"cannot read {what} {path}: {e.strerror}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except FileNotFoundError:
+        raise PipelineConfigError(f"{what} file {path} does not exist") from None
+    except UnicodeDecodeError:
         raise PipelineConfigError(
-            f"{what} {path} is not valid JSON (damaged or edited?); {remedy}"
+            f"{what} file {path} is not text (a binary file?); {remedy}"
         ) from None
+    except json.JSONDecodeError as e:
+        raise PipelineConfigError(
+            f"{what} file {path} is not valid JSON (damaged or edited? {e.msg} at line "
+            f"{e.lineno}); {remedy}"
+        ) from None
+    except OSError as e:
+        raise PipelineConfigError(f"cannot read {what} file {path}: {e.strerror}") from None
 
 
 @dataclass(frozen=True)
@@ -79,6 +90,14 @@ class Topology:
             self.inputs = {s["id"]: tuple(s["inputs"]) for s in stages}
             self.outputs = {s["id"]: tuple(s["outputs"]) for s in stages}
             self.model_inputs = {s["id"]: tuple(s["model_inputs"]) for s in stages}
+            # What the planner chose to keep in host memory, per stage ({"optimizer": bool,
+            # "activations": bool}; absent: nothing): the stages whose optimizer is offloaded.
+            self.offload_optimizer = frozenset(
+                s["id"] for s in stages if (s.get("offload") or {}).get("optimizer")
+            )
+            self.offload_activations = frozenset(
+                s["id"] for s in stages if (s.get("offload") or {}).get("activations")
+            )
             params = {p["name"] for p in plan["params"]}
             self.transfers = {t["tensor"]: _transfer(t, params) for t in plan["transfers"]}
             copied = [p["name"] for p in plan["params"] if len(p["stages"]) > 1]

@@ -14,16 +14,39 @@ traced program start with `WRAPPER_PREFIX`; the names stages, checkpoints and pl
 
 from __future__ import annotations
 
+import os
 import zlib
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch import nn
 
-__all__ = ["INIT_STD", "WRAPPER_PREFIX", "checkpoint_keys", "initial_value", "parameters_on_meta"]
+__all__ = [
+    "INIT_STD",
+    "WEIGHTS_ENV",
+    "WRAPPER_PREFIX",
+    "checkpoint_keys",
+    "initial_value",
+    "model_folder",
+    "parameters_on_meta",
+]
 
 INIT_STD = 0.02
 WRAPPER_PREFIX = "m."
+# A folder of *.safetensors (the model's folder) that overrides the compiled-in one; the
+# package's `--weights DIR` sets it.
+WEIGHTS_ENV = "FTPIPE_WEIGHTS"
+
+
+def model_folder(recorded: str, package: Path) -> str:
+    """The compiled model's folder (its weights, its tokenizer) on this machine: the one
+    `--weights` / $FTPIPE_WEIGHTS names, else the plan's path, relative to the package (a
+    package copied to another machine with its model beside it finds it there)."""
+    chosen = os.environ.get(WEIGHTS_ENV)
+    if chosen:
+        return chosen
+    return os.path.normpath(Path(package) / recorded) if recorded else ""
 
 
 def initial_value(name: str, shape, dtype, seed: int = 0) -> torch.Tensor:

@@ -11,15 +11,34 @@ from __future__ import annotations
 import itertools
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from ..errors import PipelineConfigError
 from ..models.lora import is_adapter
-from ..spec.weights import checkpoint_keys, initial_value
+from ..spec.weights import WEIGHTS_ENV, checkpoint_keys, initial_value
+from . import fused_loss  # noqa: F401 - registers torch.ops.ftpipe, which generated stages call
 
-WEIGHTS_ENV = "FTPIPE_WEIGHTS"  # a folder of *.safetensors that overrides the compiled-in one
+__all__ = ["STAGE_API", "Param", "StageModule", "run_in_one_process"]
+
+# The interface generated stages.py is written against: this module's `StageModule` class
+# attributes, `Param`, and the package entry `ftpipe_runtime.job.cli.main(argv, stages,
+# plan_path, package)`. Bumped when any of them changes shape; a generated stage declares the
+# one it was written for (`API`) and is refused, in one sentence, by a runtime of another.
+STAGE_API = 1
+
+
+class Param(NamedTuple):
+    """One tensor a generated stage holds: trainable ones become parameters, the others
+    frozen parameters (named in FROZEN) or buffers."""
+
+    name: str  # the model's own name (state_dict key)
+    shape: tuple[int, ...]
+    dtype: str  # a torch dtype's name: "float32", "bfloat16", "int64"
+    trainable: bool
+    aliases: tuple[str, ...] = ()  # other names of the same tensor (tied weights)
 
 
 class Scope(nn.Module):
@@ -32,18 +51,29 @@ class Scope(nn.Module):
 class StageModule(nn.Module):
     """Base of generated stages. Subclasses set the class attributes below and `forward`."""
 
+    API: int = STAGE_API  # the stage interface the subclass was generated for
     STAGE: int = 0
     INPUTS: tuple[str, ...] = ()
     OUTPUTS: tuple[str, ...] = ()
-    # (canonical name, shape, dtype, trainable, aliases): trainable ones become parameters.
-    PARAMS: tuple = ()
+    PARAMS: tuple[Param, ...] = ()
     # Frozen weights among the non-trainable PARAMS: parameters with requires_grad False
     # (weights of the model, initialised and loaded like trainable ones; no gradient, no
     # optimizer state). The other non-trainable ones are buffers (position ids...).
     FROZEN: tuple[str, ...] = ()
     BUFFERS_FILE: Path | None = None  # values of the non-trainable tensors (position ids...)
-    WEIGHTS_DIR: str = ""  # the model's folder, when it holds *.safetensors
+    # The model's folder when it held *.safetensors, relative to the package (generated:
+    # `Path(__file__).parent / "../model"`, so a package copied with its model still finds it).
+    WEIGHTS_DIR: str = ""
     TRACED_DTYPE: str = "float32"  # the compute dtype the code was traced in
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.API != STAGE_API:
+            raise PipelineConfigError(
+                f"{cls.__module__} was generated for stage interface {cls.API}, and this "
+                f"ftpipe_runtime has interface {STAGE_API}; compile the package again with "
+                "this ftpipe"
+            )
 
     def __init__(self, device="cpu", dtype=None, materialize=True):
         """`dtype`: the compute dtype to run in (default: the traced one). Tensors traced in
@@ -52,7 +82,7 @@ class StageModule(nn.Module):
         traced = getattr(torch, self.TRACED_DTYPE)
         self.compute_dtype = dtype or traced
         where = torch.device(device) if materialize else torch.device("meta")
-        for name, shape, dt, trainable, _ in self.PARAMS:
+        for name, shape, dt, trainable, _ in map(Param._make, self.PARAMS):
             dt = getattr(torch, dt)
             if dt == traced:
                 dt = self.compute_dtype
@@ -66,7 +96,7 @@ class StageModule(nn.Module):
         if materialize:
             self.reset_parameters()
             folder = weights_folder(self)
-            if weight_files(folder):
+            if folder:  # a folder without its weights is an error, not random weights
                 self.load_weights(folder)
 
     @property
@@ -89,7 +119,9 @@ class StageModule(nn.Module):
 
     def weight_names(self) -> list[str]:
         """The model's weights this stage holds: trainable and frozen (not buffers)."""
-        return [n for n, _, _, trainable, _ in self.PARAMS if trainable or n in self.FROZEN]
+        return [
+            p.name for p in map(Param._make, self.PARAMS) if p.trainable or p.name in self.FROZEN
+        ]
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.named_parameters()) | dict(self.named_buffers())
@@ -119,21 +151,37 @@ class StageModule(nn.Module):
         tensors = self.named_tensors()
         wanted = {name: checkpoint_keys(name, aliases) for name, _, _, _, aliases in self.PARAMS}
         found: dict[str, str] = {}
-        for path in weight_files(folder):
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                keys = set(f.keys())
-                for name, names in wanted.items():
-                    key = next((k for k in names if k in keys), None)
-                    if name in found or key is None:
-                        continue
-                    value = f.get_tensor(key)
-                    if tuple(value.shape) != tuple(tensors[name].shape):
-                        raise PipelineConfigError(
-                            f"{path.name}: {key} has shape {tuple(value.shape)}, stage "
-                            f"{self.STAGE} expects {tuple(tensors[name].shape)} for {name}"
-                        )
-                    tensors[name].copy_(value)
-                    found[name] = key
+        files = weight_files(folder)
+        if not files:
+            where = f"${WEIGHTS_ENV}" if os.environ.get(WEIGHTS_ENV) else "the model folder"
+            raise PipelineConfigError(
+                f"stage {self.STAGE}: {where} {folder} holds no *.safetensors weights; give a "
+                f"folder that does (${WEIGHTS_ENV}), or put the model's weights back"
+            )
+        for path in files:
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    keys = set(f.keys())
+                    for name, names in wanted.items():
+                        key = next((k for k in names if k in keys), None)
+                        if name in found or key is None:
+                            continue
+                        value = f.get_tensor(key)
+                        if tuple(value.shape) != tuple(tensors[name].shape):
+                            raise PipelineConfigError(
+                                f"{path.name}: {key} has shape {tuple(value.shape)}, stage "
+                                f"{self.STAGE} expects {tuple(tensors[name].shape)} for {name}"
+                            )
+                        tensors[name].copy_(value)
+                        found[name] = key
+            except PipelineConfigError:
+                raise
+            except Exception as e:  # noqa: BLE001 - SafetensorError (no OSError), OSError...
+                said = " ".join(str(e).split())[:160] or type(e).__name__
+                raise PipelineConfigError(
+                    f"{path} is not a readable safetensors file ({said}); is it damaged or cut "
+                    "short?"
+                ) from None
         # LoRA adapters are new: a base model's folder does not hold them.
         missing = [n for n in self.weight_names() if n not in found and not is_adapter(n)]
         if missing:
@@ -145,8 +193,20 @@ class StageModule(nn.Module):
 
 
 def weights_folder(stage) -> str:
-    """Where a stage's checkpoint is: $FTPIPE_WEIGHTS, else the model folder it was compiled from."""
-    return os.environ.get(WEIGHTS_ENV) or stage.WEIGHTS_DIR
+    """Where a stage's checkpoint is: $FTPIPE_WEIGHTS (`--weights`), else the model folder it
+    was compiled from, where the package expects it. A package compiled from a checkpoint
+    that is not there stops: training random weights by accident is worse than stopping."""
+    chosen = os.environ.get(WEIGHTS_ENV)
+    if chosen or not stage.WEIGHTS_DIR:
+        return chosen or ""
+    folder = Path(stage.WEIGHTS_DIR)
+    if not weight_files(folder):
+        raise PipelineConfigError(
+            f"the package was compiled from the checkpoint in {os.path.normpath(folder)}, which "
+            f"holds no *.safetensors here; pass --weights DIR (the model's folder) or set "
+            f"{WEIGHTS_ENV}=DIR"
+        )
+    return str(folder)
 
 
 def weight_files(folder) -> list[Path]:

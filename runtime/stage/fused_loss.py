@@ -9,9 +9,9 @@ for 8,192 tokens of Llama 3's 128k vocabulary, and the unfused loss makes four s
 micro-batch (the logits, their log-softmax kept for backward, the gradient of each). This op
 makes one: the logits, in one product (a CPU core runs chunked products well below a whole
 one's speed), read by the loss a chunk at a time (the log-softmax of a chunk only) and,
-with gradients wanted, kept with each token's log-sum-exp; the backward overwrites them in
-place, chunk by chunk, with their gradient (the softmax minus the one-hot target, over the
-counted tokens) and computes from it the input's and the weight's gradients, each only where
+with gradients wanted, kept; the backward overwrites them in place, chunk by chunk, with
+their gradient (their softmax, computed again, minus the one-hot target, over the counted
+tokens) and computes from it the input's and the weight's gradients, each only where
 the running backward wants it (a split backward's B and W each get the one they ask for).
 Forward and backward cost what the unfused ones cost, less their passes over the big
 tensors, and split the same way (a profile's forward, timed without gradients, stays the
@@ -99,20 +99,19 @@ def _logits(x2, weight, bias):
     return torch.addmm(bias, x2, weight.T, out=z)
 
 
-def _cross_entropy(z, t, ignore_index, logits_dtype, lse=None):
+def _cross_entropy(z, t, ignore_index, logits_dtype):
     """The mean loss over the counted tokens of logits `z`, read a chunk at a time (upcast
-    there if the loss asks for another dtype than the product's); with `lse` (a tensor of
-    tokens), each token's log-sum-exp written into it."""
+    there if the loss asks for another dtype than the product's)."""
     dtype = logits_dtype or z.dtype
     total = torch.zeros((), dtype=dtype, device=z.device)
     for i, j in _chunks(z.shape[0], z.shape[1], dtype.itemsize, z.device):
-        zc = z[i:j].to(dtype)
-        logp = torch.log_softmax(zc, dim=-1)  # one chunk: malloc's heap, not fresh pages
+        zc = z[i:j]
+        # Upcast inside the kernel: one pass over the chunk, no upcast copy of it first
+        # (one chunk: malloc's heap on a CPU, not fresh pages).
+        logp = torch.log_softmax(zc, dim=-1, dtype=dtype)
         tc = t[i:j]
         keep = tc != ignore_index
         total = total - (logp.gather(1, tc.clamp(min=0)[:, None])[:, 0] * keep).sum()
-        if lse is not None:
-            lse[i:j] = zc[:, 0] - logp[:, 0]
     return total / (t != ignore_index).sum()  # a mean, as torch's (NaN if none counted)
 
 
@@ -134,16 +133,17 @@ def _into_gradient(ctx, upstream) -> tuple[torch.Tensor, list]:
     a second call with another upstream gradient. Returns it and the other tensors saved
     (unpacked once: unpacking checks them all, the logits changed since)."""
     if ctx.done is None:
-        z, lse, t, *rest = ctx.saved_tensors
+        z, t, *rest = ctx.saved_tensors
+        dtype = ctx.dtype
         keep = t != ctx.ignore_index
-        scale = upstream.to(lse.dtype) / keep.sum().to(lse.dtype)
-        for i, j in _chunks(z.shape[0], z.shape[1], lse.dtype.itemsize, z.device):
-            zc = z[i:j].to(lse.dtype)  # the same memory unless the loss read them upcast
-            zc.sub_(lse[i:j, None]).exp_()  # the softmax
-            zc[torch.arange(j - i, device=z.device), t[i:j].clamp(min=0)] -= 1.0
-            zc.mul_((keep[i:j] * scale)[:, None])
-            if zc.data_ptr() != z[i:j].data_ptr():
-                z[i:j] = zc  # back to the product's dtype, as the unfused `to` backward
+        scale = upstream.to(dtype) / keep.sum().to(dtype)
+        for i, j in _chunks(z.shape[0], z.shape[1], dtype.itemsize, z.device):
+            # Two passes over a chunk (on a GPU the loss's time is memory traffic): the
+            # softmax, upcast in its kernel; then scaled into the logits' own memory, cast
+            # back to their dtype on the way, as the unfused `to`'s backward.
+            p = torch.softmax(z[i:j], dim=-1, dtype=dtype)
+            p[torch.arange(j - i, device=z.device), t[i:j].clamp(min=0)] -= 1.0
+            torch.mul(p, (keep[i:j] * scale)[:, None], out=z[i:j])
         ctx.done = z, upstream, rest
     z, first, rest = ctx.done
     same = upstream is first or bool(torch.equal(upstream, first))
@@ -151,17 +151,16 @@ def _into_gradient(ctx, upstream) -> tuple[torch.Tensor, list]:
 
 
 def _keep_loss(ctx, z, t, ignore_index, logits_dtype, *more):
-    lse = torch.empty(t.shape[0], dtype=logits_dtype or z.dtype, device=z.device)
-    loss = _cross_entropy(z, t, ignore_index, logits_dtype, lse)
-    ctx.save_for_backward(z, lse, t, *more)
-    ctx.ignore_index, ctx.done = ignore_index, None
+    loss = _cross_entropy(z, t, ignore_index, logits_dtype)
+    ctx.save_for_backward(z, t, *more)
+    ctx.ignore_index, ctx.dtype, ctx.done = ignore_index, logits_dtype or z.dtype, None
     return loss
 
 
 class _LogitsLoss(torch.autograd.Function):
-    """The cross-entropy of logits it owns (off a CPU): forward keeps them and each token's
-    log-sum-exp (the unfused loss keeps their log-softmax, as big); backward turns them into
-    their gradient and hands that to the product's own recorded backward."""
+    """The cross-entropy of logits it owns (off a CPU): forward keeps them (the unfused loss
+    keeps their log-softmax, as big); backward turns them into their gradient and hands that
+    to the product's own recorded backward."""
 
     @staticmethod
     def forward(ctx, z, t, ignore_index, logits_dtype):

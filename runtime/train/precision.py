@@ -8,6 +8,9 @@
     loss * mixed.loss_scale / m            # fp16: backward of the scaled loss
     ok = mixed.unscale_and_check(grads, total_norm_sq)   # False: overflow, skip the step
     mixed.after_step(stage)                # master -> the stage's 16-bit weights
+    MixedPrecision(p, modules, offload=HostOffload(device))   # --offload-optimizer (`offload`)
+    MixedPrecision(p, modules, offload=host, offloaded={1})   # only stage 1's (the plan's choice)
+    MixedPrecision(p, modules, sharded={2})   # stage 2's masters sharded (`zero`): mixed.shards
 
 | name | stages compute in | optimizer steps | bytes per trainable element |
 | --- | --- | --- | --- |
@@ -26,7 +29,15 @@ which sums what the optimizer steps, the masters' gradients, in fp32. The master
 the stages' 16-bit weights (a checkpoint loaded at the compute dtype, as
 `from_pretrained(dtype=...)` loads it); a resumed run takes them from its checkpoint, which
 holds them. A weight traced in fp32 (T5's `wo` under fp16: transformers'
-`_keep_in_fp32_modules`) stays fp32 and is its own master.
+`_keep_in_fp32_modules`) stays fp32 and is its own master. With `offload` (--offload-optimizer,
+`offload.HostOffload`) every trainable weight, fp32 ones included, of the stages `offloaded`
+(default: all) has its master on the host, where its gradients are summed and the optimizer
+steps it; `settle(stage)` at the stage's step waits for the gradients' copies. The other
+stages keep theirs beside their weights, as without offload. A stage in `sharded`
+(--shard-optimizer: `zero`) keeps its masters in its `ShardedOptimizer` (`shards[stage]`),
+1/d of them per replica: a 16-bit weight's master here is a gradient-only stand-in (its fp32
+gradient sums here, it holds no values), `stepped` is the replica's slices, and `after_step`
+all-gathers them into the weights.
 
 fp16's overflow check is global: the squared gradient norm every synchronous step sums over
 all ranks (the one collective of the step) is inf or nan on every rank when any gradient
@@ -49,6 +60,7 @@ __all__ = [
     "LossScale",
     "MixedPrecision",
     "Precision",
+    "add_grad",
     "for_run",
     "get_precision",
     "plan_in",
@@ -158,8 +170,15 @@ def plan_in(plan: dict, precision: Precision) -> dict:
 class MixedPrecision:
     """The trainable tensors of this rank's stages under `precision` (see the module doc)."""
 
-    def __init__(self, precision: Precision, modules: dict):
+    def __init__(
+        self, precision: Precision, modules: dict, offload=None, offloaded=None, sharded=()
+    ):
         self.precision = precision
+        self.offload = offload  # a HostOffload: the masters on the host; None: beside the weights
+        # stage -> its HostOffload, for the stages `offloaded` (None: every stage) when given
+        self._host = {s: offload if offloaded is None or s in offloaded else None for s in modules}
+        self.shards: dict = {}  # stage -> its ShardedOptimizer (`zero`), which registers itself
+        self.sharded_over = 1  # replicas the run's sharded stages are spread over (1: none)
         self.loss_scale = LossScale() if precision.loss_scaling else None
         self.skipped: list[int] = []  # steps skipped for an overflow
         self.say = None  # where a skipped step is reported (rank 0)
@@ -173,7 +192,12 @@ class MixedPrecision:
                 if not p.requires_grad:
                     continue
                 master = p
-                if precision.master and p.dtype != torch.float32:
+                if self._host[s] is not None:
+                    kept = torch.float32 if precision.master else p.dtype
+                    master = offload.master_of(p, kept)
+                elif s in sharded and precision.master and p.dtype != torch.float32:
+                    master = _stand_in(p)
+                elif precision.master and p.dtype != torch.float32:
                     master = p.detach().float().requires_grad_(True)
                 p.register_post_accumulate_grad_hook(self._accumulated)
                 self._of[id(p)] = (s, name, master)
@@ -184,9 +208,35 @@ class MixedPrecision:
     def stages(self) -> list[int]:
         return list(self._pairs)
 
+    def offloads(self, stage: int) -> bool:
+        """Are this stage's masters and optimizer state on the host?"""
+        return self._host.get(stage) is not None
+
     def trainable(self, stage: int) -> list[tuple[str, torch.Tensor]]:
-        """(name, tensor whose .grad the optimizer reads): the masters, or the weights."""
+        """(name, tensor whose .grad the optimizer reads): the masters, or the weights (a
+        sharded stage: where the gradients sum, before the replicas' reduce-scatter)."""
         return [(n, master) for n, _, master in self._pairs.get(stage, ())]
+
+    def weights(self, stage: int) -> list[tuple[str, torch.Tensor]]:
+        """(name, weight the stage computes with) of the trainable ones, as `trainable`."""
+        return [(n, p) for n, p, _ in self._pairs.get(stage, ())]
+
+    def stepped(self, stage: int) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) the optimizer steps and clipping measures: `trainable`'s, or with
+        sharded state this replica's slices of them."""
+        shard = self.shards.get(stage)
+        return shard.named() if shard is not None else self.trainable(stage)
+
+    def master_bytes(self) -> int:
+        """Bytes of the masters kept apart from the weights (fp32 copies, host copies,
+        shards), as allocated (a sharded stage's stand-ins: one element each)."""
+        own = {
+            master.untyped_storage().data_ptr(): master.untyped_storage().nbytes()
+            for pairs in self._pairs.values()
+            for _, p, master in pairs
+            if master is not p
+        }
+        return sum(own.values()) + sum(z.master_bytes() for z in self.shards.values())
 
     def freeze(self, stage: int, names) -> list[torch.Tensor]:
         """Stop training the weights `names` of a stage (freeze training): they keep no
@@ -210,10 +260,12 @@ class MixedPrecision:
         backward's weight pass, a set-aside weight version's backward): added where the
         weight's gradients sum, as autograd's hook would add it."""
         s, name, master = self._of[id(weight)]
-        if master is weight:  # its own master: out of place, `g` may be held elsewhere
+        if self._host[s] is not None:
+            self._host[s].arrive(s, master, g)
+        elif master is weight:  # its own master: out of place, `g` may be held elsewhere
             weight.grad = g if weight.grad is None else weight.grad + g
         else:
-            _into(master, g)
+            add_grad(master, g)
         self._arrived(s, name)
 
     def _accumulated(self, p: torch.Tensor) -> None:
@@ -221,7 +273,10 @@ class MixedPrecision:
         s, name, master = self._of[id(p)]
         if master is not p:
             g, p.grad = p.grad, None
-            _into(master, g)
+            if self._host[s] is not None:
+                self._host[s].arrive(s, master, g)
+            else:
+                add_grad(master, g)
         self._arrived(s, name)
 
     def _arrived(self, stage: int, name: str) -> None:
@@ -240,7 +295,7 @@ class MixedPrecision:
             self.skipped.append(step)
             if self.say is not None:
                 self.say(
-                    f"ftpipe: step {step + 1}: the gradients overflowed in fp16 on some rank; "
+                    f"ftpipe: note: step {step + 1}: the gradients overflowed in fp16 on some rank; "
                     f"every rank skips the step, loss scale {used:g} -> {self.loss_scale.scale:g}"
                 )
             return False
@@ -252,13 +307,27 @@ class MixedPrecision:
     def poison(self, stage: int, step: int) -> None:
         """FTPIPE_INJECT_INF: make a gradient of `stage` at `step` infinite."""
         if self.inject == (stage, step):
-            grads = [t.grad for _, t in self.trainable(stage) if t.grad is not None]
+            grads = [t.grad for _, t in self.stepped(stage) if t.grad is not None]
             if grads:
                 grads[0].view(-1)[0] = float("inf")
 
+    def settle(self, stage: int) -> None:
+        """At the stage's step, before its gradients are read: offloaded, every copy of them
+        to the host summed in (nothing to do otherwise)."""
+        if self._host.get(stage) is not None:
+            self._host[stage].settle(stage)
+
     @torch.no_grad()
     def after_step(self, stage: int) -> None:
-        """Copy the stepped masters into the stage's 16-bit weights."""
+        """Copy the stepped masters into the stage's 16-bit weights (offloaded: into its
+        weights, from the host; sharded: every replica's slices, all-gathered)."""
+        if stage in self.shards:
+            self.shards[stage].publish()
+            return
+        if self._host.get(stage) is not None:
+            pairs = [(p, master) for _, p, master in self._pairs.get(stage, ())]
+            self._host[stage].upload(stage, pairs)
+            return
         for _, p, master in self._pairs.get(stage, ()):
             if master is not p:
                 p.copy_(master)
@@ -280,9 +349,12 @@ class MixedPrecision:
     def state_dict(self, stage: int, module) -> dict:
         """The stage's tensors for a checkpoint: fp32 masters in place of 16-bit weights;
         weights frozen at compile time left out (a run rebuilds them as it built them:
-        `frozen`)."""
+        `frozen`). A sharded stage's masters are not here: its weights stand for them
+        (`ShardedOptimizer.gather` puts the masters together, as `Saver` does)."""
         frozen = set(getattr(module, "FROZEN", ()))
         state = {k: v for k, v in module.state_dict().items() if k not in frozen}
+        if stage in self.shards:
+            return state
         for name, _, master in self._pairs.get(stage, ()):
             state[name] = master.detach()
         return state
@@ -296,18 +368,30 @@ class MixedPrecision:
         if missing:
             raise KeyError(f"{missing[0]} is not in the checkpoint")
         module.load_state_dict({k: tensors[k].to(own[k].dtype) for k in own}, strict=False)
+        if stage in self.shards:  # this replica's slices of the masters
+            self.shards[stage].load_masters(tensors)
+            return
         for name, p, master in self._pairs.get(stage, ()):
             if master is not p:
                 master.copy_(tensors[name])
 
 
-def _into(master: torch.Tensor, g: torch.Tensor) -> None:
-    """Add a 16-bit gradient into an fp32 master's: the first one copied, the next added in
-    place straight from 16 bits (no fp32 temporary)."""
+def add_grad(master: torch.Tensor, g: torch.Tensor) -> None:
+    """Add a gradient into a master's: the first one copied (never `g` itself, which its
+    maker may reuse: offload's landing buffer), the next added in place straight from its
+    dtype (no fp32 temporary of a 16-bit one)."""
     if master.grad is None:
-        master.grad = g.to(master.dtype)
+        master.grad = g.to(master.dtype, copy=True)
     else:
         master.grad.add_(g)
+
+
+def _stand_in(weight: torch.Tensor) -> torch.Tensor:
+    """A sharded stage's master of a 16-bit weight: the weight's shape in fp32, where its
+    gradients sum (autograd's hook, `add_grad`), with no values of its own (one element,
+    broadcast): the values are the replicas' shards'."""
+    one = torch.zeros((), dtype=torch.float32, device=weight.device)
+    return one.expand(weight.shape).detach().requires_grad_(True)
 
 
 def _injected() -> tuple[int, int] | None:

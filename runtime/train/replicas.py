@@ -26,6 +26,11 @@ What the backward never reaches goes when it ends. At the stage's optimizer step
 stages lives in its owner, whose gradient already holds every reader's, so it is reduced
 once like any other; the gradient norm for clipping is then the same on every replica and
 equal to one process's over the whole batch.
+
+A stage whose optimizer state is sharded (`zero.ShardedOptimizer`, `MixedPrecision.shards`)
+is summed in its layout's buckets (the same rule, laid out in d equal chunks) by a
+reduce-scatter instead: at the step each replica gets the mean of its own chunk of every
+bucket (`ShardedOptimizer.take`), and the full gradients are freed.
 """
 
 from __future__ import annotations
@@ -136,6 +141,9 @@ class GradSync:
     def __init__(self, precision, comm, group: tuple[int, ...], micro_batches: int):
         self.precision = precision
         self.comm, self.group, self.replicas = comm, tuple(sorted(group)), len(group)
+        self.shards = precision.shards  # stage -> ShardedOptimizer: reduce-scattered
+        for shard in self.shards.values():
+            shard.bind(comm, self.group)
         self.last = StepBackwards(micro_batches)  # which backward is its step's last
         self.params: dict[int, list[torch.Tensor]] = {}  # stage -> tensors whose .grad is summed
         self.index: dict[int, dict[str, int]] = {}  # stage -> name -> position in params
@@ -151,7 +159,12 @@ class GradSync:
             named = self.precision.trainable(s)
             self.params[s] = [t for _, t in named]
             self.index[s] = {n: i for i, (n, _) in enumerate(named)}
-            self.order[s] = bucket_indices([t.numel() * t.element_size() for _, t in named])
+            shard = self.shards.get(s)
+            self.order[s] = (
+                [list(b.members) for b in shard.buckets]
+                if shard is not None
+                else bucket_indices([t.numel() * t.element_size() for _, t in named])
+            )
 
     # --- the last backward of a step ---
     def before_backward(self, stage: int, mb: int) -> None:
@@ -181,25 +194,38 @@ class GradSync:
             bucket = buckets[state["next"]]
             if not flush and not state["done"].issuperset(bucket):
                 return
-            flat = torch.cat(
-                [
-                    (params[i].grad if params[i].grad is not None else torch.zeros_like(params[i]))
-                    .detach()
-                    .reshape(-1)
-                    for i in bucket
-                ]
-            )
-            work = self.comm.all_reduce_async(flat, self.group)
-            self._works[stage].append((work, flat, bucket))
+            parts = [
+                (params[i].grad if params[i].grad is not None else torch.zeros_like(params[i]))
+                .detach()
+                .reshape(-1)
+                for i in bucket
+            ]
+            shard = self.shards.get(stage)
+            if shard is None:
+                flat = torch.cat(parts)
+                work = self.comm.all_reduce_async(flat, self.group)
+                self._works[stage].append((work, flat, bucket))
+            else:
+                k = state["next"]
+                flat = shard.flat(k, parts)
+                out = flat.new_empty(shard.buckets[k].chunk)
+                work = self.comm.reduce_scatter_async(out, flat, self.group)
+                present = {i for i in bucket if params[i].grad is not None}
+                self._works[stage].append((work, out, (k, present)))
             state["next"] += 1
 
     # --- the optimizer step ---
     def wait(self, stage: int, step: int) -> None:
-        """Put the replicas' mean gradient of `stage`'s step into its parameters' `.grad`."""
-        params = self.params[stage]
+        """Put the replicas' mean gradient of `stage`'s step into its parameters' `.grad`
+        (sharded: of this replica's chunks into its slices', the full ones let go)."""
+        params, shard = self.params[stage], self.shards.get(stage)
         for work, flat, bucket in self._works.pop(stage, ()):
             self.comm.wait(work, f"summing stage {stage}'s gradients with its replicas")
             flat.div_(self.replicas)
+            if shard is not None:  # `bucket`: its place in the layout, the tensors it had
+                k, present = bucket
+                shard.take(k, flat, present)
+                continue
             at = 0
             for i in bucket:
                 p = params[i]
@@ -207,11 +233,15 @@ class GradSync:
                 if p.grad is not None:
                     p.grad.copy_(flat[at : at + n].view_as(p.grad))
                 at += n
+        if shard is not None:
+            for p in params:
+                p.grad = None
 
 
 class LossGather:
-    """Rank 0's view of a step's loss: every replica's micro-batch losses, in replica order,
-    then the latest of their finishing times (the message `Progress.loss` reads)."""
+    """Rank 0's view of a step's loss: every replica's micro-batches' shares of it, in
+    replica order, then the latest of their finishing times (the message `Progress.loss`
+    reads)."""
 
     def __init__(self, sources: list[int], deliver):
         self.sources, self.deliver = sources, deliver  # job ranks of the loss stages
@@ -221,7 +251,8 @@ class LossGather:
     def add(self, step: int, source: int, message: torch.Tensor) -> None:
         with self.lock:
             parts = self.parts.setdefault(step, {})
-            parts[source] = message.double().cpu()
+            # Left on the device (no wait for the GPU here): `Progress.loss` reads it when there.
+            parts[source] = message.double()
             if len(parts) < len(self.sources):
                 return
             del self.parts[step]

@@ -8,11 +8,15 @@ replica then holds the same mean gradient of the whole batch); clip by the norm 
 everything stepped together (all of the pipeline's ranks when synchronous, the one stage
 when not), set the learning rate, step, clear the gradients. Under mixed
 precision (`precision.MixedPrecision`) the optimizer steps the fp32 masters and the stages'
-16-bit weights are copied from them; under fp16 the same norm, summed over every rank, is
-the overflow check: not finite anywhere, and every rank skips the step. A weight read by
+16-bit weights are copied from them (with --offload-optimizer the masters are on the host:
+their gradients' copies are waited for at the stage's S, the step runs on the CPU, and the
+weights are copied back: `offload.HostOffload`); under fp16 the same norm, summed over every
+rank, is the overflow check: not finite anywhere, and every rank skips the step. A weight read by
 several stages has one owner, whose gradient already sums every use (the readers sent theirs
 back), so nothing is summed here. A stage puts its gradients aside at its own S, so
 backwards of the next step cannot leak into them while the stages it steps with catch up.
+With sharded optimizer state (`zero`) a replica steps its slices of its stages, and the
+norm sums the slices' over the replicas too (`zero.replica_norms`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from .optim import clip_coef, squared_norm
+from .zero import replica_norms
 
 
 class Stepper:
@@ -42,10 +47,15 @@ class Stepper:
         self.precision = precision  # a MixedPrecision: masters, loss scale; None: fp32
         self.grad_sync = None  # with replicas: the stage's gradients summed before its step
         self.on_grads = None  # called with the event once its gradients are in, before clipping
+        # called with (step, squared gradient norm) where that norm covers the whole pipeline
+        # (a synchronous step that clips or checks fp16 overflow computes it anyway): the log's
+        self.on_norm = None
         self._aside: dict[tuple[int, int], dict[str, torch.Tensor | None]] = {}
 
     def on_step(self, action, event=None) -> None:
         """A stage's S: put its gradients aside; apply `event` (a Dataflow StepEvent) if any."""
+        if self.precision is not None:  # offloaded: the gradients' copies to the host landed
+            self.precision.settle(action.stage)
         if self.grad_sync is not None:  # the replicas' mean gradient, into the masters' .grad
             self.grad_sync.wait(action.stage, action.mb)
         self._aside[(action.stage, action.mb)] = {
@@ -83,7 +93,7 @@ class Stepper:
 
     def _trainable(self, stage: int):
         if self.precision is not None:
-            return self.precision.trainable(stage)
+            return self.precision.stepped(stage)
         return [(n, p) for n, p in self.modules[stage].named_parameters() if p.requires_grad]
 
     def _checked_and_clipped(self, ev, step: int) -> bool:
@@ -95,13 +105,24 @@ class Stepper:
         if scaled:
             for s in ev.stages:
                 self.precision.poison(s, step)
-        grads = [p.grad for s in ev.stages for _, p in self._trainable(s) if p.grad is not None]
-        total = squared_norm(grads).to(self.comm.device)
-        self.comm.all_reduce(total, ev.ranks, "the gradient norm")
+        shards = self.precision.shards if self.precision is not None else {}
+        whole, part = [], []  # the gradients the replicas share, and this replica's slices'
+        for s in ev.stages:
+            grads_of = part if s in shards else whole
+            grads_of += [p.grad for _, p in self._trainable(s) if p.grad is not None]
+        replicas = self.precision.sharded_over if self.precision is not None else 1
+        device = self.comm.device
+        total = replica_norms(
+            self.comm, squared_norm(whole).to(device), squared_norm(part).to(device),
+            ev.ranks, replicas, "the gradient norm",
+        )  # fmt: skip
+        grads = whole + part
+        if self.on_norm is not None and len(set(ev.ranks)) == self.topo.world:
+            self.on_norm(step, total)
         if scaled and not self.precision.checked(grads, total, step):
             return False
         if self.clip:
             coef = clip_coef(total, self.clip)
             for g in grads:
-                g.mul_(coef.to(g.dtype))
+                g.mul_(coef.to(g.device, g.dtype))  # offloaded: the gradients are on the host
         return True

@@ -1,5 +1,6 @@
 import json
 
+import click
 from click.testing import CliRunner
 
 from ftpipe_compiler.cli import cli
@@ -49,19 +50,70 @@ def test_no_fuse_loss_keeps_the_models_own_head_and_loss(tmp_path):
 def test_errors_are_one_sentence_and_exit_1():
     cases = [
         (("profile", "--model", "t5-4b"), "unknown model 't5-4b'"),
-        (("profile", "--model", "t5-tiny", "--hardware", "tpu"), "unknown hardware 'tpu'"),
         (("profile", "--model", "t5-tiny", "--task", "nope"), "unknown task 'nope'"),
         (("profile", "--model", "t5-tiny", "--task", "tiny-qa"), "for question-answering models"),
         (("profile", "--model", "zoo_fixtures:untraceable_model"), "torch.export could not trace"),
         (("profile", "--model", "llama-tiny", "--target-len", "4"), "is for seq2seq-lm models"),
         (("profile", "--model", "llama-tiny", "--seq-len", "100"), "has 64 positions"),
-        (("profile", "--model", "nobody/nothing"), "huggingface-cli download nobody/nothing"),
+        (("profile", "--model", "nobody/nothing"), "`hf download nobody/nothing"),
     ]
     for args, message in cases:
         r = run(*args)
         assert r.exit_code == 1, (args, r.output)
         assert message in r.output
         assert "Traceback" not in r.output
+
+
+def test_every_option_has_help_and_says_its_default():
+    """`--help` of every command explains every option and what it is when not given."""
+    for name, command in cli.commands.items():
+        for p in command.params:
+            if not isinstance(p, click.Option) or p.name == "help":
+                continue
+            where = f"ftpipe {name} {p.opts[0]}"
+            assert p.help, where
+            if p.required or (p.is_flag and not p.secondary_opts):
+                continue  # nothing to default to / off unless given
+            if p.default is None:
+                assert "default" in p.help, where  # in words: what happens without it
+            else:
+                assert p.show_default, where
+        shown = run(name, "--help").output
+        assert "[default: " in shown or name == "models"
+
+
+def test_usage_errors_exit_2():
+    """A value no option takes is a usage error: exit 2 and what to choose from."""
+    cases = [
+        (("profile", "-m", "t5-tiny", "--hardware", "tpu"), "unknown hardware 'tpu'; choose from"),
+        (("compile", "-m", "gpt2-tiny", "-g", "2", "-p", "nope"), "unknown partitioner 'nope'"),
+        (("compile", "-m", "gpt2-tiny"), "Missing option '--gpus'"),
+        (("compile", "-m", "gpt2-tiny", "-g", "2", "--dtype", "fp8"), "'fp8' is not one of"),
+        (("compile", "-m", "gpt2-tiny", "-g", "2", "--nope"), "No such option '--nope'"),
+        (("simulate",), "give a plan file"),
+    ]
+    for args, message in cases:
+        r = run(*args)
+        assert r.exit_code == 2 and message in r.output, (args, r.output)
+        assert "Traceback" not in r.output
+
+
+def test_the_default_hardware_is_the_local_gpu_or_a_current_one():
+    from ftpipe_compiler.cli.hardware import DEFAULT, hardware_for
+
+    assert DEFAULT == "rtx4090"
+    assert hardware_for("NVIDIA GeForce RTX 4090", 25_393_692_672) == "rtx4090"
+    assert hardware_for("NVIDIA A100-SXM4-80GB", 85_100_000_000) == "a100-80gb"
+    assert hardware_for("NVIDIA A100-PCIE-40GB", 42_300_000_000) == "a100-40gb"
+    assert hardware_for("NVIDIA H100 80GB HBM3", 85_000_000_000) == "h100-80gb"
+    assert hardware_for("NVIDIA L4", 23_700_000_000) == "l4"  # not l40s
+    assert hardware_for("Tesla V100-SXM2-16GB", 16_900_000_000) is None  # no 16 GB V100 file
+    assert hardware_for("NVIDIA RTX 5000 Ada Generation", 33_800_000_000) is None
+    r = run("profile", "--model", "gpt2-tiny", "--json")
+    import torch
+
+    if not torch.cuda.is_available():  # this machine: the default
+        assert json.loads(r.output)["hardware"] == DEFAULT
 
 
 def test_head_and_shapes_from_the_command_line():

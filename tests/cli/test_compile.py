@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -7,7 +8,7 @@ from ftpipe_compiler.cli import cli
 from ftpipe_compiler.codegen import check_package
 from ftpipe_compiler.partition import PARTITIONERS
 from ftpipe_compiler.plan import Plan
-from ftpipe_compiler.planner.matrix import schedule_names
+from ftpipe_compiler.planner.matrix import schedule_names, update_rule
 
 SCHEDULES = tuple(schedule_names("auto"))
 SYNC = tuple(schedule_names("sync"))
@@ -55,6 +56,8 @@ def test_compile_writes_plan_report_and_package(tmp_path):
     pkg = out / "t5_tiny_pipeline"
     assert (pkg / "stages.py").exists() and (pkg / "__main__.py").exists()
     assert "ftpipe compile --model t5-tiny" in (pkg / "stages.py").read_text()[:500]
+    # One plan: what `ftpipe simulate out/plan.json` reads is what the package runs.
+    assert (out / "plan.json").read_bytes() == (pkg / "plan.json").read_bytes()
 
 
 @pytest.mark.parametrize(
@@ -79,8 +82,50 @@ def test_compile_picks_partition_and_schedule_together(tmp_path, spec, expect):
     plan = Plan.load(out / "plan.json")
     assert (plan.schedule, plan.partitioner) == (data["schedule"], data["winner"])
     assert len(plan.competitors) == len(rows)
+    # Whether the winner trains like one process, and the best plan that does.
+    assert data["update"] == update_rule(data["schedule"]) == fastest["update"]
+    exact = min((r for r in ok if r["update"] == "sync"), key=lambda r: r["simulated_step_time_s"])
+    assert (data["best_sync"]["schedule"], data["best_sync"]["partitioner"]) == (
+        exact["schedule"],
+        exact["partitioner"],
+    )
     report = (out / "report.html").read_text()
     assert "partitioner × schedule" in report and report.count("<tr>") > len(rows)
+
+
+def test_winner_line_says_how_the_schedule_updates(tmp_path):
+    """An asynchronous winner says so, and what the best synchronous plan gives; a
+    synchronous winner says it trains as one process would."""
+    argv = ["compile", "-m", "gpt2-tiny", "--gpus", "2", "-p", "even-layers,pipedream"]
+    r = CliRunner().invoke(cli, [*argv, "--schedule", "ftpipe,1f1b", "-o", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    # Not a terminal: no bar, a line per phase with its time (as in `> log.txt 2>&1`).
+    phases = [
+        re.fullmatch(r"compile: (.+) \((\d+\.\d) s\)", line) for line in r.stderr.splitlines()
+    ]
+    assert [m and m[1] for m in phases] == [
+        "trace and profile",
+        "partition x schedule, simulated",
+        "generate",
+    ]
+    winner = next(line for line in r.output.splitlines() if line.startswith("winner:"))
+    assert "under ftpipe" in winner and winner.endswith(
+        "asynchronous: some stages train on stale weights, unlike one process"
+    )
+    plan = Plan.load(tmp_path / "a" / "plan.json")
+    sync = [c for c in plan.competitors if c["schedule"] == "1f1b" and c["status"] == "ok"]
+    exact = min(sync, key=lambda c: c["simulated_step_time_s"])
+    slower = exact["simulated_step_time_s"] / plan.simulated["step_time_s"] - 1
+    assert (
+        f"  best synchronous plan: {exact['partitioner']} under 1f1b, "
+        f"{exact['simulated_samples_per_s']:.2f} samples/s ({slower:.0%} slower per step); "
+        "--schedule sync plans only the synchronous schedules"
+    ) in r.output.splitlines()
+    r = CliRunner().invoke(cli, [*argv, "--schedule", "sync", "-o", str(tmp_path / "s")])
+    assert r.exit_code == 0, r.output
+    assert "synchronous: it trains exactly as one process would" in r.output
+    assert "best synchronous plan" not in r.output
+    assert update_rule(Plan.load(tmp_path / "s" / "plan.json").schedule) == "sync"
 
 
 def test_compile_refuses_to_overwrite_without_force(tmp_path):
@@ -113,9 +158,9 @@ def test_compile_failure_leaves_existing_output(tmp_path):
     before = (out / "plan.json").read_bytes()
     r = CliRunner().invoke(
         cli,
-        ["compile", "--model", "gpt2-tiny", "--gpus", "2", "-o", str(out), "-p", "nope", "--force"],
+        ["compile", "--model", "gpt2-tiny", "--gpus", "2", "-o", str(out), "-t", "nope", "--force"],
     )
-    assert r.exit_code == 1 and "unknown partitioner 'nope'" in r.output
+    assert r.exit_code == 1 and "unknown task 'nope'" in r.output
     assert (out / "plan.json").read_bytes() == before
 
 

@@ -206,3 +206,54 @@ def test_torchrun_runs_the_package(tmp_path):
     run = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     assert "step 2/2" in run.stdout + run.stderr
+
+
+def test_readme_shows_multi_node_and_slurm_launches(tmp_path):
+    """torchrun across nodes (--nnodes, --node-rank, --rdzv-endpoint) and a SLURM batch script
+    (srun torchrun) that is valid bash, for the plan's number of processes."""
+    pkg, plan = _generate(tmp_path, "gpt2-tiny", k=2)
+    readme = (pkg / "README.md").read_text()
+    launch = readme[readme.index("torchrun --nnodes") :].split("\n\n")[0]
+    for part in ("--nnodes 2", "--nproc-per-node 1", "--node-rank 0", "--rdzv-endpoint",
+                 f"-m {pkg.name}"):  # fmt: skip
+        assert part in launch, (part, launch)
+    script = readme.split("```bash\n")[1].split("```")[0]
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=1" in script
+    assert 'srun bash -c \'torchrun --nnodes "$SLURM_NNODES"' in script
+    assert '--node-rank "$SLURM_NODEID"' in script and f"-m {pkg.name}" in script
+    checked = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+    assert checked.returncode == 0, checked.stderr
+    assert f"python -m {pkg.name} --help" in readme
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_the_readme_multi_node_launch_runs(tmp_path):
+    """The README's torchrun line as two one-process "nodes" of this machine: node ranks 0
+    and 1 meet at the rendezvous endpoint and train."""
+    import shlex
+    import socket
+
+    pkg, _ = _generate(tmp_path, "gpt2-tiny", k=2)
+    readme = (pkg / "README.md").read_text()
+    line = readme[readme.index("torchrun --nnodes") :].split("\n\n")[0].replace("\\\n", " ")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    words = shlex.split(line.replace("node0.example.com:29500", f"127.0.0.1:{port}"))
+    assert words[words.index("--nnodes") + 1] == "2"
+    words[0:1] = [sys.executable, "-m", "torch.distributed.run"]
+    steps = words.index("--steps")
+    words[steps:] = ["--steps", "2", "--device", "cpu"]  # not the README's 1000
+    procs = []
+    for node in (1, 0):
+        cmd = [*words]
+        cmd[cmd.index("--node-rank") + 1] = str(node)
+        log = open(tmp_path / f"node{node}.log", "w")  # noqa: SIM115 - closed below
+        procs.append((subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=log, stderr=log), log))
+    codes = [p.wait(timeout=300) for p, _ in procs]
+    for _, log in procs:
+        log.close()
+    said = (tmp_path / "node0.log").read_text()
+    assert codes == [0, 0], said + (tmp_path / "node1.log").read_text()
+    assert "step 2/2" in said

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from codegen_helpers import contiguous, costed
+from ftpipe_runtime.errors import PipelineConfigError
 from ftpipe_runtime.job import check
 
 from ftpipe_compiler.codegen import check_package, generate_package, import_package
@@ -30,7 +34,10 @@ def test_checkpoint_weights_reach_the_stages(t5_folder, tmp_path, monkeypatch):
     pkg = generate_package(traced, graph, plan, spec, tmp_path, command="pytest")
     assert pkg.name == "t5_ckpt_pipeline"
     mod = import_package(pkg)
-    assert mod.load_plan()["model"]["path"] == str(t5_folder.resolve())
+    # The folder relative to the package (no path of this machine baked in).
+    recorded = json.loads((pkg / "plan.json").read_text())["model"]["path"]
+    assert not recorded.startswith("/") and (pkg / recorded).resolve() == t5_folder.resolve()
+    assert Path(mod.load_plan()["model"]["path"]).resolve() == t5_folder.resolve()  # found
     result = check_package(pkg)  # reference and stages both read the checkpoint
     assert result.ok, result
 
@@ -40,11 +47,10 @@ def test_checkpoint_weights_reach_the_stages(t5_folder, tmp_path, monkeypatch):
     net = transformers.T5ForConditionalGeneration.from_pretrained(t5_folder)
     loss = net(**check.synthetic_inputs(mod.load_plan()), use_cache=False).loss
     assert result.loss == pytest.approx(loss.item(), rel=1e-5)
-    # Seed-0 random weights would give another loss: the checkpoint was really read.
-    loaded = mod.STAGES[0]()
+    # A folder without the weights is refused, never trained from random weights.
     monkeypatch.setenv("FTPIPE_WEIGHTS", str(tmp_path / "nowhere"))
-    fresh = mod.STAGES[0]()
-    assert not torch.equal(fresh.shared.weight, loaded.shared.weight)
+    with pytest.raises(PipelineConfigError, match="holds no \\*.safetensors weights"):
+        mod.STAGES[0]()
 
 
 def test_stage_reads_only_its_tensors_and_aliases(tmp_path, monkeypatch):

@@ -1,6 +1,9 @@
 import pytest
+import torch
+from torch import fx
+from torch.utils.flop_counter import FlopCounterMode
 
-from ftpipe_compiler.costs.analytic import analytic_costs
+from ftpipe_compiler.costs.analytic import analytic_costs, count_flops
 from ftpipe_compiler.costs.hardware import Hardware, get_hardware
 from ftpipe_compiler.graph.trace import trace_model
 from ftpipe_compiler.model.tasks import resolve_task
@@ -79,3 +82,35 @@ def test_cpu_costs_16_bit_math_at_the_rate_measured_on_it():
         slower = float(re.search(rf"\b{dtype} (\d+)x", note)[1])
         assert slower > 10
         assert hw.op_time(flops, 0, dtype) / fp32 == pytest.approx(slower, rel=0.02)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_t5", "tiny_gpt2", "tiny_bert"])
+def test_flops_counted_once_per_shape_are_those_of_running_the_program(request, fixture):
+    """Each distinct op and input shapes run once: the FLOPs of every node are those of
+    running the whole program on meta tensors under the counter, node by node."""
+    traced = request.getfixturevalue(fixture)[3]
+    program, counter, want = traced.program, FlopCounterMode(display=False), {}
+
+    class Counting(fx.Interpreter):
+        def run_node(self, n):
+            before = counter.get_total_flops()
+            out = super().run_node(n)
+            if n.op == "call_function":
+                want[n.name] = float(counter.get_total_flops() - before)
+            return out
+
+        def call_function(self, target, args, kwargs):  # traced on the CPU: devices baked in
+            meta = torch.device("meta")
+            args = tuple(meta if isinstance(a, torch.device) else a for a in args)
+            kwargs = {k: meta if isinstance(v, torch.device) else v for k, v in kwargs.items()}
+            return super().call_function(target, args, kwargs)
+
+    args = [
+        torch.empty(n.meta["val"].shape, dtype=n.meta["val"].dtype, device="meta")
+        for n in program.graph.nodes
+        if n.op == "placeholder"
+    ]
+    with counter, torch.no_grad():
+        Counting(program.graph_module).run(*args)
+    assert count_flops(traced) == want
+    assert sum(want.values()) > 0

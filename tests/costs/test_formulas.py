@@ -10,9 +10,11 @@ from ftpipe_runtime.schedules import StagePolicy
 
 from ftpipe_compiler.costs.formulas import (
     FP32,
+    OPTIMIZERS,
     PRECISIONS,
     Precision,
     gpu_memory_bytes,
+    optimizer_state_elements,
     param_bytes,
     period_s,
     stage_memory,
@@ -85,3 +87,25 @@ def test_an_optimizer_step_streams_what_each_parameter_holds_twice():
     roofline = get_hardware("rtx2080ti")
     bw = roofline.memory_bandwidth * roofline.efficiency
     assert optimizer_step_s([large], roofline) == pytest.approx(2 * large / bw)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_the_cost_model_counts_the_state_the_runtimes_optimizer_keeps(name):
+    """After one step, the optimizer's state tensors (its step counters left out) hold as
+    many elements as the memory model charges, for a matrix, a vector and a 3-d tensor."""
+    import torch
+    from ftpipe_runtime.train.optim import make_optimizer
+
+    shapes = [(6, 10), (7,), (2, 3, 5)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    opt = make_optimizer(name, params, 1e-3)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    for p, shape in zip(params, shapes):
+        kept = sum(
+            t.numel()
+            for key, t in opt.state[p].items()
+            if torch.is_tensor(t) and key != "step" and t.dim() > 0
+        )
+        assert kept == optimizer_state_elements(shape, name), (name, shape)

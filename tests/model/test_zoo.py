@@ -23,6 +23,7 @@ PUBLISHED = {
     "llama-3.1-8b": 8_030_261_248,
     "mistral-7b": 7_248_023_552,
     "qwen2.5-7b": 7_615_616_512,
+    "qwen2.5-14b": 14_770_033_664,
     "bart-large": 406_291_456,
 }
 
@@ -150,7 +151,7 @@ def test_head_option_and_missing_architectures(tmp_path):
 
 
 def _hub_cache(root, repo_id: str, config_from: str):
-    """A HuggingFace hub cache entry as `huggingface-cli download` leaves it."""
+    """A HuggingFace hub cache entry as `hf download` leaves it."""
     entry = root / f"models--{repo_id.replace('/', '--')}"
     _save(entry / "snapshots" / "abc123", config_from)
     (entry / "refs").mkdir()
@@ -167,7 +168,7 @@ def test_hub_ids_come_from_the_local_cache_only(tmp_path, monkeypatch):
     assert spec.kind == "hub" and spec.hub_id == "someone/tiny-llama"
     assert spec.name == "tiny-llama" and spec.hf_class == "LlamaForCausalLM"
     assert spec.path == str(tmp_path / "models--someone--tiny-llama" / "snapshots" / "abc123")
-    with pytest.raises(FtpipeError, match=r"huggingface-cli download someone/absent --local-dir"):
+    with pytest.raises(FtpipeError, match=r"`hf download someone/absent --local-dir"):
         resolve_model("someone/absent")
 
 

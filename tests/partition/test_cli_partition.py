@@ -68,7 +68,7 @@ def test_json_output_with_a_subset(graph_file):
 def test_bad_input_is_one_clear_line(graph_file, tmp_path):
     runner = CliRunner()
     res = runner.invoke(cli, ["partition", graph_file, "--gpus", "2", "-p", "mixed,nope"])
-    assert res.exit_code == 1 and "unknown partitioner 'nope'; choose from" in res.output
+    assert res.exit_code == 2 and "unknown partitioner 'nope'; choose from" in res.output
     assert "Traceback" not in res.output
     res = runner.invoke(cli, ["partition", str(tmp_path / "missing.json"), "--gpus", "2"])
     assert res.exit_code == 1 and "does not exist" in res.output
@@ -99,7 +99,7 @@ def test_infeasible_everywhere_says_what_is_needed(tmp_path):
     )
     assert res.exit_code == 1
     assert "no partitioner found a plan that fits" in res.output
-    assert "even-layers: infeasible: needs 4 GPUs / 32.0 GB" in res.output
+    assert "even-layers: infeasible: needs 4 GPUs / 29.8 GiB" in res.output
     assert "less the device's reserve" in res.output
     res = CliRunner().invoke(
         cli,

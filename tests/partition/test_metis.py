@@ -28,7 +28,7 @@ def stage_graph(costs: NodeCosts, stage_of: list[int]) -> nx.DiGraph:
     return g
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30, deadline=None, derandomize=True)  # the same cases every run
 @given(
     n=st.integers(2, 40),
     graph_seed=st.integers(0, 10_000),
@@ -38,6 +38,7 @@ def stage_graph(costs: NodeCosts, stage_of: list[int]) -> nx.DiGraph:
 def test_repairs_of_arbitrary_parts_are_acyclic(n, graph_seed, parts, label_seed):
     """Any labelling, not only METIS's: the repairs must never yield a cyclic stage graph."""
     costs = NodeCosts.of(make_problem(make_graph(n, graph_seed), gpus=parts))
+    parts = costs.problem.gpus  # (a problem has no more GPUs than nodes)
     units = atoms(costs).groups()
     rng = random.Random(label_seed)
     part = [rng.randrange(parts) for _ in units]

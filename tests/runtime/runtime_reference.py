@@ -1,5 +1,10 @@
 """Single-process references for the toy pipeline: plain training, FTPipe's update rule, and
-the stage-wise delayed rules of PipeDream-2BW and WPipe."""
+the stage-wise delayed rules of PipeDream-2BW and WPipe.
+
+Written apart from the runtime's own update rule, as the HuggingFace Trainer trains: a step's
+loss is the sum over its label tokens over their number (each micro-batch's mean loss
+weighted by its share of the step's counted tokens: `step_shares`), torch's optimizers with the
+Trainer's defaults (no weight decay), the learning rate decayed linearly to 0 (no warm-up)."""
 
 from __future__ import annotations
 
@@ -10,10 +15,43 @@ import torch
 from ftpipe_runtime.data.batches import make_data
 from ftpipe_runtime.models.hf import loss_of as hf_loss
 from ftpipe_runtime.stage.api import run_in_one_process
-from ftpipe_runtime.train.optim import lr_at, make_optimizer
 from runtime_toy import STAGES, ToyModel
 from safetensors.torch import load_file
 from torch.func import functional_call
+
+# The Trainer's AdamW defaults (betas, epsilon: torch's too); no weight decay.
+_OPTIMIZERS = {
+    "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.0),
+    "adam": lambda params, lr: torch.optim.Adam(params, lr=lr),
+    "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr),
+}
+
+
+def reference_optimizer(name, params, lr):
+    return _OPTIMIZERS[name]([p for p in params if p.requires_grad], lr)
+
+
+def linear_lr(k: int, lr: float, steps: int) -> float:
+    """transformers' linear schedule without warm-up: lr * (steps - k) / steps."""
+    return lr * (steps - k) / steps
+
+
+def _counted(plan, source, mb: int) -> int:
+    """The label tokens the loss of micro-batch mb averages over: labels not -100, a causal
+    LM's from the second token (the model shifts them); samples for per-sample heads."""
+    head = plan["model"].get("head")
+    if head in ("sequence-classification", "question-answering"):
+        return next(iter(plan["model"]["inputs"].values()))[0][0]
+    labels = source.get("labels", mb)
+    return int((labels[:, 1:] if head == "causal-lm" else labels).ne(-100).sum())
+
+
+def step_shares(plan, source, k: int) -> dict[int, float]:
+    """mb -> its share of step k's counted tokens (each micro-batch's loss is a mean)."""
+    m = plan["micro_batches"]
+    counts = {mb: _counted(plan, source, mb) for mb in range(k * m, (k + 1) * m)}
+    total = sum(counts.values())
+    return {mb: n / total for mb, n in counts.items()}
 
 
 def train_plain(
@@ -24,22 +62,21 @@ def train_plain(
     (tokenized by the model's folder)."""
     model = model if model is not None else ToyModel()
     loss_of = hf_loss if hasattr(model, "config") else lambda net, inputs: net(**inputs)
-    opt = make_optimizer(optimizer, model.parameters(), lr)
+    opt = reference_optimizer(optimizer, model.parameters(), lr)
     tokenizer = plan["model"].get("path") if text is not None else None
     source = make_data(plan["model"], data, seed, text, tokenizer)
-    m = plan["micro_batches"]
     losses, params = [], []
     for k in range(steps):
         total = 0.0
-        for mb in range(k * m, (k + 1) * m):
+        for mb, share in step_shares(plan, source, k).items():
             loss = loss_of(model, {n: source.get(n, mb) for n in plan["model"]["inputs"]})
-            (loss / m).backward()
-            total += loss.item()
-        losses.append(total / m)
+            (loss * share).backward()
+            total += loss.item() * share
+        losses.append(total)
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         for group in opt.param_groups:
-            group["lr"] = lr_at(k, lr, steps)
+            group["lr"] = linear_lr(k, lr, steps)
         opt.step()
         opt.zero_grad()
         params.append({n: p.detach().clone() for n, p in model.named_parameters()})
@@ -77,7 +114,8 @@ def train_stale(
         if init is not None:
             own = module.state_dict()
             module.load_state_dict({k: v for k, v in init.items() if k in own}, strict=False)
-    opts = {s: make_optimizer(optimizer, mod.parameters(), lr) for s, mod in modules.items()}
+    opts = {s: reference_optimizer(optimizer, mod.parameters(), lr) for s, mod in modules.items()}
+    shares = functools.cache(lambda k: step_shares(plan, source, k))
     versions = {s: [_snapshot(mod)] for s, mod in modules.items()}
 
     def weights(s, v):
@@ -103,7 +141,8 @@ def train_stale(
             n: t.clone().requires_grad_(t.is_floating_point()) for n, t in inputs_of(s, mb).items()
         }
         out = functional_call(modules[s], params, kwargs=x)
-        roots, grads = ([out["loss"] / m], [None]) if s == loss_stage else ([], [])
+        share = shares(mb // m)[mb]
+        roots, grads = ([out["loss"] * share], [None]) if s == loss_stage else ([], [])
         for t in stages[s]["outputs"]:
             if transfers[t]["requires_grad"]:
                 roots.append(out[t])
@@ -116,13 +155,13 @@ def train_stale(
         for name, p in modules[s].named_parameters():
             p.grad = sum(backward(s, mb)[1][name] for mb in range(k * m, k * m + m))
         for group in opts[s].param_groups:
-            group["lr"] = lr_at(k, lr, steps)
+            group["lr"] = linear_lr(k, lr, steps)
         opts[s].step()
         opts[s].zero_grad()
         versions[s].append(_snapshot(modules[s]))
 
     losses = [
-        sum(float(forward(loss_stage, mb)["loss"]) for mb in range(k * m, k * m + m)) / m
+        sum(float(forward(loss_stage, mb)["loss"]) * w for mb, w in shares(k).items())
         for k in range(steps)
     ]
     return losses, {s: weights(s, steps) for s in stages}
@@ -154,7 +193,6 @@ def train_delayed(
     losses and each stage's final weights."""
     classes = stages or STAGES
     ids = [s["id"] for s in plan["stages"]]
-    m = plan["micro_batches"]
     source = make_data(plan["model"], data, seed)
     live = {s: classes[s]() for s in ids}
     work = {s: classes[s]() for s in ids}  # loaded with the version a step computes on
@@ -162,7 +200,7 @@ def train_delayed(
         for module in live.values():
             own = module.state_dict()
             module.load_state_dict({k: v for k, v in init.items() if k in own}, strict=False)
-    opts = {s: make_optimizer(optimizer, live[s].parameters(), lr) for s in ids}
+    opts = {s: reference_optimizer(optimizer, live[s].parameters(), lr) for s in ids}
     history = {s: [_snapshot(live[s])] for s in ids}
     losses = []
     for k in range(steps):
@@ -171,18 +209,25 @@ def train_delayed(
             with torch.no_grad():
                 for n, p in work[s].named_parameters():
                     p.copy_(state[n])
-                    p.grad = None
         total = 0.0
-        for mb in range(k * m, (k + 1) * m):
+        grads = {s: {} for s in ids}  # the step's gradients, each micro-batch's by its share
+        for mb, share in step_shares(plan, source, k).items():
+            for s in ids:
+                for p in work[s].parameters():
+                    p.grad = None
             inputs = {n: source.get(n, mb) for n in plan["model"]["inputs"]}
-            total += float(run_in_one_process(work, plan, inputs).detach())
-        losses.append(total / m)
+            total += float(run_in_one_process(work, plan, inputs).detach()) * share
+            for s in ids:
+                for n, p in work[s].named_parameters():
+                    if p.grad is not None:
+                        have = grads[s].get(n)
+                        grads[s][n] = p.grad * share if have is None else have + p.grad * share
+        losses.append(total)
         for s in ids:
-            grads = {n: p.grad for n, p in work[s].named_parameters()}
             for n, p in live[s].named_parameters():
-                p.grad = None if grads[n] is None else grads[n] / m
+                p.grad = grads[s].get(n)
             for group in opts[s].param_groups:
-                group["lr"] = lr_at(k, lr, steps)
+                group["lr"] = linear_lr(k, lr, steps)
             opts[s].step()
             opts[s].zero_grad()
             history[s].append(_snapshot(live[s]))

@@ -15,7 +15,9 @@ piece: the single-process reference.
 
 from __future__ import annotations
 
+import json
 import zlib
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -228,6 +230,19 @@ def toy_plan(
     }
 
 
+def write_ragged(path, samples: int = 24) -> str:
+    """A .jsonl of toy samples of 2 to L tokens: micro-batches of different numbers of label
+    tokens (padding labelled -100), where a mean of per-micro-batch means and the step's
+    token mean differ."""
+    gen = torch.Generator().manual_seed(1)
+    lines = []
+    for i in range(samples):
+        n = 2 + (i * 7 + i // 3) % (L - 1)
+        lines.append(json.dumps(torch.randint(0, V, (n,), generator=gen).tolist()))
+    Path(path).write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
 def one_rank_plan(schedule: str = "gpipe", micro_batches: int = 4, dtype="float32") -> dict:
     """The toy's four stages all on one rank: `run` needs no torch.distributed then."""
     plan = toy_plan("two-ranks", schedule, micro_batches, dtype)
@@ -238,7 +253,6 @@ def one_rank_plan(schedule: str = "gpipe", micro_batches: int = 4, dtype="float3
 
 
 if __name__ == "__main__":  # one rank of a toy pipeline: runtime_toy.py PLAN.json [runtime args]
-    import json
     import os
     import sys
 

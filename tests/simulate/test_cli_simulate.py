@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from ftpipe_compiler.cli import cli
+from ftpipe_compiler.units import size
 
 
 def run(*args):
@@ -203,7 +204,7 @@ def test_compile_and_simulate_print_the_same_figures_in_binary_units(tmp_path):
     report = (out / "report.html").read_text()
     readme = (out / "gpt2_tiny_pipeline" / "README.md").read_text()
     assert f"{sent / 2**20:10.2f} MiB per step (all GPUs)" in said
-    assert f"<td>sent between GPUs</td><td>{sent / 2**20:.2f} MiB per step</td>" in report
+    assert f"<td>sent between GPUs</td><td>{size(sent)} per step</td>" in report  # its unit
     assert f"{compiled['gpus'][0]['bytes_sent'] / 2**20:.2f} |" in readme
     for text in (said, report, readme):
         assert not re.search(r"\bMB\b", text)

@@ -6,7 +6,7 @@ same micro-batch, with the same weights' shapes and dtype; the time ratio (the a
 from __future__ import annotations
 
 from ..registry import Check, Findings, part
-from ..timing import timed
+from ..timing import timed_in_turn
 from .llama import llama_package
 
 AIM = 1.05  # generated / HF eager, one GPU, bf16 (issue 31)
@@ -55,8 +55,9 @@ def eager(check: Check, found: Findings) -> None:
         else False  # fmt: skip
     found["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
     repeats = check.sizes.eager_repeats
-    found["generated_s"] = timed(check.device, generated, repeats=repeats, warmup=2)
-    found["hf_eager_s"] = timed(check.device, hf, repeats=repeats, warmup=2)
+    seconds = timed_in_turn(check.device, {"generated": generated, "hf": hf},
+                            repeats=repeats, warmup=2)  # fmt: skip
+    found["generated_s"], found["hf_eager_s"] = seconds["generated"], seconds["hf"]
     found["ratio"] = found["generated_s"] / found["hf_eager_s"]
     if check.device == "cuda":
         found.expect(found["ratio"] <= AIM, f"the generated stages take {found['ratio']:.3f}x "

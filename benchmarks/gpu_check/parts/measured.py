@@ -25,6 +25,8 @@ def measured(check: Check, found: Findings) -> None:
                  device=m["device"], seconds=m["seconds"], loss=m["loss"],
                  memory_limit_bytes=m["memory_limit_bytes"], largest_block=m["largest_block"],
                  peak_bytes=m["peak_bytes"], weights_bytes=weights,
+                 peak_block=max(m["block_peak_bytes"], key=m["block_peak_bytes"].get,
+                                default=None),
                  fwd_s=sum(n.fwd_s for n in graph.nodes),
                  bwd_s=sum(n.bwd_s for n in graph.nodes))  # fmt: skip
     found.expect(len(graph.nodes) > 1, "the profile has one block: nothing was swapped")

@@ -176,7 +176,7 @@ def test_receives_posted_ahead_are_bounded_in_count_as_well_as_bytes(monkeypatch
     would then grow with --steps): at most POST_AHEAD_MESSAGES wait per source, and taking
     one posts the next."""
     import torch
-    from ftpipe_runtime import comm as comm_mod
+    from ftpipe_runtime.engine import comm as comm_mod
 
     topo = Topology(toy_plan("two-ranks"))
     flow = _flow(topo, get_schedule("1f1b"), 4, 100_000)
@@ -210,7 +210,7 @@ def test_sent_tensors_are_let_go_though_gloo_never_says_they_went(monkeypatch, s
     asynchronous one its first step action waits for the sends made before its previous one
     (their receivers took them in that step) and lets them go."""
     import torch
-    from ftpipe_runtime import comm as comm_mod
+    from ftpipe_runtime.engine import comm as comm_mod
 
     topo = Topology(toy_plan("two-ranks"))  # two stages on rank 0: two step actions a step
     flow = _flow(topo, get_schedule(schedule), 4, 3)

@@ -1,4 +1,6 @@
-"""The synchronous schedules train exactly like the unpartitioned model, step after step.
+"""The synchronous schedules train exactly like the unpartitioned model, step after step, on
+samples of different lengths (a step's loss: its label tokens' mean, not a mean of
+per-micro-batch means).
 
 Zero-bubble ones split each backward into B and W (zb1p on any placement, zbv in its V:
 the toy's "folded" layout; zb2p steps each stage on its own, no flush, so its gradients are
@@ -15,7 +17,7 @@ import torch
 from ftpipe_runtime.schedules import actions, write_lists
 from ftpipe_runtime.spec.topology import Topology
 from runtime_reference import checkpoint_params, train_plain
-from runtime_toy import toy_plan
+from runtime_toy import toy_plan, write_ragged
 
 pytestmark = pytest.mark.multiproc
 
@@ -44,12 +46,14 @@ def test_sync_schedule_matches_plain_training(
         lists = actions("1f1b", Topology(plan).stage_infos(), plan["micro_batches"], 1)
         write_lists(lists, schedule)
     argv = ["--steps", str(STEPS), "--optimizer", optimizer, "--lr", "0.05", "--clip", str(clip)]
-    argv += ["--schedule", schedule]
+    argv += ["--schedule", schedule, "--data", write_ragged(tmp_path / "ragged.jsonl")]
     argv += ["--save-every", "1", "--checkpoint-dir", str(ckpt), "--log-json", str(log)]
     codes, ranks = run_pipeline(plan, argv)
     assert codes == [0] * plan["gpus"], ranks.stderr()
 
-    losses, params = train_plain(plan, STEPS, optimizer, lr=0.05, clip=clip)
+    losses, params = train_plain(
+        plan, STEPS, optimizer, lr=0.05, clip=clip, data=str(tmp_path / "ragged.jsonl")
+    )
     got = json.loads(log.read_text())
     assert got["losses"] == pytest.approx(losses, rel=1e-4)
     for step in range(STEPS):

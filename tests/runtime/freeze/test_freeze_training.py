@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from runtime_reference import checkpoint_params
+from runtime_reference import checkpoint_params, linear_lr, reference_optimizer, step_shares
 from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
@@ -26,7 +26,7 @@ from ftpipe_runtime.freeze.layers import layer_units, next_frozen  # noqa: E402
 from ftpipe_runtime.models import with_dropout  # noqa: E402
 from ftpipe_runtime.models.hf import build_model  # noqa: E402
 from ftpipe_runtime.models.hf import loss_of as hf_loss  # noqa: E402
-from ftpipe_runtime.train.optim import lr_at, make_optimizer  # noqa: E402
+from ftpipe_runtime.spec.topology import read_plan  # noqa: E402
 
 from ftpipe_compiler.cli import cli  # noqa: E402
 
@@ -66,19 +66,18 @@ def _train_frozen(plan: dict, optimizer: str, freeze_after: int, layers: int | N
     model = plan["model"]
     net = build_model(model["config"], model["hf_class"], "cpu", dropout=0.0)
     net.load_state_dict(load_file(str(Path(model["path"]) / "model.safetensors")), strict=False)
-    opt = make_optimizer(optimizer, net.parameters(), LR)
+    opt = reference_optimizer(optimizer, net.parameters(), LR)
     units = layer_units([p["name"] for p in plan["params"]])
     named = dict(net.named_parameters())
     source = make_data(model, None, 0)
-    m = plan["micro_batches"]
     losses, params, norms = [], [], None
     for k in range(STEPS):
         total = 0.0
-        for mb in range(k * m, (k + 1) * m):
+        for mb, share in step_shares(plan, source, k).items():
             loss = hf_loss(net, {n: source.get(n, mb) for n in model["inputs"]})
-            (loss / m).backward()
-            total += loss.item()
-        losses.append(total / m)
+            (loss * share).backward()
+            total += loss.item() * share
+        losses.append(total)
         decide = k + 1 == freeze_after
         if decide:
             norms = [
@@ -93,7 +92,7 @@ def _train_frozen(plan: dict, optimizer: str, freeze_after: int, layers: int | N
             norms = [float(x) for x in norms]
         torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
         for group in opt.param_groups:
-            group["lr"] = lr_at(k, LR, STEPS)
+            group["lr"] = linear_lr(k, LR, STEPS)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if decide:
@@ -109,7 +108,7 @@ def _train_frozen(plan: dict, optimizer: str, freeze_after: int, layers: int | N
 
 
 def _run(run_pipeline, package, tmp_path, name, optimizer, extra):
-    plan = json.loads((package / "plan.json").read_text())
+    plan = read_plan(package / "plan.json")
     ckpt, log = tmp_path / f"{name}-ckpt", tmp_path / f"{name}.json"
     argv = ["--steps", str(STEPS), "--optimizer", optimizer, "--lr", str(LR), "--clip", str(CLIP),
             "--schedule", "gpipe", "--device", "cpu", "--save-every", "2",

@@ -19,9 +19,15 @@ import torch
 from ftpipe_runtime.data.batches import make_data
 from ftpipe_runtime.schedules import Timeline, get_schedule
 from ftpipe_runtime.spec.topology import Topology
-from ftpipe_runtime.train.optim import lr_at, make_optimizer
 from runtime_helpers import crash_and_resume
-from runtime_reference import checkpoint_params, train_delayed, train_stale
+from runtime_reference import (
+    checkpoint_params,
+    linear_lr,
+    reference_optimizer,
+    step_shares,
+    train_delayed,
+    train_stale,
+)
 
 pytest.importorskip("transformers")
 from ftpipe_compiler.codegen import generate_package, import_package  # noqa: E402
@@ -84,23 +90,37 @@ def _launch(run_pipeline, packages, model, schedule, steps, tmp_path, extra=()):
 
 
 def _train_hf(model, plan, steps, optimizer, lr, clip):
+    """(losses, final weights, name -> elements whose gradient at a later step is tiny:
+    `SWITCHED`)."""
     hf = _costed(BASE.get(model, model))[0].build("cpu", dropout=0.0, seed=0).m
-    opt = make_optimizer(optimizer, hf.parameters(), lr)
-    data, m = make_data(plan["model"], None, 0), plan["micro_batches"]
-    losses = []
+    opt = reference_optimizer(optimizer, hf.parameters(), lr)
+    data = make_data(plan["model"], None, 0)
+    losses, tiny = [], {}
     for k in range(steps):
         total = 0.0
-        for mb in range(k * m, (k + 1) * m):
+        for mb, share in step_shares(plan, data, k).items():
             loss = hf(**{n: data.get(n, mb) for n in plan["model"]["inputs"]}, use_cache=False).loss
-            (loss / m).backward()
-            total += loss.item()
-        losses.append(total / m)
+            (loss * share).backward()
+            total += loss.item() * share
+        losses.append(total)
+        for n, p in hf.named_parameters(remove_duplicate=False):
+            if k and p.grad is not None:
+                near = (p.grad != 0) & (p.grad.abs() < SWITCHED)
+                tiny[n] = near | tiny[n] if n in tiny else near
         torch.nn.utils.clip_grad_norm_(hf.parameters(), clip)
         for group in opt.param_groups:
-            group["lr"] = lr_at(k, lr, steps)
+            group["lr"] = linear_lr(k, lr, steps)
         opt.step()
         opt.zero_grad()
-    return losses, {**dict(hf.named_buffers()), **hf.state_dict()}  # Llama's rotary buffer too
+    return losses, {**dict(hf.named_buffers()), **hf.state_dict()}, tiny  # Llama's rotary too
+
+
+# A weight whose gradient after the first step is this small comes from a few tokens where a
+# ReLU unit is barely on: the pipeline's weights, a rounding away from the reference's after
+# a step, may switch it (T5's DenseReluDense.wo: one element's gradient -4.5e-6 at step 2
+# in the reference, 1.9e-5 between the weights after 3 steps, seen once the weight decay
+# default became 0). Checked at the learning rate, as Adam's noisy elements.
+SWITCHED = 1e-5
 
 
 def _adam_noisy(model, plan) -> dict[str, torch.Tensor]:
@@ -108,10 +128,10 @@ def _adam_noisy(model, plan) -> dict[str, torch.Tensor]:
     far below Adam's eps (1e-8): Adam moves them by lr * g / (|g| + eps), so the rounding of g
     (the pipeline sums in another order) shows in them, up to lr. Elsewhere it does not."""
     hf = _costed(BASE.get(model, model))[0].build("cpu", dropout=0.0, seed=0).m
-    data, m = make_data(plan["model"], None, 0), plan["micro_batches"]
-    for mb in range(m):
+    data = make_data(plan["model"], None, 0)
+    for mb, share in step_shares(plan, data, 0).items():
         loss = hf(**{n: data.get(n, mb) for n in plan["model"]["inputs"]}, use_cache=False).loss
-        (loss / m).backward()
+        (loss * share).backward()
     named = hf.named_parameters(remove_duplicate=False)
     return {n: (p.grad != 0) & (p.grad.abs() < 1e-6) for n, p in named if p.grad is not None}
 
@@ -146,9 +166,11 @@ def test_sync_package_matches_the_model(run_pipeline, packages, tmp_path, model,
         tmp_path,
         ["--optimizer", "adamw", "--lr", str(lr), "--clip", "1.0"],
     )
-    losses, state = _train_hf(model, packages[model][1], steps, "adamw", lr, 1.0)
+    losses, state, switched = _train_hf(model, packages[model][1], steps, "adamw", lr, 1.0)
     assert log["losses"] == pytest.approx(losses, rel=1e-4)
     noisy = _adam_noisy(model, packages[model][1])
+    for name, mask in switched.items():
+        noisy[name] = noisy[name] | mask if name in noisy else mask
     for name, value in params.items():
         _assert_params_close(value, state[name], noisy, lr, name)
 
@@ -199,7 +221,9 @@ def test_package_follows_its_delayed_update_rule(run_pipeline, packages, tmp_pat
             _assert_params_close(params[name], value, noisy, lr, name)
 
 
-@pytest.mark.parametrize("model", ["gpt2-tiny", "t5-tiny"])
+@pytest.mark.parametrize(
+    "model", ["gpt2-tiny", pytest.param("t5-tiny", marks=pytest.mark.exhaustive)]
+)
 def test_ftpipe_package_resumes_exactly(run_pipeline, packages, tmp_path, model):
     """Issue 14's case: stopped after step 4 of 8 (saving every 2) and resumed, the losses
     and weights are the uninterrupted run's (before, the first resumed loss was off by 0.012)."""

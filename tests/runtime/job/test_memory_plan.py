@@ -13,6 +13,7 @@ each rank), and with glibc keeping the heap a rank grew step after step.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -23,6 +24,7 @@ from click.testing import CliRunner  # noqa: E402
 
 from ftpipe_compiler.cli import cli  # noqa: E402
 from ftpipe_compiler.costs.gpu_memory import gpu_memory  # noqa: E402
+from ftpipe_compiler.costs.host import Offload  # noqa: E402
 from ftpipe_compiler.plan import Plan  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
@@ -66,9 +68,26 @@ def package(tmp_path_factory):
     return pkg, plan, root / "val.pt"
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "2bw"])
+def _offloaded(pkg, plan):
+    """A copy of the package whose plan keeps stage 0's optimizer on the host (the planner's
+    per-stage `offload`), and that plan: on a CPU rank the host copies are its memory too."""
+    copy = pkg.parents[1] / "out-offloaded" / pkg.name  # as deep: its model found the same
+    shutil.copytree(pkg, copy, dirs_exist_ok=True)
+    d = json.loads((copy / "plan.json").read_text())
+    d["stages"][0]["offload"] = {"optimizer": True, "activations": False}
+    (copy / "plan.json").write_text(json.dumps(d))
+    stages = tuple(replace(s, offload=Offload(optimizer=s.id == 0)) for s in plan.stages)
+    return copy, plan.with_(stages=stages)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "2bw", "gpipe-offload"])
 def test_each_rank_peaks_within_15_percent_of_its_plan(run_pipeline, package, tmp_path, schedule):
+    """... and with stage 0's masters, AdamW state, gradient sums and landing buffers on the
+    host (`gpipe-offload`: 20 B an element there against 12 beside the weights)."""
     pkg, plan, val = package
+    if schedule.endswith("-offload"):
+        schedule = schedule.removesuffix("-offload")
+        pkg, plan = _offloaded(pkg, plan)
     log, trace = tmp_path / "log.json", tmp_path / "trace.json"
     argv = ["--steps", "6", "--schedule", schedule, "--eval-data", str(val), "--eval-every", "3"]
     argv += ["--post-ahead", str(POST_AHEAD_MB), "--device", "cpu"]

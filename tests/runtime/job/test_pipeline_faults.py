@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from ftpipe_runtime import run
-from ftpipe_runtime.job.liveness import INTERRUPTED
+from ftpipe_runtime.job.liveness import INTERRUPTED, TERMINATED
 from runtime_helpers import launch
 from runtime_reference import checkpoint_params
 from runtime_toy import PARAMS, STAGES, init_value, one_rank_plan, toy_plan
@@ -172,6 +172,44 @@ def test_an_interrupted_rank_stops_its_peers_at_once(tmp_path):
         for r in (0, 2):
             last = ranks.stderr(r).splitlines()[-1]
             assert re.match(rf"ftpipe rank {r}: .*rank 1 stopped: interrupted \(Ctrl-C\)", last)
+        assert "Traceback" not in ranks.stderr()
+    finally:
+        ranks.kill()
+
+
+def test_ctrl_c_on_rank_0_stops_a_busy_peer_with_130(tmp_path):
+    """Ctrl-C on rank 0 while rank 1 computes (FTPIPE_FAULT keeps it busy 6 s after step 2):
+    rank 0 exits 130 and rank 1, whose next act is to post a receive or a send on the pair
+    rank 0 closed, stops naming rank 0's Ctrl-C, 130 too. Gloo refuses that post at once,
+    outside any wait: it was "unexpected error: RuntimeError: ... Connection closed by peer"
+    and exit 1 (the audit's case, one run in two there)."""
+    argv = ["--steps", "2000", "--timeout", "300", "--log-every", "1"]
+    env = {"FTPIPE_FAULT": "1:2:slow:6"}
+    ranks = launch(tmp_path, toy_plan("two-ranks", "1f1b"), argv, name="rank0", env=env)
+    try:
+        _wait_for_step(ranks, 2)  # rank 1 is busy now: its losses of step 2 came
+        ranks.procs[0].send_signal(signal.SIGINT)
+        assert ranks.wait(60) == [130, 130], ranks.stderr()
+        assert ranks.stderr(0).splitlines()[-1] == f"ftpipe rank 0: {INTERRUPTED[0]}"
+        last = ranks.stderr(1).splitlines()[-1]
+        assert re.fullmatch(rf"ftpipe rank 1: gave up .*: rank 0 stopped: {re.escape(INTERRUPTED[0])}", last), ranks.stderr()  # fmt: skip
+        assert "Traceback" not in ranks.stderr()
+    finally:
+        ranks.kill()
+
+
+def test_sigterm_on_one_rank_is_one_line_and_code_143_on_every_rank(tmp_path):
+    """SIGTERM (what torchrun sends the other workers when one fails) on rank 1: it says so
+    and exits 143, and its peer stops at once naming it, with 143 too (it died silently)."""
+    argv = ["--steps", "2000", "--timeout", "300", "--log-every", "1"]
+    ranks = launch(tmp_path, toy_plan("two-ranks", "1f1b"), argv, name="term")
+    try:
+        _wait_for_step(ranks, 3)
+        ranks.procs[1].send_signal(signal.SIGTERM)
+        assert ranks.wait(60) == [143, 143], ranks.stderr()
+        assert ranks.stderr(1).splitlines()[-1] == f"ftpipe rank 1: {TERMINATED[0]}"
+        last = ranks.stderr(0).splitlines()[-1]
+        assert re.match(r"ftpipe rank 0: .*rank 1 stopped: stopped \(SIGTERM\)", last), last
         assert "Traceback" not in ranks.stderr()
     finally:
         ranks.kill()

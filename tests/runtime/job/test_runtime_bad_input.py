@@ -2,13 +2,14 @@
 training with one sentence (exit status 1, or 2 for a usage error), no traceback, and every
 file that existed before is byte-identical after.
 
-Cases run `ftpipe_runtime.run` in this process on the toy's one-rank plan (no
+Cases run `ftpipe_runtime.job.train` in this process on the toy's one-rank plan (no
 torch.distributed needed); the last tests run a generated package as a process.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -40,6 +41,10 @@ def _tokenizer(path):
 
 
 TOK, TOK_ARG = {"tok": _tokenizer}, ["--tokenizer", "tok"]
+CHAT_LINE = json.dumps(
+    {"messages": [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"}]}
+)
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 GOOD_ROWS = [[1, 2, 3, 4, 5, 6]] * 4
 # (case, files to write first {name: writer}, argv, exit code, what the one sentence says)
 CASES = [
@@ -92,6 +97,8 @@ CASES = [
     ("a .txt cut inside a character", {**TOK, "d.txt": _bytes("one two\nthree €".encode()[:-1])}, ["--data", "d.txt", *TOK_ARG], 1, "d.txt line 2 \\(byte 14\\) is not UTF-8 text \\(unexpected end of data\\)"),
     ("a number as text", {**TOK, "d.jsonl": _lines('{"text": 7}')}, ["--data", "d.jsonl", *TOK_ARG], 1, "d.jsonl sample 1: field 'text' holds int, not text"),
     ("unreadable csv", {**TOK, "d.parquet": _bytes(b"PAR1 not really")}, ["--data", "d.parquet", *TOK_ARG], 1, "d.parquet cannot be read as parquet"),
+    ("chat without a template", {**TOK, "d.jsonl": _lines(CHAT_LINE)}, ["--data", "d.jsonl", "--chat-field", "messages", *TOK_ARG], 1, "the tokenizer has no chat template to render --chat-field with; pass --chat-template FILE \\(a Jinja template\\)"),
+    ("a chat role unknown", {**TOK, "t.jinja": _lines(CHAT_TEMPLATE), "d.jsonl": _lines(CHAT_LINE, '{"messages": [{"role": "bot", "content": "one"}]}')}, ["--data", "d.jsonl", "--chat-field", "messages", "--chat-template", "t.jinja", *TOK_ARG], 1, "d.jsonl line 2: message 1 has the unknown role 'bot'; roles are system"),
     ("no tokenizer", {"d.jsonl": _lines('{"text": "one two"}')}, ["--data", "d.jsonl"], 1, "text data needs the model's tokenizer, and the plan names no model folder; pass --tokenizer FOLDER"),
     ("a bad eval file", {**TOK, "d.jsonl": _lines('{"text": "one two"}')}, ["--data", "d.jsonl", "--eval-data", "v.jsonl", *TOK_ARG], 1, "no data file v.jsonl"),
     ("--eval-every without eval data", {}, ["--eval-every", "2"], 1, "--eval-every needs an evaluation set: pass --eval-data FILE"),
@@ -100,8 +107,17 @@ CASES = [
     ("--freeze-alpha 1", {}, ["--freeze-alpha", "1"], 2, "argument --freeze-alpha: 1 must be below 1"),
     ("--save-hf of a function model", {}, ["--save-hf", "out"], 1, "a HuggingFace folder needs a HuggingFace model"),
     ("--dtype unknown", {}, ["--dtype", "fp8"], 2, "argument --dtype: invalid choice: 'fp8'"),
+    ("--decay unknown", {}, ["--decay", "step"], 2, "argument --decay: invalid choice: 'step'"),
+    ("--decay-fraction above 1", {}, ["--decay-fraction", "1.5"], 2, "argument --decay-fraction: 1.5 must be at most 1"),
+    ("--adam-beta2 of 1", {}, ["--adam-beta2", "1"], 2, "argument --adam-beta2: 1 must be below 1"),
     ("--dtype bf16 of an fp32 package", {}, ["--dtype", "bf16"], 1, "--dtype bf16: it was compiled in fp32; compile it with --dtype bf16 to train so"),
     ("freeze training under an asynchronous schedule", {}, ["--schedule", "ftpipe", "--freeze-at", "1:1"], 1, "freeze training needs a synchronous schedule, not ftpipe; pick gpipe or 1f1b"),
+    # found by the audit (docs/reliability.md)
+    ("--seed 10^30", {}, ["--seed", "1" + "0" * 30], 2, "argument --seed: 1000000000000000000000000000000 must be below 2147483648"),
+    ("--micro-batches 10^9", {}, ["--micro-batches", "1000000000"], 2, "argument --micro-batches: 1000000000 must be at most 65536"),
+    ("a NUL byte in a .csv", {**TOK, "d.csv": _bytes(b"text\none two\nthree\x00four\n")}, ["--data", "d.csv", *TOK_ARG], 1, "d.csv line 3 \\(byte 18\\) holds a NUL byte, which text does not; is it a binary file\\?"),
+    ("invalid UTF-8 in a .jsonl of token ids", {"d.jsonl": _bytes(b'[1, 2, 3]\n{"input_ids": [4, 5], "note\xff": [1]}\n')}, ["--data", "d.jsonl"], 1, "d.jsonl line 2 \\(byte 37\\) is not UTF-8 text \\(invalid start byte\\); save the file as UTF-8"),
+    ("--log-dir a file", {"logs": _bytes(b"mine")}, ["--log-dir", "logs"], 1, "cannot make the log folder logs: it is a file"),
 ]  # fmt: skip
 
 
@@ -185,7 +201,7 @@ def test_a_damaged_plan_file(text, message, tmp_path, monkeypatch, capsys):
         str(tmp_path / "missing.json"),
         [],
         1,
-        "cannot read the plan .*missing.json",
+        "the plan file .*missing.json does not exist",
         tmp_path,
         capsys,
     )
@@ -208,7 +224,7 @@ def package(tmp_path_factory):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda text: text[: len(text) // 2], "is not valid JSON \\(damaged or edited\\?\\)"),
+        (lambda text: text[: len(text) // 2], "is not valid JSON \\(damaged or edited\\?"),
         (lambda text: text.replace('"format": 2', '"format": 7'), "has format 7"),
     ],
 )
@@ -232,3 +248,126 @@ def test_a_package_with_a_damaged_plan_says_so_in_one_line(package, damage, mess
     assert out.returncode == 1, out.stderr
     assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1, out.stderr
     assert __import__("re").search(message, out.stderr), out.stderr
+
+
+@pytest.fixture(scope="module")
+def imported(package):
+    """The generated package imported (its STAGES, and its plan's path)."""
+    from ftpipe_runtime.stage.package import import_package
+
+    return import_package(package)
+
+
+def _weights(folder, imported, damage):
+    """A $FTPIPE_WEIGHTS folder holding stage 0's tensors, then `damage(file)`."""
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    stage = imported.STAGES[0](device="cpu")
+    save_file({k: v.contiguous() for k, v in stage.state_dict().items()}, folder / "w.safetensors")
+    damage(folder / "w.safetensors")
+
+
+# (case, what is done to the weights file, what the one sentence says)
+WEIGHTS = [
+    ("cut short", lambda f: f.write_bytes(f.read_bytes()[:500]), "w.safetensors is not a readable safetensors file \\(Error while deserializing header.*\\); is it damaged or cut short\\?"),
+    ("random bytes", lambda f: f.write_bytes(bytes(range(256)) * 8), "w.safetensors is not a readable safetensors file"),
+    ("a folder without weights", lambda f: f.unlink(), "stage 0: \\$FTPIPE_WEIGHTS .* holds no \\*.safetensors weights"),
+    ("a missing folder", lambda f: __import__("shutil").rmtree(f.parent), "stage 0: \\$FTPIPE_WEIGHTS .*weights holds no \\*.safetensors weights"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case, damage, message", WEIGHTS, ids=[c[0] for c in WEIGHTS])
+def test_damaged_weights_are_one_sentence(case, damage, message, imported, tmp_path, monkeypatch):
+    """$FTPIPE_WEIGHTS cut short or of random bytes was safetensors' raw SafetensorError; a
+    folder without weights, or none, trained random weights without a word."""
+    from ftpipe_runtime.errors import PipelineConfigError
+    from ftpipe_runtime.job.check import main as check_main
+
+    _weights(tmp_path / "weights", imported, damage)
+    monkeypatch.setenv("FTPIPE_WEIGHTS", str(tmp_path / "weights"))
+    with pytest.raises(PipelineConfigError) as refused:
+        imported.STAGES[0](device="cpu")
+    assert re.search(message, str(refused.value)), refused.value
+    code = check_main([], imported.STAGES, imported.load_plan, prog="--check")  # the same
+    assert code == 1
+
+
+@pytest.mark.parametrize("command", ["export", "--save-hf"])
+def test_an_export_never_replaces_a_folder_of_the_users_files(command, package, tmp_path, capsys):
+    """An export is swapped in whole: into a folder holding the user's own files it deleted
+    them. Refused before any work (a folder of an earlier export is still replaced)."""
+    from ftpipe_runtime.job.cli import main
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("the user's own notes")
+    (tmp_path / "mine" / "config.json").write_text("{}")
+    out = str(tmp_path / "mine")
+    if command == "export":
+        argv = ["export", "--checkpoint-dir", str(tmp_path / "ck"), "-o", out]
+        assert main(argv, {}, package / "plan.json", package.name) == 1
+        said = capsys.readouterr().err
+    else:
+        plan = json.loads((package / "plan.json").read_text())
+        with pytest.raises(SystemExit) as stopped:
+            run({**plan, "gpus": 1, "stages": [{**s, "gpu": 0} for s in plan["stages"]]},
+                {}, ["--save-hf", out])  # fmt: skip
+        said = str(stopped.value.code)
+    assert re.search("mine holds files a model export does not write \\(notes.txt\\), which "
+                     "replacing it would delete; give a new or empty folder", said), said  # fmt: skip
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "the user's own notes"
+
+
+def test_export_max_shard_size_is_checked(package, capsys):
+    """--max-shard-size huge was transformers' raw ValueError, after the work."""
+    from ftpipe_runtime.job.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["export", "-o", "x", "--max-shard-size", "huge"], {}, package / "plan.json", "p")
+    assert stopped.value.code == 2
+    assert (
+        "argument --max-shard-size: 'huge' is not a size; give e.g. 5GB" in capsys.readouterr().err
+    )
+
+
+def test_sigterm_in_check_or_export_is_one_line_and_143(package, monkeypatch, capsys):
+    from ftpipe_runtime.job import check
+    from ftpipe_runtime.job.cli import main
+    from ftpipe_runtime.job.signals import Terminated
+
+    def terminated(*args, **kwargs):
+        raise Terminated()
+
+    monkeypatch.setattr(check, "check", terminated)
+    assert main(["--check"], {}, package / "plan.json", package.name) == 143
+    err = capsys.readouterr().err
+    assert err == "ftpipe: stopped (SIGTERM); outputs that existed are unchanged\n"
+
+
+def test_byte_order_marks_are_skipped(tmp_path, monkeypatch):
+    """Notepad's UTF-8 files begin with a byte-order mark: a .jsonl of text was taken for
+    token ids and refused, one of token ids failed on its first line."""
+    from ftpipe_runtime.data.text import is_text_file
+
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "t.jsonl").write_bytes(bom + b'{"text": "one two"}\n')
+    assert is_text_file(tmp_path / "t.jsonl")
+    (tmp_path / "ids.jsonl").write_bytes(bom + b"".join(b"[1, 2, 3, 4, 5, 6]\n" for _ in range(8)))
+    monkeypatch.chdir(tmp_path)
+    summary = run(one_rank_plan(), STAGES, ["--steps", "1", "--data", "ids.jsonl"])
+    assert len(summary["losses"]) == 1
+
+
+def test_a_manifest_of_the_wrong_types_is_a_damaged_checkpoint(tmp_path, monkeypatch, capsys):
+    """A manifest whose `files` is no mapping (edited by hand) was an AttributeError on
+    --resume; it is a damaged checkpoint, and the run resumes from the one before."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["--save-every", "1", "--checkpoint-dir", "ck"]
+    run(one_rank_plan(), STAGES, [*argv, "--steps", "2"])
+    manifest = tmp_path / "ck" / "step-000002" / "rank-0.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "files": "many"}))
+    capsys.readouterr()
+    run(one_rank_plan(), STAGES, [*argv, "--steps", "3", "--resume"])
+    err = capsys.readouterr().err
+    assert "warning: checkpoint ck/step-000002 is damaged (rank-0.json is not this " in err
+    assert "resuming from step 1" in err

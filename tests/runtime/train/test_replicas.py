@@ -1,5 +1,6 @@
 """Data parallelism: 2 replicas x 2 GPUs train exactly as one process on the whole batch,
-with the ranks launched directly, and as two torchrun "nodes" on this machine."""
+with the ranks launched directly (on samples of different lengths: the step's loss is its
+label tokens' mean over every replica), and as two torchrun "nodes" on this machine."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 from runtime_helpers import RUNTIME_HOME, TOY
 from runtime_reference import checkpoint_params, train_plain
-from runtime_toy import toy_plan
+from runtime_toy import toy_plan, write_ragged
 
 pytestmark = pytest.mark.multiproc
 
@@ -28,10 +29,10 @@ def replicated(schedule: str, orientation: str) -> dict:
     return {**toy_plan("two-ranks", schedule), "replicas": 2, "placement": PLACEMENTS[orientation]}
 
 
-def check_against_one_process(plan, log, ckpt, optimizer: str, clip: float) -> None:
+def check_against_one_process(plan, log, ckpt, optimizer: str, clip: float, data=None) -> None:
     """Losses and every step's weights equal plain training on all replicas' micro-batches."""
     whole = {**plan, "micro_batches": plan["replicas"] * plan["micro_batches"]}
-    losses, params = train_plain(whole, STEPS, optimizer, lr=0.05, clip=clip)
+    losses, params = train_plain(whole, STEPS, optimizer, lr=0.05, clip=clip, data=data)
     got = json.loads(log.read_text())
     assert got["losses"] == pytest.approx(losses, rel=1e-4)
     assert got["replica_difference"] == 0.0  # the replicas hold the very same weights
@@ -57,9 +58,10 @@ def test_two_replicas_train_as_one_process(
 ):
     plan = replicated(schedule, orientation)
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.json"
-    codes, ranks = run_pipeline(plan, argv(schedule, optimizer, clip, ckpt, log))
+    data = write_ragged(tmp_path / "ragged.jsonl")
+    codes, ranks = run_pipeline(plan, [*argv(schedule, optimizer, clip, ckpt, log), "--data", data])
     assert codes == [0] * 4, ranks.stderr()
-    check_against_one_process(plan, log, ckpt, optimizer, clip)
+    check_against_one_process(plan, log, ckpt, optimizer, clip, data)
     # Stage files are written once, by the first replica; every rank marks its part done.
     files = sorted(p.name for p in (ckpt / "step-000001").iterdir())
     stage_files = sorted({f.split(".")[0] for f in files if f.startswith("stage-")})

@@ -1,0 +1,248 @@
+"""Host memory and the host link: where a plan's offloaded stages keep their state, and what
+moving it costs.
+
+    host = Host.of(hardware_json, gpu_memory=24 * 2**30, gpus_per_node=8)  # defaults filled
+    host.share(offloading=4)            # (link bytes/s, CPU step bytes/s) of one GPU of 4
+    host_param_bytes((4096, 4096), "bfloat16", "adamw", PRECISIONS["bf16"])   # 18 B a weight
+    Offload(optimizer=True, activations=False)          # what one stage offloads
+    host_memory(plan)                   # node -> host bytes its offloaded stages hold
+
+A hardware file's `host` section describes the machine its GPUs sit in (its node):
+
+- `memory_bytes`: host memory of one node (default: twice its GPUs' memory together);
+- `link_bandwidth`: bytes/s each way between one GPU and host memory (PCIe; default 12e9,
+  PCIe 3.0 x16 as the hardware files count it);
+- `node_bandwidth`: bytes/s the node's GPUs reach to host memory together: GPUs behind one
+  PCIe switch share its uplink, and all share the CPUs' root complex and memory (default:
+  `link_bandwidth` x half the node's GPUs, rounded up: GPUs in pairs behind switches);
+- `step_bandwidth`: bytes/s the node's CPUs pass over in an optimizer step of host-held
+  parameters: each element's master weight, summed gradient and optimizer state, read and
+  written once (torch's AdamW on CPU tensors, fused; AdamW in fp32: 16 bytes an element, 8 of
+  them its state) — `python -m benchmarks.calibrate` measures it (default 10e9);
+- `sum_bandwidth`: bytes/s the node's CPUs pass over adding a landed gradient into its fp32
+  sum (the landing buffer read, the sum read and written; default: `step_bandwidth`);
+- `device_is_host`: the "GPU" is the host's CPU (a CPU rank): what is offloaded stays in the
+  same memory, so the rank's memory counts it (`gpu_memory.GpuMemory.host`).
+
+Sharing: a GPU's share of the node's link and CPUs is `share(offloading)`, the node's figure
+divided among the GPUs of the node that offload something (its own link's at most), as if
+they all streamed at once. That is the bound the planner needs (they do stream at once under
+a synchronous schedule's step) and keeps the simulation free of cross-GPU contention events.
+
+What a stage offloads (`Offload`, the plan's per-stage `offload`):
+- optimizer: fp32 masters, optimizer state, the summed gradient and a landing buffer per
+  trainable tensor on the host (`host_param_bytes`, as `ftpipe_runtime.train.offload`'s doc
+  counts them); the GPU keeps the weights it computes with and each gradient until its copy
+  is issued;
+- activations: what the stage keeps between a micro-batch's forward and its backward (its
+  activations, or its inputs where it recomputes) on the host after the forward, fetched
+  back one micro-batch ahead of its backward: the GPU keeps at most `ACTIVATIONS_ON_GPU`
+  micro-batches' (the one in flight and the one prefetched), the host the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+from .formulas import ACTIVATIONS_ON_GPU, PRECISIONS, Precision, optimizer_state_elements
+
+__all__ = [
+    "ACTIVATIONS_ON_GPU",
+    "DEFAULT_LINK_BANDWIDTH",
+    "DEFAULT_STEP_BANDWIDTH",
+    "Host",
+    "Offload",
+    "OptimizerTimes",
+    "host_memory",
+    "host_param_bytes",
+    "host_step_bytes",
+    "host_sum_bytes",
+    "nodes_of",
+    "optimizer_times",
+    "stage_host_bytes",
+]
+
+DEFAULT_LINK_BANDWIDTH = 12e9  # PCIe 3.0 x16, as the hardware files count it (rtx2080ti)
+DEFAULT_STEP_BANDWIDTH = 10e9  # a round figure below this 2-core machine's measured rate
+DEFAULT_MEMORY_PER_GPU = 2  # host memory: twice the node's GPU memory
+
+
+@dataclass(frozen=True)
+class Offload:
+    """What one stage keeps in host memory instead of on its GPU."""
+
+    optimizer: bool = False  # fp32 masters, optimizer state, summed gradients; the CPU steps
+    activations: bool = False  # what it keeps for its backward, fetched back one ahead
+
+    @property
+    def any(self) -> bool:
+        return self.optimizer or self.activations
+
+    def words(self) -> str:
+        """'optimizer state and activations', 'optimizer state', 'activations' or 'nothing'."""
+        parts = ["optimizer state"] * self.optimizer + ["activations"] * self.activations
+        return " and ".join(parts) or "nothing"
+
+
+NONE = Offload()
+
+
+@dataclass(frozen=True)
+class Host:
+    """A node's host memory, its GPUs' link to it and its CPUs' optimizer step (see the
+    module doc); every figure resolved (no zeros) by `of`."""
+
+    memory_bytes: int = 0  # per node
+    link_bandwidth: float = DEFAULT_LINK_BANDWIDTH  # per GPU, each way
+    node_bandwidth: float = 0.0  # all the node's GPUs together
+    step_bandwidth: float = DEFAULT_STEP_BANDWIDTH  # the node's CPUs, optimizer step
+    sum_bandwidth: float = DEFAULT_STEP_BANDWIDTH  # the node's CPUs, gradient sums
+    gpus_per_node: int = 1
+    device_is_host: bool = False
+
+    @classmethod
+    def of(cls, d: dict | None, gpu_memory: int, gpus_per_node: int) -> Host:
+        """The `host` section `d` of a hardware file with the documented defaults filled in
+        for a node of `gpus_per_node` GPUs of `gpu_memory` bytes; a figure that is not a
+        positive number is one sentence."""
+        d = dict(d or {})
+        names = {f.name for f in fields(cls)} - {"gpus_per_node", "device_is_host"}
+        for k in names & set(d):
+            v = d[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"host {k} must be a positive number, not {v!r:.40}")
+            if not math.isfinite(v):
+                raise ValueError(f"host {k} must be finite, not {v!r}")
+        n = max(1, int(gpus_per_node))
+        link = float(d.get("link_bandwidth", DEFAULT_LINK_BANDWIDTH))
+        step = float(d.get("step_bandwidth", DEFAULT_STEP_BANDWIDTH))
+        return cls(
+            memory_bytes=int(d.get("memory_bytes", DEFAULT_MEMORY_PER_GPU * gpu_memory * n)),
+            link_bandwidth=link,
+            node_bandwidth=float(d.get("node_bandwidth", link * math.ceil(n / 2))),
+            step_bandwidth=step,
+            sum_bandwidth=float(d.get("sum_bandwidth", step)),
+            gpus_per_node=n,
+            device_is_host=bool(d.get("device_is_host", False)),
+        )
+
+    def share(self, offloading: int) -> tuple[float, float, float]:
+        """(link bytes/s, step bytes/s, sum bytes/s) of one GPU when `offloading` GPUs of its
+        node offload something: the node's figures divided among them, the link at most
+        its own."""
+        k = max(1, offloading)
+        link = min(self.link_bandwidth, self.node_bandwidth / k)
+        return link, self.step_bandwidth / k, self.sum_bandwidth / k
+
+    def node_of(self, gpu: int) -> int:
+        """The node of a pipeline's GPU when the plan names no cluster: nodes filled in order."""
+        return gpu // self.gpus_per_node
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _size(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def host_param_bytes(shape, dtype: str, optimizer: str, precision: Precision) -> int:
+    """Host bytes of one trainable parameter whose optimizer is offloaded, as
+    `ftpipe_runtime.train.offload` keeps it: its master (fp32 under mixed precision for a
+    tensor in the compute dtype, else the tensor's own dtype), the optimizer's state (made
+    like the master), the summed gradient (the master's dtype) and the landing buffer (the
+    gradient's dtype: the weight's). `host_param_bytes((8, 8), "bfloat16", "adamw", bf16)`
+    -> 64 x (4 + 8 + 4 + 2)."""
+    numel = math.prod(shape)
+    weight = _size(getattr(torch, dtype))
+    master = 4 if precision.master and dtype == precision.compute else weight
+    state = optimizer_state_elements(tuple(shape), optimizer) * master
+    return numel * (master + master + weight) + state
+
+
+def host_step_bytes(shape, dtype: str, optimizer: str, precision: Precision) -> int:
+    """What the CPU's step of one offloaded parameter passes over: master, summed gradient
+    and optimizer state (the landing buffer is not read by it)."""
+    numel = math.prod(shape)
+    weight = _size(getattr(torch, dtype))
+    master = 4 if precision.master and dtype == precision.compute else weight
+    return numel * 2 * master + optimizer_state_elements(tuple(shape), optimizer) * master
+
+
+def host_sum_bytes(shape, dtype: str, precision: Precision) -> int:
+    """What adding one landed gradient into its sum passes over on the host: the landing
+    buffer read, the sum read and written."""
+    numel = math.prod(shape)
+    weight = _size(getattr(torch, dtype))
+    master = 4 if precision.master and dtype == precision.compute else weight
+    return numel * (weight + 2 * master)
+
+
+def _precision(plan) -> Precision:
+    return PRECISIONS[plan.model.get("precision") or "fp32"]
+
+
+def stage_host_bytes(plan, stage, in_flight: int | None = None) -> int:
+    """Host bytes of what `stage` of `plan` offloads: its trainable parameters' masters,
+    state, sums and landing buffers (optimizer), and what it keeps for the backwards of its
+    micro-batches in flight beyond the `ACTIVATIONS_ON_GPU` the GPU holds (activations;
+    `in_flight`: the simulator's peak, else the schedule's)."""
+    off = stage.offload
+    total = 0
+    if off.optimizer:
+        precision, params = _precision(plan), {p.name: p for p in plan.params}
+        for name in stage.params:
+            p = params[name]
+            if p.trainable:
+                total += host_param_bytes(p.shape, p.dtype, plan.optimizer, precision)
+    if off.activations and not stage.forward_only:
+        policy = plan.policies[stage.id]
+        n = policy.in_flight if in_flight is None else in_flight
+        kept = stage.input_bytes if policy.recompute else stage.act_bytes
+        total += max(0, n - ACTIVATIONS_ON_GPU) * kept
+    return total
+
+
+@dataclass(frozen=True)
+class OptimizerTimes:
+    """What offloading one stage's optimizer costs on a GPU's share of its node's host (as
+    `ftpipe_runtime.train.offload` runs it): each micro-batch's gradients copied down and
+    summed on the host (`grad_s`), the CPU's step (`cpu_s`), the new weights copied back
+    (`upload_s`); `grad_bytes`: one micro-batch's gradients (the weights' bytes)."""
+
+    grad_s: float
+    cpu_s: float
+    upload_s: float
+    grad_bytes: int
+
+
+def optimizer_times(plan, stage, share: tuple[float, float, float]) -> OptimizerTimes:
+    """`stage`'s `OptimizerTimes` at `share` = (link, step, sum bytes/s: `Host.share`)."""
+    link, step_bw, sum_bw = share
+    precision, params = _precision(plan), {p.name: p for p in plan.params}
+    owned = [params[n] for n in stage.params if params[n].trainable]
+    nbytes = sum(p.bytes for p in owned)
+    stepped = sum(host_step_bytes(p.shape, p.dtype, plan.optimizer, precision) for p in owned)
+    summed = sum(host_sum_bytes(p.shape, p.dtype, precision) for p in owned)
+    return OptimizerTimes(nbytes / link + summed / sum_bw, stepped / step_bw, nbytes / link, nbytes)
+
+
+def nodes_of(plan) -> dict[int, list[int]]:
+    """Node -> the pipeline GPUs of its ranks (a GPU once per replica on it): the plan's
+    cluster's nodes, else nodes of `host.gpus_per_node` filled in rank order."""
+    per_node = plan.cluster.gpus_per_node if plan.cluster else plan.host.gpus_per_node
+    out: dict[int, list[int]] = {}
+    for rank, (_, g) in enumerate(plan.placed()):
+        out.setdefault(rank // max(1, per_node), []).append(g)
+    return out
+
+
+def host_memory(plan, in_flight: dict[int, int] | None = None) -> dict[int, int]:
+    """Node -> host bytes its ranks' offloaded stages hold (`stage_host_bytes`)."""
+    per_gpu = {g: 0 for g in range(plan.gpus)}
+    for s in plan.stages:
+        per_gpu[s.gpu] += stage_host_bytes(plan, s, None if in_flight is None else in_flight[s.id])
+    return {node: sum(per_gpu[g] for g in gpus) for node, gpus in nodes_of(plan).items()}

@@ -1,0 +1,197 @@
+"""What offloading adds to a simulated step: traffic on each GPU's host link and the CPU's step.
+
+    traffic = HostTraffic(plan, lists)          # None-free: a plan without offload adds nothing
+    traffic.grad_s[s], traffic.step_s[s]        # seconds the engine adds to a B (or W) and an S
+    traffic.fetched(gpu, stage, mb, now)        # when an offloaded backward's inputs are back
+    traffic.finished(gpu, action, start, end)   # after each action: copies out, timeline marks
+    offload_lines(plan, result, hidden)         # what was offloaded and why, for people
+    (the share of the CPU step the schedule hides: `simulator.cpu_step_hidden`)
+
+As the runtime does it (`ftpipe_runtime.train.offload`), a stage whose optimizer is offloaded
+copies each gradient to the host as its backward makes it, on the GPU's one stream (in order
+with the compute: the backward is that much longer), and the rank's thread adds it into the
+fp32 sum on the host before it goes on (`grad_s`: the gradients' bytes over the GPU's share
+of the host link, plus the sum's bytes over its share of the CPUs' `sum_bandwidth`; a split
+backward's W makes them). Its S waits for the last copies, steps on the CPU (`step_bandwidth`)
+and copies the new weights back before the GPU's stream goes on (`step_s`). Nothing else on
+the rank runs meanwhile, so the CPU step costs the GPU's list its time; what it costs the
+step is what the other GPUs do not hide: under FTPipe's asynchronous schedule no GPU waits
+for another's step, so a GPU with slack absorbs it; under a synchronous one every GPU waits
+for the flush, and only the next step's forwards of the stages before an offloaded one (which
+its own first forward waits for) hide its step.
+
+A stage whose activations are offloaded copies what it keeps for a backward (its inputs
+where it recomputes, else its activations) to the host after each forward, on a copy stream
+beside the compute, and fetches it back one backward ahead: the fetch for a micro-batch is
+issued when the stage's previous backward starts (or when the backward is due, for the
+first), so a backward waits only for what that did not hide. Each direction of a GPU's link
+carries one copy at a time (the gradient copies above occupy it too).
+
+A GPU's share of its node's link and CPUs is `Host.share` of the GPUs of the node that
+offload something (all of them streaming at once: a bound). `events` are the host's marks
+on the timeline (kinds `HOST_KINDS`), for the report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..costs.host import Offload, host_memory, nodes_of, optimizer_times
+from ..plan import Plan
+from ..units import size
+from .result import Event, SimResult
+
+__all__ = ["HOST_KINDS", "HostTraffic", "offload_lines", "offloaded"]
+
+HOST_KINDS = {
+    "D": "gradients to the host",
+    "C": "optimizer step on the CPU",
+    "U": "weights back to the GPU",
+    "O": "activations to the host",
+    "I": "activations back to the GPU",
+}
+
+
+class HostTraffic:
+    """The host side of one simulation (see the module doc): what offloading adds to each
+    stage's actions, its copies' times on each GPU's link, the timeline's host marks."""
+
+    def __init__(self, plan: Plan, lists, timeline_mbs: int, timeline_steps: int):
+        self.cap_mbs, self.cap_steps = timeline_mbs, timeline_steps
+        policies = plan.policies
+        offloading = {s.gpu for s in plan.stages if s.offload.any}
+        share = {}
+        for gpus in nodes_of(plan).values():
+            k = sum(1 for g in gpus if g in offloading)
+            for g in gpus:
+                share.setdefault(g, plan.host.share(k))
+        self.link = {g: share[g][0] for g in share}
+        self.gpu = {s.id: s.gpu for s in plan.stages}
+        self.grad_s: dict[int, float] = {}  # stage -> added to each B (or W)
+        self.step_s: dict[int, float] = {}  # stage -> its S on the host
+        self.cpu_s: dict[int, float] = {}  # stage -> the CPU step alone
+        self.grad_bytes: dict[int, int] = {}  # stage -> to the host per micro-batch
+        self.kept: dict[int, int] = {}  # stage -> activations to the host per micro-batch
+        for s in plan.stages:
+            if s.offload.optimizer:
+                t = optimizer_times(plan, s, share[s.gpu])
+                self.grad_bytes[s.id] = t.grad_bytes
+                self.grad_s[s.id] = t.grad_s
+                self.cpu_s[s.id] = t.cpu_s
+                self.step_s[s.id] = t.cpu_s + t.upload_s
+            if s.offload.activations and not s.forward_only:
+                recompute = policies[s.id].recompute
+                self.kept[s.id] = s.input_bytes if recompute else s.act_bytes
+        self.split = {a.stage for acts in lists.values() for a in acts if a.kind == "W"}
+        # Each stage's backwards in list order: the one before each, whose start may fetch it.
+        self.previous: dict[tuple[int, int], int] = {}
+        for acts in lists.values():
+            last: dict[int, int] = {}
+            for a in acts:
+                if a.kind == "B" and a.stage in self.kept:
+                    if a.stage in last:
+                        self.previous[(a.stage, a.mb)] = last[a.stage]
+                    last[a.stage] = a.mb
+        self.out_done: dict[tuple[int, int], float] = {}
+        self.b_start: dict[tuple[int, int], float] = {}
+        self.fetch_done: dict[tuple[int, int], float] = {}
+        self.d2h_free: dict[int, float] = {}
+        self.h2d_free: dict[int, float] = {}
+        self.events: list[Event] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self.grad_s or self.kept)
+
+    def fetched(self, g: int, s: int, m: int, now: float) -> float:
+        """When micro-batch m's kept tensors are back on GPU g for the backward due at `now`
+        (0.0 when the stage offloads none); the backward then starts and may fetch the next."""
+        if s not in self.kept:
+            return 0.0
+        done = self.fetch_done.get((s, m))
+        if done is None:
+            before = self.previous.get((s, m))
+            issue = self.b_start.get((s, before), now) if before is not None else now
+            start = max(issue, self.out_done.get((s, m), 0.0), self.h2d_free.get(g, 0.0))
+            done = start + self.kept[s] / self.link[g]
+            self.fetch_done[(s, m)] = self.h2d_free[g] = done
+            self._mark(g, s, "I", m, start, done)
+        self.b_start[(s, m)] = max(now, done)
+        return done
+
+    def finished(self, g: int, a, start: float, end: float) -> None:
+        """Action `a` ran on GPU g from `start` to `end`: its copies out, its marks."""
+        s = a.stage
+        if a.kind == "F" and s in self.kept:
+            begin = max(end, self.d2h_free.get(g, 0.0))
+            done = self.out_done[(s, a.mb)] = self.d2h_free[g] = begin + self.kept[s] / self.link[g]
+            self._mark(g, s, "O", a.mb, begin, done)
+        elif s in self.grad_s and (a.kind == "W" or (a.kind == "B" and s not in self.split)):
+            copy = self.grad_bytes[s] / self.link[g]
+            begin = end - self.grad_s[s]
+            self.d2h_free[g] = max(self.d2h_free.get(g, 0.0), begin + copy)
+            self._mark(g, s, "D", a.mb, begin, begin + copy)
+        elif a.kind == "S" and s in self.step_s:
+            cpu = start + self.cpu_s[s]
+            self._mark(g, s, "C", a.mb, start, cpu, step=True)
+            self._mark(g, s, "U", a.mb, cpu, end, step=True)
+
+    def _mark(self, g, s, kind, mb, start, end, step: bool = False) -> None:
+        if mb < (self.cap_steps if step else self.cap_mbs):
+            self.events.append(Event(g, s, kind, mb, start, end))
+
+    def per_step(self, m: int) -> dict[int, dict]:
+        """GPU -> its host traffic and CPU step per optimizer step (m micro-batches)."""
+        out = {g: {"down": 0, "up": 0, "cpu_s": 0.0} for g in self.link}
+        for s, nbytes in self.grad_bytes.items():
+            g = self.gpu[s]
+            out[g]["down"] += m * nbytes
+            out[g]["up"] += nbytes
+            out[g]["cpu_s"] += self.cpu_s[s]
+        for s, nbytes in self.kept.items():
+            g = self.gpu[s]
+            out[g]["down"] += m * nbytes
+            out[g]["up"] += m * nbytes
+        return out
+
+
+def offloaded(plan: Plan) -> bool:
+    return any(s.offload.any for s in plan.stages)
+
+
+def offload_lines(
+    plan: Plan, sim: SimResult | None = None, hidden: float | None = None
+) -> list[str]:
+    """What the plan offloads, per stage, and why; with its simulation, the host's traffic
+    per step (and `hidden`, `cpu_step_hidden`'s share). [] when it offloads nothing."""
+    if not offloaded(plan):
+        return []
+    mode = plan.model.get("offload", "auto")
+    lines = []
+    for s in plan.stages:
+        if not s.offload.any:
+            continue
+        if mode == "auto":
+            without = plan.with_(stages=tuple(replace(x, offload=Offload()) for x in plan.stages))
+            need = without.gpu_memory(s.gpu)
+            why = (
+                f"GPU {s.gpu} would need {size(need)} of its {size(plan.memory_bytes)} without "
+                f"offload, {size(plan.gpu_memory(s.gpu))} with it"
+            )
+        else:
+            why = f"--offload {mode}"
+        lines.append(f"stage {s.id} (GPU {s.gpu}) offloads its {s.offload.words()}: {why}")
+    held = host_memory(plan)
+    nodes = ", ".join(f"node {n}: {size(b)}" for n, b in sorted(held.items()) if b)
+    lines.append(f"host memory: {nodes} of {size(plan.host.memory_bytes)} each")
+    if sim is not None and sim.nodes:
+        down = sum(g.host_bytes_down for g in sim.gpus)
+        up = sum(g.host_bytes_up for g in sim.gpus)
+        cpu = max(g.cpu_step_s for g in sim.gpus)
+        step = f"; CPU optimizer step up to {cpu:.3g} s per GPU" if cpu else ""
+        share = f", {hidden:.0%} of it hidden by the schedule" if cpu and hidden is not None else ""
+        lines.append(
+            f"host traffic per step: {size(down)} to the host, {size(up)} back (all GPUs)"
+            f"{step}{share}"
+        )
+    return lines

@@ -1,0 +1,132 @@
+"""The run's settings: a package's command line, parsed once into a typed, frozen record.
+
+    config = RunConfig.parse(["--steps", "20", "--schedule", "gpipe"], plan)
+    config.steps, config.lr, config.hyper, config.lr_at(k)
+
+`options.parser` says what each option means and checks it (a usage error, exit 2); this
+record is what the rest of the runtime reads, nothing else: no `argparse.Namespace` travels
+further. The one value settled later, `steps` (from `--epochs` once the data is counted), is
+set by `with_steps`, which makes a new record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+from ..train.optim import Hyper, lr_at
+
+__all__ = ["RunConfig"]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every option of the package's command line (`options.parser`), by its dest name."""
+
+    # training: how long, which schedule, which update rule
+    steps: int | None = None  # None until `with_steps` (--epochs, or the default)
+    epochs: float | None = None
+    schedule: str | None = None  # None: the plan's
+    micro_batches: int | None = None  # None: the plan's (or the schedule's)
+    lr: float = 1e-3
+    dtype: str = "fp32"
+    optimizer: str = "adamw"
+    offload_optimizer: bool = False
+    shard_optimizer: bool | None = None  # across replicas (ZeRO-1); None: as the plan says
+    offload_activations: bool = False  # every stage of the rank; else as the plan says
+    offload_activations_min: float = 1.0  # MiB: smaller saved tensors stay on the device
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    warmup: int = 0
+    decay: str = "linear"
+    decay_fraction: float = 0.1
+    clip: float = 1.0
+    seed: int = 0
+    init: str | None = None
+    log_every: int = 1
+    # data
+    data: str | None = None
+    eval_data: str | None = None
+    eval_every: int = 0
+    text_field: str | None = None
+    prompt_field: str | None = None
+    target_field: str | None = None
+    weights: str | None = None
+    chat_field: str | None = None
+    chat_template: str | None = None
+    tokenizer: str | None = None
+    pack: bool = False
+    truncate: bool = False
+    shuffle_seed: int | None = None
+    # checkpoints
+    save_every: int = 0
+    checkpoint_dir: str | None = None
+    keep_checkpoints: int = 3
+    resume: bool = False
+    overwrite_checkpoints: bool = False
+    # processes
+    timeout: float = 60.0
+    hang_timeout: float = 1800.0
+    post_ahead: float = 256.0  # MB per peer
+    device: str = "cpu"
+    tf32: bool = True
+    init_method: str = "env://"
+    debug: bool = False
+    # outputs
+    log_json: str | None = None
+    trace: str | None = None
+    log_dir: str | None = None
+    log_jsonl: str | None = None
+    tensorboard: str | None = None
+    wandb: str | None = None
+    verbose: int = 0
+    quiet: bool = False
+    save_hf: str | None = None
+    merge_lora: bool = False
+    save_hf_every_checkpoint: bool = False
+    # freeze training
+    freeze_alpha: float | None = None
+    freeze_every: int = 100
+    freeze_at: tuple[tuple[int, int], ...] = ()
+    no_shrink: bool = False
+
+    @classmethod
+    def parse(cls, argv, plan: dict, package: str = "<package>") -> RunConfig:
+        """The command line `argv` of a package running `plan`; usage errors exit 2."""
+        from .options import parser
+
+        return cls.of(parser(plan, package).parse_args(list(argv)))
+
+    @classmethod
+    def of(cls, namespace) -> RunConfig:
+        """From the parser's namespace; an option without a field here is a bug, said now."""
+        given = vars(namespace)
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise TypeError(f"RunConfig has no field for the options {unknown}")
+        given = {**given, "freeze_at": tuple(tuple(d) for d in given.get("freeze_at") or ())}
+        return cls(**given)
+
+    def with_steps(self, steps: int) -> RunConfig:
+        return replace(self, steps=steps)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    # --- what several parts of the run derive from the options, in one place ---
+    @property
+    def hyper(self) -> Hyper:
+        """The optimizer's settings besides the learning rate."""
+        return Hyper(self.weight_decay, (self.adam_beta1, self.adam_beta2), self.adam_epsilon)
+
+    def lr_at(self, k: int, steps: int | None = None) -> float:
+        """The learning rate at optimizer step k of `steps` (default: this run's)."""
+        steps = self.steps if steps is None else steps
+        return lr_at(k, self.lr, steps, self.warmup, self.decay, self.decay_fraction)
+
+    @property
+    def loudness(self) -> int:
+        """-v's count less -q: the logging level's offset."""
+        return self.verbose - int(self.quiet)

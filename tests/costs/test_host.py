@@ -1,0 +1,120 @@
+"""Host offload's memory model (`ftpipe_compiler.costs.host`): the bytes a stage puts on the
+host against what the runtime's offload (`ftpipe_runtime.train.offload`) actually allocates
+there, what the GPU keeps (`formulas.stage_memory`), and the hardware files' host section."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from ftpipe_runtime.schedules import StagePolicy
+from ftpipe_runtime.train.offload import HostOffload
+from ftpipe_runtime.train.optim import make_optimizer
+from ftpipe_runtime.train.precision import MixedPrecision, get_precision
+
+from ftpipe_compiler.costs.formulas import PRECISIONS, param_bytes, stage_memory
+from ftpipe_compiler.costs.hardware import get_hardware
+from ftpipe_compiler.costs.host import Host, Offload, host_param_bytes
+from ftpipe_compiler.errors import FtpipeError
+from ftpipe_compiler.resources import config_names, load_config
+
+SHAPES = [(6, 5), (5,), (3, 5)]
+
+
+def _offloaded_bytes(precision: str, optimizer: str) -> tuple[int, int]:
+    """(host bytes, device bytes beyond the weights) after a backward, its landing and a step
+    of a small module offloaded by the runtime: every tensor it holds, counted by storage."""
+    torch.manual_seed(0)
+    p = get_precision(precision)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3, bias=False)).to(p.dtype)
+    host = HostOffload("cpu")
+    mixed = MixedPrecision(p, {0: net}, offload=host)
+    opt = make_optimizer(optimizer, [t for _, t in mixed.trainable(0)], 0.01)
+    for _ in range(2):  # two micro-batches: the landing buffer reused, the sum added to
+        net(torch.randn(4, 6).to(p.dtype)).sum().backward()
+    mixed.settle(0)
+    opt.step()
+    held = []
+    for _, master in mixed.trainable(0):
+        held += [master, master.grad]
+        held += [v for v in opt.state[master].values() if v.numel() == master.numel()]
+    held += list(host._buffers.values())
+    device = [w.grad for w in net.parameters() if w.grad is not None]
+    return sum(t.numel() * t.element_size() for t in held), len(device)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-pure"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_host_bytes_are_what_the_runtime_allocates(precision, optimizer):
+    """Master, summed gradient, optimizer state and landing buffer per trainable element, as
+    the runtime's offload holds them (bf16 AdamW: 4 + 4 + 8 + 2 = 18 B); nothing of them left
+    on the device (no gradient kept there)."""
+    got, device_grads = _offloaded_bytes(precision, optimizer)
+    compute = get_precision(precision).compute
+    want = sum(host_param_bytes(s, compute, optimizer, PRECISIONS[precision]) for s in SHAPES)
+    assert got == want
+    assert device_grads == 0
+    numel = sum(math.prod(s) for s in SHAPES)
+    if (precision, optimizer) == ("bf16", "adamw"):
+        assert want == 18 * numel
+
+
+def _policy(in_flight=5, recompute=False):
+    return StagePolicy(recompute=recompute, in_flight=in_flight)
+
+
+def test_the_gpu_keeps_the_weights_and_two_micro_batches():
+    """Optimizer offloaded: the weights alone (no gradient, master or state); activations
+    offloaded: two micro-batches' of what the stage keeps (inputs when it recomputes), the
+    one in flight and the one prefetched."""
+    weight, rest = param_bytes((1024, 1024), "bfloat16", True, "adamw", PRECISIONS["bf16"])
+    args = dict(trainable_bytes=weight, frozen_bytes=0, state_bytes=rest, input_bytes=10,
+                act_bytes=1000)  # fmt: skip
+    held, _ = stage_memory(**args, policy=_policy())
+    assert held == weight + rest + 5 * 1000
+    held, _ = stage_memory(**args, policy=_policy(), offload=Offload(optimizer=True))
+    assert held == weight + 5 * 1000
+    held, _ = stage_memory(**args, policy=_policy(), offload=Offload(activations=True))
+    assert held == weight + rest + 2 * 1000
+    held, transient = stage_memory(
+        **args, policy=_policy(recompute=True), offload=Offload(optimizer=True, activations=True)
+    )
+    assert (held, transient) == (weight + 2 * 10, 1000)  # the recompute's activations: one
+    held, _ = stage_memory(**args, policy=_policy(in_flight=1), offload=Offload(activations=True))
+    assert held == weight + rest + 1000  # one in flight: nothing to offload
+
+
+def test_defaults_and_sharing():
+    """A hardware file without a host section: twice the node's GPU memory, PCIe 3.0 x16,
+    pairs of GPUs per switch; a GPU's share of the node is the node's over the GPUs that
+    offload, its own link at most."""
+    host = Host.of(None, gpu_memory=2**34, gpus_per_node=8)
+    assert host.memory_bytes == 2 * 8 * 2**34
+    assert host.node_bandwidth == 4 * host.link_bandwidth == 4 * 12e9
+    assert host.step_bandwidth == host.sum_bandwidth
+    assert host.share(1)[0] == host.share(4)[0] == 12e9
+    assert host.share(8) == (6e9, host.step_bandwidth / 8, host.sum_bandwidth / 8)
+    with pytest.raises(ValueError, match="host step_bandwidth must be a positive number"):
+        Host.of({"step_bandwidth": 0}, gpu_memory=1, gpus_per_node=1)
+
+
+@pytest.mark.parametrize("name", config_names("hardware"))
+def test_every_hardware_file_describes_its_host_with_a_source(name):
+    section = load_config("hardware", name).get("host")
+    assert section, f"{name} has no host section"
+    for key in ("memory_bytes", "link_bandwidth", "node_bandwidth", "step_bandwidth"):
+        assert section[key] > 0, key
+    sources = load_config("hardware", name)["sources"]
+    assert any(s.startswith("host (") for s in sources), sources
+    host = get_hardware(name).host
+    assert host.node_bandwidth >= host.link_bandwidth
+    assert host.device_is_host == (name == "cpu")
+
+
+def test_a_bad_host_figure_is_one_sentence():
+    from ftpipe_compiler.costs.hardware import Hardware
+
+    d = dict(load_config("hardware", "rtx4090"))
+    with pytest.raises(FtpipeError, match="hardware 'rtx4090': host memory_bytes must be a"):
+        Hardware.from_json({**d, "host": {"memory_bytes": "lots"}})

@@ -1,0 +1,167 @@
+"""The planner's offload choice per stage (`planner/offload.py`), the search with it, and the
+plan's per-stage `offload` field."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+from click.testing import CliRunner
+
+from ftpipe_compiler.cli import cli
+from ftpipe_compiler.costs.formulas import MemoryReserve
+from ftpipe_compiler.costs.host import Offload
+from ftpipe_compiler.errors import InfeasibleError
+from ftpipe_compiler.partition import problem_from_graph, run_partitioner
+from ftpipe_compiler.plan import Plan
+from ftpipe_compiler.planner.matrix import NothingFits, search_matrix
+from ftpipe_compiler.planner.nofit import check_floor, floor_fits
+from ftpipe_compiler.planner.offload import choose_offload, searches
+from ftpipe_compiler.units import size
+
+
+@pytest.fixture(scope="module")
+def problem(tiny_t5_costed):
+    p = problem_from_graph(tiny_t5_costed, 2, "rtx2080ti", "1f1b", "adamw", 4)
+    return replace(p, hardware=replace(p.hardware, memory_reserve=MemoryReserve()))
+
+
+@pytest.fixture(scope="module")
+def plan(problem):
+    return run_partitioner(problem, "pipedream").plan
+
+
+def test_a_plan_that_fits_is_left_as_it_is(plan):
+    assert plan.feasible
+    assert choose_offload(plan, "none") is plan
+    auto = choose_offload(plan, "auto")
+    assert [s.offload for s in auto.stages] == [Offload()] * len(plan.stages)
+    assert auto.stages == plan.stages and auto.gpu_memory(0) == plan.gpu_memory(0)
+
+
+def test_auto_offloads_only_on_the_gpu_that_does_not_fit(plan):
+    """Capacity between the two GPUs' needs: only the fuller GPU's stages offload, the
+    optimizer state first (the cheapest per byte here), and just enough for it to fit."""
+    need = {g: plan.gpu_memory(g) for g in range(plan.gpus)}
+    full, other = max(need, key=need.get), min(need, key=need.get)
+    assert need[full] > need[other]
+    tight = plan.with_(memory_bytes=(need[full] + need[other]) // 2)
+    chosen = choose_offload(tight, "auto")
+    assert all(not s.offload.any for s in chosen.stages_on(other))
+    assert any(s.offload.optimizer for s in chosen.stages_on(full))
+    assert all(chosen.gpu_memory(g) <= tight.memory_bytes for g in range(plan.gpus))
+    assert chosen.model["offload"] == "auto"
+    # It took nothing it did not need: undoing any one stage's offload overflows that GPU.
+    for s in chosen.stages:
+        if s.offload.any:
+            undone = chosen.with_(
+                stages=tuple(
+                    replace(x, offload=Offload()) if x.id == s.id else x for x in chosen.stages
+                )
+            )
+            assert undone.gpu_memory(s.gpu) > tight.memory_bytes
+
+
+def test_forced_modes_offload_every_stage_that_has_it(plan):
+    opt = choose_offload(plan, "optimizer")
+    assert all(s.offload == Offload(optimizer=True) for s in opt.stages)
+    act = choose_offload(plan, "activations")
+    assert all(s.offload == Offload(activations=not s.forward_only) for s in act.stages)
+
+
+def test_the_plan_file_keeps_each_stage_s_offload(plan, tmp_path):
+    chosen = choose_offload(plan.with_(memory_bytes=plan.gpu_memory(0) // 2), "auto")
+    assert any(s.offload.any for s in chosen.stages)
+    path = tmp_path / "plan.json"
+    chosen.save(path)
+    back = Plan.load(path)
+    assert back == chosen
+    assert back.to_json() == chosen.to_json()
+    d = json.loads(path.read_text())
+    assert set(d["stages"][0]["offload"]) == {"optimizer", "activations"}
+    assert d["host"]["memory_bytes"] == plan.host.memory_bytes > 0
+    # A plan written before offload (no per-stage field, no host): nothing offloaded.
+    for s in d["stages"]:
+        del s["offload"]
+    del d["host"]
+    old = Plan.from_json(d)
+    assert all(not s.offload.any for s in old.stages)
+
+
+def test_the_search_offloads_only_when_nothing_fits_without(problem):
+    """On GPUs too small for the optimizer state, the search without offload finds nothing;
+    with `auto` every plan of the matrix that fits offloads, and its GPUs hold no state."""
+    floor = sum(problem.static_bytes.values())
+    small = replace(problem, memory_bytes=floor // 2 + problem.capacity - problem.memory)
+    with pytest.raises(NothingFits):
+        search_matrix(small, ["1f1b", "ftpipe"], ["pipedream"], workers=1, steps=4)
+    best, matrix = search_matrix(
+        replace(small, offload="auto"), ["1f1b", "ftpipe"], ["pipedream"], workers=1, steps=4
+    )
+    assert best.sim.fits and any(s.offload.optimizer for s in best.plan.stages)
+    assert best.sim.nodes and best.sim.nodes[0].host_bytes > 0
+
+
+def test_compile_without_need_writes_the_plan_of_offload_none(tmp_path):
+    """`none` plans as before offload; `auto` on a model that fits changes nothing: the same
+    plan file, byte for byte but the command line."""
+    files = {}
+    for mode in ("none", "auto"):
+        out = tmp_path / mode
+        args = ["compile", "-m", "t5-tiny", "-g", "2", "--hardware", "rtx2080ti", "--offload",
+                mode, "--schedule", "1f1b,ftpipe", "-p", "pipedream,even-layers", "-j", "1",
+                "-o", str(out)]  # fmt: skip
+        r = CliRunner().invoke(cli, args)
+        assert r.exit_code == 0, r.output
+        d = json.loads((out / "plan.json").read_text())
+        assert all(s["offload"] == {"optimizer": False, "activations": False} for s in d["stages"])
+        d.pop("command")
+        d.pop("generated_by")  # the command line again, in the package's plan
+        d.pop("search_seconds")
+        d["competitors"] = [{k: v for k, v in c.items() if k != "search_seconds"}
+                            for c in d["competitors"]]  # fmt: skip
+        files[mode] = d
+    assert files["none"] == files["auto"]
+
+
+def test_a_plan_whose_host_overflows_does_not_fit(plan):
+    opt = choose_offload(plan, "optimizer")
+    assert opt.feasible and opt.host_fits
+    small = opt.with_(host=replace(opt.host, memory_bytes=1000))
+    assert not small.host_fits and not small.feasible
+    with pytest.raises(Exception, match=r"node 0's host needs [\d.]+ GiB for what its stages"):
+        small.validate()
+
+
+def test_nothing_fits_even_offloaded_says_the_hosts_are_too_small(problem):
+    """Offloading every stage's optimizer would leave the GPUs little, but the hosts cannot
+    hold it: one sentence with both figures (host bytes: 20 per fp32 AdamW parameter)."""
+    floor = sum(problem.static_bytes.values())
+    hw = problem.hardware
+    tiny_host = replace(hw, host=replace(hw.host, memory_bytes=floor // 2))
+    small = replace(problem, hardware=tiny_host, offload="auto",
+                    memory_bytes=floor // 2 + problem.capacity - problem.memory)  # fmt: skip
+    assert not floor_fits(small)
+    with pytest.raises(InfeasibleError) as e:
+        check_floor(small, "t5-tiny", ["1f1b"], steps=4)
+    said = str(e.value)
+    host = 20 * sum(math.prod(p.shape) for p in problem.graph.params if p.trainable)
+    assert (
+        f"offloading to the host (--offload auto) leaves {size(floor / 4 / 2)} per GPU and "
+        f"{size(host)} of host memory (the hosts have {size(floor // 2)}): more than the hosts "
+        "hold" in said
+    ), said
+    assert "--offload auto (checked" not in said
+
+
+def test_a_cpu_rank_never_offloads_to_free_memory(problem):
+    """Where the device is the host, offloading frees nothing: auto searches once, and the
+    partitioners count the optimizer state on the device."""
+    cpu = replace(problem.hardware, host=replace(problem.hardware.host, device_is_host=True))
+    assert searches("auto", cpu.host) == ("none",)
+    assert searches("auto", problem.hardware.host) == ("none", "auto")
+    assert searches("optimizer", cpu.host) == ("optimizer",)
+    on_cpu = replace(problem, hardware=cpu, offload="auto")
+    assert on_cpu.gpu_param_split == on_cpu.param_split

@@ -1,0 +1,202 @@
+"""--offload-optimizer (`ftpipe_runtime.train.offload`): the masters and the optimizer state on
+the host, gradients copied there as they are made, the step on the CPU, the weights copied
+back. The reference is the same run without it: on CPU ranks the same additions and the same
+optimizer kernel, so the weights are expected bit for bit, in fp32 and in bf16."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from ftpipe_runtime.errors import PipelineConfigError
+from ftpipe_runtime.job.prepare import _offload
+from ftpipe_runtime.train.offload import HostOffload
+from ftpipe_runtime.train.optim import make_optimizer
+from ftpipe_runtime.train.precision import MixedPrecision, get_precision
+from runtime_helpers import crash_and_resume
+from runtime_reference import checkpoint_params
+from runtime_toy import one_rank_plan, toy_plan
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def _trained(dtype: str, offload: bool):
+    """A two-layer module in `dtype`, two backwards summed (one through autograd's hook,
+    one through `add_grad` as a split backward's weight pass), clipped, stepped twice."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    net = net.to(getattr(torch, get_precision(dtype).compute))
+    mixed = MixedPrecision(
+        get_precision(dtype), {0: net}, offload=HostOffload("cpu") if offload else None
+    )
+    opt = make_optimizer("adamw", [t for _, t in mixed.trainable(0)], 0.05)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)).to(net[0].weight.dtype)
+    for _ in range(2):
+        net(x).square().sum().backward()
+        out = net(x * 2).sum()
+        weights = list(net.parameters())
+        for w, g in zip(weights, torch.autograd.grad(out, weights), strict=True):
+            mixed.add_grad(w, g)
+        mixed.settle(0)
+        for _, master in mixed.trainable(0):
+            master.grad.mul_(0.5)  # as clipping scales the gradients where they are
+        opt.step()
+        mixed.after_step(0)
+        for _, master in mixed.trainable(0):
+            master.grad = None
+    return net, mixed, opt
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_offloaded_masters_and_state_are_host_copies_with_the_same_update(dtype):
+    net, mixed, opt = _trained(dtype, offload=True)
+    ref, ref_mixed, _ = _trained(dtype, offload=False)
+    weights = dict(net.named_parameters())
+    held = {p.data_ptr() for p in net.parameters()}
+    for name, master in mixed.trainable(0):
+        assert master.device.type == "cpu" and master.dtype == torch.float32
+        assert master is not weights[name] and master.data_ptr() not in held  # no alias
+        state = opt.state[master]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[key].device.type == "cpu" and state[key].data_ptr() not in held
+        # the stage's weights are the masters, in the compute dtype
+        assert torch.equal(weights[name], master.detach().to(weights[name].dtype))
+    for (name, master), (_, want) in zip(mixed.trainable(0), ref_mixed.trainable(0), strict=True):
+        assert torch.equal(master, want), name  # the same update, bit for bit
+    for (name, p), (_, q) in zip(net.named_parameters(), ref.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+# --- 2 CPU ranks: the run with --offload-optimizer is the run without ---
+
+STEPS = 3
+ARGV = ["--steps", str(STEPS), "--data", "copy", "--optimizer", "adamw", "--lr", "0.05"]
+ARGV += ["--weight-decay", "0.01", "--clip", "0.5", "--save-every", str(STEPS)]
+
+
+def _pair(run_pipeline, tmp_path, schedule: str, dtype: str, plan=None):
+    """(losses, final weights) without and with --offload-optimizer."""
+    plan = plan or toy_plan("two-ranks", schedule, 4, DTYPES[dtype])
+    out = []
+    for name, extra in (("plain", []), ("offload", ["--offload-optimizer"])):
+        ckpt, log = tmp_path / name, tmp_path / f"{name}.json"
+        argv = [*ARGV, "--schedule", schedule, "--dtype", dtype, *extra]
+        argv += ["--checkpoint-dir", str(ckpt), "--log-json", str(log)]
+        codes, ranks = run_pipeline(plan, argv, name=name)
+        assert codes == [0, 0], ranks.stderr()
+        assert json.loads(log.read_text()).get("replica_difference", 0.0) == 0.0
+        out.append(
+            (json.loads(log.read_text())["losses"], checkpoint_params(ckpt, STEPS, range(4)))
+        )
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    ("schedule", "dtype"),
+    [
+        pytest.param("gpipe", "fp32", marks=pytest.mark.exhaustive),  # make test-all
+        pytest.param("1f1b", "fp32", marks=pytest.mark.exhaustive),
+        ("ftpipe", "fp32"),
+        ("1f1b", "bf16"),
+    ],
+)
+def test_offloaded_run_equals_the_run_without(run_pipeline, tmp_path, schedule, dtype):
+    """Two stages a rank, a weight read on the other rank (its gradient sent back), clipping
+    over both ranks (synchronous) or per stage (ftpipe, which steps each stage on its own and
+    runs later micro-batches on the weight versions it set aside)."""
+    (losses, weights), (off_losses, off_weights) = _pair(run_pipeline, tmp_path, schedule, dtype)
+    assert off_losses == losses
+    assert off_weights.keys() == weights.keys()
+    for name, value in weights.items():
+        assert value.dtype == torch.float32  # the masters, as checkpoints keep them
+        # Bit for bit, in bf16 too (the issue asks 1e-6, and bf16's tolerance): on the CPU
+        # both sum the same gradients in the same order and step with the same kernel.
+        assert torch.equal(off_weights[name], value), name
+
+
+@pytest.mark.multiproc
+def test_offloaded_replicas_equal_the_run_without(run_pipeline, tmp_path):
+    """2 data-parallel replicas (all stages on one rank each) in bf16: the gradients summed
+    with the replica's on the host masters, the same as summed beside the weights."""
+    plan = one_rank_plan("gpipe", 2, "bfloat16")
+    plan = {**plan, "replicas": 2, "placement": [[0, 0], [1, 0]]}
+    (losses, weights), (off_losses, off_weights) = _pair(
+        run_pipeline, tmp_path, "gpipe", "bf16", plan
+    )
+    assert off_losses == losses
+    for name, value in weights.items():
+        assert torch.equal(off_weights[name], value), name
+
+
+@pytest.mark.multiproc
+def test_resume_from_an_offloaded_checkpoint_is_exact(run_pipeline, tmp_path):
+    """Stopped after a checkpoint and resumed, an offloaded ftpipe run ends with the weights
+    and the losses of the uninterrupted one (masters and host optimizer state saved per
+    stage, loaded back onto the host)."""
+    plan = toy_plan("two-ranks", "ftpipe")
+    argv = ["--steps", "6", "--save-every", "2", "--data", "copy", "--optimizer", "adamw"]
+    argv += ["--lr", "0.05", "--offload-optimizer"]
+    whole, resumed = crash_and_resume(
+        run_pipeline, tmp_path, plan, argv, range(4), fault="1:3:exit"
+    )
+    first = resumed["first_step"]
+    assert first in (2, 4)
+    assert resumed["losses"] == whole["losses"][first:]
+
+
+def _args(**given) -> SimpleNamespace:
+    return SimpleNamespace(**{"offload_optimizer": True, "freeze_alpha": None, "freeze_at": [],
+                              "freeze_every": 100, "no_shrink": False, **given})  # fmt: skip
+
+
+def test_replicas_on_cuda_are_refused_in_one_sentence():
+    """NCCL cannot sum gradients that live on the host: said before anything runs."""
+    args = _args()
+    place = SimpleNamespace(reps=SimpleNamespace(count=2), device=torch.device("cuda", 0))
+    with pytest.raises(PipelineConfigError, match="--offload-optimizer does not run with"):
+        _offload(args, place)
+    assert _offload(_args(offload_optimizer=False), place) is None
+    one = SimpleNamespace(reps=SimpleNamespace(count=1), device=torch.device("cpu"))
+    assert isinstance(_offload(args, one), HostOffload)
+
+
+def test_a_shrinking_freeze_on_cuda_is_refused_in_one_sentence():
+    """The switch to a shorter plan hands the state over through the device: not yet with
+    the state on the host; --no-shrink freezes on the same plan, which works."""
+    cuda = SimpleNamespace(reps=SimpleNamespace(count=1), device=torch.device("cuda", 0))
+    with pytest.raises(PipelineConfigError, match="add --no-shrink"):
+        _offload(_args(freeze_at=[(10, 2)]), cuda)
+    with pytest.raises(PipelineConfigError, match="add --no-shrink"):
+        _offload(_args(freeze_alpha=0.5), cuda)
+    assert isinstance(_offload(_args(freeze_at=[(10, 2)], no_shrink=True), cuda), HostOffload)
+
+
+@pytest.mark.multiproc
+@pytest.mark.exhaustive  # make test-all: the format is the same either way (the resume above)
+def test_a_checkpoint_without_offload_resumes_with_it(run_pipeline, tmp_path):
+    """The checkpoint format is the same: a run saved without the flag, resumed with it, ends
+    where the run straight through without it ends (1f1b, bf16 masters)."""
+    plan = toy_plan("two-ranks", "1f1b", 4, "bfloat16")
+    argv = ["--steps", "4", "--save-every", "2", "--data", "copy", "--dtype", "bf16"]
+    argv += ["--lr", "0.05", "--schedule", "1f1b"]
+    logs = {}
+    for name, folder, extra, env in [
+        ("whole", "whole", [], {}),
+        ("crash", "broken", [], {"FTPIPE_FAULT": "1:2:exit"}),  # after the 3rd step
+        ("resume", "broken", ["--resume", "--offload-optimizer"], {}),
+    ]:
+        log = tmp_path / f"{name}.json"
+        own = [*argv, *extra, "--checkpoint-dir", str(tmp_path / folder), "--log-json", str(log)]
+        codes, ranks = run_pipeline(plan, own, name=name, env=env)
+        assert (codes == [0, 0]) == (name != "crash"), ranks.stderr()
+        if name != "crash":
+            logs[name] = json.loads(log.read_text())
+    assert logs["resume"]["first_step"] == 2
+    assert logs["resume"]["losses"] == logs["whole"]["losses"][2:]
+    whole = checkpoint_params(tmp_path / "whole", 4, range(4))
+    resumed = checkpoint_params(tmp_path / "broken", 4, range(4))
+    for name, value in whole.items():
+        assert torch.equal(resumed[name], value), name

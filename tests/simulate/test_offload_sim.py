@@ -1,0 +1,138 @@
+"""Offloaded stages in the simulator (`simulate/host.py`): the host link's copies and the
+CPU's optimizer step as the runtime runs them, what the schedule hides of the step, host
+memory per node, and the host's marks on the timeline."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from sim_plans import make_plan
+
+from ftpipe_compiler.costs.host import Host, Offload
+from ftpipe_compiler.plan import PlanParam
+from ftpipe_compiler.simulate import render_report, simulate
+from ftpipe_compiler.simulate.host import offload_lines
+from ftpipe_compiler.simulate.simulator import cpu_step_hidden
+
+NUMEL = 2_000_000  # each stage's one fp32 weight: 8 MB
+HOST = Host(memory_bytes=10**12, link_bandwidth=1e9, node_bandwidth=4e9, step_bandwidth=2e8,
+            sum_bandwidth=1e10, gpus_per_node=8)  # fmt: skip
+CPU_S = 2 * 4 * NUMEL / 2e8  # sgd: master and summed gradient, fp32: 0.08 s
+UPLOAD_S = 4 * NUMEL / 1e9  # the new weights back
+GRAD_S = 4 * NUMEL / 1e9 + 12 * NUMEL / 1e10  # a micro-batch's gradient down, and its sum
+
+
+def _plan(costs, schedule, gpu_of=None, offload=(), activations=(), m=4):
+    plan = make_plan(costs, gpu_of=gpu_of, schedule=schedule, micro_batches=m,
+                     memory_bytes=10**12)  # fmt: skip
+    params = tuple(
+        PlanParam(p.name, (NUMEL,), "float32", 4 * NUMEL, 8 * NUMEL, True, (), p.stages)
+        for p in plan.params
+    )
+    stages = tuple(
+        replace(s, offload=Offload(optimizer=s.id in offload, activations=s.id in activations))
+        for s in plan.stages
+    )
+    return plan.with_(params=params, stages=stages, host=HOST)
+
+
+def test_one_gpu_pays_the_whole_host_step():
+    """Nothing hides anything on one GPU: the step grows by the host step and upload in place
+    of the device's step, and m micro-batches' gradient copies and sums, to the nanosecond."""
+    m = 4
+    plain = simulate(_plan([(1.0, 2.0, 0.0)], "gpipe", m=m))
+    off = simulate(_plan([(1.0, 2.0, 0.0)], "gpipe", offload={0}, m=m))
+    device_step = _plan([(1.0, 2.0, 0.0)], "gpipe").stages[0].step_s
+    want = plain.step_time_s - device_step + CPU_S + UPLOAD_S + m * GRAD_S
+    assert off.step_time_s == pytest.approx(want, rel=1e-9)
+    assert off.gpus[0].cpu_step_s == pytest.approx(CPU_S)
+    assert (off.gpus[0].host_bytes_down, off.gpus[0].host_bytes_up) == (m * 4 * NUMEL, 4 * NUMEL)
+    assert off.step_time_s - plain.step_time_s >= CPU_S  # at least the CPU step: none hidden
+    assert cpu_step_hidden(_plan([(1.0, 2.0, 0.0)], "gpipe", offload={0}), off) == pytest.approx(0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_synchronous_step_hides_only_behind_other_stages_forwards(schedule):
+    """Under a flush the first stage's CPU step delays the next step's first forward, which
+    every later stage waits for: none of it hidden. The last stage's is hidden by the next
+    step's forwards of the stages before it (1 s each, far longer than its step)."""
+    costs = [(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)]
+    base = _plan(costs, schedule)
+    plain = simulate(base).step_time_s
+    first = _plan(costs, schedule, offload={0})
+    sim = simulate(first)
+    hidden = cpu_step_hidden(first, sim)
+    assert hidden == pytest.approx(0.0, abs=1e-9)
+    assert sim.step_time_s - plain >= (1 - hidden) * CPU_S
+    last = _plan(costs, schedule, offload={1})
+    sim = simulate(last)
+    assert cpu_step_hidden(last, sim) == pytest.approx(1.0)
+
+
+def test_ftpipe_hides_the_step_of_a_gpu_with_slack_and_not_of_the_bottleneck():
+    """FTPipe's asynchronous schedule: no GPU waits for another's step, so a light GPU's CPU
+    step fills its idle time (the step time does not change); on the slowest GPU it is paid."""
+    costs = [(0.3, 0.6, 0.3), (1.0, 2.0, 1.0)]  # GPU 0 idles two thirds of the time
+    plain = simulate(_plan(costs, "ftpipe")).step_time_s
+    light = _plan(costs, "ftpipe", offload={0})
+    sim = simulate(light)
+    assert cpu_step_hidden(light, sim) == pytest.approx(1.0)
+    assert sim.step_time_s == pytest.approx(plain, rel=1e-6)
+    heavy = _plan(costs, "ftpipe", offload={1})
+    sim = simulate(heavy)
+    assert cpu_step_hidden(heavy, sim) < 0.5
+    assert sim.step_time_s - plain >= (1 - cpu_step_hidden(heavy, sim)) * CPU_S - 1e-9
+
+
+def test_offloaded_activations_wait_only_for_what_the_prefetch_did_not_hide():
+    """A backward waits for what its stage kept (gpipe recomputes: the stage's 100 B of
+    inputs) to come back over the host link: with a fast link the fetch, issued one backward
+    ahead, is hidden; with a slow one the step grows."""
+    costs = [(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)]
+    plain = simulate(_plan(costs, "gpipe")).step_time_s
+    fast = simulate(_plan(costs, "gpipe", activations={0}))
+    assert fast.step_time_s == pytest.approx(plain, rel=1e-3)
+    slow_host = replace(HOST, link_bandwidth=10.0, node_bandwidth=40.0)  # 10 s a way
+    slow = simulate(_plan(costs, "gpipe", activations={0}).with_(host=slow_host))
+    assert slow.step_time_s > plain + 0.5
+    kinds = {e.kind for e in slow.timeline if e.gpu == 0}
+    assert {"O", "I"} <= kinds  # on the timeline, beside the GPU's own actions
+    # The GPU keeps two micro-batches' inputs; the host the other two of gpipe's four.
+    kept = simulate(_plan(costs, "gpipe")).gpus[0].peak_memory_bytes
+    assert slow.gpus[0].peak_memory_bytes == kept - 2 * 100
+    assert slow.nodes[0].host_bytes == 2 * 100
+
+
+def test_host_memory_per_node_is_checked():
+    plan = _plan([(1.0, 2.0, 0.0)], "gpipe", offload={0})
+    assert simulate(plan).fits
+    small = plan.with_(host=replace(HOST, memory_bytes=10 * NUMEL))  # needs 12 B an element
+    sim = simulate(small)
+    assert not sim.fits and not sim.nodes[0].fits and sim.nodes[0].host_bytes == 12 * NUMEL
+    lines = offload_lines(small.with_(model={**small.model, "offload": "optimizer"}), sim)
+    assert lines[0] == "stage 0 (GPU 0) offloads its optimizer state: --offload optimizer"
+    assert "host traffic per step" in lines[-1]
+
+
+def test_the_timeline_marks_copies_and_the_cpu_step():
+    sim = simulate(_plan([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], "1f1b", offload={1}))
+    marks = [e for e in sim.timeline if e.kind in "DCU" and e.gpu == 1]
+    steps = {e.mb for e in marks if e.kind == "C"}
+    assert steps == {0, 1, 2}  # the report's first three steps
+    c = next(e for e in marks if e.kind == "C" and e.mb == 0)
+    assert c.end - c.start == pytest.approx(CPU_S)
+    u = next(e for e in marks if e.kind == "U" and e.mb == 0)
+    assert (u.start, u.end - u.start) == (pytest.approx(c.end), pytest.approx(UPLOAD_S))
+    assert sum(1 for e in marks if e.kind == "D" and e.mb < 4) == 4  # one per backward
+
+
+def test_the_report_draws_a_host_row_and_says_what_was_offloaded():
+    plan = _plan([(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], "1f1b", offload={1})
+    plan = plan.with_(model={**plan.model, "offload": "optimizer"})
+    html = render_report(plan, simulate(plan))
+    assert ">host 1</text>" in html and ">host 0</text>" not in html  # only the offloading GPU
+    assert "stage 1 optimizer step on the CPU, step 0" in html
+    assert "stage 1 gradients to the host, micro-batch 0" in html
+    assert "stage 1 (GPU 1) offloads its optimizer state: --offload optimizer" in html
+    assert "100% of it hidden by the schedule" in html  # the last stage, behind stage 0
