@@ -1,43 +1,55 @@
 """plan.json as typed data: the contract between the compiler, the runtime and generated code.
 
-    plan = read_plan("out/t5_tiny_pipeline/plan.json")   # spec/reader.py: read and checked once
+    plan = read_plan("out/t5_tiny_pipeline/plan.json")   # read and checked once; model folder found
+    plan = Plan.read(path)                                # the same, the model's path as written
     plan.stages[0].inputs; plan.transfers[0].consumers; plan.params[0].aliases
-    Plan.from_dict(d) / plan.to_dict()                    # the JSON object, versioned
+    Plan.from_dict(d) / plan.to_dict()                    # the JSON object, versioned and checked
 
 A plan says which stage runs which graph nodes, which GPU runs each stage, what crosses
 between stages (`transfers`: activations, and the weights an owner sends to the other stages
 reading them) and every figure the simulator needs (seconds, bytes). The compiler's `Plan`
 (ftpipe_compiler.plan) is this class with the figures computed from them and its cost
-model's records for `cluster` and `reserve`; the runtime reads this one. The file a package
-runs and the one `ftpipe compile` writes beside it are the same bytes.
+model's records for `cluster`, `reserve` and `host`; the runtime reads this one. The file a
+package runs and the one `ftpipe compile` writes beside it are the same bytes, and
+`Plan.from_dict(d).to_dict() == d` for every plan ftpipe writes.
+
+There is one reader, `Plan.read` (inherited by the compiler's `Plan`), and one set of
+structural checks, `check_plan` (the format, every field's type, stages numbered 0..n-1 on
+existing GPUs, transfers forwards between existing stages, the schedule placeable, ranks
+placed): a plan that fails them fails in the same sentence in `ftpipe simulate`, in a
+package's `python -m` and in the runtime. The compiler adds only what needs its cost model
+(memory: `ftpipe_compiler.plan.checks`).
 """
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
+import math
+from dataclasses import MISSING, dataclass, field, fields, replace
+from pathlib import Path
 
-from ..errors import PipelineConfigError
-from ..schedules import StageInfo, with_chunks
+from ..errors import PipelineConfigError, ScheduleError, unknown_name
+from ..schedules import SCHEDULES, StageInfo, resolve_schedule, with_chunks
+from .format import PLAN_FORMAT, READABLE_FORMATS
 from .records import from_json, to_json
+from .topology import read_json
 
 __all__ = [
     "PLAN_FORMAT",
     "PLAN_KIND",
     "READABLE_FORMATS",
+    "Offload",
     "Plan",
     "PlanParam",
     "Stage",
     "Transfer",
+    "check_plan",
     "kept_forward_s",
+    "read_plan",
     "step_work_s",
 ]
 
-# Bumped whenever plan.json changes shape; the compiler and the runtime refuse other formats.
-# Format 2 added data parallelism (replicas, placement, cluster); a format-1 plan is one
-# pipeline, read as such.
-PLAN_FORMAT = 2
-READABLE_FORMATS = (1, 2)
 PLAN_KIND = "ftpipe-plan"
+REMEDY = "compile it again with `ftpipe compile`"
 
 
 def kept_forward_s(fwd_s: float, recompute_s: float) -> float:
@@ -52,6 +64,24 @@ def step_work_s(fwd_s: float, bwd_s: float, recompute_s: float, recompute: bool)
     gradients, then again recording before its backward; a keeping one runs it once,
     recording."""
     return bwd_s + (fwd_s + recompute_s if recompute else kept_forward_s(fwd_s, recompute_s))
+
+
+@dataclass(frozen=True)
+class Offload:
+    """What one stage keeps in host memory instead of on its GPU (the planner's choice,
+    the compiler's `planner/offload.py`; its costs: `costs/host.py`)."""
+
+    optimizer: bool = False  # fp32 masters, optimizer state, summed gradients; the CPU steps
+    activations: bool = False  # what it keeps for its backward, fetched back one ahead
+
+    @property
+    def any(self) -> bool:
+        return self.optimizer or self.activations
+
+    def words(self) -> str:
+        """'optimizer state and activations', 'optimizer state', 'activations' or 'nothing'."""
+        parts = ["optimizer state"] * self.optimizer + ["activations"] * self.activations
+        return " and ".join(parts) or "nothing"
 
 
 @dataclass(frozen=True)
@@ -78,6 +108,11 @@ class Stage:
     forward_only: bool = False
     # Its optimizer step (the cost model's, for the parameters it owns; 0: free).
     step_s: float = 0.0
+    # What it keeps in host memory instead of on its GPU: {"optimizer": bool, "activations": bool}.
+    offload: Offload = Offload()
+    # Its optimizer state sharded across replicas (ZeRO-1; a hand-edited plan's choice,
+    # train/zero.py); --shard-optimizer / --no-shard-optimizer override it.
+    shard_optimizer: bool = False
 
     @property
     def compute_s(self) -> float:
@@ -94,7 +129,9 @@ class Stage:
 
 @dataclass(frozen=True)
 class Transfer:
-    tensor: str  # the value's name (a traced value, a graph node) or a parameter's (its owner sends it)
+    tensor: (
+        str  # the value's name (a traced value, a graph node) or a parameter's (its owner sends it)
+    )
     producer: int  # stage
     consumers: tuple[int, ...]  # stages
     shape: tuple[int, ...]
@@ -148,7 +185,11 @@ class Plan:
     remat_saved_bytes: int = 0
     latency_s: float = 0.0  # the machine's point-to-point message cost beside `bandwidth`
     reserve: dict = field(default_factory=dict)  # what each GPU holds besides the run's tensors
+    host: dict = field(default_factory=dict)  # the host memory, link and CPUs offloading uses
     version: str = ""  # of the ftpipe that wrote it
+    # The compiler's figures of it (period, speed-up, memory; computed when it writes one),
+    # for people and tools reading the file; not part of what the plan is.
+    summary: dict = field(default_factory=dict, compare=False)
     # A package's plan: the command that generated it, and the graph node (or parameter)
     # behind each transfer (its `tensor` is then the traced value's name).
     generated_by: str = ""
@@ -167,8 +208,13 @@ class Plan:
     @property
     def gpus_per_node(self) -> int:
         """GPUs of one machine of the cluster the plan was made for (all of them: one machine)."""
-        per_node = (self.cluster or {}).get("gpus_per_node")
+        per_node = self._cluster_says("gpus_per_node")
         return int(per_node) if per_node else self.world
+
+    def _cluster_says(self, name: str):
+        """A figure of `cluster`: a JSON object here, the compiler's `Cluster` there."""
+        c = self.cluster
+        return c.get(name) if isinstance(c, dict) else getattr(c, name, None)
 
     def stages_on(self, gpu: int) -> list[Stage]:
         return [s for s in self.stages if s.gpu == gpu]
@@ -191,14 +237,28 @@ class Plan:
         inputs = self.model.get("inputs") or {}
         return int(next(iter(inputs.values()))[0][0]) if inputs else 1
 
+    def with_model_folder(self, plan_path) -> Plan:
+        """The plan with its model's folder found on this machine (`spec.weights.model_folder`:
+        --weights / $FTPIPE_WEIGHTS, else the recorded path relative to the plan's folder)."""
+        from .weights import model_folder  # torch: only where a package runs
+
+        if self.model.get("path") is None:
+            return self
+        found = model_folder(self.model["path"], Path(plan_path).parent)
+        return replace(self, model={**self.model, "path": found})
+
     # --- JSON ---
+    # What a damaged file's parts raise while they are built (a subclass adds its records').
+    DAMAGED = (KeyError, TypeError, ValueError, AttributeError)
+
     def to_dict(self) -> dict:
         return {"format": PLAN_FORMAT, "kind": PLAN_KIND, **to_json(self)}
 
     @classmethod
     def from_dict(cls, d) -> Plan:
-        """The plan of a JSON object, or one sentence (PipelineConfigError) saying why not:
-        not a plan, another format, a missing or mistyped field."""
+        """The plan of a JSON object, checked (`check_plan`), or one sentence
+        (PipelineConfigError) saying why not: not a plan, another format, a missing or
+        mistyped field, stages or transfers that do not fit together."""
         if not isinstance(d, dict) or d.get("kind") != PLAN_KIND:
             raise PipelineConfigError(
                 "this file is not an ftpipe plan; make one with `ftpipe compile`"
@@ -206,8 +266,8 @@ class Plan:
         if d.get("format") not in READABLE_FORMATS:
             raise PipelineConfigError(
                 f"plan format {d.get('format')} was written by ftpipe {d.get('version', '?')}; "
-                f"this ftpipe reads formats {' and '.join(map(str, READABLE_FORMATS))}: compile "
-                "it again with this version"
+                f"this ftpipe reads formats {' and '.join(map(str, READABLE_FORMATS))}: "
+                f"{REMEDY} of this version"
             )
         missing = [
             f.name
@@ -218,15 +278,133 @@ class Plan:
             if missing:
                 raise KeyError(missing[0])
             plan = from_json(cls, d)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except cls.DAMAGED as e:
             raise PipelineConfigError(
-                f"the plan file is incomplete or damaged ({type(e).__name__}: {e}); compile it "
-                "again"
+                f"the plan file is incomplete or damaged ({type(e).__name__}: {e}); {REMEDY}"
             ) from None
-        copied = [p.name for p in plan.params if len(p.stages) > 1]
-        if copied:
-            raise PipelineConfigError(
-                f"this plan copies {copied[0]} into several stages (ftpipe before weights were "
-                "sent between stages); compile it again"
-            )
+        check_plan(plan)
         return plan
+
+    @classmethod
+    def read(cls, path) -> Plan:
+        """THE plan reader: the file at `path`, checked, or a PipelineConfigError naming it
+        and saying what is wrong (the compiler's `Plan.load` and the runtime's `read_plan`
+        both come here)."""
+        d = read_json(path, "the plan", REMEDY)
+        try:
+            return cls.from_dict(d)
+        except PipelineConfigError as e:  # the compiler's PlanFormatError is one too
+            raise type(e)(f"{path} is not a valid plan: {e}") from None
+
+
+def read_plan(path) -> Plan:
+    """The plan file a package runs, checked, its model's folder found on this machine."""
+    return Plan.read(path).with_model_folder(path)
+
+
+def check_plan(plan: Plan, *, runnable: bool = True) -> None:
+    """What every reader of a plan relies on, in the order a reader would look: its sizes,
+    its stages, what crosses between them, the schedule, where the ranks go; `runnable`,
+    also every GPU given a stage (what a plan file must be: a rank with nothing to run
+    would wait forever; a plan the compiler is still cutting may leave some idle until it
+    compacts it). Raises PipelineConfigError naming the first thing wrong. (Memory needs
+    the compiler's cost model: `ftpipe_compiler.plan.checks`.)"""
+    for check in (_check_sizes, _check_stages, _check_transfers, _check_schedule):
+        check(plan)
+    if runnable:
+        _check_no_idle_gpu(plan)
+    _check_placement(plan)
+
+
+def _check_sizes(plan: Plan) -> None:
+    if plan.gpus < 1 or plan.micro_batches < 1 or plan.bandwidth <= 0:
+        raise PipelineConfigError(
+            "gpus and micro_batches must be at least 1 and bandwidth positive"
+        )
+    if not plan.stages or [s.id for s in plan.stages] != list(range(len(plan.stages))):
+        raise PipelineConfigError("stages must be numbered 0, 1, 2, ... in order")
+    if not 0 <= plan.loss_stage < len(plan.stages):
+        raise PipelineConfigError(f"the loss stage {plan.loss_stage} is not a stage of the plan")
+    copied = [p.name for p in plan.params if len(p.stages) > 1]
+    if copied:
+        raise PipelineConfigError(
+            f"this plan copies {copied[0]} into several stages (ftpipe before weights were "
+            f"sent between stages); {REMEDY}"
+        )
+
+
+def _check_stages(plan: Plan) -> None:
+    seen: set[str] = set()
+    for s in plan.stages:
+        dup = seen.intersection(s.nodes)
+        if dup:
+            raise PipelineConfigError(f"nodes {sorted(dup)[:3]} are in two stages")
+        seen.update(s.nodes)
+        if not 0 <= s.gpu < plan.gpus:
+            raise PipelineConfigError(f"stage {s.id} is on GPU {s.gpu}, outside 0..{plan.gpus - 1}")
+        if not all(math.isfinite(x) and x >= 0 for x in (s.fwd_s, s.bwd_s, s.recompute_s)):
+            raise PipelineConfigError(f"stage {s.id} has a negative or non-finite time")
+        if not 0 <= s.wgrad_s <= s.bwd_s * (1 + 1e-9):
+            raise PipelineConfigError(
+                f"stage {s.id}: its weight-gradient time {s.wgrad_s} is not part of its "
+                f"backward time {s.bwd_s}"
+            )
+
+
+def _check_transfers(plan: Plan) -> None:
+    """Transfers and parameters between existing stages, forwards only (so the stage graph
+    has no cycle, and each GPU's stages, in id order, are in a topological order); every
+    input of a stage sent by somebody."""
+    ids = {s.id for s in plan.stages}
+    sent = set()
+    for t in plan.transfers:
+        if not {t.producer, *t.consumers} <= ids:
+            raise PipelineConfigError(f"transfer {t.tensor} names a stage the plan does not have")
+        for c in t.consumers:
+            if c <= t.producer:
+                raise PipelineConfigError(
+                    f"stage {c} receives {t.tensor} from a later stage {t.producer}"
+                )
+        sent.add(t.tensor)
+    if any(not set(p.stages) <= ids for p in plan.params):
+        raise PipelineConfigError("a parameter is owned by a stage the plan does not have")
+    for s in plan.stages:
+        missing = [n for n in s.inputs if n not in sent]
+        if missing:
+            raise PipelineConfigError(f"stage {s.id} receives {missing[0]!r}, which nobody sends")
+
+
+def _check_schedule(plan: Plan) -> None:
+    if plan.schedule not in SCHEDULES:
+        raise PipelineConfigError(unknown_name("schedule", plan.schedule, SCHEDULES))
+    try:
+        resolve_schedule(plan.schedule, plan.recompute).check(
+            plan.stage_infos(), plan.micro_batches
+        )
+    except ScheduleError as e:
+        raise PipelineConfigError(str(e)) from None
+
+
+def _check_no_idle_gpu(plan: Plan) -> None:
+    idle = sorted(set(range(plan.gpus)) - {s.gpu for s in plan.stages})
+    if idle:
+        raise PipelineConfigError(
+            f"the plan gives GPU {idle[0]} no stage ({len(idle)} of {plan.gpus} GPUs idle); "
+            f"{REMEDY}: the compiler keeps plans on the GPUs they use"
+        )
+
+
+def _check_placement(plan: Plan) -> None:
+    if plan.replicas < 1:
+        raise PipelineConfigError(f"a plan needs at least 1 replica, not {plan.replicas}")
+    want = sorted((r, g) for r in range(plan.replicas) for g in range(plan.gpus))
+    if sorted(plan.placed()) != want:
+        raise PipelineConfigError(
+            f"the placement must give each of the {plan.replicas} replicas' {plan.gpus} GPUs "
+            "one rank"
+        )
+    cluster_gpus = plan._cluster_says("gpus")
+    if plan.cluster is not None and cluster_gpus != plan.world:
+        raise PipelineConfigError(
+            f"the plan runs on {plan.world} GPUs but its cluster has {cluster_gpus}"
+        )
