@@ -137,4 +137,4 @@ def test_only_the_reader_parses_plan_files():
     assert readers == [], readers
     # Topology reads no file and checks nothing of its own: the plan's checks are its checks.
     topology = (REPO / "runtime" / "spec" / "topology.py").read_text()
-    assert "def read_plan" not in topology and "raise PipelineConfigError(\"the plan" not in topology
+    assert "def read_plan" not in topology and 'raise PipelineConfigError("the plan' not in topology
