@@ -1,6 +1,6 @@
 """One exception hierarchy; the CLI catches `FtpipeError` once and prints its message."""
 
-from ftpipe_runtime.errors import unknown_name
+from ftpipe_runtime.errors import PipelineConfigError, unknown_name
 
 
 class FtpipeError(Exception):
@@ -19,8 +19,9 @@ class InfeasibleError(FtpipeError):
     """No plan fits the GPUs' memory."""
 
 
-class PlanFormatError(FtpipeError):
-    """A plan or graph file is missing, truncated, or written by another version."""
+class PlanFormatError(FtpipeError, PipelineConfigError):
+    """A plan or graph file is missing, truncated, or written by another version (for a
+    plan: the runtime's reader's PipelineConfigError, in the same words)."""
 
 
 class OutputExistsError(FtpipeError):

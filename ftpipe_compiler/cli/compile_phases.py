@@ -330,7 +330,7 @@ def cluster_json(job: Job, timings: dict) -> dict:
 
 
 def cluster_lines(job: Job, timings: dict) -> list[str]:
-    hint = launch_hint(job.plan.to_json())
+    hint = launch_hint(job.plan.to_dict())
     return [
         *_data_lines(job),
         *describe_shapes(job.found, job.cluster),

@@ -21,6 +21,7 @@ import operator
 from dataclasses import dataclass, field
 
 import torch
+from ftpipe_runtime.spec.plan import Plan as RuntimePlan
 from torch import fx
 
 from ..errors import FtpipeError
@@ -231,9 +232,11 @@ def _args(n: fx.Node) -> list[fx.Node]:
 
 
 def package_plan(plan: Plan, wiring: Wiring, extra_model: dict, generated_by: str) -> dict:
-    """The plan as the package runs it: the same schema, with wires as the transfers."""
-    d = plan.to_json()
-    d = {"generated_by": generated_by, **d}
+    """The plan as the package runs it: the same schema, with wires as the transfers; read
+    back through the runtime's one reader (checked as the runtime will check it), so the
+    JSON written is what `Plan.from_dict(...).to_dict()` gives back, key for key."""
+    d = plan.to_dict()
+    d["generated_by"] = generated_by
     d["model"] = {**d["model"], **extra_model}
     d["transfers"] = [w.to_json() for w in wiring.wires.values()]
     for sd, st in zip(d["stages"], wiring.stages):
@@ -241,4 +244,4 @@ def package_plan(plan: Plan, wiring: Wiring, extra_model: dict, generated_by: st
         sd["outputs"] = list(st.outputs)
         sd["model_inputs"] = list(st.model_inputs)
     d["wires"] = {w.name: w.node for w in wiring.wires.values()}
-    return d
+    return RuntimePlan.from_dict(d).to_dict()

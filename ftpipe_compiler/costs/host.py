@@ -46,6 +46,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 
 import torch
+from ftpipe_runtime.spec.plan import Offload  # the plan's record; its costs here
 
 from .formulas import ACTIVATIONS_ON_GPU, PRECISIONS, Precision, optimizer_state_elements
 
@@ -68,23 +69,6 @@ __all__ = [
 DEFAULT_LINK_BANDWIDTH = 12e9  # PCIe 3.0 x16, as the hardware files count it (rtx2080ti)
 DEFAULT_STEP_BANDWIDTH = 10e9  # a round figure below this 2-core machine's measured rate
 DEFAULT_MEMORY_PER_GPU = 2  # host memory: twice the node's GPU memory
-
-
-@dataclass(frozen=True)
-class Offload:
-    """What one stage keeps in host memory instead of on its GPU."""
-
-    optimizer: bool = False  # fp32 masters, optimizer state, summed gradients; the CPU steps
-    activations: bool = False  # what it keeps for its backward, fetched back one ahead
-
-    @property
-    def any(self) -> bool:
-        return self.optimizer or self.activations
-
-    def words(self) -> str:
-        """'optimizer state and activations', 'optimizer state', 'activations' or 'nothing'."""
-        parts = ["optimizer state"] * self.optimizer + ["activations"] * self.activations
-        return " and ".join(parts) or "nothing"
 
 
 NONE = Offload()

@@ -24,24 +24,11 @@ import networkx as nx
 import torch
 from ftpipe_runtime.atomic import write_atomic
 from ftpipe_runtime.errors import PipelineConfigError
+from ftpipe_runtime.spec.plan import step_work_s
 from ftpipe_runtime.spec.topology import read_json as _read_json
 
 from ..errors import FtpipeError, PlanFormatError
 from ..version import GRAPH_FORMAT
-
-
-def kept_forward_s(fwd_s: float, recompute_s: float) -> float:
-    """The forward of work that keeps its autograd graph: run once, recording (recompute_s;
-    0 where nothing in it needs redoing before a backward, which then records nothing: its
-    forward, fwd_s, timed without gradients)."""
-    return max(fwd_s, recompute_s)
-
-
-def step_work_s(fwd_s: float, bwd_s: float, recompute_s: float, recompute: bool) -> float:
-    """Seconds of compute per micro-batch: a recomputing stage runs its forward without
-    gradients, then again recording before its backward; a keeping one runs it once,
-    recording."""
-    return bwd_s + (fwd_s + recompute_s if recompute else kept_forward_s(fwd_s, recompute_s))
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,11 @@
 """The plan: which stage runs every node, which GPU runs every stage, what crosses between.
 
     plan = build_plan(problem, stage_of={"linear": 0, ...}, gpu_of={0: 0, 1: 1}, partitioner="mixed")
-    plan.validate(); plan.period_s; plan.to_json(); Plan.from_json(d)
+    plan.validate(); plan.period_s; plan.to_dict(); Plan.from_dict(d); Plan.load(path)
+
+`Plan` is the runtime's typed plan (ftpipe_runtime.spec.plan: the fields, the JSON, the one
+reader and its structural checks) with its cost model's records for `cluster`, `reserve`
+and `host`, and the figures computed from them (period, memory, speed-up).
 
 Stages are renumbered in a topological order of the stage graph, so a stage only ever
 receives from lower-numbered stages. The plan carries every figure the simulator needs
@@ -19,82 +23,38 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, replace
 
 from ftpipe_runtime.atomic import write_atomic
 from ftpipe_runtime.errors import PipelineConfigError
-from ftpipe_runtime.schedules import (
-    ScheduleError,
-    StageInfo,
-    StagePolicy,
-    resolve_schedule,
-    with_chunks,
-)
-from ftpipe_runtime.spec.topology import Topology
+from ftpipe_runtime.schedules import ScheduleError, StagePolicy, resolve_schedule
+from ftpipe_runtime.spec import plan as spec
 
 from ..costs.cluster import Cluster
 from ..costs.formulas import PRECISIONS, MemoryReserve, param_bytes, period_s, stage_memory
 from ..costs.gpu_memory import GpuMemory, gpu_memory
-from ..costs.host import Host, Offload, host_memory
+from ..costs.host import Host, host_memory
 from ..errors import FtpipeError, PlanFormatError
-from ..graph.opgraph import _typed, read_json
 from ..units import mib
-from ..version import PLAN_FORMAT, READABLE_FORMATS, __version__
+from ..version import __version__
 from .checks import check_plan
-from .parts import PlanParam, Stage, Transfer
+from .parts import PlanParam, Stage
 
 
 @dataclass(frozen=True)
-class Plan:
-    partitioner: str
-    gpus: int
-    schedule: str
-    micro_batches: int
-    optimizer: str
-    bandwidth: float
-    memory_bytes: int  # per GPU
-    stages: tuple[Stage, ...]
-    transfers: tuple[Transfer, ...]
-    params: tuple[PlanParam, ...]
-    loss_stage: int
-    lower_bound_s: float = 0.0
-    search_seconds: float = 0.0
-    # Everything about where the plan came from, for the reader and the code generator.
-    model: dict = field(default_factory=dict)  # spec, task, micro_batch, inputs, family, hardware
-    competitors: tuple[dict, ...] = ()
-    simulated: dict = field(default_factory=dict)
-    command: str = ""
-    recompute: bool = True  # False: every stage keeps its activations (the planner's choice)
-    # Data parallelism: `replicas` copies of the pipeline; rank r of the job runs GPU
-    # placement[r][1] of replica placement[r][0] (() : one replica, rank = GPU).
-    replicas: int = 1
-    placement: tuple[tuple[int, int], ...] = ()
+class Plan(spec.Plan):
+    # The runtime's fields, with the cost model's records where it keeps JSON objects (a
+    # field named again keeps its place: the JSON's order is the runtime's).
     cluster: Cluster | None = None  # the nodes and links the plan was made for
-    # Per micro-batch: bytes (activations and their gradients) that stages' `copies` keep
-    # from crossing between GPUs (partition/remat); the weights the copies read travel instead.
-    remat_saved_bytes: int = 0
-    # The machine's point-to-point message cost beside `bandwidth` (Hardware.link_latency_s).
-    latency_s: float = 0.0
     # What each GPU holds besides the run's tensors (the hardware's context, communicators).
     reserve: MemoryReserve = MemoryReserve()
     # The host memory, link and CPUs offloaded stages use (the hardware's `host`, resolved).
     host: Host = Host()
     version: str = __version__
-
-    # --- where the ranks are ---
-    @property
-    def world(self) -> int:
-        """Processes the plan runs on: every GPU of every replica."""
-        return self.replicas * self.gpus
-
-    def placed(self) -> tuple[tuple[int, int], ...]:
-        """(replica, GPU of the pipeline) of every rank."""
-        return self.placement or tuple((0, g) for g in range(self.gpus))
+    # Cluster.from_json says what is wrong with a cluster as an FtpipeError.
+    DAMAGED = (*spec.Plan.DAMAGED, FtpipeError)
 
     # --- figures ---
-    def stages_on(self, gpu: int) -> list[Stage]:
-        return [s for s in self.stages if s.gpu == gpu]
-
     def gpu_compute_s(self, gpu: int) -> float:
         return sum(s.compute_s for s in self.stages_on(gpu))
 
@@ -133,12 +93,6 @@ class Plan:
             dests = len({gpu_of[c] for c in t.consumers} - {gpu_of[t.producer]})
             total += t.bytes * dests * (2 if t.requires_grad else 1)
         return total
-
-    def stage_infos(self) -> list[StageInfo]:
-        """The stages as a schedule sees them (GPU, depth, loss, chunk)."""
-        return with_chunks(
-            StageInfo(s.id, s.gpu, s.depth, s.id == self.loss_stage) for s in self.stages
-        )
 
     @functools.cached_property
     def policies(self) -> dict[int, StagePolicy]:
@@ -233,17 +187,16 @@ class Plan:
 
     # --- checks ---
     def validate(self, memory: bool = True) -> None:
-        """Every node in one stage, stages numbered 0..n-1 on existing GPUs, transfers and
-        parameters between existing stages, stage graph acyclic, stages placed as the schedule
-        needs; with `memory`, every GPU within its memory. A plan read from a file is checked
-        without memory. Raises FtpipeError naming the first thing wrong (plan/checks.py)."""
+        """The runtime's structural checks (`ftpipe_runtime.spec.plan.check_plan`: stages,
+        transfers, schedule, placement) and, with `memory`, every GPU and host within its
+        memory (plan/checks.py). A plan read from a file is checked without memory.
+        Raises FtpipeError naming the first thing wrong."""
         check_plan(self, memory=memory)
 
     # --- serialisation ---
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d = {"format": PLAN_FORMAT, "kind": "ftpipe-plan", **d}
-        d["cluster"] = self.cluster.to_json() if self.cluster else None
+    def to_dict(self) -> dict:
+        """The runtime's JSON, with the figures the compiler computes as its `summary`."""
+        d = super().to_dict()
         d["summary"] = {
             "period_s": self.period_s,
             "expected_speedup": self.expected_speedup,
@@ -254,72 +207,28 @@ class Plan:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> Plan:
-        if not isinstance(d, dict) or d.get("kind") != "ftpipe-plan":
-            raise PlanFormatError(
-                "this file is not an ftpipe plan; make one with `ftpipe partition` or `ftpipe compile`"
-            )
-        if d.get("format") not in READABLE_FORMATS:
-            raise PlanFormatError(
-                f"plan format {d.get('format')} was written by ftpipe {d.get('version', '?')}; this "
-                f"ftpipe reads formats {' and '.join(map(str, READABLE_FORMATS))}: run `ftpipe compile` "
-                "again with this version"
-            )
-        nested = ("stages", "transfers", "params", "cluster", "reserve", "host")
-        flat = [f.name for f in fields(cls) if f.name not in nested]
+    def from_dict(cls, d) -> Plan:
+        """`spec.Plan.from_dict` (read and checked there), its errors as PlanFormatError."""
         try:
-            plan = _typed(
-                cls,
-                {k: d[k] for k in flat if k in d}
-                | {
-                    "stages": tuple(_stage(s) for s in d["stages"]),
-                    "transfers": tuple(_typed(Transfer, t) for t in d["transfers"]),
-                    "params": tuple(_typed(PlanParam, p) for p in d["params"]),
-                    "cluster": Cluster.from_json(d["cluster"]) if d.get("cluster") else None,
-                    "reserve": _typed(MemoryReserve, d.get("reserve") or {}),
-                    "host": _typed(Host, d.get("host") or {}),
-                },
-            )
-        except (KeyError, TypeError, ValueError, AttributeError, FtpipeError) as e:
-            raise PlanFormatError(
-                f"the plan file is incomplete or damaged ({type(e).__name__}: {e}); write it "
-                "again with `ftpipe compile`"
-            ) from None
-        copied = [p.name for p in plan.params if len(p.stages) > 1]
-        if copied:
-            raise PlanFormatError(
-                f"this plan copies {copied[0]} into several stages (ftpipe before weights were "
-                "sent between stages); run `ftpipe compile` again"
-            )
-        return plan
+            return super().from_dict(d)
+        except PipelineConfigError as e:
+            raise PlanFormatError(str(e)) from None
 
     def save(self, path) -> None:
-        write_atomic(path, json.dumps(self.to_json(), indent=1))
+        write_atomic(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
     def load(cls, path) -> Plan:
-        """Read and check a plan file (structure, not memory: `simulate` shows what overflows).
-        Read as the runtime reads it, and held to the runtime's checks after the compiler's
-        own (a superset, with the compiler's wording), so a plan `simulate` accepts is one a
-        package runs."""
-        d = read_json(path, "plan")
-        plan = cls.from_json(d)
+        """Read and check a plan file as the runtime does (`spec.Plan.read`, the one reader:
+        structure, not memory: `simulate` shows what overflows), so a plan `simulate`
+        accepts is one a package runs, and one it refuses is refused in the same words."""
         try:
-            plan.validate(memory=False)
-            Topology(d)
-        except (FtpipeError, PipelineConfigError) as e:
-            raise PlanFormatError(f"{path} is not a valid plan: {e}") from None
-        return plan
+            return cls.read(path)
+        except PipelineConfigError as e:  # an unreadable file: the runtime's sentence
+            raise PlanFormatError(str(e)) from None
 
     def with_(self, **changes) -> Plan:
         return replace(self, **changes)
-
-
-def _stage(d: dict) -> Stage:
-    """A stage from JSON, its `offload` object (absent in plans before offload: none)."""
-    if not isinstance(d, dict):
-        raise TypeError(f"a Stage must be a JSON object, not {type(d).__name__}")
-    return _typed(Stage, {**d, "offload": _typed(Offload, d.get("offload") or {})})
 
 
 def describe_remat(plan: Plan) -> str:

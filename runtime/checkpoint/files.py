@@ -40,8 +40,18 @@ def step_dir(root, step: int) -> Path:
     return Path(root) / f"step-{step:06d}"
 
 
+# Where a stage's optimizer state lives: the checkpoint is the same either way (a run resumes
+# with or without offload or sharding), and plans written before these fields had none.
+_PLACEMENT_KEYS = ("offload", "shard_optimizer")
+
+
 def plan_hash(plan: dict) -> str:
     core = {k: plan.get(k) for k in _PLAN_KEYS} | {"inputs": plan.get("model", {}).get("inputs")}
+    if isinstance(core["stages"], list):
+        core["stages"] = [
+            {k: v for k, v in s.items() if k not in _PLACEMENT_KEYS} if isinstance(s, dict) else s
+            for s in core["stages"]
+        ]
     return hashlib.sha256(json.dumps(core, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ..atomic import new_folder
 from ..errors import PeerFailure, PipelineConfigError, WriteFailed
 from ..job import liveness
-from ..spec.topology import read_plan
+from ..spec.plan import read_plan
 from ..spec.weights import initial_value
 from .store import Checkpoints, default_dir, plan_hash, read_tensors, step_dir
 
@@ -305,7 +305,7 @@ def main(argv, plan_path, prog: str = "export") -> int:
     p.add_argument("--merge-lora", action="store_true", help=MERGE_HELP)
     args = p.parse_args(argv)
     try:
-        plan = read_plan(plan_path)
+        plan = read_plan(plan_path).to_dict()  # as the exporters read it
         root = args.checkpoint_dir or default_dir(plan)
         step, out = export_checkpoint(
             plan, root, args.step, args.output, args.tokenizer, args.max_shard_size,

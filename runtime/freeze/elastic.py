@@ -48,7 +48,7 @@ import torch.distributed as dist
 from ..errors import PeerFailure, PipelineConfigError
 from ..job import liveness
 from ..job.ranks import all_gather
-from ..spec.topology import read_plan
+from ..spec.plan import read_plan
 from ..stage.package import import_package
 from ..train.replicas import Replicas
 
@@ -101,7 +101,7 @@ class Shrinks:
     def load(self, entry: Shrink) -> tuple[dict, dict]:
         """(its plan, its stage classes by stage number), imported from its folder."""
         where = self.folder / entry.name
-        plan = read_plan(where / "plan.json")
+        plan = read_plan(where / "plan.json").to_dict()  # as the run's modules read it
         return plan, import_package(where, "_ftpipe_elastic").STAGES
 
 

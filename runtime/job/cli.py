@@ -34,9 +34,9 @@ def _main(argv: list[str], stages: dict, plan_path, package: str) -> int:
     argv = use_weights(list(argv), prog=f"python -m {package}")
 
     def load_plan() -> dict:  # damaged or from another version: one sentence, not a traceback
-        from ..spec.topology import read_plan
+        from ..spec.plan import read_plan
 
-        return read_plan(plan_path)
+        return read_plan(plan_path).to_dict()
 
     if "--check" in argv:
         from .check import main as check_main

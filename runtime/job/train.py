@@ -47,7 +47,8 @@ from ..errors import PeerFailure, PipelineConfigError, WriteFailed
 from ..freeze.elastic import Carried, Shrinks, load_carried
 from ..freeze.mode import TrainingMode, segment_line, segment_row
 from ..schedules import Timeline, resolve_schedule
-from ..spec.topology import Topology, read_plan
+from ..spec.plan import Plan, read_plan
+from ..spec.topology import Topology
 from ..train.precision import for_run, plan_in
 from ..train.replicas import Shard
 from . import liveness
@@ -64,17 +65,19 @@ from .summary import finish, gather_trace, save_hf
 __all__ = ["run"]
 
 
-def run(plan: dict | str | os.PathLike, stages: dict, argv: list[str] | None = None) -> dict:
+def run(plan: Plan | dict | str | os.PathLike, stages: dict, argv: list[str] | None = None) -> dict:
     """Train this rank's stages; returns the run's summary (losses on rank 0).
 
-    `plan` is the plan dict or the path of plan.json; either is checked before anything runs.
+    `plan` is the plan, its JSON object or the path of plan.json; each is checked (the one
+    reader's checks, spec/plan.py) before anything runs.
     """
     rank = int(os.environ.get("RANK", 0))
     argv_plan = plan
     catch_sigterm()  # torchrun's stop: one line and 143, as Ctrl-C's 130
     try:
-        plan = read_plan(plan) if not isinstance(plan, dict) else plan
-        Topology(plan)  # before the arguments, whose defaults come from the plan
+        # Before the arguments, whose defaults come from the plan. The run's modules read
+        # its checked JSON object (typed reads there: issue 33).
+        plan = _checked(plan).to_dict()
     except PipelineConfigError as e:
         raise SystemExit(f"ftpipe: {e}") from None
     config = parse_args(argv, plan, package=_package_of(stages))
@@ -83,7 +86,7 @@ def run(plan: dict | str | os.PathLike, stages: dict, argv: list[str] | None = N
         # Freeze training on a package compiled with --freeze-training: segments, each on
         # its plan, the next one shorter (ftpipe_runtime.freeze.elastic).
         # --no-shrink: freeze, but stay on this plan (the shorter ones beside it unused).
-        plain = isinstance(argv_plan, dict) or config.no_shrink
+        plain = not isinstance(argv_plan, (str, os.PathLike)) or config.no_shrink
         shrinks = None if plain else Shrinks.beside(Path(argv_plan))
         mode = TrainingMode.of(config, shrinks)
         carried = None
@@ -94,6 +97,12 @@ def run(plan: dict | str | os.PathLike, stages: dict, argv: list[str] | None = N
     if (live := liveness.current()) is not None:
         live.close()
     return got
+
+
+def _checked(plan) -> Plan:
+    if isinstance(plan, Plan):
+        return plan
+    return Plan.from_dict(plan) if isinstance(plan, dict) else read_plan(plan)
 
 
 def _stop(e: BaseException, debug: bool):

@@ -51,7 +51,7 @@ def test_plan_json_is_what_the_stages_exchange(tmp_path):
     pkg, plan = _generate(tmp_path, "gpt2-tiny", k=4)
     mod = import_package(pkg)
     data = mod.load_plan()
-    again = Plan.from_json(data)  # same schema as any plan
+    again = Plan.from_dict(data)  # same schema as any plan
     assert [s.gpu for s in again.stages] == [s.gpu for s in plan.stages]
     sent = {t["tensor"]: t for t in data["transfers"]}
     for sd in data["stages"]:

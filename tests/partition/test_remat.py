@@ -74,7 +74,7 @@ def test_position_bias_is_recomputed_where_read_and_the_bytes_saved_are_counted(
     assert plan.remat_saved_bytes > 0
     assert _activation_bytes(sent) - _activation_bytes(plan) == plan.remat_saved_bytes
     assert "recomputed instead of sent" in describe(plan) and describe(sent) == ""
-    assert Plan.from_json(plan.to_json()) == plan  # copies and bytes saved round-trip
+    assert Plan.from_dict(plan.to_dict()) == plan  # copies and bytes saved round-trip
     # Recomputing costs its time in the reading stages.
     assert sum(s.fwd_s for s in plan.stages) > sum(s.fwd_s for s in sent.stages)
 

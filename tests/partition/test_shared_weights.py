@@ -114,8 +114,8 @@ def test_owner_edges_keep_the_numbering_topological(seed, schedule):
 
 
 def test_a_plan_with_copied_weights_is_refused(seed):
-    data = halves(make_graph(12, seed), {0: 0, 1: 1}).to_json()
+    data = halves(make_graph(12, seed), {0: 0, 1: 1}).to_dict()
     tied = next(p for p in data["params"] if p["name"] == "tied")
     tied["stages"] = [0, 1]  # what ftpipe wrote when every reader held a copy
     with pytest.raises(PlanFormatError, match="copies tied into several stages"):
-        Plan.from_json(data)
+        Plan.from_dict(data)

@@ -101,7 +101,7 @@ def test_workers_give_the_matrix_of_one_process(problem):
     strip = lambda c: {k: v for k, v in c.to_json().items() if k != "search_seconds"}  # noqa: E731
     assert [strip(c) for c in two] == [strip(c) for c in one]
     assert {c.status for c in one} >= {"ok", "not searched"}  # the search was not trivial
-    plan = lambda cell: {**cell.plan.to_json(), "search_seconds": 0}  # noqa: E731
+    plan = lambda cell: {**cell.plan.to_dict(), "search_seconds": 0}  # noqa: E731
     assert plan(parallel) == plan(serial) and parallel.sim == serial.sim
 
 

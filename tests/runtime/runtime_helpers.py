@@ -12,11 +12,18 @@ from pathlib import Path
 import ftpipe_runtime
 import pytest
 import torch
+from ftpipe_runtime.spec.plan import read_plan
 
 HERE = Path(__file__).parent
 TOY = HERE / "runtime_toy.py"
 # Where ftpipe_runtime was found (an install, or a folder on PYTHONPATH): children use it too.
 RUNTIME_HOME = str(Path(ftpipe_runtime.__path__[0]).parent)
+
+
+def plan_json(path) -> dict:
+    """A package's plan as the run's modules read it: checked by the one reader, its model's
+    folder found, as its JSON object."""
+    return read_plan(path).to_dict()
 
 
 class Ranks:

@@ -16,11 +16,13 @@ piece: the single-process reference.
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from ftpipe_runtime.spec.plan import PLAN_FORMAT, PLAN_KIND
 from torch import nn
 
 V, D, L, B = 16, 8, 6, 2  # vocabulary, width, sequence, micro-batch
@@ -170,7 +172,14 @@ def toy_plan(
     received = {s: [t[0] for t in transfers if s in t[2]] for s in range(4)}
     model_inputs = {0: ["input_ids", "attention_mask"], 1: [], 2: [], 3: ["labels"]}
     depth = {0: 3, 1: 2, 2: 1, 3: 0}
+    # Every field a plan has (the runtime reads plans through the compiler's one reader):
+    # the cost figures the toy runs without are 0.
     return {
+        "format": PLAN_FORMAT,
+        "kind": PLAN_KIND,
+        "partitioner": "toy",
+        "bandwidth": 1e9,
+        "memory_bytes": 2**34,
         "gpus": len(set(gpu.values())),
         "schedule": schedule,
         "micro_batches": micro_batches,
@@ -180,6 +189,12 @@ def toy_plan(
             {
                 "id": s,
                 "gpu": gpu[s],
+                "nodes": [f"s{s}"],
+                "fwd_s": 0.0,
+                "bwd_s": 0.0,
+                "recompute_s": 0.0,
+                "input_bytes": 0,
+                "act_bytes": 0,
                 "depth": depth[s],
                 "inputs": received[s],
                 "outputs": [o for o in inputs[s] if o != "loss"],
@@ -206,6 +221,8 @@ def toy_plan(
                 "name": n,
                 "shape": list(shape),
                 "dtype": dtype,
+                "bytes": size * math.prod(shape),
+                "static_bytes": 4 * size * math.prod(shape),
                 "trainable": True,
                 "aliases": [],
                 "stages": [s for s in range(4) if n in STAGE_PARAMS[s]],  # its one owner

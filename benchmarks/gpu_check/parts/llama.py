@@ -41,7 +41,7 @@ def simulated_one_gpu(plan: dict):
     from ftpipe_compiler.plan import Plan
     from ftpipe_compiler.simulate import simulate
 
-    return simulate(Plan.from_json(plan), "1f1b", int(plan["micro_batches"]), steps=10)
+    return simulate(Plan.from_dict(plan), "1f1b", int(plan["micro_batches"]), steps=10)
 
 
 def attention_seen(events) -> dict:

@@ -239,3 +239,19 @@ def test_a_new_run_refuses_another_runs_folder_unless_told_to_replace_it(tmp_pat
         _run(["--steps", "2", "--resume", "--overwrite-checkpoints"], tmp_path)
     assert both.value.code == 2
     assert "--overwrite-checkpoints: not allowed with argument --resume" in capsys.readouterr().err
+
+
+def test_the_plan_hash_ignores_where_the_optimizer_state_lives():
+    """A plan read with the stage fields `offload` and `shard_optimizer` filled in (the typed
+    reader's defaults) is the run it was without them: its checkpoints still resume."""
+    from ftpipe_runtime.checkpoint.files import plan_hash
+
+    bare = {"gpus": 2, "loss_stage": 1, "transfers": [], "params": [], "model": {"inputs": []},
+            "stages": [{"id": 0, "gpu": 0}, {"id": 1, "gpu": 1}]}  # fmt: skip
+    filled = {**bare, "stages": [
+        {**s, "offload": {"optimizer": i == 1, "activations": False}, "shard_optimizer": False}
+        for i, s in enumerate(bare["stages"])
+    ]}  # fmt: skip
+    assert plan_hash(filled) == plan_hash(bare)
+    moved = {**bare, "stages": [{"id": 0, "gpu": 1}, {"id": 1, "gpu": 0}]}
+    assert plan_hash(moved) != plan_hash(bare)

@@ -22,9 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 from ftpipe_runtime.data.batches import IGNORE, TextOptions, make_data
-from ftpipe_runtime.spec.topology import read_plan
 from ftpipe_runtime.stage.api import run_in_one_process
-from runtime_helpers import RUNTIME_HOME
+from runtime_helpers import RUNTIME_HOME, plan_json
 from runtime_reference import train_plain
 from text_helpers import sentences, write_jsonl
 
@@ -56,7 +55,7 @@ def packed(tmp_path_factory):
     write_jsonl(root / "train.jsonl", [{"text": t} for t in sentences(40, seed=0)])
     pkg = root / "out" / "llama_pipeline"
     net = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
-    return root, pkg, read_plan(pkg / "plan.json"), net
+    return root, pkg, plan_json(pkg / "plan.json"), net
 
 
 def _stages(pkg: Path) -> dict:

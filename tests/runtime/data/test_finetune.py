@@ -30,8 +30,7 @@ import pytest
 import torch
 from ftpipe_runtime.checkpoint.store import read_tensors, step_dir
 from ftpipe_runtime.data.batches import TextOptions, make_data
-from ftpipe_runtime.spec.topology import read_plan
-from runtime_helpers import RUNTIME_HOME
+from runtime_helpers import RUNTIME_HOME, plan_json
 from runtime_reference import linear_lr, step_shares
 from text_helpers import eval_loss, pairs, tiny_models, write_jsonl
 
@@ -137,7 +136,7 @@ def _torchrun(cwd: Path, pkgs: dict, argvs: list) -> subprocess.CompletedProcess
 
 
 def _plan(pkg: Path) -> dict:
-    return read_plan(pkg / "plan.json")  # its model path resolved (relative to the package)
+    return plan_json(pkg / "plan.json")  # its model path resolved (relative to the package)
 
 
 @pytest.mark.parametrize("name", ["llama", "t5"])

@@ -55,7 +55,7 @@ def test_a_plan_with_copied_weights_is_refused():
     plan = toy_plan("two-ranks")
     emb = next(p for p in plan["params"] if p["name"] == "emb.weight")
     emb["stages"] = [0, 3]  # what ftpipe wrote before weights travelled between stages
-    with pytest.raises(PipelineConfigError, match="copy of emb.weight in several stages"):
+    with pytest.raises(PipelineConfigError, match="copies emb.weight into several stages"):
         Topology(plan)
 
 

@@ -19,7 +19,7 @@ from runtime_reference import checkpoint_params
 
 transformers = pytest.importorskip("transformers")
 from ftpipe_runtime.freeze.layers import bound_schedule, layer_units  # noqa: E402
-from ftpipe_runtime.spec.topology import read_plan  # noqa: E402
+from runtime_helpers import plan_json  # noqa: E402
 from test_freeze_training import CLIP, LR, STEPS, _train_frozen, write_bert  # noqa: E402
 
 from ftpipe_compiler.cli import cli  # noqa: E402
@@ -42,7 +42,7 @@ def package(tmp_path_factory) -> Path:
 
 def test_compile_writes_the_shorter_pipelines(package):
     index = json.loads((package / "elastic" / "index.json").read_text())["plans"]
-    main = read_plan(package / "plan.json")
+    main = plan_json(package / "plan.json")
     # one halving per decision of alpha = 1/2 at its fastest: 2, then 3 of 4 layers
     assert [(e["gpus"], e["replicas"], e["micro_batches"], e["frozen_layers"]) for e in index] == [
         (2, 2, 2, bound_schedule(4, 0.5, 1)[-1]),
@@ -50,7 +50,7 @@ def test_compile_writes_the_shorter_pipelines(package):
     ]
     units = layer_units([p["name"] for p in main["params"]])
     for e in index:
-        plan = read_plan(package / "elastic" / e["name"] / "plan.json")
+        plan = plan_json(package / "elastic" / e["name"] / "plan.json")
         assert (plan["gpus"], plan["replicas"], plan["schedule"]) == (e["gpus"], e["replicas"],
                                                                       "gpipe")  # fmt: skip
         assert (package / "elastic" / e["name"] / "stages.py").is_file()
@@ -83,7 +83,7 @@ def test_bad_alpha_is_refused(tmp_path):
 
 
 def test_switch_to_the_shorter_pipeline_equals_one_process(run_pipeline, package, tmp_path):
-    plan = read_plan(package / "plan.json")
+    plan = plan_json(package / "plan.json")
     ckpt, log = tmp_path / "ckpt", tmp_path / "run.json"
     argv = ["--steps", str(STEPS), "--optimizer", "sgd", "--lr", str(LR), "--clip", str(CLIP),
             "--schedule", "gpipe", "--device", "cpu", "--freeze-at", "2:2",
@@ -105,7 +105,7 @@ def test_switch_to_the_shorter_pipeline_equals_one_process(run_pipeline, package
 
     losses, params, _, _ = _train_frozen(plan, "sgd", freeze_after=2, layers=2)
     assert got["losses"] == pytest.approx(losses, rel=1e-5)
-    shrunk = read_plan(package / "elastic" / "d2x2" / "plan.json")
+    shrunk = plan_json(package / "elastic" / "d2x2" / "plan.json")
     at_end = checkpoint_params(ckpt / "d2x2", STEPS, range(len(shrunk["stages"])))
     assert set(at_end) >= set(params[-1])
     for name, value in params[-1].items():
@@ -120,7 +120,7 @@ def test_switch_to_the_shorter_pipeline_equals_one_process(run_pipeline, package
 
 def test_no_shrink_freezes_on_the_same_plan(run_pipeline, package, tmp_path):
     """--no-shrink: the same freeze, the shorter plans in elastic/ left unused."""
-    plan = read_plan(package / "plan.json")
+    plan = plan_json(package / "plan.json")
     log = tmp_path / "run.json"
     argv = ["--steps", str(STEPS), "--optimizer", "sgd", "--lr", str(LR), "--clip", str(CLIP),
             "--schedule", "gpipe", "--device", "cpu", "--freeze-at", "2:2", "--no-shrink",
@@ -150,8 +150,8 @@ def test_the_switch_moves_only_each_ranks_new_stages_point_to_point(
     of its stages in the shorter plan that it did not hold (the hand-over used to gather
     the whole model and state on every rank), and training goes on as in one process (the
     state arrived with its step: a fresh AdamW would step otherwise)."""
-    plan = read_plan(package / "plan.json")
-    shrunk = read_plan(package / "elastic" / "d2x2" / "plan.json")
+    plan = plan_json(package / "plan.json")
+    shrunk = plan_json(package / "elastic" / "d2x2" / "plan.json")
     log = tmp_path / "run.json"
     argv = ["--steps", str(STEPS), "--optimizer", "adamw", "--lr", str(LR), "--clip", str(CLIP),
             "--schedule", "gpipe", "--device", "cpu", "--freeze-at", "2:2",

@@ -26,7 +26,7 @@ from ftpipe_runtime.freeze.layers import layer_units, next_frozen  # noqa: E402
 from ftpipe_runtime.models import with_dropout  # noqa: E402
 from ftpipe_runtime.models.hf import build_model  # noqa: E402
 from ftpipe_runtime.models.hf import loss_of as hf_loss  # noqa: E402
-from ftpipe_runtime.spec.topology import read_plan  # noqa: E402
+from runtime_helpers import plan_json  # noqa: E402
 
 from ftpipe_compiler.cli import cli  # noqa: E402
 
@@ -108,7 +108,7 @@ def _train_frozen(plan: dict, optimizer: str, freeze_after: int, layers: int | N
 
 
 def _run(run_pipeline, package, tmp_path, name, optimizer, extra):
-    plan = read_plan(package / "plan.json")
+    plan = plan_json(package / "plan.json")
     ckpt, log = tmp_path / f"{name}-ckpt", tmp_path / f"{name}.json"
     argv = ["--steps", str(STEPS), "--optimizer", optimizer, "--lr", str(LR), "--clip", str(CLIP),
             "--schedule", "gpipe", "--device", "cpu", "--save-every", "2",

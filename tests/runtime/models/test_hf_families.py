@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 transformers = pytest.importorskip("transformers")
 from ftpipe_runtime.models import with_dropout  # noqa: E402
 from ftpipe_runtime.models.hf import build_model  # noqa: E402
-from ftpipe_runtime.spec.topology import read_plan  # noqa: E402
+from runtime_helpers import plan_json  # noqa: E402
 
 from ftpipe_compiler.cli import cli  # noqa: E402
 
@@ -192,7 +192,7 @@ def trained(packages) -> dict[tuple[str, str], dict]:
 
 def _train_in_one_process(pkg: Path) -> list[float]:
     """The HuggingFace model with the folder's weights, trained as the runtime does."""
-    plan = read_plan(pkg / "plan.json")  # its model path resolved (relative to the package)
+    plan = plan_json(pkg / "plan.json")  # its model path resolved (relative to the package)
     model = plan["model"]
     net = build_model(model["config"], model["hf_class"], "cpu", dropout=0.0)
     net.load_state_dict(load_file(str(Path(model["path"]) / "model.safetensors")), strict=False)

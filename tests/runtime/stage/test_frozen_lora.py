@@ -35,8 +35,8 @@ from click.testing import CliRunner  # noqa: E402
 from demo_text import write_model  # noqa: E402
 from ftpipe_runtime.data.batches import TextOptions  # noqa: E402
 from ftpipe_runtime.models.lora import wrap  # noqa: E402
-from ftpipe_runtime.spec.topology import read_plan  # noqa: E402
 from ftpipe_runtime.spec.weights import initial_value  # noqa: E402
+from runtime_helpers import plan_json  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from ftpipe_compiler.cli import cli  # noqa: E402
@@ -111,7 +111,7 @@ def runs(tmp_path_factory):
 
 
 def _plan(pkg: Path) -> dict:
-    return read_plan(pkg / "plan.json")  # its model path resolved (relative to the package)
+    return plan_json(pkg / "plan.json")  # its model path resolved (relative to the package)
 
 
 def _adapters_as_the_stages_start(net, plan: dict) -> None:
