@@ -36,14 +36,14 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     ]
     results = [run_case(c, base, tmp_path / f"case-{i}") for i, c in enumerate(cases)]
     ok, traceback, code, _ = results
-    assert ok.ok and ok.codes == [1] and ok.message.startswith("Error: plan file nope.json")
+    assert ok.ok and ok.codes == [1] and ok.message.startswith("Error: the plan file nope.json")
     assert "ftpipe: a traceback" in traceback.problems
     assert "ftpipe exit 2, expected 1" in code.problems
     assert results[3].ok and results[3].intact
     text = markdown(results, wall=60.0, base_intact=True)
     assert "4 cases (4 new, 0 from issue 32's list)" in text
     assert "2 passed, 2 failed, 0 skipped. Raw tracebacks: 1;" in text
-    assert "| 1 | a clear refusal |  | `ftpipe simulate nope.json` | 1 | Error: plan file" in text
+    assert "| 1 | a clear refusal |  | `ftpipe simulate nope.json` | 1 | Error: the plan file" in text
 
 
 def test_a_file_the_command_changes_is_caught(tmp_path):
