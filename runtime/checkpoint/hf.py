@@ -23,6 +23,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,9 @@ from ..job import liveness
 from ..spec.plan import read_plan
 from ..spec.weights import initial_value
 from .store import Checkpoints, default_dir, plan_hash, read_tensors, step_dir
+
+if TYPE_CHECKING:
+    from ..job.config import ExportConfig
 
 __all__ = ["check_replaceable", "export_checkpoint", "gather_tensors", "main", "write_hf_folder"]
 
@@ -287,29 +291,15 @@ def shard_size(text: str) -> int:
     return int(found[1]) * 1000 ** "BKMGT".index(unit[0])
 
 
-def main(argv, plan_path, prog: str = "export") -> int:
-    """`python -m <package> export`: one sentence and exit status 1 on bad input."""
-    p = argparse.ArgumentParser(
-        prog=prog, description="Write a checkpoint as a HuggingFace folder."
-    )
-    p.add_argument("--checkpoint-dir", default=None, help="default: where training saves them")
-    p.add_argument("--step", type=int, default=None, help="default: the newest complete one")
-    p.add_argument("-o", "--output", required=True, help="the folder to write")
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    p.add_argument(
-        "--chat-template", default=None, help="a Jinja chat template file to write beside it"
-    )
-    p.add_argument(
-        "--max-shard-size", type=shard_size, default=MAX_SHARD, help=f"default {MAX_SHARD}"
-    )
-    p.add_argument("--merge-lora", action="store_true", help=MERGE_HELP)
-    args = p.parse_args(argv)
+def main(config: ExportConfig, plan_path) -> int:
+    """`python -m <package> export` (its options: `job.config.ExportConfig`): one sentence and
+    exit status 1 on bad input."""
     try:
         plan = read_plan(plan_path).to_dict()  # as the exporters read it
-        root = args.checkpoint_dir or default_dir(plan)
+        root = config.checkpoint_dir or default_dir(plan)
         step, out = export_checkpoint(
-            plan, root, args.step, args.output, args.tokenizer, args.max_shard_size,
-            merge_lora=args.merge_lora, chat_template=args.chat_template,
+            plan, root, config.step, config.output, config.tokenizer, config.max_shard_size,
+            merge_lora=config.merge_lora, chat_template=config.chat_template,
         )  # fmt: skip
     except (PipelineConfigError, WriteFailed) as e:
         print(f"ftpipe: {e}", file=sys.stderr)

@@ -57,15 +57,17 @@ def offloaded_stages(topo, stages: Iterable[int], everything: bool) -> set[int]:
     return stages if everything else stages & topo.offload_activations
 
 
-def of_run(run, forward_only: Iterable[int] = ()) -> ActivationOffload:
-    """A run's offload: the stages of its rank the flag or the plan name (a forward-only,
-    frozen stage keeps nothing: none of its), on its device."""
-    config, topo = run.config, run.topo
-    stages = offloaded_stages(run.topo, run.modules, config.offload_activations)
+def of_run(
+    config, topo, *, stages: Iterable[int], device, forward_only: Iterable[int] = ()
+) -> ActivationOffload:
+    """A run's offload (`config`: the run's `RunConfig`): the stages of its rank (`stages`)
+    the flag or the plan name (a forward-only, frozen stage keeps nothing: none of its), on
+    its device."""
+    offloaded = offloaded_stages(topo, stages, config.offload_activations)
     weights = {t for t, info in topo.transfers.items() if info.weight}
     return ActivationOffload(
-        run.place.device,
-        stages - set(forward_only),
+        device,
+        offloaded - set(forward_only),
         min_bytes=int(config.offload_activations_min * 2**20),
         keep=weights,
     )

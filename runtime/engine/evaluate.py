@@ -176,16 +176,19 @@ def loss_messages(
             yield key
 
 
-def listen_for_losses(run):
+def listen_for_losses(
+    topo, flow, comm, *, micro_batches: int, reps, executor, on_loss, on_eval, evals, steps: int
+):
     """Rank 0's thread receiving the losses (and evaluation results) of the loss stage's
-    ranks, or None when rank 0 holds the only loss stage. `run`: the run's state
-    (`run._Run`: topo, flow, comm, executor, progress, on_eval, sources, place, m, config)."""
-    topo, flow, comm, m = run.topo, run.flow, run.comm, run.m
-    reps, loss_rank = run.place.reps, topo.rank_of[topo.loss_stage]
+    ranks, or None when rank 0 holds the only loss stage. `on_loss(step, message)` and
+    `on_eval(step, message)` take them (the progress's, `reporter`'s); with replicas,
+    `executor.on_loss` gathers rank 0's own with the others'. `evals`: the evaluation data
+    (None: none), `steps`: the run's."""
+    m, loss_rank = micro_batches, topo.rank_of[topo.loss_stage]
     if reps.count > 1:  # every replica's losses, one step's together
         heads = [reps.rank(r, loss_rank) for r in range(reps.count)]
-        gather = LossGather(heads, run.progress.loss)
-        run.executor.on_loss = lambda k, msg: gather.add(k, 0, msg)
+        gather = LossGather(heads, on_loss)
+        executor.on_loss = lambda k, msg: gather.add(k, 0, msg)
         messages = (  # made as the listener needs them, from the loss rank's actions
             (src, k, m + 1, lambda msg, k=k, src=src: gather.add(k, src, msg))
             for _, k in loss_messages(flow.listed(loss_rank), topo.loss_stage, m, 1)
@@ -195,9 +198,7 @@ def listen_for_losses(run):
         return comm.listen_losses(messages)
     if loss_rank == 0:
         return None
-    evals = run.sources.eval
     n = evals.micro_batches if evals is not None else 1
-    steps, on_loss, on_eval = run.config.steps, run.progress.loss, run.on_eval
     messages = (  # made as the listener needs them, from the loss rank's actions
         (loss_rank, k, m + 1, lambda msg, k=k: on_loss(k, msg))
         if kind == "loss"

@@ -6,7 +6,7 @@ plan (`Param.frozen`) and the stages (`frozen.py`).
     mode = TrainingMode.of(config, Shrinks.beside(plan_path))
     end = mode.segment_end(first, steps, gpus)      # where this plan's segment ends
     freezer = mode.freezer(plan, modules, ...)       # None without freeze training
-    carried = mode.switch(...)                       # at a segment's end: the next plan
+    carried = mode.switch(settled, prepared, ...)    # at a segment's end: the next plan
 
 A run with freeze training is cut into segments at its freeze decisions while a shorter
 pipeline is left; each segment's row (steps, shape, speed) goes into the summary.
@@ -15,10 +15,14 @@ pipeline is left; each segment's row (steps, shape, speed) goes into the summary
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..errors import PipelineConfigError
 from .elastic import Carried, Shrinks, hand_over, segment_end
 from .layers import FreezeTraining
+
+if TYPE_CHECKING:
+    from ..job.context import Prepared, Settled
 
 __all__ = ["TrainingMode", "segment_line"]
 
@@ -88,34 +92,39 @@ class TrainingMode:
         except ValueError as e:
             raise PipelineConfigError(str(e)) from None
 
-    def switch(self, run, end: int, segments: list) -> Carried:
-        """At a segment's end: hand everything over to the next plan (or the same one, when
-        the decision did not freeze enough for a shorter pipeline). `run`: the ending
-        segment's state (`run._Run`)."""
-        place, carried, freezer = run.place, run.carried, run.freezer
-        m, reps = run.m, place.reps
+    def switch(
+        self, settled: Settled, prepared: Prepared, *, freezer: FreezeTraining, first: int,
+        losses: dict, note, end: int, segments: list,
+    ) -> Carried:  # fmt: skip
+        """At a segment's end (step `end`; it started at `first`): hand everything over to the
+        next plan (or the same one, when the decision did not freeze enough for a shorter
+        pipeline), with the losses so far; `note` tells rank 0's log of a switch."""
+        place, carried, m = settled.place, settled.carried, settled.micro_batches
+        reps = place.reps
         nxt = self.shrinks.after(freezer.frozen, reps.gpus, reps.count, m)
         if nxt is None:
             name, new_plan, stages, new_m = (
                 carried.name if carried else "",
-                run.plan,
-                run.stage_classes,
+                settled.plan,
+                settled.stage_classes,
                 m,
             )
         else:
             new_plan, stages = self.shrinks.load(nxt)
             name, new_m = nxt.name, m * reps.count // nxt.replicas
-            run.note(
+            note(
                 f"step {end}: {freezer.frozen} layers frozen: switching to {nxt.replicas} "
                 f"replicas x {nxt.gpus} GPUs ({nxt.name})"
             )
         # Only what each rank's stages in the next plan need, point to point.
-        tensors, opt, received = hand_over(run.modules, run.optimizers, run.mixed, new_plan, place)
+        tensors, opt, received = hand_over(
+            prepared.modules, prepared.optimizers, prepared.mixed, new_plan, place
+        )
         segments[-1]["handed_over_bytes"] = received  # per rank: what it received at the switch
         return Carried(
-            first=end, start=carried.start if carried else run.first, name=name, plan=new_plan,
+            first=end, start=carried.start if carried else first, name=name, plan=new_plan,
             stages=stages, micro_batches=new_m, frozen=freezer.frozen, tensors=tensors,
-            optimizer=opt, losses=dict(run.progress.losses), runlog=run.runlog, segments=segments,
+            optimizer=opt, losses=dict(losses), runlog=prepared.runlog, segments=segments,
         )  # fmt: skip
 
 

@@ -13,7 +13,6 @@ parameter lives in one stage (a weight other stages read gets their gradients ba
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import sys
@@ -24,6 +23,7 @@ import torch
 from ..errors import PipelineConfigError
 from ..models import synthetic_batch
 from ..stage.api import run_in_one_process, weight_files, weights_folder
+from .config import CheckConfig
 
 __all__ = ["CheckResult", "check", "main", "synthetic_inputs"]
 
@@ -182,19 +182,15 @@ def compare_gradients(stages: dict, net):
 
 
 def main(argv, stage_classes: dict, load_plan, prog: str = "--check") -> int:
-    """The `--check` command line; `load_plan()` returns the package's plan."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--seed", type=int, default=0, help="of the synthetic inputs and weights (default 0)"
-    )
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    args = parser.parse_args(argv)
+    """The `--check` command line (its options: `config.CheckConfig`); `load_plan()` returns
+    the package's plan."""
+    config = CheckConfig.parse(argv, prog=prog)
     try:  # a damaged plan.json (`topology.read_plan`'s sentence), weights that do not fit...
-        result = check(stage_classes, load_plan(), args.seed)
+        result = check(stage_classes, load_plan(), config.seed)
     except PipelineConfigError as e:
         print(f"ftpipe: {e}", file=sys.stderr)
         return 1
-    if args.json:
+    if config.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
         print(

@@ -45,8 +45,11 @@ def _main(argv: list[str], stages: dict, plan_path, package: str) -> int:
         return check_main(rest, stages, load_plan, prog=f"{package} --check")
     if argv[:1] == ["export"]:
         from ..checkpoint.hf import main as export_main
+        from .config import ExportConfig
 
-        return export_main(argv[1:], plan_path, prog=f"python -m {package} export")
+        return export_main(
+            ExportConfig.parse(argv[1:], prog=f"python -m {package} export"), plan_path
+        )
     from .train import run
 
     # The runtime constructs only the stages of its own rank: construction materialises them.

@@ -1,21 +1,36 @@
-"""The run's settings: a package's command line, parsed once into a typed, frozen record.
+"""A package's command lines, each parsed once into a typed, frozen record.
 
     config = RunConfig.parse(["--steps", "20", "--schedule", "gpipe"], plan)
     config.steps, config.lr, config.hyper, config.lr_at(k)
+    ExportConfig.parse(["-o", "out"]).output          # `python -m <package> export`
+    CheckConfig.parse(["--json"]).json                 # `python -m <package> --check`
 
-`options.parser` says what each option means and checks it (a usage error, exit 2); this
-record is what the rest of the runtime reads, nothing else: no `argparse.Namespace` travels
-further. The one value settled later, `steps` (from `--epochs` once the data is counted), is
-set by `with_steps`, which makes a new record.
+`options.parser` says what each training option means and checks it (a usage error, exit 2);
+the export's and --check's few options are declared here. These records are what the rest of
+the runtime reads, nothing else: no `argparse.Namespace` travels further. The one value
+settled later, `steps` (from `--epochs` once the data is counted), is set by `with_steps`,
+which makes a new record.
 """
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import asdict, dataclass, fields, replace
 
+from ..checkpoint.hf import MAX_SHARD, MERGE_HELP, shard_size
 from ..train.optim import Hyper, lr_at
 
-__all__ = ["RunConfig"]
+__all__ = ["CheckConfig", "ExportConfig", "RunConfig"]
+
+
+def _record(cls, namespace: argparse.Namespace, **converted):
+    """`cls` from a parser's namespace (`converted`: values given another form); an option
+    without a field is a bug, said now."""
+    given = vars(namespace)
+    unknown = sorted(set(given) - {f.name for f in fields(cls)})
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field for the options {unknown}")
+    return cls(**{**given, **converted})
 
 
 @dataclass(frozen=True)
@@ -101,13 +116,8 @@ class RunConfig:
     @classmethod
     def of(cls, namespace) -> RunConfig:
         """From the parser's namespace; an option without a field here is a bug, said now."""
-        given = vars(namespace)
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(given) - names)
-        if unknown:
-            raise TypeError(f"RunConfig has no field for the options {unknown}")
-        given = {**given, "freeze_at": tuple(tuple(d) for d in given.get("freeze_at") or ())}
-        return cls(**given)
+        freeze_at = tuple(tuple(d) for d in getattr(namespace, "freeze_at", None) or ())
+        return _record(cls, namespace, freeze_at=freeze_at)
 
     def with_steps(self, steps: int) -> RunConfig:
         return replace(self, steps=steps)
@@ -130,3 +140,56 @@ class RunConfig:
     def loudness(self) -> int:
         """-v's count less -q: the logging level's offset."""
         return self.verbose - int(self.quiet)
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """`python -m <package> export`: a checkpoint written as a HuggingFace folder
+    (`checkpoint.hf.export_checkpoint`)."""
+
+    output: str  # -o: the folder to write
+    checkpoint_dir: str | None = None  # None: where training saves them
+    step: int | None = None  # None: the newest complete one
+    tokenizer: str | None = None  # None: the model's
+    chat_template: str | None = None
+    max_shard_size: int = shard_size(MAX_SHARD)  # bytes
+    merge_lora: bool = False
+
+    @classmethod
+    def parse(cls, argv, prog: str = "export") -> ExportConfig:
+        """The export's command line `argv`; usage errors exit 2."""
+        p = argparse.ArgumentParser(
+            prog=prog, description="Write a checkpoint as a HuggingFace folder."
+        )
+        p.add_argument("--checkpoint-dir", default=None, help="default: where training saves them")
+        p.add_argument("--step", type=int, default=None, help="default: the newest complete one")
+        p.add_argument("-o", "--output", required=True, help="the folder to write")
+        p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+        p.add_argument(
+            "--chat-template", default=None, help="a Jinja chat template file to write beside it"
+        )
+        p.add_argument(
+            "--max-shard-size", type=shard_size, default=MAX_SHARD, help=f"default {MAX_SHARD}"
+        )
+        p.add_argument("--merge-lora", action="store_true", help=MERGE_HELP)
+        return _record(cls, p.parse_args(list(argv)))
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    """`python -m <package> --check`: the stages against the original model (`check`)."""
+
+    seed: int = 0  # of the synthetic inputs and weights
+    json: bool = False  # print the result as JSON
+
+    @classmethod
+    def parse(cls, argv, prog: str = "--check") -> CheckConfig:
+        """The --check command line `argv`; usage errors exit 2."""
+        from . import check  # its docstring's first line describes it (check imports this)
+
+        p = argparse.ArgumentParser(prog=prog, description=check.__doc__.split("\n")[0])
+        p.add_argument(
+            "--seed", type=int, default=0, help="of the synthetic inputs and weights (default 0)"
+        )
+        p.add_argument("--json", action="store_true", help="print the result as JSON")
+        return _record(cls, p.parse_args(list(argv)))

@@ -1,7 +1,7 @@
 """This rank's own set-up before the ranks meet: what it will write is checked writable,
 its stages are built (with --init weights), their precision and optimizers made.
 
-    modules, optimizers, mixed, exporter, runlog = prepare_rank(run, rank, gpu)
+    prepared = prepare_rank(settled)     # a `context.Prepared`
 
 A failure here is told to the other ranks at the meeting (`ranks.agree_to_start`), so the
 whole run stops naming this rank. Also: whether a resumed run's learning rates change
@@ -24,6 +24,7 @@ from ..train.optim import make_optimizer
 from ..train.precision import MixedPrecision
 from ..train.zero import SHARDABLE, ShardedOptimizer
 from .config import RunConfig
+from .context import Prepared, Settled
 from .device import use_tf32
 from .report import memory_meter
 from .runlog import RunLog
@@ -31,11 +32,12 @@ from .runlog import RunLog
 __all__ = ["lr_changes", "prepare_rank", "sharded_stages"]
 
 
-def prepare_rank(run, rank: int, gpu: int):
+def prepare_rank(settled: Settled) -> Prepared:
     """This rank's checks and set-up: its --log-json and --trace, its checkpoint folder, its
-    export and log, its stages and --init weights, their precision and optimizers. `run`:
-    the run's settled state (`run._Run`: plan, config, topo, ckpt, place, precision, say)."""
-    plan, config, ckpt, carried, say = run.plan, run.config, run.ckpt, run.carried, run.say
+    export and log, its stages and --init weights, their precision and optimizers."""
+    config, ckpt, say, precision = settled.config, settled.ckpt, settled.say, settled.precision
+    plan, carried, place, topo = settled.plan, settled.carried, settled.place, settled.topo
+    rank, gpu = place.rank, place.gpu
     if config.log_json and rank == 0:
         check_writable_file(config.log_json, "--log-json")
     if config.trace and rank == 0:
@@ -53,15 +55,17 @@ def prepare_rank(run, rank: int, gpu: int):
             wandb=config.wandb, config=config.to_dict(),
         )  # fmt: skip
     runlog = carried.runlog if carried else runlog
-    memory_meter(str(run.place.device))  # started before any stage exists: what they add counts
-    use_tf32(run.place.device, config.tf32)
-    modules = build_stages(run.topo, run.stage_classes, gpu, run.place.device, run.precision.dtype)
+    memory_meter(str(place.device))  # started before any stage exists: what they add counts
+    use_tf32(place.device, config.tf32)
+    modules = build_stages(topo, settled.stage_classes, gpu, place.device, precision.dtype)
     if config.init:
         load_init(modules, config.init, plan)
-    planned = run.topo.offload_optimizer & set(modules)  # the plan's per-stage choice
-    offload = _offload(config, run.place, planned)
+    planned = topo.offload_optimizer & set(modules)  # the plan's per-stage choice
+    offload = _offload(config, place, planned)
     offloaded = None if config.offload_optimizer else planned  # the flag: every stage
-    sharded = _sharded(run)
+    sharded = _sharded(
+        plan, config, replicas=place.reps.count, shrinking=settled.mode.shrinks is not None, say=say
+    )
     if sharded & planned:
         raise PipelineConfigError(
             f"the plan offloads stage {min(sharded & planned)}'s optimizer state to the host and "
@@ -70,15 +74,15 @@ def prepare_rank(run, rank: int, gpu: int):
         )
     # after --init: the masters copy the weights
     mixed = MixedPrecision(
-        run.precision, modules, offload=offload, offloaded=offloaded, sharded=sharded
+        precision, modules, offload=offload, offloaded=offloaded, sharded=sharded
     )
     mixed.say = say
-    if run.topo.offload_optimizer and not config.offload_optimizer:  # said once (rank 0's say)
-        stages = ", ".join(map(str, sorted(run.topo.offload_optimizer)))
+    if topo.offload_optimizer and not config.offload_optimizer:  # said once (rank 0's say)
+        stages = ", ".join(map(str, sorted(topo.offload_optimizer)))
         say(f"ftpipe: the plan keeps the master weights and optimizer state of stages {stages} "
             "in host memory and steps them on the CPU")  # fmt: skip
     hyper = config.hyper
-    reps = run.place.reps
+    reps = place.reps
     mixed.sharded_over = reps.count if sharded else 1
     index = sorted(reps.stage_group(gpu)).index(rank)  # this rank's shards (`zero`)
     optimizers = {}
@@ -91,7 +95,7 @@ def prepare_rank(run, rank: int, gpu: int):
             else make_optimizer(config.optimizer, trainable, config.lr, hyper)
         )  # fmt: skip
     torch.manual_seed(config.seed * 7919 + rank)  # the rank's own generator, repeats per run
-    return modules, optimizers, mixed, exporter, runlog
+    return Prepared(modules, optimizers, mixed, exporter, runlog)
 
 
 def _offload(config, place, planned=frozenset()) -> HostOffload | None:
@@ -133,17 +137,17 @@ def sharded_stages(plan: dict, choice: bool | None) -> set[int]:
     return {int(st["id"]) for st in plan["stages"] if st.get("shard_optimizer")}
 
 
-def _sharded(run) -> set[int]:
+def _sharded(plan: dict, config: RunConfig, *, replicas: int, shrinking: bool, say) -> set[int]:
     """This rank's stages whose optimizer state is sharded, or one sentence saying why it
     cannot be; the same on every rank (the plan's and the options' alone). None with one
-    replica, where there is nothing to shard across."""
-    config, reps = run.config, run.place.reps
-    chosen = sharded_stages(run.plan, config.shard_optimizer)
+    replica, where there is nothing to shard across. `shrinking`: freeze training may switch
+    to a shorter plan."""
+    chosen = sharded_stages(plan, config.shard_optimizer)
     if not chosen:
         return set()
-    if reps.count == 1:
+    if replicas == 1:
         if config.shard_optimizer:
-            run.say(
+            say(
                 "ftpipe: note: --shard-optimizer shards across data-parallel replicas and this "
                 "package has one, so nothing is sharded (compile it with --replicas 2 or more)"
             )
@@ -160,7 +164,7 @@ def _sharded(run) -> set[int]:
             "(its state is per matrix, not per element), so its state cannot be sharded; "
             f"pick {', '.join(SHARDABLE)}, or add --no-shard-optimizer"
         )
-    if run.mode.shrinks is not None:
+    if shrinking:
         # The switch to a shorter plan moves whole tensors between ranks.
         raise PipelineConfigError(
             "sharded optimizer state does not hand over to a shorter pipeline yet; add "

@@ -185,10 +185,11 @@ def _quiet_board_threads() -> None:
     if getattr(previous, "ftpipe_quiet_board", False):
         return
 
-    def hook(args):
-        if type(args.thread).__module__.startswith("tensorboard.") and args.exc_type is OSError:
+    def hook(failure):  # threading.ExceptHookArgs
+        board = type(failure.thread).__module__.startswith("tensorboard.")
+        if board and failure.exc_type is OSError:
             return
-        previous(args)
+        previous(failure)
 
     hook.ftpipe_quiet_board = True
     threading.excepthook = hook

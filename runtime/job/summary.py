@@ -1,7 +1,7 @@
 """The end of a run on this rank: every rank's actions (--trace), the HuggingFace folder
 (--save-hf), and the run's summary (returned by `ftpipe_runtime.run`, written by --log-json).
 
-    summary = finish(run, start, wall, segments)   # collective: every rank calls it
+    summary = finish(settled, prepared, built, first=k, wall=s, segments=rows)  # every rank
 
 The summary holds rank 0's losses and evaluations, every rank's peak memory, optimizer
 state and master bytes (as allocated: 1/d each with sharded state) and skipped (fp16) steps, and the first replica's parameter checksums with how far the other replicas'
@@ -11,6 +11,7 @@ weights are from them (0.0: identical, as data parallelism promises).
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -20,58 +21,66 @@ from ..train.optim import state_bytes
 from .ranks import all_gather, barrier
 from .report import checksums, human_bytes, memory_meter
 
+if TYPE_CHECKING:
+    from ..engine.comm import Comm
+    from ..engine.trace import Tracer
+    from .context import Built, Prepared, Settled
+
 __all__ = ["finish", "gather_trace", "save_hf"]
 
 
-def gather_trace(run, tracer, first: int) -> None:
+def gather_trace(settled: Settled, *, comm: Comm, tracer: Tracer, first: int) -> None:
     """Every rank's actions, written by rank 0 to --trace."""
-    place = run.place
+    place, config = settled.place, settled.config
     mine = {"rank": place.rank, "gpu": place.gpu, "replica": place.replica, "actions": tracer.rows}
-    mine["sent"] = run.comm.sent  # kind -> [messages, bytes]: what crossed to other ranks
+    mine["sent"] = comm.sent  # kind -> [messages, bytes]: what crossed to other ranks
     ranks = all_gather(mine, place.world, "writing the trace")
     if place.rank == 0:
         meta = {
-            "schedule": run.name,
-            "micro_batches": run.m,
-            "steps": run.config.steps,
+            "schedule": settled.schedule_name,
+            "micro_batches": settled.micro_batches,
+            "steps": config.steps,
             "first": first,
         }
-        write_trace(run.config.trace, ranks, meta)
+        write_trace(config.trace, ranks, meta)
 
 
-def save_hf(run) -> None:
+def save_hf(settled: Settled, prepared: Prepared) -> None:
     """Every rank sends its tensors, rank 0 writes the HuggingFace folder (--save-hf)."""
-    place, mixed = run.place, run.mixed
+    place, mixed = settled.place, prepared.mixed
     barrier(place.world, "saving the HuggingFace folder")
     mine = {  # frozen weights too (a checkpoint leaves them out)
         k: v
-        for s, mod in run.modules.items()
+        for s, mod in prepared.modules.items()
         for k, v in {**mod.state_dict(), **mixed.state_dict(s, mod)}.items()
     }
-    traced = run.plan["model"].get("compute_dtype", "float32")
-    run.exporter.at_end(
+    traced = settled.plan["model"].get("compute_dtype", "float32")
+    prepared.exporter.at_end(
         mine, place.rank, place.world, place.device, lambda p: mixed.saved_dtype(p, traced)
     )
 
 
-def finish(run, first: int, wall: float, segments: list) -> dict:
+def finish(
+    settled: Settled, prepared: Prepared, built: Built, *, first: int, wall: float,
+    segments: list,
+) -> dict:  # fmt: skip
     """The run's summary (see the module's docstring); rank 0 says it and writes --log-json."""
-    config, place, progress = run.config, run.place, run.progress
+    config, place, progress, mixed = settled.config, settled.place, built.progress, prepared.mixed
     mine = {
         "memory": memory_meter(str(place.device)).peaks(),
-        "checksums": checksums(run.modules),
-        "skipped_steps": run.mixed.skipped,
+        "checksums": checksums(prepared.modules),
+        "skipped_steps": mixed.skipped,
         "replica": place.replica,
-        "optimizer_state_bytes": sum(map(state_bytes, run.optimizers.values())),
-        "master_bytes": run.mixed.master_bytes(),
-        "activation_offload": run.executor.offload.report(),
+        "optimizer_state_bytes": sum(map(state_bytes, prepared.optimizers.values())),
+        "master_bytes": mixed.master_bytes(),
+        "activation_offload": built.executor.offload.report(),
     }
     everyone = all_gather(mine, place.world, "finishing")
     summary = {
-        "schedule": config.schedule or run.plan["schedule"],
+        "schedule": config.schedule or settled.plan["schedule"],
         "steps": config.steps,
         "first_step": first,
-        "micro_batches": run.m,
+        "micro_batches": settled.micro_batches,
         "wall_s": wall,
         "losses": [progress.losses.get(k) for k in range(first, config.steps)],
         "samples_per_s": progress.samples_per_s(),
@@ -89,7 +98,7 @@ def finish(run, first: int, wall: float, segments: list) -> dict:
         # Every replica holds the same weights after every step: the first replica's,
         # compared with each other's (0.0: identical).
         "replica_difference": _replica_difference(everyone),
-        "freezes": run.mode.decisions,
+        "freezes": settled.mode.decisions,
         "segments": segments,  # one per plan the run trained on
     }
     if any(e["activation_offload"] for e in everyone):  # per rank: bytes parked on the host

@@ -53,6 +53,7 @@ from ..train.precision import for_run, plan_in
 from ..train.replicas import Shard
 from . import liveness
 from .config import RunConfig
+from .context import Built, Connected, Prepared, Settled
 from .liveness import INTERRUPTED, TERMINATED, die
 from .logs import LOGGER, sayer, setup_logging
 from .options import parse_args
@@ -141,81 +142,79 @@ class _Run:
     """One plan's part of the run on this rank (the whole run, without freeze training),
     in phases: settle what every rank finds alike, start (this rank's own set-up, then the
     meeting), connect, build the executor, execute, and end (the summary, or what the next
-    plan carries on with). The phases share what they make as attributes."""
+    plan carries on with). Each phase returns its typed record (`context`) and the later
+    phases take it: nothing is read before the phase that makes it has run."""
 
     def __init__(
         self, plan, stage_classes, config: RunConfig, rank: int, mode: TrainingMode, carried
     ):
+        # What `settle` starts from (its `config` before --epochs is counted on the data).
         self.plan, self.stage_classes, self.config = plan, stage_classes, config
         self.mode, self.carried = mode, carried
         self.place = Place.of(plan, config.device, rank)
         self.say = sayer(logging.getLogger(LOGGER)) if rank == 0 else _quiet
 
-    def note(self, line: str) -> None:
-        """A line from rank 0 beside its progress bar."""
-        if self.place.rank == 0:
-            self.progress.write(line)
-
     def train(self):
         """The run's summary, or what it hands to the next, shorter plan (`Carried`)."""
-        self.settle()
-        self.start()
-        self.connect()
-        self.build()
-        wall = self.execute()
-        return self.end(wall)
+        settled, first, timeline = self.settle()
+        prepared, first, manifest, timeline = self.start(settled, first, timeline)
+        connected = self.connect(settled, first=first, manifest=manifest, timeline=timeline)
+        built = self.build(settled, prepared, connected)
+        wall = self.execute(settled, connected, built)
+        return self.end(settled, prepared, connected, built, wall)
 
-    def settle(self) -> None:
+    def settle(self) -> tuple[Settled, int, Timeline]:
         """Everything that can be refused is refused before any rank waits for another:
         first what every rank finds alike (the data, which settles --steps under --epochs;
         the schedule's lists on this plan: a CSV file that skips or deadlocks), then (in
-        `start`) what is this rank's own, which the others hear of when they meet."""
-        plan, config, carried, reps = self.plan, self.config, self.carried, self.place.reps
-        self.name = config.schedule or plan["schedule"]
-        sched = resolve_schedule(self.name)
+        `start`) what is this rank's own, which the others hear of when they meet. Returns
+        the settled record, the step this segment starts from and its actions (both moved
+        by --resume in `start`)."""
+        plan, config, carried, place = self.plan, self.config, self.carried, self.place
+        reps = place.reps
+        name = config.schedule or plan["schedule"]
+        sched = resolve_schedule(name)
         if not plan.get("recompute", True) and sched.can_keep_activations:
             sched = sched.without_recompute()  # the planner chose to keep activations
         m = config.micro_batches or sched.micro_batches or int(plan["micro_batches"])
         m = carried.micro_batches if carried else m
-        self.sched, self.m = sched, m
-        self.precision = for_run(plan, config.dtype, sched)
-        self.topo = topo = Topology(plan_in(plan, self.precision))  # messages in compute dtype
-        self.sources = sources = open_sources(plan, config, m, self.say)
-        self.config = config = config.with_steps(sources.steps)  # --epochs counted on the data
+        precision = for_run(plan, config.dtype, sched)
+        topo = Topology(plan_in(plan, precision))  # messages in compute dtype
+        sources = open_sources(plan, config, m, self.say)
+        config = config.with_steps(sources.steps)  # --epochs counted on the data
         if reps.count > 1 and (sources.eval is not None or config.save_hf):
             raise PipelineConfigError(
                 "evaluation and --save-hf do not run with data-parallel replicas yet; leave them "
                 "out, or compile the package with --replicas 1"
             )
-        self.data = Shard(sources.train, self.place.replica, reps.count, m)
-        self.first = carried.first if carried else 0
-        self.stop = self.mode.segment_end(self.first, config.steps, topo.world)
-        self.mode.check(sched, self.name, shrinking=self.stop < config.steps, config=config,
+        first = carried.first if carried else 0
+        stop = self.mode.segment_end(first, config.steps, topo.world)
+        self.mode.check(sched, name, shrinking=stop < config.steps, config=config,
                         evaluating=sources.eval is not None)  # fmt: skip
-        self.timeline = Timeline(
-            sched, topo.stage_infos(), m, self.stop, drain_every=config.save_every
-        )
-        self.timeline.check(topo.stage_graph(), self.every_step)
+        timeline = Timeline(sched, topo.stage_infos(), m, stop, drain_every=config.save_every)
+        timeline.check(topo.stage_graph(), _every_step(topo, m, sources.eval))
         root = Path(config.checkpoint_dir or checkpoint.default_dir(plan))
-        self.root = root / carried.name if carried else root  # each plan's checkpoints its own
-        identity = checkpoint.run_identity(plan, config, self.name, m)
-        self.ckpt = checkpoint.Checkpoints(
-            self.root,
-            self.place.rank,
-            self.place.world,
-            identity,
-            config.keep_checkpoints,
-            self.say,
+        root = root / carried.name if carried else root  # each plan's checkpoints its own
+        identity = checkpoint.run_identity(plan, config, name, m)
+        ckpt = checkpoint.Checkpoints(
+            root, place.rank, place.world, identity, config.keep_checkpoints, self.say
         )
+        settled = Settled(
+            plan=plan, stage_classes=self.stage_classes, config=config, mode=self.mode,
+            carried=carried, place=place, say=self.say, schedule_name=name, schedule=sched,
+            micro_batches=m, precision=precision, topo=topo, sources=sources,
+            data=Shard(sources.train, place.replica, reps.count, m), stop=stop, root=root,
+            ckpt=ckpt,
+        )  # fmt: skip
+        return settled, first, timeline
 
-    def every_step(self, n: int):
-        """Evaluation rounds after every step: the most there can be (`Timeline.check`)."""
-        return splicer(self.topo, self.m, self.sources.eval, steps=n, first=0, every=1)
-
-    def start(self) -> None:
+    def start(
+        self, settled: Settled, first: int, timeline: Timeline
+    ) -> tuple[Prepared, int, dict | None, Timeline]:
         """This rank's own set-up, then the meeting (where a rank that failed is named), then
-        the step to start from (--resume)."""
-        config, place = self.config, self.place
+        the step to start from (--resume): (its parts, that step, the resumed checkpoint's
+        manifest, the actions from that step)."""
+        config, place, ckpt, root = settled.config, settled.place, settled.ckpt, settled.root
         # Beating from the start: a rank that loads its weights for minutes is waited for.
         live = liveness.start(
             place.rank,
@@ -224,154 +223,122 @@ class _Run:
             timeout_s=config.timeout,
             hang_s=config.hang_timeout,
         )
-        failure = None
+        failure = prepared = None
         try:
-            made = prepare_rank(self, place.rank, place.gpu)
-            self.modules, self.optimizers, self.mixed, self.exporter, self.runlog = made
+            prepared = prepare_rank(settled)
         except Exception as e:  # noqa: BLE001 - told to the other ranks first, then raised
             failure = e
         if live is not None and not dist.is_initialized():
             live.meet()
             backstop = liveness.backstop(config.hang_timeout)
             init_distributed(place.rank, place.world, place.device.type, live.pg_store, backstop)
-        agree_to_start(failure, place.rank, place.world)
-        self.manifest = None
+        agree_to_start(failure, place.rank, place.world)  # raises unless every rank prepared
+        manifest = None
         if config.resume:
-            self.first, self.manifest = self.ckpt.choose(lambda v: all_gather(v, place.world))
-        first = self.first
+            first, manifest = ckpt.choose(lambda v: all_gather(v, place.world))
         if first >= config.steps:
             raise PipelineConfigError(f"the checkpoint is at step {first}; ask for more --steps")
-        if self.manifest and lr_changes(config, self.manifest.get("steps"), first):
-            self.say(
-                f"ftpipe: note: the checkpoint's run had --steps {self.manifest['steps']}, this "
+        if manifest and lr_changes(config, manifest.get("steps"), first):
+            settled.say(
+                f"ftpipe: note: the checkpoint's run had --steps {manifest['steps']}, this "
                 f"one {config.steps}; the learning-rate schedule changes from step {first}"
             )
         if place.rank == 0 and (config.save_every or config.resume):
-            remove_temporaries(self.root)  # of a killed save; nobody saves before the barrier
+            remove_temporaries(root)  # of a killed save; nobody saves before the barrier
         if config.save_every:  # the run's id in its manifests, and --overwrite-checkpoints
             agree = lambda v: all_gather(v, place.world, "naming the run")  # noqa: E731
-            self.ckpt.start(self.manifest, agree, replace=config.overwrite_checkpoints)
+            ckpt.start(manifest, agree, replace=config.overwrite_checkpoints)
         if first:  # the pipeline fills again from the checkpoint's step
-            self.timeline = self.timeline.resumed(first)
-            self.timeline.check(self.topo.stage_graph(), self.every_step)
+            timeline = timeline.resumed(first)
+            timeline.check(
+                settled.topo.stage_graph(),
+                _every_step(settled.topo, settled.micro_batches, settled.sources.eval),
+            )
+        return prepared, first, manifest, timeline
 
-    def connect(self) -> None:
+    def connect(
+        self, settled: Settled, *, first: int, manifest: dict | None, timeline: Timeline
+    ) -> Connected:
         """The dataflow, the messages and the process groups: the gradient norm across a
         pipeline's ranks when a synchronous step clips (fp16's overflow check rides on it:
         the norm is computed then even without clipping), and each GPU's gradients with its
         replicas."""
-        config, topo, place, reps = self.config, self.topo, self.place, self.place.reps
-        rounds = dict(data=self.sources.eval, steps=config.steps, every=config.eval_every)
-        self.flow = Dataflow(topo, self.timeline, splicer(topo, self.m, first=self.first, **rounds))
+        config, topo, place, m = settled.config, settled.topo, settled.place, settled.micro_batches
+        reps = place.reps
+        rounds = dict(data=settled.sources.eval, steps=config.steps, every=config.eval_every)
+        flow = Dataflow(topo, timeline, splicer(topo, m, first=first, **rounds))
         backstop = liveness.backstop(config.hang_timeout).total_seconds()
-        self.comm = Comm(
-            place.gpu, topo.world, place.device, backstop, self.flow, _message_specs(topo),
+        comm = Comm(
+            place.gpu, topo.world, place.device, backstop, flow, _message_specs(topo),
             reps, place.replica, ahead_bytes=int(config.post_ahead * 2**20),
         )  # fmt: skip
-        freezing = self.mode.freezing
-        collective = self.sched.synchronous and (
-            config.clip or self.precision.loss_scaling or freezing
+        freezing = settled.mode.freezing
+        collective = settled.schedule.synchronous and (
+            config.clip or settled.precision.loss_scaling or freezing
         )
         collective_sets = [tuple(range(topo.world))] if collective else []
         dp_sets = [reps.stage_group(g) for g in range(topo.world)] if reps.count > 1 else []
-        self.loss_rank = topo.rank_of[topo.loss_stage]
-        self.comm.make_groups(collective_sets, self.loss_rank, dp_sets)
+        comm.make_groups(collective_sets, topo.rank_of[topo.loss_stage], dp_sets)
+        return Connected(first=first, manifest=manifest, timeline=timeline, flow=flow, comm=comm)
 
-    def build(self) -> None:
+    def build(self, settled: Settled, prepared: Prepared, connected: Connected) -> Built:
         """Progress, freezing, checkpoints, the optimizer steps and the executor; then the
         resumed run's weights, state and kept weight versions."""
-        config, place, carried, mixed = self.config, self.place, self.carried, self.mixed
-        micro_batch = next(iter(self.plan["model"]["inputs"].values()))[0][0]
-        self.samples = place.reps.count * self.m * micro_batch
+        config, place, carried = settled.config, settled.place, settled.carried
+        mixed, first = prepared.mixed, connected.first
+        micro_batch = next(iter(settled.plan["model"]["inputs"].values()))[0][0]
+        samples = place.reps.count * settled.micro_batches * micro_batch
         # The step's gradient norm is in hand where it clips over the whole pipeline (or
         # checks fp16 overflow): the log shows it there, and computes none of its own.
-        norms = self.sched.synchronous and bool(config.clip or self.precision.loss_scaling)
-        self.progress = progress = Progress(
-            place.rank == 0, config.steps, self.first, self.samples, config.log_every,
-            rates=self.rates(), memory=lambda: memory_meter(str(place.device)).peaks()["allocated"],
+        norms = settled.schedule.synchronous and bool(config.clip or settled.precision.loss_scaling)
+        progress = Progress(
+            place.rank == 0, config.steps, first, samples, config.log_every,
+            rates=_rates(settled),
+            memory=lambda: memory_meter(str(place.device)).peaks()["allocated"],
             norms=norms and place.rank == 0, bar=not config.quiet,
         )  # fmt: skip
-        progress.log, progress.lr_of = self.runlog, self.lr_of
+        progress.log, progress.lr_of = prepared.runlog, config.lr_at
         if carried:
             progress.losses.update(carried.losses)
         if config.resume:
-            root = self.root
-            where = (
-                f"step {self.first} of {root}" if self.first else f"step 0: no checkpoint in {root}"
-            )
-            self.note(f"resuming from {where}")
-        self.freezer = freezer = self.mode.freezer(
-            self.plan, self.modules, self.optimizers, mixed, self.comm,
-            resume=config.resume, say=progress.write, runlog=self.runlog,
+            root = settled.root
+            where = f"step {first} of {root}" if first else f"step 0: no checkpoint in {root}"
+            _note(place, progress)(f"resuming from {where}")
+        freezer = settled.mode.freezer(
+            settled.plan, prepared.modules, prepared.optimizers, mixed, connected.comm,
+            resume=config.resume, say=progress.write, runlog=prepared.runlog,
         )  # fmt: skip
         if carried:  # the same layers frozen, then the weights and state handed over loaded
             freezer.start_frozen(carried.frozen)
-            load_carried(carried, self.modules, self.optimizers, mixed)
-        self.saver = saver = Saver(
-            self.ckpt, config.save_every, config.steps, self.m, stages=place.replica == 0
-        )
-        saver.modules, saver.optimizers, saver.precision = self.modules, self.optimizers, mixed
-        self.stepper = make_stepper(self)
+            load_carried(carried, prepared.modules, prepared.optimizers, mixed)
+        saver = Saver(
+            settled.ckpt, config.save_every, config.steps, settled.micro_batches,
+            stages=place.replica == 0,
+        )  # fmt: skip
+        saver.modules, saver.optimizers = prepared.modules, prepared.optimizers
+        saver.precision = mixed
+        stepper = make_stepper(settled, prepared, comm=connected.comm, freezer=freezer, saver=saver)
         if norms and place.rank == 0:
-            self.stepper.on_norm = progress.grad_norm
-        self.executor, self.on_eval = make_executor(self)
-        saver.versions, saver.drained = self.executor.kept_versions, self.timeline.drains
-        if self.first and not carried:
-            load_checkpoint(self)
-        if not carried:
-            self.announce()
-
-    def rates(self) -> Rates:
-        """Tokens and model FLOPs of a step, and the peak FLOP/s of every GPU of the run (on
-        a GPU: the compiled hardware's, in the run's dtype; MFU against it)."""
-        model, place = self.plan["model"], self.place
-        inputs = model.get("inputs") or {}
-        shape = (inputs.get("input_ids") or next(iter(inputs.values()), [[0]]))[0]
-        micro_batches = self.m * place.reps.count  # of a step, every replica's
-        tokens = micro_batches * math.prod(shape)
-        flops = float(model.get("flops_per_micro_batch") or 0.0) * micro_batches
-        peaks = model.get("peak_flops") or {}
-        dtype = str(self.precision.dtype).removeprefix("torch.")
-        if dtype == "float32" and self.config.tf32 and peaks.get("tf32"):
-            dtype = "tf32"
-        peak = float(peaks.get(dtype) or 0.0) * place.world
-        return Rates(tokens, flops, peak if place.device.type == "cuda" else 0.0)
-
-    def announce(self) -> None:
-        """Rank 0 says once where the run's outputs go, and what it trains on."""
-        if self.place.rank != 0:
-            return
-        config, log = self.config, self.progress.logger
-        if config.save_every:
-            log.info("checkpoints: %s, every %d steps", self.root, config.save_every)
-        else:
-            log.info("checkpoints: none (--save-every N saves to %s)", self.root)
-        places = self.runlog.where() if self.runlog is not None else []
-        log.info("logs: %s", "; ".join(places) if places else "these lines only (--log-dir, "
-                 "--log-jsonl, --tensorboard, --wandb write more)")  # fmt: skip
-        if config.log_json:
-            log.info("summary: %s", config.log_json)
-        if config.save_hf:
-            log.info("export: %s (HuggingFace folder) at the end", config.save_hf)
-        if config.data is None or config.data == "synthetic":
-            log.warning(
-                "training on synthetic tokens (random ids of the compiled shapes): pass --data "
-                "FILE to fine-tune on your data"
+            stepper.on_norm = progress.grad_norm
+        executor, on_eval = make_executor(
+            settled, prepared, connected, stepper=stepper, progress=progress, freezer=freezer
+        )
+        saver.versions, saver.drained = executor.kept_versions, connected.timeline.drains
+        if first and not carried:
+            load_checkpoint(
+                settled, prepared, first=first, manifest=connected.manifest, executor=executor
             )
-        elif config.data == "copy":
-            log.info("training on the synthetic copy task (counting sequences)")
-        rates = self.progress.rates
-        if rates.peak_flops:
-            log.debug("MFU against %.4g TFLOP/s in all (%s's peak)", rates.peak_flops / 1e12,
-                      self.plan["model"].get("hardware"))  # fmt: skip
-        log.debug("options: %s", config.to_dict())
+        if not carried:
+            _announce(settled, prepared, progress)
+        return Built(
+            progress=progress, freezer=freezer, saver=saver, stepper=stepper, executor=executor,
+            on_eval=on_eval, samples=samples,
+        )  # fmt: skip
 
-    def lr_of(self, k: int) -> float:
-        return self.config.lr_at(k)
-
-    def execute(self) -> float:
+    def execute(self, settled: Settled, connected: Connected, built: Built) -> float:
         """This rank's actions, timed (seconds); rank 0 hears the loss stage's losses."""
-        config, place, comm = self.config, self.place, self.comm
+        config, place = settled.config, settled.place
+        comm, executor = connected.comm, built.executor
         fault = fault_of(place.rank)
 
         def after(i, item):
@@ -388,11 +355,17 @@ class _Run:
                 die("FTPIPE_FAULT stops this rank", 3)
 
         barrier(place.world, "starting")
-        self.executor.tracer = self.tracer = Tracer(comm, keep=bool(config.trace))
-        self.tracer.start()
-        listener = listen_for_losses(self) if place.rank == 0 else None
+        executor.tracer = Tracer(comm, keep=bool(config.trace))
+        executor.tracer.start()
+        listener = None
+        if place.rank == 0:
+            listener = listen_for_losses(
+                settled.topo, connected.flow, comm, micro_batches=settled.micro_batches,
+                reps=place.reps, executor=executor, on_loss=built.progress.loss,
+                on_eval=built.on_eval, evals=settled.sources.eval, steps=config.steps,
+            )  # fmt: skip
         start = time.perf_counter()
-        self.executor.run(self.flow.actions(place.gpu), after)
+        executor.run(connected.flow.actions(place.gpu), after)
         if listener is not None:
             loss = ", ".join(map(str, sorted(comm.loss_groups)))
             with liveness.waiting(f"waiting for the losses of the loss stage (rank {loss})"):
@@ -404,29 +377,95 @@ class _Run:
         comm.finish()
         return time.perf_counter() - start
 
-    def end(self, wall: float):
+    def end(
+        self, settled: Settled, prepared: Prepared, connected: Connected, built: Built,
+        wall: float,
+    ):  # fmt: skip
         """The next plan's start (`Carried`) at a segment's end, else the run's summary."""
-        carried, place, progress = self.carried, self.place, self.progress
+        carried, place, progress = settled.carried, settled.place, built.progress
+        first = connected.first
+        note = _note(place, progress)
         done = carried.segments if carried else []
         segments = [
             *done,
-            segment_row(self.first, self.stop, place.reps, self.samples, wall, progress.times),
+            segment_row(first, settled.stop, place.reps, built.samples, wall, progress.times),
         ]
-        if self.stop < self.config.steps:
+        if settled.stop < settled.config.steps:
             progress.close()
-            self.note(segment_line(segments[-1]))
-            return self.mode.switch(self, self.stop, segments)
+            note(segment_line(segments[-1]))
+            return settled.mode.switch(
+                settled, prepared, freezer=built.freezer, first=first, losses=progress.losses,
+                note=note, end=settled.stop, segments=segments,
+            )  # fmt: skip
         if carried:
-            self.note(segment_line(segments[-1]))
+            note(segment_line(segments[-1]))
         wall = sum(row["wall_s"] for row in segments)  # of every plan's steps
-        if self.config.trace:
-            gather_trace(self, self.tracer, self.first)
+        if settled.config.trace:
+            gather_trace(settled, comm=connected.comm, tracer=built.executor.tracer, first=first)
         progress.close()
-        if self.exporter is not None:
-            save_hf(self)
-        if self.runlog is not None:
-            self.runlog.close()
-        return finish(self, carried.start if carried else self.first, wall, segments)
+        if prepared.exporter is not None:
+            save_hf(settled, prepared)
+        if prepared.runlog is not None:
+            prepared.runlog.close()
+        start = carried.start if carried else first
+        return finish(settled, prepared, built, first=start, wall=wall, segments=segments)
+
+
+def _every_step(topo: Topology, m: int, evals):
+    """Evaluation rounds after every step: the most there can be (`Timeline.check`)."""
+    return lambda n: splicer(topo, m, evals, steps=n, first=0, every=1)
+
+
+def _note(place: Place, progress: Progress):
+    """Lines from rank 0 beside its progress bar (the other ranks': silent)."""
+    return progress.write if place.rank == 0 else _quiet
+
+
+def _rates(settled: Settled) -> Rates:
+    """Tokens and model FLOPs of a step, and the peak FLOP/s of every GPU of the run (on
+    a GPU: the compiled hardware's, in the run's dtype; MFU against it)."""
+    model, place = settled.plan["model"], settled.place
+    inputs = model.get("inputs") or {}
+    shape = (inputs.get("input_ids") or next(iter(inputs.values()), [[0]]))[0]
+    micro_batches = settled.micro_batches * place.reps.count  # of a step, every replica's
+    tokens = micro_batches * math.prod(shape)
+    flops = float(model.get("flops_per_micro_batch") or 0.0) * micro_batches
+    peaks = model.get("peak_flops") or {}
+    dtype = str(settled.precision.dtype).removeprefix("torch.")
+    if dtype == "float32" and settled.config.tf32 and peaks.get("tf32"):
+        dtype = "tf32"
+    peak = float(peaks.get(dtype) or 0.0) * place.world
+    return Rates(tokens, flops, peak if place.device.type == "cuda" else 0.0)
+
+
+def _announce(settled: Settled, prepared: Prepared, progress: Progress) -> None:
+    """Rank 0 says once where the run's outputs go, and what it trains on."""
+    if settled.place.rank != 0:
+        return
+    config, log, root = settled.config, progress.logger, settled.root
+    if config.save_every:
+        log.info("checkpoints: %s, every %d steps", root, config.save_every)
+    else:
+        log.info("checkpoints: none (--save-every N saves to %s)", root)
+    places = prepared.runlog.where() if prepared.runlog is not None else []
+    log.info("logs: %s", "; ".join(places) if places else "these lines only (--log-dir, "
+             "--log-jsonl, --tensorboard, --wandb write more)")  # fmt: skip
+    if config.log_json:
+        log.info("summary: %s", config.log_json)
+    if config.save_hf:
+        log.info("export: %s (HuggingFace folder) at the end", config.save_hf)
+    if config.data is None or config.data == "synthetic":
+        log.warning(
+            "training on synthetic tokens (random ids of the compiled shapes): pass --data "
+            "FILE to fine-tune on your data"
+        )
+    elif config.data == "copy":
+        log.info("training on the synthetic copy task (counting sequences)")
+    rates = progress.rates
+    if rates.peak_flops:
+        log.debug("MFU against %.4g TFLOP/s in all (%s's peak)", rates.peak_flops / 1e12,
+                  settled.plan["model"].get("hardware"))  # fmt: skip
+    log.debug("options: %s", config.to_dict())
 
 
 def _message_specs(topo: Topology):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from ftpipe_runtime.job.config import RunConfig
+from ftpipe_runtime.job.config import CheckConfig, ExportConfig, RunConfig
 from ftpipe_runtime.job.options import parse_args, parser
 
 PLAN = {"model": {"lr": 0.01, "optimizer": "adam"}, "schedule": "1f1b", "micro_batches": 4}
@@ -36,3 +36,27 @@ def test_the_learning_rate_is_the_schedules():
         0.0, 0.5, 1.0, 0.5, 0.125,
     ]  # fmt: skip
     assert config.lr_at(2, steps=6) == pytest.approx(0.01)
+
+
+def test_the_export_and_check_command_lines_are_typed_records_too():
+    """`export` and `--check` read their options as `ExportConfig` / `CheckConfig`, with the
+    defaults and usage errors (exit 2) their parsers always had."""
+    config = ExportConfig.parse(["-o", "out"])
+    assert config == ExportConfig(output="out")
+    assert (config.checkpoint_dir, config.step, config.tokenizer, config.chat_template) == (
+        (None,) * 4
+    )
+    assert config.max_shard_size == 5 * 10**9 and config.merge_lora is False  # 5GB
+    given = ExportConfig.parse(
+        ["--step", "3", "-o", "o", "--max-shard-size", "2MB", "--merge-lora"]
+    )
+    assert (given.step, given.max_shard_size, given.merge_lora) == (3, 2_000_000, True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        given.step = 4
+    assert CheckConfig.parse([]) == CheckConfig(seed=0, json=False)
+    assert CheckConfig.parse(["--seed", "7", "--json"]) == CheckConfig(seed=7, json=True)
+    for parse, argv in [(ExportConfig.parse, []), (ExportConfig.parse, ["-o", "o", "--step", "x"]),
+                        (CheckConfig.parse, ["--seed", "one"])]:  # fmt: skip
+        with pytest.raises(SystemExit) as usage:
+            parse(argv)
+        assert usage.value.code == 2

@@ -186,16 +186,17 @@ def test_layout_aligns_tensors_and_chunks():
 # --- which stages are sharded, and what is refused ---
 
 
-def _run(replicas=2, shrinks=None, **given):
+def _question(replicas=2, shrinks=None, **given):
+    """`_sharded`'s question for these options, and what it said."""
     config = RunConfig(**{"shard_optimizer": True, "optimizer": "adamw", **given})
     said = []
     plan = {"stages": [{"id": 0}, {"id": 1, "shard_optimizer": True}]}
-    run = SimpleNamespace(
-        config=config, plan=plan, say=said.append,
-        place=SimpleNamespace(reps=SimpleNamespace(count=replicas)),
-        mode=SimpleNamespace(shrinks=shrinks),
-    )  # fmt: skip
-    return run, said
+    shrinking = shrinks is not None
+
+    def ask():
+        return _sharded(plan, config, replicas=replicas, shrinking=shrinking, say=said.append)
+
+    return ask, said
 
 
 def test_the_flag_overrides_the_plans_stages():
@@ -214,16 +215,16 @@ def test_the_flag_overrides_the_plans_stages():
     ],
 )
 def test_what_cannot_shard_is_refused_in_one_sentence(given, match):
-    run, _ = _run(**given)
+    ask, _ = _question(**given)
     with pytest.raises(PipelineConfigError, match=match):
-        _sharded(run)
-    run, _ = _run(**{**given, "shard_optimizer": False})
-    assert _sharded(run) == set()  # --no-shard-optimizer: nothing to refuse
+        ask()
+    ask, _ = _question(**{**given, "shard_optimizer": False})
+    assert ask() == set()  # --no-shard-optimizer: nothing to refuse
 
 
 def test_one_replica_shards_nothing_and_says_so():
-    run, said = _run(replicas=1)
-    assert _sharded(run) == set()
+    ask, said = _question(replicas=1)
+    assert ask() == set()
     assert said and "nothing is sharded" in said[0]
-    run, said = _run(replicas=1, shard_optimizer=None)  # the plan's choice: silently none
-    assert _sharded(run) == set() and not said
+    ask, said = _question(replicas=1, shard_optimizer=None)  # the plan's choice: silently none
+    assert ask() == set() and not said
