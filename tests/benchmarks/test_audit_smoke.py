@@ -43,7 +43,9 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     text = markdown(results, wall=60.0, base_intact=True)
     assert "4 cases (4 new, 0 from issue 32's list)" in text
     assert "2 passed, 2 failed, 0 skipped. Raw tracebacks: 1;" in text
-    assert "| 1 | a clear refusal |  | `ftpipe simulate nope.json` | 1 | Error: the plan file" in text
+    assert (
+        "| 1 | a clear refusal |  | `ftpipe simulate nope.json` | 1 | Error: the plan file" in text
+    )
 
 
 def test_a_file_the_command_changes_is_caught(tmp_path):
