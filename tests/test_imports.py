@@ -94,3 +94,24 @@ def test_the_compiler_imports_its_own_modules_at_the_top():
                 if own:
                     late.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert late == []
+
+
+def test_importing_the_runtime_defines_no_op_and_sets_nothing():
+    """No runtime module is imported for its side effects: importing every one leaves torch's
+    op registry and the process's allocator settings as they were (the stage base class,
+    the compiler's fusion and the package entry point do that explicitly)."""
+    probe = """
+import importlib, os, pkgutil, torch, ftpipe_runtime
+before = dict(os.environ)
+for m in pkgutil.walk_packages(ftpipe_runtime.__path__, "ftpipe_runtime."):
+    importlib.import_module(m.name)
+assert not torch._C._dispatch_has_kernel("ftpipe::linear_cross_entropy"), "an op defined"
+assert dict(os.environ) == before, "the environment changed"
+from ftpipe_runtime.stage import fused_loss
+fused_loss.register()
+fused_loss.register()  # (once)
+assert torch._C._dispatch_has_kernel("ftpipe::linear_cross_entropy")
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -26,7 +26,7 @@ from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..graph.exported import VIEW_OPS, retarget
-from ..graph.fuse import FUSED_OP, logits_bytes
+from ..graph.fuse import FUSED_OP, logits_bytes, register
 from ..graph.granularity import collapse
 from ..graph.opgraph import OpGraph
 from ..graph.trace import Traced
@@ -39,6 +39,7 @@ def count_flops(traced: Traced) -> dict[str, float]:
     """Forward FLOPs of every traced node: its op run on `meta` tensors shaped as its inputs
     were traced, under FlopCounterMode, once per distinct op and input shapes (a stack of
     alike layers repeats the same few dozen)."""
+    register()  # the fused head's FLOPs formula
     counter = FlopCounterMode(display=False)
     meta = torch.device("meta")
     flops: dict[str, float] = {}

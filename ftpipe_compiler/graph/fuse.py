@@ -16,13 +16,13 @@ from __future__ import annotations
 import math
 
 import torch
-from ftpipe_runtime.stage import fused_loss  # noqa: F401 - registers torch.ops.ftpipe
+from ftpipe_runtime.stage import fused_loss
 from torch import fx
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 from .opgraph import dtype_bytes
 
-__all__ = ["FUSED_OP", "fuse_linear_cross_entropy", "logits_bytes"]
+__all__ = ["FUSED_OP", "fuse_linear_cross_entropy", "logits_bytes", "register"]
 
 FUSED_OP = "ftpipe.linear_cross_entropy.default"  # an OpGraph node's op
 
@@ -69,6 +69,7 @@ def _match(loss: fx.Node):
 
 
 def fuse_linear_cross_entropy(gm: fx.GraphModule) -> int:
+    register()
     graph, fused = gm.graph, 0
     for loss in [n for n in graph.nodes if n.target == aten.cross_entropy_loss.default]:
         found = _match(loss)
@@ -99,8 +100,12 @@ def _flops(x_shape, w_shape, *args, out_shape=None, **kwargs) -> int:
     return 2 * math.prod(x_shape[:-1]) * x_shape[-1] * w_shape[0]
 
 
-if torch.ops.ftpipe.linear_cross_entropy not in flop_registry:  # once per process
-    register_flop_formula(torch.ops.ftpipe.linear_cross_entropy)(_flops)
+def register() -> None:
+    """The op (`fused_loss.register`) and its FLOPs formula, once per process: before a
+    graph that holds it is made or counted."""
+    fused_loss.register()
+    if torch.ops.ftpipe.linear_cross_entropy not in flop_registry:
+        register_flop_formula(torch.ops.ftpipe.linear_cross_entropy)(_flops)
 
 
 def logits_bytes(graph, n) -> tuple[int, int]:

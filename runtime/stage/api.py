@@ -19,7 +19,7 @@ from torch import nn
 from ..errors import PipelineConfigError
 from ..models.lora import is_adapter
 from ..spec.weights import WEIGHTS_ENV, checkpoint_keys, initial_value
-from . import fused_loss  # noqa: F401 - registers torch.ops.ftpipe, which generated stages call
+from . import fused_loss
 
 __all__ = ["STAGE_API", "Param", "StageModule", "run_in_one_process"]
 
@@ -79,6 +79,7 @@ class StageModule(nn.Module):
         """`dtype`: the compute dtype to run in (default: the traced one). Tensors traced in
         the traced compute dtype take it; others (fp32 islands, integer ids) keep theirs."""
         super().__init__()
+        fused_loss.register()  # torch.ops.ftpipe, which a generated forward may call
         traced = getattr(torch, self.TRACED_DTYPE)
         self.compute_dtype = dtype or traced
         where = torch.device(device) if materialize else torch.device("meta")

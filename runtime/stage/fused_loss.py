@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CHUNK_BYTES", "chunk_bytes", "linear_cross_entropy"]
+__all__ = ["CHUNK_BYTES", "chunk_bytes", "linear_cross_entropy", "register"]
 
 # Bytes of logits the loss reads at a time, by device type; others take the GPU's.
 CHUNK_BYTES = {
@@ -226,11 +226,16 @@ def _autograd(x, weight, bias, target, ignore_index=-100, logits_dtype=None):
         return _loss_only(x, weight, bias, target, ignore_index, logits_dtype)
 
 
-def _register() -> torch.library.Library | None:
-    """Define the op once per process: a second import of this module (a test that drops the
-    package from sys.modules) finds it there already."""
+_libs: list[torch.library.Library] = []  # kept: the definitions live as long as the Library
+
+
+def register() -> None:
+    """Define `torch.ops.ftpipe.linear_cross_entropy` in this process, once (importing this
+    module does not: the stage base class, the compiler's fusion and `linear_cross_entropy`
+    call this first). A second copy of this module (a test that drops the package from
+    sys.modules) finds the op there already."""
     if torch._C._dispatch_has_kernel("ftpipe::linear_cross_entropy"):
-        return None
+        return
     lib = torch.library.Library("ftpipe", "FRAGMENT")
     lib.define(_SCHEMA)
     for key, kernel in (
@@ -239,14 +244,12 @@ def _register() -> torch.library.Library | None:
         ("Autograd", _autograd),
     ):
         lib.impl("linear_cross_entropy", kernel, key)
-    return lib
-
-
-_lib = _register()  # kept: the definitions live as long as the Library object
+    _libs.append(lib)
 
 
 def linear_cross_entropy(x, weight, bias, target, ignore_index=-100, logits_dtype=None):
     """The op, called from Python."""
+    register()
     return torch.ops.ftpipe.linear_cross_entropy(
         x, weight, bias, target, ignore_index, logits_dtype
     )
