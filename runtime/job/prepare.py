@@ -60,6 +60,8 @@ def prepare_rank(run, rank: int, gpu: int):
         load_init(modules, config.init, plan)
     planned = run.topo.offload_optimizer & set(modules)  # the plan's per-stage choice
     offload = _offload(config, run.place, planned)
+    if offload is not None:  # the plan's stages whose gradients sum on the GPU, sent once a step
+        offload.on_device = run.topo.sums_on_device & planned
     offloaded = None if config.offload_optimizer else planned  # the flag: every stage
     sharded = _sharded(run)
     if sharded & planned:
