@@ -96,10 +96,7 @@ def _figures(plan, sim) -> dict:
         "partitioner": plan.partitioner,
         "samples_per_s": sim.samples_per_s,
         "step_time_s": sim.step_time_s,
-        "offload": [
-            "+".join(k for k in ("optimizer", "activations") if getattr(s.offload, k)) or "-"
-            for s in plan.stages
-        ],
+        "offload": [_what(s.offload) for s in plan.stages],
         "stage_gpus": [s.gpu for s in plan.stages],
         "gpu_memory_bytes": [g.peak_memory_bytes for g in sim.gpus],
         "host_memory_bytes": [n.host_bytes for n in sim.nodes],
@@ -109,6 +106,14 @@ def _figures(plan, sim) -> dict:
         "cpu_step_s": max((g.cpu_step_s for g in sim.gpus), default=0.0),
         "cpu_step_hidden": hidden,
     }
+
+
+def _what(off) -> str:
+    """'optimizer', 'optimizer (GPU sums)', 'activations', 'optimizer+activations' or '-'."""
+    parts = [k for k in ("optimizer", "activations") if getattr(off, k)]
+    if off.sums_on_device:
+        parts[0] += " (GPU sums)"
+    return "+".join(parts) or "-"
 
 
 def plan_case(part: str) -> dict:
@@ -206,7 +211,8 @@ def markdown(data: dict) -> str:
         "quick partitioners, analytic costs at layer granularity, the task's shapes. Offload "
         "per stage as `stage@GPU: what`; host memory per node against the hardware file's "
         "(rtx4090: an assumed 8-GPU PCIe 4.0 server, 512 GiB); host traffic per step over all "
-        "GPUs (down: gradients each micro-batch and activations; up: weights each step and "
+        "GPUs (down: gradients each micro-batch, or their fp32 sums once a step where a stage "
+        "sums them on its GPU (`GPU sums`), and activations; up: weights each step and "
         "activations); the CPU step of the busiest GPU and the share of it the schedule hides.",
         "",
         "| model, GPUs | training | fits | schedule / partitioner | samples/s | offload "
@@ -235,10 +241,13 @@ def markdown(data: dict) -> str:
             )
     lines += [
         "",
-        "Where an offloaded step's time goes: the runtime copies every micro-batch's gradients to "
-        "the host and sums them there in fp32 (`ftpipe_runtime.train.offload`: the same "
-        "additions as without offload), so the host link and the CPUs see m x the weights "
-        "per step (the traffic column), on the GPU's stream and the rank's thread; the CPU step "
+        "Where an offloaded step's time goes: a stage streaming its gradients copies every "
+        "micro-batch's to the host and sums them there in fp32, so the host link and the CPUs "
+        "see m x the weights per step, on the GPU's stream and the rank's thread; a stage with "
+        "`GPU sums` (the planner's choice where that sends fewer bytes, m > 2 in bf16, and its "
+        "GPU fits the fp32 sums) sums them on its GPU and copies the sum (4 B an element) "
+        "down once, at its step (`ftpipe_runtime.train.offload`: either way the same "
+        "additions as without offload); the CPU step "
         "itself blocks its rank, so under FTPipe it is hidden only on a GPU with slack (none "
         "here: the plans balance the GPUs), under a flush only behind the next step's "
         "forwards of earlier stages.",

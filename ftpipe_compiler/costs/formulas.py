@@ -133,15 +133,17 @@ def weight_copies(policy) -> int:
 
 
 def stage_memory(
-    *, trainable_bytes, frozen_bytes, state_bytes, input_bytes, act_bytes, policy, offload=None
-) -> tuple:
+    *, trainable_bytes, frozen_bytes, state_bytes, input_bytes, act_bytes, policy, offload=None,
+    device_sums=0,
+) -> tuple:  # fmt: skip
     """(bytes a stage holds throughout, bytes it needs on top while one backward runs).
     `offload` (`costs.host.Offload`, what the stage keeps on the host): its optimizer, and the
-    GPU holds no gradient sum, master or optimizer state; its activations, and the GPU holds
-    what it keeps for a backward (activations, or inputs where it recomputes) for at most
-    `ACTIVATIONS_ON_GPU` micro-batches."""
+    GPU holds no master or optimizer state, and no gradient sum unless it sums its gradients
+    on the device (`offload.sums_on_device`: `device_sums` bytes, `host.device_sum_bytes`);
+    its activations, and the GPU holds what it keeps for a backward (activations, or inputs
+    where it recomputes) for at most `ACTIVATIONS_ON_GPU` micro-batches."""
     if offload is not None and offload.optimizer:
-        state_bytes = 0 * state_bytes
+        state_bytes = 0 * state_bytes + (device_sums if offload.sums_on_device else 0)
     in_flight = policy.in_flight
     if offload is not None and offload.activations:
         in_flight = min(in_flight, ACTIVATIONS_ON_GPU)

@@ -31,7 +31,8 @@ it, each by the rule of the runtime code that holds it:
   (one per directed pair of GPUs that exchange messages, and the job's own), fragmentation;
 - where the device is the host (a CPU rank: `Host.device_is_host`), what its stages offload
   (`host.stage_host_bytes`): the same memory. A stage that offloads its optimizer keeps no
-  gradient sum, master or state here and makes no fp32 copy of a gradient here.
+  master or state here, no gradient sum unless it sums them on the device
+  (`Offload.sums_on_device`), and makes no fp32 copy of a gradient here.
 """
 
 from __future__ import annotations

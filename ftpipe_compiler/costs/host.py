@@ -5,6 +5,7 @@ moving it costs.
     host.share(offloading=4)            # (link bytes/s, CPU step bytes/s) of one GPU of 4
     host_param_bytes((4096, 4096), "bfloat16", "adamw", PRECISIONS["bf16"])   # 18 B a weight
     Offload(optimizer=True, activations=False)          # what one stage offloads
+    Offload(optimizer=True, gradients="device")         # its gradients summed on the GPU
     host_memory(plan)                   # node -> host bytes its offloaded stages hold
 
 A hardware file's `host` section describes the machine its GPUs sit in (its node):
@@ -34,6 +35,12 @@ What a stage offloads (`Offload`, the plan's per-stage `offload`):
   trainable tensor on the host (`host_param_bytes`, as `ftpipe_runtime.train.offload`'s doc
   counts them); the GPU keeps the weights it computes with and each gradient until its copy
   is issued;
+- optimizer with `gradients="device"` (`Offload.sums_on_device`): the gradients are summed on
+  the GPU in the master's dtype (`device_sum_bytes`: 4 bytes an element under mixed
+  precision, held throughout) and copied to the host once a step, at the stage's S, into
+  the master's gradient: no landing buffer on the host, nothing summed there, and the link
+  carries the sum (4 bytes an element) once a step instead of each micro-batch's gradients
+  (the weights' bytes, m times);
 - activations: what the stage keeps between a micro-batch's forward and its backward (its
   activations, or its inputs where it recomputes) on the host after the forward, fetched
   back one micro-batch ahead of its backward: the GPU keeps at most `ACTIVATIONS_ON_GPU`
@@ -60,9 +67,11 @@ __all__ = [
     "host_memory",
     "host_param_bytes",
     "host_step_bytes",
+    "device_sum_bytes",
     "host_sum_bytes",
     "nodes_of",
     "optimizer_times",
+    "stage_device_sum_bytes",
     "stage_host_bytes",
 ]
 
@@ -133,36 +142,48 @@ def _size(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def host_param_bytes(shape, dtype: str, optimizer: str, precision: Precision) -> int:
+def host_param_bytes(
+    shape, dtype: str, optimizer: str, precision: Precision, *, on_device: bool = False
+) -> int:
     """Host bytes of one trainable parameter whose optimizer is offloaded, as
     `ftpipe_runtime.train.offload` keeps it: its master (fp32 under mixed precision for a
     tensor in the compute dtype, else the tensor's own dtype), the optimizer's state (made
-    like the master), the summed gradient (the master's dtype) and the landing buffer (the
-    gradient's dtype: the weight's). `host_param_bytes((8, 8), "bfloat16", "adamw", bf16)`
-    -> 64 x (4 + 8 + 4 + 2)."""
+    like the master), the summed gradient (the master's dtype) and, unless its gradients
+    are summed `on_device`, the landing buffer (the gradient's dtype: the weight's).
+    `host_param_bytes((8, 8), "bfloat16", "adamw", bf16)` -> 64 x (4 + 8 + 4 + 2)."""
     numel = math.prod(shape)
     weight = _size(getattr(torch, dtype))
-    master = 4 if precision.master and dtype == precision.compute else weight
+    master = _master_size(dtype, precision)
     state = optimizer_state_elements(tuple(shape), optimizer) * master
-    return numel * (master + master + weight) + state
+    landing = 0 if on_device else weight
+    return numel * (master + master + landing) + state
+
+
+def device_sum_bytes(shape, dtype: str, precision: Precision) -> int:
+    """GPU bytes of one offloaded parameter's gradient sum where its stage sums on the device
+    (`Offload.sums_on_device`): the master's dtype, 4 bytes an element under mixed precision."""
+    return math.prod(shape) * _master_size(dtype, precision)
+
+
+def _master_size(dtype: str, precision: Precision) -> int:
+    """Bytes of an element of a parameter's master (and of its summed gradient)."""
+    return 4 if precision.master and dtype == precision.compute else _size(getattr(torch, dtype))
 
 
 def host_step_bytes(shape, dtype: str, optimizer: str, precision: Precision) -> int:
     """What the CPU's step of one offloaded parameter passes over: master, summed gradient
     and optimizer state (the landing buffer is not read by it)."""
-    numel = math.prod(shape)
-    weight = _size(getattr(torch, dtype))
-    master = 4 if precision.master and dtype == precision.compute else weight
-    return numel * 2 * master + optimizer_state_elements(tuple(shape), optimizer) * master
+    master = _master_size(dtype, precision)
+    return (
+        math.prod(shape) * 2 * master + optimizer_state_elements(tuple(shape), optimizer) * master
+    )
 
 
 def host_sum_bytes(shape, dtype: str, precision: Precision) -> int:
     """What adding one landed gradient into its sum passes over on the host: the landing
     buffer read, the sum read and written."""
-    numel = math.prod(shape)
     weight = _size(getattr(torch, dtype))
-    master = 4 if precision.master and dtype == precision.compute else weight
-    return numel * (weight + 2 * master)
+    return math.prod(shape) * (weight + 2 * _master_size(dtype, precision))
 
 
 def _precision(plan) -> Precision:
@@ -181,7 +202,9 @@ def stage_host_bytes(plan, stage, in_flight: int | None = None) -> int:
         for name in stage.params:
             p = params[name]
             if p.trainable:
-                total += host_param_bytes(p.shape, p.dtype, plan.optimizer, precision)
+                total += host_param_bytes(
+                    p.shape, p.dtype, plan.optimizer, precision, on_device=off.sums_on_device
+                )
     if off.activations and not stage.forward_only:
         policy = plan.policies[stage.id]
         n = policy.in_flight if in_flight is None else in_flight
@@ -195,12 +218,27 @@ class OptimizerTimes:
     """What offloading one stage's optimizer costs on a GPU's share of its node's host (as
     `ftpipe_runtime.train.offload` runs it): each micro-batch's gradients copied down and
     summed on the host (`grad_s`), the CPU's step (`cpu_s`), the new weights copied back
-    (`upload_s`); `grad_bytes`: one micro-batch's gradients (the weights' bytes)."""
+    (`upload_s`: `up_bytes`, the weights' bytes); `grad_bytes`: one micro-batch's gradients
+    (the weights' bytes). Summed
+    on the device (`Offload.sums_on_device`): no `grad_s`, `grad_bytes` 0, and at the step
+    the sums copied down once (`sum_s`, `sum_bytes`) before the CPU steps."""
 
     grad_s: float
     cpu_s: float
     upload_s: float
     grad_bytes: int
+    up_bytes: int
+    sum_s: float = 0.0
+    sum_bytes: int = 0
+
+    @property
+    def step_s(self) -> float:
+        """What the stage's S spends on the host: the sums down, the CPU step, weights up."""
+        return self.sum_s + self.cpu_s + self.upload_s
+
+    def per_step_s(self, m: int) -> float:
+        """Host seconds a step of m micro-batches adds to the stage's GPU list."""
+        return m * self.grad_s + self.step_s
 
 
 def optimizer_times(plan, stage, share: tuple[float, float, float]) -> OptimizerTimes:
@@ -210,8 +248,24 @@ def optimizer_times(plan, stage, share: tuple[float, float, float]) -> Optimizer
     owned = [params[n] for n in stage.params if params[n].trainable]
     nbytes = sum(p.bytes for p in owned)
     stepped = sum(host_step_bytes(p.shape, p.dtype, plan.optimizer, precision) for p in owned)
+    upload = nbytes / link
+    if stage.offload.sums_on_device:
+        sums = sum(device_sum_bytes(p.shape, p.dtype, precision) for p in owned)
+        return OptimizerTimes(0.0, stepped / step_bw, upload, 0, nbytes, sums / link, sums)
     summed = sum(host_sum_bytes(p.shape, p.dtype, precision) for p in owned)
-    return OptimizerTimes(nbytes / link + summed / sum_bw, stepped / step_bw, nbytes / link, nbytes)
+    return OptimizerTimes(
+        nbytes / link + summed / sum_bw, stepped / step_bw, upload, nbytes, nbytes
+    )
+
+
+def stage_device_sum_bytes(plan, stage) -> int:
+    """GPU bytes of `stage`'s gradient sums where it offloads its optimizer and sums its
+    gradients on the device (0 otherwise)."""
+    if not stage.offload.sums_on_device:
+        return 0
+    precision, params = _precision(plan), {p.name: p for p in plan.params}
+    owned = [params[n] for n in stage.params if params[n].trainable]
+    return sum(device_sum_bytes(p.shape, p.dtype, precision) for p in owned)
 
 
 def nodes_of(plan) -> dict[int, list[int]]:

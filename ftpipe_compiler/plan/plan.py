@@ -33,7 +33,7 @@ from ftpipe_runtime.spec import plan as spec
 from ..costs.cluster import Cluster
 from ..costs.formulas import PRECISIONS, MemoryReserve, param_bytes, period_s, stage_memory
 from ..costs.gpu_memory import GpuMemory, gpu_memory
-from ..costs.host import Host, host_memory
+from ..costs.host import Host, host_memory, stage_device_sum_bytes
 from ..errors import FtpipeError, PlanFormatError
 from ..units import mib
 from ..version import __version__
@@ -135,6 +135,7 @@ class Plan(spec.Plan):
             act_bytes=s.act_bytes,
             policy=policy,
             offload=s.offload,
+            device_sums=stage_device_sum_bytes(self, s),
         )
 
     def state_bytes(self, s: Stage) -> int:

@@ -16,6 +16,14 @@ nothing fits searches again with the partitioners told that every stage may offl
 (`Problem.offload`), each of their plans then trimmed to the least offload by this rule and
 simulated with the host's costs, so a plan that offloads never displaces one that need not.
 
+Where its gradients sum (`Offload.gradients`): an offloaded stage streams each micro-batch's
+gradients to the host (`host`: the GPU holds no sum), unless summing them on the GPU and
+copying the sum once a step (`device`) puts fewer bytes on the link — m x the weights'
+bytes against the sum's, so in bf16 with fp32 sums when m > 2 — and its GPU still fits with
+the sums (4 bytes an element): then it sums on the device (`_sums_on_device`, after the
+offload above, stages freeing the most link bytes first). Not with replicas: their
+all-reduce reads the gradients where the masters are, so the runtime streams them.
+
 Sharding (`--shard-optimizer`, `SHARD_MODES`; ZeRO-1, `ftpipe_runtime.train.zero`): with d
 replicas a stage may keep 1/d of its fp32 masters and optimizer state on each, its gradients
 reduce-scattered and its new weights all-gathered instead of all-reduced — no host traffic,
@@ -99,7 +107,7 @@ def choose_offload(plan: Plan, mode: str, shard: str = "auto") -> Plan:
         sharded = {i: trains[i] and not chosen[i].optimizer for i in sharded}
     plan = _with(plan, chosen, sharded, mode, shard)
     if mode != "auto" and not (shards and shard == "auto"):
-        return plan
+        return _sums_on_device(plan)
     kinds = (("optimizer", "activations") if mode == "auto" else ()) + ("shard",) * shards
     for g in range(plan.gpus):
         if plan.gpu_memory(g) <= plan.memory_bytes:
@@ -114,7 +122,35 @@ def choose_offload(plan: Plan, mode: str, shard: str = "auto") -> Plan:
             plan = _with(plan, chosen, sharded, mode, shard)
             if plan.gpu_memory(g) <= plan.memory_bytes:
                 break
+    return _sums_on_device(plan)
+
+
+def _sums_on_device(plan: Plan) -> Plan:
+    """`plan` with each offloaded stage's gradients summed on the GPU where that puts fewer
+    bytes on the host link and the GPU still fits (see the module doc)."""
+    if plan.replicas > 1:
+        return plan
+    m = plan.micro_batches
+    for g in range(plan.gpus):
+        if plan.gpu_memory(g) > plan.memory_bytes:
+            continue
+        saved = {}
+        for s in plan.stages_on(g):
+            if s.offload.optimizer and not s.offload.sums_on_device:
+                streamed = optimizer_times(plan, s, plan.host.share(1)).grad_bytes * m
+                summed = optimizer_times(plan, _summing(s), plan.host.share(1)).sum_bytes
+                if summed < streamed:
+                    saved[s.id] = streamed - summed
+        for sid in sorted(saved, key=lambda i: -saved[i]):
+            tried = plan.with_(stages=tuple(_summing(s) if s.id == sid else s for s in plan.stages))
+            if tried.gpu_memory(g) <= tried.memory_bytes:
+                plan = tried
     return plan
+
+
+def _summing(s):
+    """Stage s summing its offloaded gradients on the device."""
+    return replace(s, offload=replace(s.offload, gradients="device"))
 
 
 def _with(plan: Plan, chosen: dict[int, Offload], sharded: dict, mode: str, shard: str) -> Plan:
@@ -173,5 +209,4 @@ def _cost(plan: Plan, stage: int, kind: str) -> float:
         policy = plan.policies[s.id]
         kept = s.input_bytes if policy.recompute else s.act_bytes
         return 2 * m * kept / plan.host.share(1)[0] / freed
-    t = optimizer_times(plan, s, plan.host.share(1))
-    return (m * t.grad_s + t.cpu_s + t.upload_s) / freed
+    return optimizer_times(plan, s, plan.host.share(1)).per_step_s(m) / freed

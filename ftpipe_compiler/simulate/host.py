@@ -13,7 +13,10 @@ with the compute: the backward is that much longer), and the rank's thread adds 
 fp32 sum on the host before it goes on (`grad_s`: the gradients' bytes over the GPU's share
 of the host link, plus the sum's bytes over its share of the CPUs' `sum_bandwidth`; a split
 backward's W makes them). Its S waits for the last copies, steps on the CPU (`step_bandwidth`)
-and copies the new weights back before the GPU's stream goes on (`step_s`). Nothing else on
+and copies the new weights back before the GPU's stream goes on (`step_s`). A stage that sums
+its gradients on the device (`Offload.sums_on_device`) adds nothing to its backwards: its S
+first copies the sums down once (4 bytes an element under mixed precision, on the link
+before the CPU step: not overlapped with any backward), then steps and copies back. Nothing else on
 the rank runs meanwhile, so the CPU step costs the GPU's list its time; what it costs the
 step is what the other GPUs do not hide: under FTPipe's asynchronous schedule no GPU waits
 for another's step, so a GPU with slack absorbs it; under a synchronous one every GPU waits
@@ -71,14 +74,20 @@ class HostTraffic:
         self.step_s: dict[int, float] = {}  # stage -> its S on the host
         self.cpu_s: dict[int, float] = {}  # stage -> the CPU step alone
         self.grad_bytes: dict[int, int] = {}  # stage -> to the host per micro-batch
+        self.sum_s: dict[int, float] = {}  # stage -> its sums to the host at its S (on device)
+        self.sum_bytes: dict[int, int] = {}  # stage -> to the host once a step (on device)
+        self.up_bytes: dict[int, int] = {}  # stage -> its new weights back, once a step
         self.kept: dict[int, int] = {}  # stage -> activations to the host per micro-batch
         for s in plan.stages:
             if s.offload.optimizer:
                 t = optimizer_times(plan, s, share[s.gpu])
-                self.grad_bytes[s.id] = t.grad_bytes
-                self.grad_s[s.id] = t.grad_s
-                self.cpu_s[s.id] = t.cpu_s
-                self.step_s[s.id] = t.cpu_s + t.upload_s
+                if s.offload.sums_on_device:
+                    self.sum_s[s.id], self.sum_bytes[s.id] = t.sum_s, t.sum_bytes
+                else:
+                    self.grad_bytes[s.id] = t.grad_bytes
+                    self.grad_s[s.id] = t.grad_s
+                self.cpu_s[s.id], self.up_bytes[s.id] = t.cpu_s, t.up_bytes
+                self.step_s[s.id] = t.step_s
             if s.offload.activations and not s.forward_only:
                 recompute = policies[s.id].recompute
                 self.kept[s.id] = s.input_bytes if recompute else s.act_bytes
@@ -101,7 +110,7 @@ class HostTraffic:
 
     @property
     def active(self) -> bool:
-        return bool(self.grad_s or self.kept)
+        return bool(self.step_s or self.kept)
 
     def fetched(self, g: int, s: int, m: int, now: float) -> float:
         """When micro-batch m's kept tensors are back on GPU g for the backward due at `now`
@@ -132,8 +141,12 @@ class HostTraffic:
             self.d2h_free[g] = max(self.d2h_free.get(g, 0.0), begin + copy)
             self._mark(g, s, "D", a.mb, begin, begin + copy)
         elif a.kind == "S" and s in self.step_s:
-            cpu = start + self.cpu_s[s]
-            self._mark(g, s, "C", a.mb, start, cpu, step=True)
+            down = start + self.sum_s.get(s, 0.0)
+            if s in self.sum_s:  # the step's sums, once, before the CPU step
+                self.d2h_free[g] = max(self.d2h_free.get(g, 0.0), down)
+                self._mark(g, s, "D", a.mb, start, down, step=True)
+            cpu = down + self.cpu_s[s]
+            self._mark(g, s, "C", a.mb, down, cpu, step=True)
             self._mark(g, s, "U", a.mb, cpu, end, step=True)
 
     def _mark(self, g, s, kind, mb, start, end, step: bool = False) -> None:
@@ -143,11 +156,11 @@ class HostTraffic:
     def per_step(self, m: int) -> dict[int, dict]:
         """GPU -> its host traffic and CPU step per optimizer step (m micro-batches)."""
         out = {g: {"down": 0, "up": 0, "cpu_s": 0.0} for g in self.link}
-        for s, nbytes in self.grad_bytes.items():
-            g = self.gpu[s]
-            out[g]["down"] += m * nbytes
-            out[g]["up"] += nbytes
-            out[g]["cpu_s"] += self.cpu_s[s]
+        for s, cpu_s in self.cpu_s.items():
+            g, nbytes = self.gpu[s], self.grad_bytes.get(s)
+            out[g]["down"] += self.sum_bytes[s] if nbytes is None else m * nbytes
+            out[g]["up"] += self.up_bytes[s]
+            out[g]["cpu_s"] += cpu_s
         for s, nbytes in self.kept.items():
             g = self.gpu[s]
             out[g]["down"] += m * nbytes
@@ -180,7 +193,8 @@ def offload_lines(
             )
         else:
             why = f"--offload {mode}"
-        lines.append(f"stage {s.id} (GPU {s.gpu}) offloads its {s.offload.words()}: {why}")
+        summed = " (its gradients summed on the GPU, sent once a step)" * s.offload.sums_on_device
+        lines.append(f"stage {s.id} (GPU {s.gpu}) offloads its {s.offload.words()}{summed}: {why}")
     held = host_memory(plan)
     nodes = ", ".join(f"node {n}: {size(b)}" for n, b in sorted(held.items()) if b)
     lines.append(f"host memory: {nodes} of {size(plan.host.memory_bytes)} each")

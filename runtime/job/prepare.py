@@ -62,6 +62,8 @@ def prepare_rank(settled: Settled) -> Prepared:
         load_init(modules, config.init, plan)
     planned = topo.offload_optimizer & set(modules)  # the plan's per-stage choice
     offload = _offload(config, place, planned)
+    if offload is not None:  # the plan's stages whose gradients sum on the GPU, sent once a step
+        offload.on_device = topo.sums_on_device & planned
     offloaded = None if config.offload_optimizer else planned  # the flag: every stage
     sharded = _sharded(
         plan, config, replicas=place.reps.count, shrinking=settled.mode.shrinks is not None, say=say

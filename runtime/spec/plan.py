@@ -37,6 +37,7 @@ __all__ = [
     "PLAN_FORMAT",
     "PLAN_KIND",
     "READABLE_FORMATS",
+    "GRADIENT_SUMS",
     "Offload",
     "Plan",
     "PlanParam",
@@ -73,15 +74,30 @@ class Offload:
 
     optimizer: bool = False  # fp32 masters, optimizer state, summed gradients; the CPU steps
     activations: bool = False  # what it keeps for its backward, fetched back one ahead
+    # With `optimizer`: where its micro-batches' gradients are summed (`GRADIENT_SUMS`).
+    gradients: str = "host"
 
     @property
     def any(self) -> bool:
         return self.optimizer or self.activations
 
+    @property
+    def sums_on_device(self) -> bool:
+        """Its optimizer offloaded, its gradients summed on the GPU and sent once a step."""
+        return self.optimizer and self.gradients == "device"
+
     def words(self) -> str:
         """'optimizer state and activations', 'optimizer state', 'activations' or 'nothing'."""
         parts = ["optimizer state"] * self.optimizer + ["activations"] * self.activations
         return " and ".join(parts) or "nothing"
+
+
+# Where an offloaded optimizer's gradients are summed over a step's micro-batches
+# (`ftpipe_runtime.train.offload`; chosen per stage by the compiler's planner/offload.py).
+GRADIENT_SUMS = {
+    "host": "each micro-batch's gradient copied to the host as it is made, summed there",
+    "device": "summed on the GPU in fp32 (4 bytes an element), copied to the host once a step",
+}
 
 
 @dataclass(frozen=True)
@@ -353,6 +369,11 @@ def _check_stages(plan: Plan) -> None:
             raise PipelineConfigError(
                 f"stage {s.id}: its weight-gradient time {s.wgrad_s} is not part of its "
                 f"backward time {s.bwd_s}"
+            )
+        if s.offload.gradients not in GRADIENT_SUMS:
+            raise PipelineConfigError(
+                f"stage {s.id} sums its offloaded gradients on {s.offload.gradients!r:.40}, "
+                f"not one of {', '.join(GRADIENT_SUMS)}; compile the plan again"
             )
         if s.shard_optimizer and s.offload.optimizer:  # the runtime runs one or the other
             raise PipelineConfigError(

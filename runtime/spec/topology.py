@@ -5,6 +5,7 @@
     topo.remote_ranks("add_7")      # ranks other than the producer's that consume it
     topo.transfers["shared.weight"].weight   # a parameter its owner stage sends along
     topo.offload_optimizer          # stages the plan offloads the optimizer of: {1, 3}
+    topo.sums_on_device             # of those, the ones whose gradients sum on the GPU: {3}
 
 Pure bookkeeping over a checked plan (its checks are the plan's: `spec.plan.check_plan`):
 every rank builds the same Topology, so decisions taken from it (message order, process
@@ -80,6 +81,7 @@ class Topology:
         # What the planner chose to keep in host memory, per stage.
         self.offload_optimizer = frozenset(s.id for s in plan.stages if s.offload.optimizer)
         self.offload_activations = frozenset(s.id for s in plan.stages if s.offload.activations)
+        self.sums_on_device = frozenset(s.id for s in plan.stages if s.offload.sums_on_device)
         params = {p.name for p in plan.params}
         self.transfers = {t.tensor: _transfer(t, params) for t in plan.transfers}
         self.stage_ids = tuple(self.rank_of)

@@ -7,6 +7,7 @@ host memory, its optimizer step on the CPU.
     host.arrive(stage, master, g)   # a gradient made on the device: to the host, summed there
     host.settle(stage)              # at the stage's S: every copy landed, its .grad complete
     host.upload(stage, pairs)       # after the CPU step: the new weights back to the device
+    HostOffload(device, on_device={1})   # stage 1's gradients summed on the device (below)
 
 Every trainable weight gets a master on the host, a copy distinct from the weight even in fp32
 (fp32 under mixed precision, else the weight's dtype), so the optimizer's state, which it
@@ -25,6 +26,17 @@ copies into distinct host tensors: the same code path, nothing to wait for.
 Host memory per trainable element: the master (4 bytes under mixed precision), the optimizer's
 state (AdamW: 8), the summed gradient (4) and the landing buffer (the gradient's dtype: 2 in
 bf16); the device keeps the weight and, briefly, each gradient until its copy is issued.
+
+A stage in `on_device` (the plan's `offload.gradients == "device"`) streams nothing during its
+backwards: its gradients sum on the device, in the master's dtype, into an accumulator per
+weight (allocated once, reused every step) — the first copied in, the next added, the same
+operations in the same order as `add_grad` makes them into a master kept on the device, so
+the step is bit for bit the one without offload — and `settle` copies each sum once to the
+host, into a landing tensor that becomes the master's `.grad` (pinned on CUDA, reused: a
+stage's gradients set aside at its S are stepped before its next S). Per step the link then
+carries 4 bytes an element down (mixed precision) instead of the micro-batches' gradients,
+m x 2 bytes in bf16, and the host sums nothing; the device holds the sums (4 bytes an
+element), the host the masters, the optimizer state and the landed sums (no 16-bit buffer).
 """
 
 from __future__ import annotations
@@ -39,9 +51,13 @@ __all__ = ["HostOffload"]
 class HostOffload:
     """The host side of this rank's stages' masters (see the module doc)."""
 
-    def __init__(self, device):
+    def __init__(self, device, *, on_device=()):
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda"
+        self.on_device = frozenset(on_device)  # stages whose gradients sum on the device
+        self._sums: dict[int, torch.Tensor] = {}  # id(master) -> its sum on the device
+        self._landed: dict[int, torch.Tensor] = {}  # id(master) -> the sum's host copy
+        self._summing: dict[int, dict[int, torch.Tensor]] = {}  # stage -> id -> master, this step
         self._buffers: dict[int, torch.Tensor] = {}  # id(master) -> its gradient's landing
         self._pending: dict[int, dict[int, tuple]] = {}  # stage -> id(master) -> copy in flight
         self._uploads: dict[int, torch.cuda.Event] = {}  # stage -> its weights' copy back
@@ -55,6 +71,9 @@ class HostOffload:
     def arrive(self, stage: int, master: torch.Tensor, g: torch.Tensor) -> None:
         """A gradient `g` (on the device) of the weight whose master is `master`."""
         key = id(master)
+        if stage in self.on_device:
+            self._sum(stage, master, g)
+            return
         pending = self._pending.setdefault(stage, {})
         if key in pending:  # its buffer is about to be reused: sum what it holds first
             self._land(*pending.pop(key))
@@ -73,9 +92,22 @@ class HostOffload:
 
     def settle(self, stage: int) -> None:
         """Before the stage's step: its gradients summed on the host, and its last weights'
-        copy back to the device done (the step changes the masters it reads)."""
+        copy back to the device done (the step changes the masters it reads). Summed on the
+        device: each sum copied once into its master's `.grad`, waited for."""
         for master, buf, done in self._pending.pop(stage, {}).values():
             self._land(master, buf, done)
+        summing = self._summing.pop(stage, {})
+        for key, master in summing.items():
+            landed = self._landed.get(key)
+            if landed is None:
+                landed = torch.empty(
+                    master.shape, dtype=master.dtype, device="cpu", pin_memory=self.pinned
+                )
+                self._landed[key] = landed
+            landed.copy_(self._sums[key], non_blocking=self.pinned)
+            master.grad = landed
+        if summing and self.pinned:
+            torch.cuda.current_stream(self.device).synchronize()
         upload = self._uploads.pop(stage, None)
         if upload is not None:
             upload.synchronize()
@@ -89,6 +121,26 @@ class HostOffload:
             done = torch.cuda.Event()
             done.record()
             self._uploads[stage] = done
+
+    def forget(self, master: torch.Tensor) -> None:
+        """A master that trains no more (freeze training): its buffers let go."""
+        for held in (self._buffers, self._sums, self._landed):
+            held.pop(id(master), None)
+
+    @torch.no_grad()
+    def _sum(self, stage: int, master: torch.Tensor, g: torch.Tensor) -> None:
+        """`g` into the master's sum on the device: copied in first (as `add_grad` copies
+        the first into a fresh `.grad`), added after, in place from its own dtype."""
+        key = id(master)
+        summing = self._summing.setdefault(stage, {})
+        if key in summing:
+            self._sums[key].add_(g)
+            return
+        acc = self._sums.get(key)
+        if acc is None:
+            acc = self._sums[key] = torch.empty(g.shape, dtype=master.dtype, device=g.device)
+        acc.copy_(g)
+        summing[key] = master
 
     @staticmethod
     def _land(master: torch.Tensor, buf: torch.Tensor, done) -> None:

@@ -31,7 +31,8 @@ the stages' 16-bit weights (a checkpoint loaded at the compute dtype, as
 holds them. A weight traced in fp32 (T5's `wo` under fp16: transformers'
 `_keep_in_fp32_modules`) stays fp32 and is its own master. With `offload` (--offload-optimizer,
 `offload.HostOffload`) every trainable weight, fp32 ones included, of the stages `offloaded`
-(default: all) has its master on the host, where its gradients are summed and the optimizer
+(default: all) has its master on the host, where its gradients are summed (or, its stage in
+the offload's `on_device`, summed on the device and copied once a step) and the optimizer
 steps it; `settle(stage)` at the stage's step waits for the gradients' copies. The other
 stages keep theirs beside their weights, as without offload. A stage in `sharded`
 (--shard-optimizer: `zero`) keeps its masters in its `ShardedOptimizer` (`shards[stage]`),
@@ -246,11 +247,25 @@ class MixedPrecision:
             if n in names:
                 p.requires_grad_(False)
                 p.grad = master.grad = None
+                if self._host[stage] is not None:
+                    self._host[stage].forget(master)
                 gone.append(master)
             else:
                 kept.append((n, p, master))
         self._pairs[stage] = kept
         return gone
+
+    def stream_gradients(self) -> None:
+        """Every offloaded stage's gradients to the host as they are made (none summed on
+        the device): the replicas' all-reduce (`replicas.GradSync`) sums the masters'
+        gradients as they arrive, during the step's last backward."""
+        if self.offload is not None and self.offload.on_device:
+            if self.say is not None:
+                self.say(
+                    "ftpipe: note: with data-parallel replicas the offloaded stages' gradients "
+                    "go to the host as they are made (the plan summed some on the GPU)"
+                )
+            self.offload.on_device = frozenset()
 
     def multiplier(self) -> float:
         return self.loss_scale.scale if self.loss_scale else 1.0

@@ -150,6 +150,7 @@ class GradSync:
         self.order: dict[int, list[list[int]]] = {}  # stage -> its buckets
         self.refresh()
         precision.on_grad = self._ready
+        precision.stream_gradients()  # the sums must be in the masters' .grad as they arrive
         self._armed: dict[int, dict] = {}  # stage -> the backward in progress
         self._works: dict[int, list] = {}  # stage -> [(work, flat, bucket)] of its next step
 

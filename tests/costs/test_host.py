@@ -5,6 +5,7 @@ there, what the GPU keeps (`formulas.stage_memory`), and the hardware files' hos
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,20 +16,27 @@ from ftpipe_runtime.train.precision import MixedPrecision, get_precision
 
 from ftpipe_compiler.costs.formulas import PRECISIONS, param_bytes, stage_memory
 from ftpipe_compiler.costs.hardware import get_hardware
-from ftpipe_compiler.costs.host import Host, Offload, host_param_bytes
+from ftpipe_compiler.costs.host import (
+    Host,
+    Offload,
+    device_sum_bytes,
+    host_param_bytes,
+    optimizer_times,
+)
 from ftpipe_compiler.errors import FtpipeError
 from ftpipe_compiler.resources import config_names, load_config
 
 SHAPES = [(6, 5), (5,), (3, 5)]
 
 
-def _offloaded_bytes(precision: str, optimizer: str) -> tuple[int, int]:
-    """(host bytes, device bytes beyond the weights) after a backward, its landing and a step
-    of a small module offloaded by the runtime: every tensor it holds, counted by storage."""
+def _offloaded_bytes(precision: str, optimizer: str, on_device: bool = False):
+    """(host bytes, device gradients left beyond the weights, device sums' bytes) after a
+    backward, its landing and a step of a small module offloaded by the runtime: every tensor
+    it holds, counted by storage."""
     torch.manual_seed(0)
     p = get_precision(precision)
     net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3, bias=False)).to(p.dtype)
-    host = HostOffload("cpu")
+    host = HostOffload("cpu", on_device={0} if on_device else ())
     mixed = MixedPrecision(p, {0: net}, offload=host)
     opt = make_optimizer(optimizer, [t for _, t in mixed.trainable(0)], 0.01)
     for _ in range(2):  # two micro-batches: the landing buffer reused, the sum added to
@@ -41,7 +49,8 @@ def _offloaded_bytes(precision: str, optimizer: str) -> tuple[int, int]:
         held += [v for v in opt.state[master].values() if v.numel() == master.numel()]
     held += list(host._buffers.values())
     device = [w.grad for w in net.parameters() if w.grad is not None]
-    return sum(t.numel() * t.element_size() for t in held), len(device)
+    sums = sum(t.numel() * t.element_size() for t in host._sums.values())
+    return sum(t.numel() * t.element_size() for t in held), len(device), sums
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-pure"])
@@ -50,7 +59,7 @@ def test_host_bytes_are_what_the_runtime_allocates(precision, optimizer):
     """Master, summed gradient, optimizer state and landing buffer per trainable element, as
     the runtime's offload holds them (bf16 AdamW: 4 + 4 + 8 + 2 = 18 B); nothing of them left
     on the device (no gradient kept there)."""
-    got, device_grads = _offloaded_bytes(precision, optimizer)
+    got, device_grads, _ = _offloaded_bytes(precision, optimizer)
     compute = get_precision(precision).compute
     want = sum(host_param_bytes(s, compute, optimizer, PRECISIONS[precision]) for s in SHAPES)
     assert got == want
@@ -58,6 +67,42 @@ def test_host_bytes_are_what_the_runtime_allocates(precision, optimizer):
     numel = sum(math.prod(s) for s in SHAPES)
     if (precision, optimizer) == ("bf16", "adamw"):
         assert want == 18 * numel
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-pure"])
+def test_summed_on_the_device_the_gpu_holds_the_sums_the_host_no_landing_buffer(precision):
+    """Gradients summed on the device: the runtime's sums there are `device_sum_bytes` (fp32,
+    4 B an element, under bf16; bf16 under bf16-pure), its host tensors `host_param_bytes`
+    without the landing buffer (bf16 AdamW: 4 + 4 + 8 = 16 B)."""
+    got, device_grads, sums = _offloaded_bytes(precision, "adamw", on_device=True)
+    compute, cost = get_precision(precision).compute, PRECISIONS[precision]
+    want = sum(host_param_bytes(s, compute, "adamw", cost, on_device=True) for s in SHAPES)
+    assert (got, device_grads) == (want, 0)
+    assert sums == sum(device_sum_bytes(s, compute, cost) for s in SHAPES)
+    numel = sum(math.prod(s) for s in SHAPES)
+    if precision == "bf16":
+        assert (want, sums) == (16 * numel, 4 * numel)
+
+
+def test_summed_on_the_device_the_link_carries_the_sum_once_a_step(tiny_bf16_plan):
+    """The formula: 4 B an element down once a step (at the S, before the CPU step) in place
+    of the weights' 2 B per micro-batch and their sums on the host; the same CPU step and
+    upload; the GPU holds 4 B an element more than streaming."""
+    plan = tiny_bf16_plan
+    link = 5e9
+    share = (link, 1e10, 2e10)
+    for s in plan.stages:
+        numel = sum(math.prod(p.shape) for p in plan.params if p.name in s.params and p.trainable)
+        streamed = replace(s, offload=Offload(optimizer=True))
+        summed = replace(s, offload=Offload(optimizer=True, gradients="device"))
+        a, b = optimizer_times(plan, streamed, share), optimizer_times(plan, summed, share)
+        assert (a.grad_bytes, b.grad_bytes, b.grad_s) == (2 * numel, 0, 0.0)
+        assert b.sum_bytes == 4 * numel and b.sum_s == pytest.approx(4 * numel / link)
+        assert (b.cpu_s, b.upload_s, b.up_bytes) == (a.cpu_s, a.upload_s, a.up_bytes)
+        assert b.per_step_s(8) == pytest.approx(4 * numel / link + a.cpu_s + a.upload_s)
+        assert a.per_step_s(8) == pytest.approx(8 * a.grad_s + a.cpu_s + a.upload_s)
+        with_sums = plan.stage_memory(summed)[0] - plan.stage_memory(streamed)[0]
+        assert with_sums == 4 * numel
 
 
 def _policy(in_flight=5, recompute=False):
@@ -118,3 +163,16 @@ def test_a_bad_host_figure_is_one_sentence():
     d = dict(load_config("hardware", "rtx4090"))
     with pytest.raises(FtpipeError, match="hardware 'rtx4090': host memory_bytes must be a"):
         Hardware.from_json({**d, "host": {"memory_bytes": "lots"}})
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16_plan():
+    """GPT-2 tiny in bf16 with fp32 masters, 2 stages (analytic costs)."""
+    from ftpipe_compiler.costs.profilers import costed_graph
+    from ftpipe_compiler.partition import problem_from_graph, run_partitioner
+
+    *_, graph = costed_graph("gpt2-tiny", precision="bf16")
+    problem = problem_from_graph(graph, 2, "rtx4090", "1f1b", "adamw", 8)
+    plan = run_partitioner(problem, "even-layers").plan
+    assert plan.model.get("precision") == "bf16"
+    return plan

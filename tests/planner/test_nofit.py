@@ -157,10 +157,13 @@ def test_compile_offloads_only_when_nothing_fits_without(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     for g in (0, 1):
         assert re.search(
-            rf"stage \d \(GPU {g}\) offloads its optimizer state: GPU {g} would need [\d.]+ GiB "
+            rf"stage \d \(GPU {g}\) offloads its optimizer state( \([^)]*\))?: GPU {g} would "
+            r"need [\d.]+ GiB "
             r"of its 11.0 GiB without offload",
             r.output,
         ), r.output
     plan = json.loads((out / "plan.json").read_text())
-    assert [s["offload"] for s in plan["stages"]] == [{"optimizer": True, "activations": False}] * 2
+    assert all(
+        s["offload"]["optimizer"] and not s["offload"]["activations"] for s in plan["stages"]
+    )
     assert plan["model"]["offload"] == "auto" and plan["summary"]["feasible"]

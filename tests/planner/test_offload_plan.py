@@ -65,8 +65,10 @@ def test_auto_offloads_only_on_the_gpu_that_does_not_fit(plan):
 
 
 def test_forced_modes_offload_every_stage_that_has_it(plan):
+    """(The GPUs fit with room to spare, and in fp32 m = 4 micro-batches' gradients are 4 x
+    the sums' bytes: the gradients sum on the device.)"""
     opt = choose_offload(plan, "optimizer")
-    assert all(s.offload == Offload(optimizer=True) for s in opt.stages)
+    assert all(s.offload == Offload(optimizer=True, gradients="device") for s in opt.stages)
     act = choose_offload(plan, "activations")
     assert all(s.offload == Offload(activations=not s.forward_only) for s in act.stages)
 
@@ -80,7 +82,7 @@ def test_the_plan_file_keeps_each_stage_s_offload(plan, tmp_path):
     assert back == chosen
     assert back.to_dict() == chosen.to_dict()
     d = json.loads(path.read_text())
-    assert set(d["stages"][0]["offload"]) == {"optimizer", "activations"}
+    assert set(d["stages"][0]["offload"]) == {"optimizer", "activations", "gradients"}
     assert d["host"]["memory_bytes"] == plan.host.memory_bytes > 0
     # A plan written before offload (no per-stage field, no host): nothing offloaded.
     for s in d["stages"]:
@@ -116,7 +118,8 @@ def test_compile_without_need_writes_the_plan_of_offload_none(tmp_path):
         r = CliRunner().invoke(cli, args)
         assert r.exit_code == 0, r.output
         d = json.loads((out / "plan.json").read_text())
-        assert all(s["offload"] == {"optimizer": False, "activations": False} for s in d["stages"])
+        off = {"optimizer": False, "activations": False, "gradients": "host"}
+        assert all(s["offload"] == off for s in d["stages"])
         d.pop("command")
         d.pop("generated_by")  # the command line again, in the package's plan
         d.pop("search_seconds")
@@ -165,3 +168,31 @@ def test_a_cpu_rank_never_offloads_to_free_memory(problem):
     assert searches("optimizer", cpu.host) == ("optimizer",)
     on_cpu = replace(problem, hardware=cpu, offload="auto")
     assert on_cpu.gpu_param_split == on_cpu.param_split
+
+
+def _link_bytes(plan) -> int:
+    """Host bytes down per step over every offloaded stage (the simulator's figure)."""
+    from ftpipe_compiler.simulate import simulate
+
+    return sum(g.host_bytes_down for g in simulate(plan).gpus)
+
+
+def test_gradients_sum_on_the_device_when_it_sends_less_and_the_gpu_fits(plan):
+    """fp32 with m = 4: the sum (4 B) once against 4 x 4 B streamed: on the device, and the
+    host link carries a quarter; a GPU that would not fit with the sums streams them; with
+    one micro-batch streaming sends no more, so nothing changes."""
+    opt = choose_offload(plan, "optimizer")
+    streamed = plan.with_(stages=tuple(replace(s, offload=Offload(optimizer=True))
+                                       for s in plan.stages))  # fmt: skip
+    assert all(s.offload.sums_on_device for s in opt.stages)
+    assert _link_bytes(opt) * plan.micro_batches == _link_bytes(streamed)
+    need = {g: streamed.gpu_memory(g) for g in range(plan.gpus)}
+    full = max(need, key=need.get)
+    tight = plan.with_(memory_bytes=need[full])  # streaming fits exactly: no room for sums
+    chosen = choose_offload(tight, "optimizer")
+    assert not any(s.offload.sums_on_device for s in chosen.stages_on(full))
+    assert all(chosen.gpu_memory(g) <= tight.memory_bytes for g in range(plan.gpus))
+    one = choose_offload(plan.with_(micro_batches=1), "optimizer")
+    assert not any(s.offload.sums_on_device for s in one.stages)
+    replicated = choose_offload(plan.with_(replicas=2, placement=()), "optimizer")
+    assert not any(s.offload.sums_on_device for s in replicated.stages)

@@ -23,7 +23,7 @@ UPLOAD_S = 4 * NUMEL / 1e9  # the new weights back
 GRAD_S = 4 * NUMEL / 1e9 + 12 * NUMEL / 1e10  # a micro-batch's gradient down, and its sum
 
 
-def _plan(costs, schedule, gpu_of=None, offload=(), activations=(), m=4):
+def _plan(costs, schedule, gpu_of=None, offload=(), activations=(), m=4, gradients="host"):
     plan = make_plan(costs, gpu_of=gpu_of, schedule=schedule, micro_batches=m,
                      memory_bytes=10**12)  # fmt: skip
     params = tuple(
@@ -31,7 +31,12 @@ def _plan(costs, schedule, gpu_of=None, offload=(), activations=(), m=4):
         for p in plan.params
     )
     stages = tuple(
-        replace(s, offload=Offload(optimizer=s.id in offload, activations=s.id in activations))
+        replace(
+            s,
+            offload=Offload(
+                optimizer=s.id in offload, activations=s.id in activations, gradients=gradients
+            ),
+        )  # fmt: skip
         for s in plan.stages
     )
     return plan.with_(params=params, stages=stages, host=HOST)
@@ -50,6 +55,24 @@ def test_one_gpu_pays_the_whole_host_step():
     assert (off.gpus[0].host_bytes_down, off.gpus[0].host_bytes_up) == (m * 4 * NUMEL, 4 * NUMEL)
     assert off.step_time_s - plain.step_time_s >= CPU_S  # at least the CPU step: none hidden
     assert cpu_step_hidden(_plan([(1.0, 2.0, 0.0)], "gpipe", offload={0}), off) == pytest.approx(0)
+
+
+def test_gradients_summed_on_the_device_cross_once_at_the_step():
+    """Summed on the GPU: the backwards are the plain ones, the S copies the fp32 sum down
+    once (4 B an element) before the CPU step and the upload: m x fewer bytes down here."""
+    m = 4
+    plain = simulate(_plan([(1.0, 2.0, 0.0)], "gpipe", m=m))
+    plan = _plan([(1.0, 2.0, 0.0)], "gpipe", offload={0}, m=m, gradients="device")
+    off = simulate(plan)
+    device_step = _plan([(1.0, 2.0, 0.0)], "gpipe").stages[0].step_s
+    sum_s = 4 * NUMEL / 1e9
+    want = plain.step_time_s - device_step + sum_s + CPU_S + UPLOAD_S
+    assert off.step_time_s == pytest.approx(want, rel=1e-9)
+    assert (off.gpus[0].host_bytes_down, off.gpus[0].host_bytes_up) == (4 * NUMEL, 4 * NUMEL)
+    marks = [e for e in off.timeline if e.kind == "D"]
+    assert marks and all(e.end - e.start == pytest.approx(sum_s) for e in marks)
+    lines = offload_lines(plan, off)
+    assert "offloads its optimizer state (its gradients summed on the GPU, sent once" in lines[0]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -49,6 +49,21 @@ def test_a_compiled_plan_reads_back_to_itself(compiled):
     assert [s.offload for s in loaded.stages] == [s.offload for s in plan.stages]
 
 
+def test_where_offloaded_gradients_sum_reads_back_and_defaults_to_the_host(compiled):
+    """`offload.gradients`: a plan written before the field sums on the host (as it ran);
+    one summing on the device reads back to itself."""
+    d = json.loads((compiled / PACKAGE / "plan.json").read_text())
+    d["stages"][0]["offload"] = {"optimizer": True, "activations": False}  # before the field
+    d["stages"][1]["offload"] = {"optimizer": True, "activations": False, "gradients": "device"}
+    plan = RuntimePlan.from_dict(d)
+    assert [s.offload.gradients for s in plan.stages] == ["host", "device"]
+    assert [s.offload.sums_on_device for s in plan.stages] == [False, True]
+    again = RuntimePlan.from_dict(plan.to_dict())
+    assert again == plan
+    compiler = Plan.from_dict(plan.to_dict())  # the compiler's: its summary is its own
+    assert compiler.to_dict()["stages"] == plan.to_dict()["stages"]
+
+
 def test_the_runtime_reads_the_typed_plan_with_its_model_folder(compiled):
     plan = read_plan(compiled / PACKAGE / "plan.json")
     assert isinstance(plan, RuntimePlan) and plan.gpus == 2 and plan.stages[0].inputs == ()
@@ -79,7 +94,12 @@ def _sends_nobody(d):
     d["stages"][1]["inputs"].append("nobody_sends_this")
 
 
+def _sums_on_disk(d):
+    d["stages"][0]["offload"] = {"optimizer": True, "activations": False, "gradients": "disk"}
+
+
 DAMAGE = [
+    (_sums_on_disk, r"stage 0 sums its offloaded gradients on 'disk', not one of host, device"),
     (_drop_stages, r"incomplete or damaged \(KeyError: 'stages'\)"),
     (_gpu_as_text, r"Stage field 'gpu' cannot be 'one'"),
     (_future_format, r"plan format 99 was written by"),

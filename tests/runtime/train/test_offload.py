@@ -22,23 +22,26 @@ from runtime_toy import one_rank_plan, toy_plan
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
-def _trained(dtype: str, offload: bool):
-    """A two-layer module in `dtype`, two backwards summed (one through autograd's hook,
-    one through `add_grad` as a split backward's weight pass), clipped, stepped twice."""
+def _trained(dtype: str, offload: bool, on_device: bool = False):
+    """A two-layer module in `dtype`, three backwards summed (two through autograd's hook,
+    one through `add_grad` as a split backward's weight pass), clipped, stepped twice;
+    `on_device`: the offloaded gradients summed on the device, copied once a step."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
     net = net.to(getattr(torch, get_precision(dtype).compute))
-    mixed = MixedPrecision(
-        get_precision(dtype), {0: net}, offload=HostOffload("cpu") if offload else None
-    )
+    host = HostOffload("cpu", on_device={0} if on_device else ()) if offload else None
+    mixed = MixedPrecision(get_precision(dtype), {0: net}, offload=host)
     opt = make_optimizer("adamw", [t for _, t in mixed.trainable(0)], 0.05)
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)).to(net[0].weight.dtype)
     for _ in range(2):
         net(x).square().sum().backward()
+        net(x.flip(0)).pow(3).sum().backward()
         out = net(x * 2).sum()
         weights = list(net.parameters())
         for w, g in zip(weights, torch.autograd.grad(out, weights), strict=True):
             mixed.add_grad(w, g)
+        if on_device:  # nothing on the host before the stage's step
+            assert all(master.grad is None for _, master in mixed.trainable(0))
         mixed.settle(0)
         for _, master in mixed.trainable(0):
             master.grad.mul_(0.5)  # as clipping scales the gradients where they are
@@ -49,9 +52,10 @@ def _trained(dtype: str, offload: bool):
     return net, mixed, opt
 
 
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-sum", "device-sum"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_offloaded_masters_and_state_are_host_copies_with_the_same_update(dtype):
-    net, mixed, opt = _trained(dtype, offload=True)
+def test_offloaded_masters_and_state_are_host_copies_with_the_same_update(dtype, on_device):
+    net, mixed, opt = _trained(dtype, offload=True, on_device=on_device)
     ref, ref_mixed, _ = _trained(dtype, offload=False)
     weights = dict(net.named_parameters())
     held = {p.data_ptr() for p in net.parameters()}
@@ -67,6 +71,27 @@ def test_offloaded_masters_and_state_are_host_copies_with_the_same_update(dtype)
         assert torch.equal(master, want), name  # the same update, bit for bit
     for (name, p), (_, q) in zip(net.named_parameters(), ref.named_parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_device_sums_are_made_once_and_land_once_a_step():
+    """Summed on the device: one accumulator per weight in the master's dtype, and one
+    host copy of it, both reused by the next step (no 16-bit landing buffers)."""
+    _, mixed, _ = _trained("bf16", offload=True, on_device=True)
+    host = mixed.offload
+    masters = {id(t) for _, t in mixed.trainable(0)}
+    assert set(host._sums) == set(host._landed) == masters and not host._buffers
+    assert all(t.dtype == torch.float32 for t in host._sums.values())
+    held = {k: (t.data_ptr(), host._landed[k].data_ptr()) for k, t in host._sums.items()}
+    weights = [w for _, w in mixed.weights(0)]
+    x = torch.ones(2, weights[0].shape[1], dtype=torch.bfloat16)
+    y = torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(x, *weights[:2])),
+                                   *weights[2:])  # fmt: skip
+    y.sum().backward()  # another step's micro-batch
+    mixed.settle(0)
+    assert held == {k: (t.data_ptr(), host._landed[k].data_ptr()) for k, t in host._sums.items()}
+    for _, master in mixed.trainable(0):
+        assert master.grad is host._landed[id(master)]
+    assert all(w.grad is None for w in weights)  # the device keeps only its sums
 
 
 # --- 2 CPU ranks: the run with --offload-optimizer is the run without ---

@@ -13,6 +13,7 @@ import torch
 from ftpipe_runtime.spec.topology import Topology
 from ftpipe_runtime.train.offload import HostOffload
 from ftpipe_runtime.train.precision import MixedPrecision, get_precision
+from runtime_helpers import crash_and_resume
 from runtime_reference import checkpoint_params
 from runtime_toy import toy_plan
 
@@ -102,3 +103,67 @@ def test_a_package_offloading_some_stages_trains_as_the_one_without(
     assert off_weights.keys() == weights.keys()
     for name, value in weights.items():
         assert torch.equal(off_weights[name], value), name
+
+
+# --- gradients summed on the device (`offload.gradients == "device"`), copied once a step ---
+
+DEVICE_SUM = {"optimizer": True, "activations": False, "gradients": "device"}
+ARGV = ["--data", "copy", "--optimizer", "adamw", "--lr", "0.05", "--weight-decay", "0.01"]
+
+
+def _summing_on_device(plan: dict, stages) -> dict:
+    """`plan` with `stages` offloading their optimizer, their gradients summed on the device."""
+    chosen = [{**st, "offload": DEVICE_SUM} if st["id"] in stages else st for st in plan["stages"]]
+    return {**plan, "stages": chosen}
+
+
+def test_the_topology_reads_where_gradients_sum():
+    plan = _summing_on_device(toy_plan("two-ranks", "1f1b"), {2})
+    plan["stages"][1]["offload"] = {"optimizer": True, "activations": False}  # before the field
+    topo = Topology(plan)
+    assert (topo.offload_optimizer, topo.sums_on_device) == ({1, 2}, {2})
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize(("schedule", "dtype"), [("1f1b", "bfloat16"), ("ftpipe", "float32")])
+def test_gradients_summed_on_the_device_train_as_without_offload(
+    run_pipeline, tmp_path, schedule, dtype
+):
+    """Stages 0-2 of 4 (on both ranks) sum their gradients on the device and step on the
+    host: the same additions in the same order as without offload, the same CPU kernel, so
+    the weights are bit for bit those of the run without (bf16's masters included)."""
+    plain = toy_plan("two-ranks", schedule, 4, dtype)
+    name = {"bfloat16": "bf16", "float32": "fp32"}[dtype]
+    got = []
+    for label, plan in (("plain", plain), ("summed", _summing_on_device(plain, {0, 1, 2}))):
+        ckpt, log = tmp_path / label, tmp_path / f"{label}.json"
+        argv = [*ARGV, "--steps", str(STEPS), "--schedule", schedule, "--dtype", name,
+                "--clip", "0.5", "--save-every", str(STEPS), "--checkpoint-dir", str(ckpt),
+                "--log-json", str(log)]  # fmt: skip
+        codes, ranks = run_pipeline(plan, argv, name=label)
+        assert codes == [0, 0], ranks.stderr()
+        said = "optimizer state of stages 0, 1, 2 in host memory" in ranks.stderr(0)
+        assert said == (label == "summed"), ranks.stderr(0)
+        got.append(
+            (json.loads(log.read_text())["losses"], checkpoint_params(ckpt, STEPS, range(4)))
+        )
+    (losses, weights), (summed_losses, summed_weights) = got
+    assert summed_losses == losses
+    assert summed_weights.keys() == weights.keys()
+    for key, value in weights.items():
+        assert torch.equal(summed_weights[key], value), key
+
+
+@pytest.mark.multiproc
+def test_resume_with_gradients_summed_on_the_device_is_exact(run_pipeline, tmp_path):
+    """Stopped after a checkpoint and resumed, an ftpipe run whose stages sum their
+    gradients on the device ends where the uninterrupted one ends (the sums are a step's
+    alone: nothing of them is in the checkpoint, nothing lost)."""
+    plan = _summing_on_device(toy_plan("two-ranks", "ftpipe"), {0, 1, 2, 3})
+    argv = [*ARGV, "--steps", "6", "--save-every", "2"]
+    whole, resumed = crash_and_resume(
+        run_pipeline, tmp_path, plan, argv, range(4), fault="1:3:exit"
+    )
+    first = resumed["first_step"]
+    assert first in (2, 4)
+    assert resumed["losses"] == whole["losses"][first:]
