@@ -1,0 +1,84 @@
+"""The Llama part's package (2 stages on one GPU, bf16, 1F1B) run again with each memory tool
+of issue 35 (host offload): its optimizer state on the host with the gradients streamed
+there each micro-batch (`--offload-optimizer`), the same with the gradients summed on the GPU
+and sent once a step (the plan's `offload.gradients: device`), and its saved activations
+parked on the host (`--offload-activations`). For each: the step time against the simulator's
+for that plan (its host model: link, CPU step), the peak memory the GPU allocated against the
+plan's, and the losses against the plain run's (the CPU's AdamW steps the masters, not the
+GPU's fused one: equal within bf16 rounding, not bit for bit)."""
+
+from __future__ import annotations
+
+import copy
+
+from ..registry import Check, Findings, Skip, part
+from ..timing import peak_bytes, reset_peak
+from .llama import llama_package
+
+LOSS_TOLERANCE = 0.05  # absolute, on losses near 12 after a few steps (bf16, two AdamWs)
+
+
+def _offloaded(plan: dict, gradients: str | None, activations: bool) -> dict:
+    """The plan with every stage's optimizer state (`gradients`: where they sum; None: not
+    offloaded) or activations on the host."""
+    plan = copy.deepcopy(plan)
+    for s in plan["stages"]:
+        s["offload"] = {"optimizer": gradients is not None, "activations": activations,
+                        "gradients": gradients or "host"}  # fmt: skip
+    return plan
+
+
+def _simulated(plan: dict):
+    from ftpipe_compiler.plan import Plan
+    from ftpipe_compiler.simulate import simulate
+
+    return simulate(Plan.from_dict(plan), "1f1b", int(plan["micro_batches"]), steps=10)
+
+
+CASES = {  # name -> (where the gradients sum, None: no optimizer offload; activations)
+    "optimizer_streamed": ("host", False),
+    "optimizer_gpu_sums": ("device", False),
+    "activations": (None, True),
+}
+
+
+@part("offload", "Host offload: optimizer (streamed, GPU sums) and activations", cuda_s=300,
+      cpu_s=60, needs=("compiler", "transformers"))  # fmt: skip
+def offload(check: Check, found: Findings) -> None:
+    s, dev = check.sizes, check.device
+    base = check.results.get("llama") or {}
+    if "losses" not in base or "measured_step_s" not in base:
+        raise Skip("the llama part did not finish: nothing to compare with")
+    pkg = llama_package(check)
+    plain = pkg.one_rank()
+    m = int(plain["micro_batches"])
+    samples = m * s.llama_micro_batch
+    argv = ["--device", dev, "--dtype", s.llama_dtype, "--decay", "constant", "--schedule",
+            "1f1b", "--steps", str(s.llama_steps)]  # fmt: skip
+    found["plain"] = {"step_s": base["measured_step_s"], "losses": base["losses"],
+                      "peak_allocated": (base.get("measured_peak_bytes") or {}).get("allocated")}  # fmt: skip
+    for name, (gradients, activations) in CASES.items():
+        if check.left() < 60:
+            found.expect(False, f"{name}: not run, the check's time ran out")
+            break
+        plan = _offloaded(plain, gradients, activations)
+        sim = _simulated(plan)
+        reset_peak(dev)
+        summary = pkg.run(plan, argv, check.work / f"offload-{name}")
+        step = samples / summary["steady_samples_per_s"]
+        row = {"step_s": step, "simulated_step_s": sim.step_time_s,
+               "measured_to_simulated": step / sim.step_time_s,
+               "planned_peak_bytes": sim.gpus[0].peak_memory_bytes,
+               "host_bytes_down": sim.gpus[0].host_bytes_down,
+               "losses": summary["losses"], "slowdown": step / base["measured_step_s"]}  # fmt: skip
+        peak = peak_bytes(dev)
+        if peak:
+            row["peak_allocated"] = peak["allocated"]
+            row["allocated_to_planned"] = peak["allocated"] / row["planned_peak_bytes"]
+            if found["plain"]["peak_allocated"]:
+                row["allocated_to_plain"] = peak["allocated"] / found["plain"]["peak_allocated"]
+        found[name] = row
+        worst = max(abs(a - b) for a, b in zip(summary["losses"], base["losses"]))
+        found.expect(len(summary["losses"]) == len(base["losses"]) and worst <= LOSS_TOLERANCE,
+                     f"{name}: losses {summary['losses']} against {base['losses']} "
+                     f"(differ by {worst:.3g})")  # fmt: skip
