@@ -111,6 +111,9 @@ def _printed_with_sources(model, args: tuple, said: io.StringIO) -> None:
 
 @contextlib.contextmanager
 def _config(module, **values):
+    """Set these settings meanwhile; one this torch does not have is left alone (torch.fx's
+    `do_not_emit_stack_traces` is newer than 2.11: there the export just takes longer)."""
+    values = {k: v for k, v in values.items() if hasattr(module, k)}
     saved = {k: getattr(module, k) for k in values}
     for k, v in values.items():
         setattr(module, k, v)

@@ -211,7 +211,7 @@ class ActivationOffload:
     value read by many micro-batches)."""
 
     def __init__(self, device, stages: Iterable[int] = (), *, min_bytes: int = MIN_BYTES, keep=()):
-        self.device = torch.device(device)
+        self.device = _indexed(torch.device(device))
         self.stages = frozenset(stages)
         self.min_bytes, self.keep = min_bytes, frozenset(keep)
         self.stats = OffloadStats()
@@ -354,3 +354,11 @@ def _storage(t: torch.Tensor) -> int:
 
 def _storages(*groups) -> set[int]:
     return {_storage(t) for group in groups for t in group if isinstance(t, torch.Tensor)}
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """`cuda` as the tensors made there say it (`cuda:0`): the forward's tensors are compared
+    with it, and torch.device("cuda") equals no tensor's device."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
