@@ -12,12 +12,9 @@ that flows along them.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import math
-import types
-import typing
 from dataclasses import asdict, dataclass, field, replace
 
 import networkx as nx
@@ -25,6 +22,7 @@ import torch
 from ftpipe_runtime.atomic import write_atomic
 from ftpipe_runtime.errors import PipelineConfigError
 from ftpipe_runtime.spec.plan import step_work_s
+from ftpipe_runtime.spec.records import from_json as _typed
 from ftpipe_runtime.spec.topology import read_json as _read_json
 
 from ..errors import FtpipeError, PlanFormatError
@@ -252,48 +250,6 @@ def read_json(path, what: str) -> dict:
         return _read_json(path, what, "write it again")
     except PipelineConfigError as e:
         raise PlanFormatError(str(e)) from None
-
-
-def _typed(cls, d: dict):
-    """Build a frozen dataclass from JSON: lists back into tuples, and every field checked
-    against its annotation, so a hand-edited file fails here, in one sentence, and not deep
-    inside whatever reads the field first (TypeError naming the field)."""
-    if not isinstance(d, dict):
-        raise TypeError(f"a {cls.__name__} must be a JSON object, not {type(d).__name__}")
-    hints = _hints(cls)
-    values = {k: _to_tuple(v) for k, v in d.items() if k in hints}
-    for k, v in values.items():
-        if not _conforms(v, hints[k]):
-            raise TypeError(f"{cls.__name__} field {k!r} cannot be {v!r:.60}")
-    return cls(**values)
-
-
-@functools.cache
-def _hints(cls) -> dict:
-    return typing.get_type_hints(cls)
-
-
-def _conforms(v, hint) -> bool:
-    if hint is float:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-    if hint is int:
-        return isinstance(v, int) and not isinstance(v, bool)
-    if hint in (str, bool, dict):
-        return isinstance(v, hint)
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin is tuple:
-        if len(args) == 2 and args[1] is Ellipsis:
-            return isinstance(v, tuple) and all(_conforms(x, args[0]) for x in v)
-        return isinstance(v, tuple) and len(v) == len(args)
-    if origin in (typing.Union, types.UnionType):
-        return any(_conforms(v, a) for a in args)
-    if dataclasses.is_dataclass(hint):
-        return isinstance(v, hint)
-    return True  # not checked: the readers of such a field validate it
-
-
-def _to_tuple(v):
-    return tuple(_to_tuple(x) for x in v) if isinstance(v, list) else v
 
 
 def dtype_bytes(dtype: str) -> int:
