@@ -21,10 +21,12 @@ def wide(request):
 
 def test_a_row_that_fits_only_offloaded_says_what_and_how_much(wide):
     row = plan_row(wide, "rtx2080ti", 2)
-    assert row["feasible"] and row["offload"] == ["optimizer", "optimizer"]
+    # (each stage's optimizer on the host; its gradients summed on the GPU where that fits)
+    assert row["feasible"] and all(o.startswith("optimizer") for o in row["offload"])
+    assert len(row["offload"]) == 2
     assert all(b <= row["memory_bytes"] for b in row["gpu_memory_bytes"])
     assert row["host_memory_bytes"][0] <= row["host_capacity_bytes"]
-    assert row["host_bytes_down_per_step"] > row["host_bytes_up_per_step"] > 0  # m x grads
+    assert row["host_bytes_down_per_step"] >= row["host_bytes_up_per_step"] > 0  # grads, weights
     assert row["cpu_step_s"] > 0 and 0.0 <= row["cpu_step_hidden"] <= 1.0
     case = {"model": "wide", "task": "t", "gpus": 2, "hardware": "rtx2080ti",
             "rows": [{"label": "full", **row},
@@ -35,6 +37,6 @@ def test_a_row_that_fits_only_offloaded_says_what_and_how_much(wide):
                                                    "runs": runs, "overhead": 0.1,
                                                    "same_losses": True}})  # fmt: skip
     assert "| wide (t), 2 x rtx2080ti | full | yes |" in text
-    assert "0@0: optimizer, 1@1: optimizer" in text
+    assert "0@0: optimizer" in text and "1@1: optimizer" in text
     assert "| none | no (floor 16.0 GiB per GPU)" in text
     assert "+10%" in text and "the same bit for bit" in text
