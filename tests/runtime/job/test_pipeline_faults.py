@@ -97,7 +97,7 @@ def test_frozen_rank_is_named_after_timeout(tmp_path):
         stopped = time.monotonic()
         assert ranks.procs[0].wait(timeout=60) == 1, ranks.stderr(0)
         assert time.monotonic() - stopped < 30
-        said = r"ftpipe rank 0: gave up .*rank 1: rank 1 has sent no heartbeat for (\d+) s"
+        said = r"ftpipe rank 0: gave up .*: rank 1 has sent no heartbeat for (\d+) s"  # (a receive, or the gradient norm's sum)
         silent = re.search(said, ranks.stderr(0))
         assert silent and int(silent[1]) >= 3, ranks.stderr(0)
         assert "--timeout is 3 s" in ranks.stderr(0) and "Traceback" not in ranks.stderr(0)
