@@ -26,7 +26,7 @@ What the simulator charges and where it comes from (`configs/hardware/<name>.jso
 - the `host` section (optimizer offload: `ftpipe_compiler.costs.host`): `step_bandwidth`,
   the bytes of masters, summed gradients and AdamW state the runtime's offloaded step (torch's
   AdamW on CPU tensors, fused as `make_optimizer` makes it) steps per second on all of this
-  machine's cores (its node's rate; one thread's beside it), over `HOST_TENSORS` tensors of
+  machine's cores (its node's rate; one thread's beside it), over `host_rates.HOST_TENSORS` tensors of
   `HOST_NUMEL` fp32 elements (beyond the cache, as a large stage's are), fastest of
   `host_runs`; `sum_bandwidth`, a bf16 gradient's landing buffer added into its fp32 sum
   (`precision.add_grad`); `link_bandwidth` = `node_bandwidth`, a gradient copied into its
@@ -54,6 +54,8 @@ from pathlib import Path
 
 import ftpipe_runtime
 
+from benchmarks.host_rates import measure_host
+
 ftpipe_runtime.prepare_process()  # before torch loads: the CPU allocator a run uses
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
@@ -61,8 +63,6 @@ SMALL = (256, 1024)  # a transformer block's matrix: its step stays in cache
 LARGE = (50257, 256)  # GPT-2's embedding: its step streams from memory
 MATMUL = 1024  # the side of the square matmul that compares 16-bit math with fp32
 SIXTEEN_BIT = ("bfloat16", "float16")
-HOST_NUMEL = 8 * 2**20  # elements of one offloaded tensor: 32 MiB in fp32, beyond the cache
-HOST_TENSORS = 4
 
 
 def fit(rows, times) -> tuple[float, float]:
@@ -182,66 +182,6 @@ def sixteen_bit_peaks(peak_flops: float, matmul: dict) -> dict:
     dtype's matmul ran."""
     fp32 = matmul["float32_s"]
     return {name: float(f"{peak_flops * fp32 / matmul[f'{name}_s']:.3g}") for name in SIXTEEN_BIT}
-
-
-def measure_host(runs: int) -> dict:
-    """The offloaded step's, gradient sum's and landing copy's rates (see the module doc)."""
-    import os
-
-    import torch
-    from ftpipe_runtime.train.optim import make_optimizer
-    from ftpipe_runtime.train.precision import PRECISIONS, add_grad
-
-    from ftpipe_compiler.costs.host import host_step_bytes, host_sum_bytes
-
-    out = {"numel": HOST_NUMEL, "tensors": HOST_TENSORS, "cores": os.cpu_count() or 1}
-    shape, fp32 = (HOST_NUMEL,), PRECISIONS["fp32"]
-    step_bytes = HOST_TENSORS * host_step_bytes(shape, "float32", "adamw", fp32)
-    sum_bytes = host_sum_bytes(shape, "bfloat16", PRECISIONS["bf16"])
-    torch.manual_seed(0)
-    for threads in sorted({1, out["cores"]}):
-        torch.set_num_threads(threads)
-        masters = [torch.randn(HOST_NUMEL).requires_grad_(True) for _ in range(HOST_TENSORS)]
-        opt = make_optimizer("adamw", masters, lr=1e-4)
-        out["fused"] = bool(opt.defaults.get("fused"))
-        step = []
-        for i in range(runs + 1):
-            for m in masters:
-                m.grad = torch.randn_like(m) * 1e-3
-            start = time.perf_counter()
-            opt.step()
-            if i:  # the first step makes the state
-                step.append(time.perf_counter() - start)
-        landing = torch.randn(HOST_NUMEL).to(torch.bfloat16)
-        device_grad = torch.randn(HOST_NUMEL)
-        buf = torch.empty(HOST_NUMEL)
-        sums, copies = [], []
-        for _ in range(runs):
-            start = time.perf_counter()
-            add_grad(masters[0], landing)  # the sum exists after the first: an add in place
-            sums.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            buf.copy_(device_grad)
-            copies.append(time.perf_counter() - start)
-        out[f"threads_{threads}"] = {
-            "step_s": min(step),
-            "step_bandwidth": step_bytes / min(step),
-            "sum_bandwidth": sum_bytes / min(sums),
-            "copy_bandwidth": 4 * HOST_NUMEL / min(copies),
-        }
-    out["memory_bytes"] = memory_total_bytes()
-    return out
-
-
-def memory_total_bytes() -> int:
-    """This machine's memory (Linux /proc/meminfo), 0 when unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def measure_allreduce(runs: int, work: Path) -> dict:

@@ -10,13 +10,16 @@ here and proposed:
   as 1 / efficiency, so efficiency' = efficiency x simulated / measured.
 - `kernel_overhead_s`: the seconds of one tiny op (launch and dispatch).
 - `optimizer_bandwidth`: what the runtime's AdamW step streams per second on the device.
+- the `host` section (optimizer offload): `step_bandwidth` and `sum_bandwidth`, the GPU
+  host's CPUs stepping AdamW and summing gradients (`benchmarks.host_rates`, the better of
+  one thread and all cores), and `link_bandwidth`, the slower of the pinned copies each way.
 The matrix, copy and host<->device rates go into the file's `calibration` record beside
 them, with the date and device they were measured on.
 """
 
 from __future__ import annotations
 
-__all__ = ["applied", "propose"]
+__all__ = ["applied", "host_rates", "propose"]
 
 
 def propose(parts: list[dict], hardware: str | None, date: str) -> dict | None:
@@ -33,6 +36,9 @@ def propose(parts: list[dict], hardware: str | None, date: str) -> dict | None:
         "kernel_overhead_s": float(f"{r['op_overhead_s']:.3g}"),
         "optimizer_bandwidth": float(f"{r['optimizer_bandwidth']:.3g}"),
     }
+    host = host_rates(r)
+    if host:
+        proposed["host"] = host
     llama = by_name.get("llama", {}).get("figures", {})
     basis = "no Llama step measured: efficiency left as it is"
     if llama.get("measured_step_s") and llama.get("simulated_step_s"):
@@ -62,10 +68,25 @@ def propose(parts: list[dict], hardware: str | None, date: str) -> dict | None:
     }
 
 
+def host_rates(rates: dict) -> dict:
+    """The `host` section's measured rates (empty: the check measured no host)."""
+    host = rates.get("host")
+    if not host:
+        return {}
+    runs = [v for k, v in host.items() if k.startswith("threads_")]
+    best = {k: max(r[k] for r in runs) for k in ("step_bandwidth", "sum_bandwidth")}
+    link = min(rates["host_to_device"], rates["device_to_host"])
+    return {k: float(f"{v:.3g}") for k, v in {**best, "link_bandwidth": link}.items()}
+
+
 def applied(hw: dict, calib: dict) -> dict:
     """The hardware file `hw` with the proposal written in, the measurements kept in its
     `calibration` record and a line in its sources."""
-    hw = {**hw, **calib["proposed"]}
+    proposed = dict(calib["proposed"])
+    host = proposed.pop("host", None)
+    hw = {**hw, **proposed}
+    if host:
+        hw["host"] = {**hw.get("host", {}), **host}
     m = calib["measured"]
     hw["calibration"] = {k: calib[k] for k in ("date", "device", "torch", "measured", "basis")}
     g = m["gemm_tflops"]
@@ -76,7 +97,8 @@ def applied(hw: dict, calib: dict) -> dict:
         f"copies at {m['memory_bandwidth'] / 1e12:.2f} TB/s (read + written), host to device "
         f"{m['host_to_device'] / 1e9:.1f} GB/s, back {m['device_to_host'] / 1e9:.1f} GB/s; one "
         f"small op {m['op_overhead_s'] * 1e6:.1f} us; "
-        + ", ".join(f"{k} {v}" for k, v in calib["proposed"].items())
+        + ", ".join(f"{k} {v}" for k, v in proposed.items())
+        + (f"; host {', '.join(f'{k} {v:.3g}' for k, v in host.items())}" if host else "")
         + f" ({calib['basis']})"
     )
     hw["sources"] = [s for s in hw.get("sources", []) if not s.startswith("calibrated on ")]

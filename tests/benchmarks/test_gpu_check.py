@@ -232,3 +232,25 @@ def test_the_markdown_lists_every_part_and_its_problems():
                      "wall_s": 10, "parts": rows, "calibration": None})  # fmt: skip
     assert "| llama | failed | 9.0 | 90 | allocated 9 GiB, planned 7 GiB |" in text
     assert "- PROBLEM: allocated 9 GiB" in text and "1 passed, 1 failed" in text
+
+
+def test_the_gpu_hosts_cpu_rates_go_into_the_host_section(tmp_path):
+    """The offload model's CPU side measured on the GPU's host: the better of one thread and
+    all cores for the step and the sums, the slower pinned copy for the link; the node's
+    figures not measured (one GPU) stay."""
+    from ftpipe_compiler.costs.hardware import Hardware, get_hardware
+
+    parts = _gpu_parts()
+    parts[1]["figures"]["host"] = {
+        "threads_1": {"step_bandwidth": 4e9, "sum_bandwidth": 6e9, "copy_bandwidth": 9e9},
+        "threads_16": {"step_bandwidth": 2.04e10, "sum_bandwidth": 3e9, "copy_bandwidth": 3e10},
+    }
+    calib = propose(parts, "h200", "2026-11-27")
+    assert calib["proposed"]["host"] == {
+        "step_bandwidth": 2.04e10, "sum_bandwidth": 6e9, "link_bandwidth": 5e10}  # fmt: skip
+    old = get_hardware("h200").to_json()
+    hw = applied(old, calib)
+    assert hw["host"]["node_bandwidth"] == old["host"]["node_bandwidth"]
+    assert hw["host"]["step_bandwidth"] == 2.04e10 and "host step_bandwidth" in hw["sources"][-1]
+    Hardware.from_json(hw)  # still a hardware file
+    assert "host" not in propose(_gpu_parts(), "h200", "2026-11-27")["proposed"]

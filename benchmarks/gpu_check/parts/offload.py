@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 
+from ..calibration import host_rates
 from ..registry import Check, Findings, Skip, part
 from ..timing import peak_bytes, reset_peak
 from .llama import llama_package
@@ -28,11 +29,18 @@ def _offloaded(plan: dict, gradients: str | None, activations: bool) -> dict:
     return plan
 
 
-def _simulated(plan: dict):
+def _simulated(plan: dict, host: dict | None = None):
+    """The simulator's run of `plan`; `host`: the rates part's measured host rates in place of
+    the hardware file's (the step and sums the better of one thread and all cores)."""
+    from dataclasses import replace
+
     from ftpipe_compiler.plan import Plan
     from ftpipe_compiler.simulate import simulate
 
-    return simulate(Plan.from_dict(plan), "1f1b", int(plan["micro_batches"]), steps=10)
+    p = Plan.from_dict(plan)
+    if host:
+        p = p.with_(host=replace(p.host, **host))
+    return simulate(p, "1f1b", int(plan["micro_batches"]), steps=10)
 
 
 CASES = {  # name -> (where the gradients sum, None: no optimizer offload; activations)
@@ -57,6 +65,8 @@ def offload(check: Check, found: Findings) -> None:
             "1f1b", "--steps", str(s.llama_steps)]  # fmt: skip
     found["plain"] = {"step_s": base["measured_step_s"], "losses": base["losses"],
                       "peak_allocated": (base.get("measured_peak_bytes") or {}).get("allocated")}  # fmt: skip
+    measured_host = host_rates(check.results.get("rates") or {}) or None
+    found["measured_host"] = measured_host
     for name, (gradients, activations) in CASES.items():
         if check.left() < 60:
             found.expect(False, f"{name}: not run, the check's time ran out")
@@ -71,6 +81,10 @@ def offload(check: Check, found: Findings) -> None:
                "planned_peak_bytes": sim.gpus[0].peak_memory_bytes,
                "host_bytes_down": sim.gpus[0].host_bytes_down,
                "losses": summary["losses"], "slowdown": step / base["measured_step_s"]}  # fmt: skip
+        if measured_host:  # the same plan costed with the host this check measured
+            on_host = _simulated(plan, measured_host).step_time_s
+            row["simulated_step_s_measured_host"] = on_host
+            row["measured_to_simulated_measured_host"] = step / on_host
         peak = peak_bytes(dev)
         if peak:
             row["peak_allocated"] = peak["allocated"]

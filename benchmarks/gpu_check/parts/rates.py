@@ -91,5 +91,9 @@ def rates(check: Check, found: Findings) -> None:
     if dev == "cuda":
         found["host_bytes"] = s.host_bytes
         found.update(host_bandwidth(s.host_bytes))
+        from benchmarks.host_rates import measure_host
+
+        # the offload model's CPU side (the host's AdamW step and gradient sums), on this host
+        found["host"] = measure_host(runs=3)
         g = found["gemm_tflops"]
         found.expect(g["tf32"] > 2 * g["float32"], "TF32 products ran no faster than fp32 ones")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from ftpipe_runtime import run
@@ -126,3 +128,25 @@ def test_a_csv_on_two_gpus_deadlocking_names_where_each_waits(tmp_path, monkeypa
     plan = toy_plan("two-ranks", "gpipe", micro_batches=1)
     with pytest.raises(SystemExit, match="deadlock: GPU 0 at 2F0 waits for 1F0; GPU 1 at 3F0"):
         run(plan, STAGES, ["--steps", "1", "--schedule", str(path)])
+
+
+def _tensors() -> set[int]:
+    gc.collect()
+    return {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+
+
+@pytest.mark.parametrize(
+    "extra", [[], ["--dtype", "bf16"], ["--dtype", "bf16", "--offload-optimizer"]]
+)
+def test_a_run_leaves_no_tensor_behind_in_its_process(tmp_path, extra):
+    """A run in a process that goes on (a notebook, the GPU check's parts one after another)
+    frees its weights, masters and optimizer state: on an H200 a 1B model's ~20 GB stayed
+    allocated (a gradient hook on each weight, held where the garbage collector cannot see,
+    bound the run's precision object)."""
+    plan = one_rank_plan("1f1b", dtype="bfloat16" if extra else "float32")
+    run(plan, STAGES, ["--steps", "1", *extra[:2], "--checkpoint-dir", str(tmp_path / "warm")])
+    before = _tensors()
+    run(plan, STAGES, ["--steps", "2", *extra, "--checkpoint-dir", str(tmp_path / "run")])
+    left = _tensors() - before
+    shapes = [tuple(o.shape) for o in gc.get_objects() if id(o) in left]
+    assert not left, f"{len(left)} tensors outlived the run: {shapes[:8]}"
