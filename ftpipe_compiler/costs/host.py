@@ -65,6 +65,7 @@ __all__ = [
     "Offload",
     "OptimizerTimes",
     "host_memory",
+    "host_clip_bytes",
     "host_param_bytes",
     "host_step_bytes",
     "device_sum_bytes",
@@ -179,6 +180,14 @@ def host_step_bytes(shape, dtype: str, optimizer: str, precision: Precision) -> 
     )
 
 
+def host_clip_bytes(shape, dtype: str, precision: Precision) -> int:
+    """What clipping one offloaded parameter's summed gradient passes over on the host before
+    the step (the runtime's default `--clip 1.0`): read for the norm, read and written for the
+    scale. On the H200's host it took 0.5 s a step for a 1B model, more than the AdamW step's
+    0.34 s (docs/gpu-check.md, where the offloaded step's time goes)."""
+    return math.prod(shape) * 3 * _master_size(dtype, precision)
+
+
 def host_sum_bytes(shape, dtype: str, precision: Precision) -> int:
     """What adding one landed gradient into its sum passes over on the host: the landing
     buffer read, the sum read and written."""
@@ -217,7 +226,7 @@ def stage_host_bytes(plan, stage, in_flight: int | None = None) -> int:
 class OptimizerTimes:
     """What offloading one stage's optimizer costs on a GPU's share of its node's host (as
     `ftpipe_runtime.train.offload` runs it): each micro-batch's gradients copied down and
-    summed on the host (`grad_s`), the CPU's step (`cpu_s`), the new weights copied back
+    summed on the host (`grad_s`), the CPU's clip and step (`cpu_s`), the new weights copied back
     (`upload_s`: `up_bytes`, the weights' bytes); `grad_bytes`: one micro-batch's gradients
     (the weights' bytes). Summed
     on the device (`Offload.sums_on_device`): no `grad_s`, `grad_bytes` 0, and at the step
@@ -247,7 +256,11 @@ def optimizer_times(plan, stage, share: tuple[float, float, float]) -> Optimizer
     precision, params = _precision(plan), {p.name: p for p in plan.params}
     owned = [params[n] for n in stage.params if params[n].trainable]
     nbytes = sum(p.bytes for p in owned)
-    stepped = sum(host_step_bytes(p.shape, p.dtype, plan.optimizer, precision) for p in owned)
+    stepped = sum(
+        host_step_bytes(p.shape, p.dtype, plan.optimizer, precision)
+        + host_clip_bytes(p.shape, p.dtype, precision)
+        for p in owned
+    )
     upload = nbytes / link
     if stage.offload.sums_on_device:
         sums = sum(device_sum_bytes(p.shape, p.dtype, precision) for p in owned)

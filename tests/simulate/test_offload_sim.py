@@ -18,7 +18,8 @@ from ftpipe_compiler.simulate.simulator import cpu_step_hidden
 NUMEL = 2_000_000  # each stage's one fp32 weight: 8 MB
 HOST = Host(memory_bytes=10**12, link_bandwidth=1e9, node_bandwidth=4e9, step_bandwidth=2e8,
             sum_bandwidth=1e10, gpus_per_node=8)  # fmt: skip
-CPU_S = 2 * 4 * NUMEL / 2e8  # sgd: master and summed gradient, fp32: 0.08 s
+# sgd: master and summed gradient, fp32, and the clip's 3 passes over the gradient: 0.2 s
+CPU_S = (2 + 3) * 4 * NUMEL / 2e8
 UPLOAD_S = 4 * NUMEL / 1e9  # the new weights back
 GRAD_S = 4 * NUMEL / 1e9 + 12 * NUMEL / 1e10  # a micro-batch's gradient down, and its sum
 
