@@ -94,6 +94,8 @@ def gpus_that_fit(
                 sub = replace(problem, gpus=n, schedule=s)
             except FtpipeError:  # e.g. too few micro-batches for the schedule's pattern
                 continue
+            if not floor_fits(sub):  # no partition can fit: not worth one (~0.1-1 s each)
+                continue
             if evaluate(sub, "pipedream", math.nan, steps).status == "ok":
                 return n, s
     return None
