@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import random
 import time
+from typing import NamedTuple
 
 from ..costs.formulas import stage_memory
 from ..plan import Plan
@@ -71,14 +72,15 @@ def bisect(costs: NodeCosts, order: list[list[int]], gpus: int, rounds: int = 24
     """Smallest period (to 0.1%) whose greedy walk needs at most `gpus` slices."""
     lo = max(costs.problem.lower_bound(), 1e-12)
     hi = sum(costs.rec) + 1e-12
-    best = greedy(costs, order, hi, gpus)
+    atoms = {id(u): _Atom.of(costs, u) for u in order}  # each walk adds the same atoms
+    best = greedy(costs, order, hi, gpus, atoms)
     if best is None:
         return None
     for _ in range(rounds):
         if hi <= lo * 1.001:
             break
         mid = (lo + hi) / 2
-        got = greedy(costs, order, mid, gpus)
+        got = greedy(costs, order, mid, gpus, atoms)
         if got is None:
             lo = mid
         else:
@@ -86,25 +88,57 @@ def bisect(costs: NodeCosts, order: list[list[int]], gpus: int, rounds: int = 24
     return best
 
 
-def greedy(costs: NodeCosts, order: list[list[int]], period: float, gpus: int):
-    """Cut `order` from its end into slices within `period` and memory; None if > gpus."""
+def greedy(costs: NodeCosts, order: list[list[int]], period: float, gpus: int, atoms=None):
+    """Cut `order` from its end into slices within `period` and memory; None if > gpus.
+    `atoms`: id(atom) -> its `_Atom` (made here when not given)."""
     mem = costs.problem.memory
+    if atoms is None:
+        atoms = {id(u): _Atom.of(costs, u) for u in order}
     slices: list[list[list[int]]] = []
     cur: list[list[int]] = []
     state = _Slice(costs, depth=0, length=gpus)
     for u in reversed(order):
-        if not state.add(u, period, mem):
+        if not state.add(atoms[id(u)], period, mem):
             if not cur:
                 return None  # one atom alone is over the period or the memory
             slices.append(cur[::-1])
             if len(slices) >= gpus:
                 return None
             cur, state = [], _Slice(costs, depth=len(slices), length=gpus)
-            if not state.add(u, period, mem):
+            if not state.add(atoms[id(u)], period, mem):
                 return None
         cur.append(u)
     slices.append(cur[::-1])
     return slices[::-1]
+
+
+class _Atom(NamedTuple):
+    """What an atom adds to a slice, summed once (in node order, as a walk would sum it)."""
+
+    rec: float
+    last: float
+    act: int
+    has_out: bool
+    nodes: frozenset  # its nodes
+    out: dict  # node -> bytes of its output (what a slice stops receiving if it takes it)
+    ext: frozenset  # predecessors outside it
+    inputs: frozenset  # model inputs it reads
+    params: frozenset
+
+    @classmethod
+    def of(cls, c: NodeCosts, u: list[int]) -> _Atom:
+        mine = frozenset(u)
+        return cls(
+            rec=sum(c.rec[i] for i in u),
+            last=sum(c.last[i] for i in u),
+            act=sum(c.act[i] for i in u),
+            has_out=c.output in u,
+            nodes=mine,
+            out={i: c.out[i] for i in u},
+            ext=frozenset(p for i in u for p in c.preds[i] if p not in mine),
+            inputs=frozenset(x for i in u for x in c.inputs[i]),
+            params=frozenset(p for i in u for p in c.params[i]),
+        )
 
 
 class _Slice:
@@ -120,20 +154,20 @@ class _Slice:
         self.params: set[int] = set()
         self.inputs: set[int] = set()
 
-    def add(self, u: list[int], period: float, mem: int) -> bool:
-        """Take atom u if the slice stays within period and memory."""
+    def add(self, a: _Atom, period: float, mem: int) -> bool:
+        """Take atom `a` if the slice stays within period and memory."""
         c = self.c
-        rec = self.rec + sum(c.rec[i] for i in u)
-        last = self.last + sum(c.last[i] for i in u)
-        act = self.act + sum(c.act[i] for i in u)
-        has_out = self.has_out or c.output in u
-        mine = set(u)
-        inb = self.inb - sum(c.out[i] for i in u if i in self.counted)
-        ext = {p for i in u for p in c.preds[i] if p not in mine} - self.counted
+        rec = self.rec + a.rec
+        last = self.last + a.last
+        act = self.act + a.act
+        has_out = self.has_out or a.has_out
+        mine = a.nodes
+        inb = self.inb - sum(a.out[i] for i in mine & self.counted)
+        ext = a.ext - self.counted
         inb += sum(c.out[p] for p in ext)
-        new_in = {x for i in u for x in c.inputs[i]} - self.inputs
+        new_in = a.inputs - self.inputs
         inb += sum(c.input_bytes[x] for x in new_in)
-        new_p = {p for i in u for p in c.params[i]} - self.params
+        new_p = a.params - self.params
         trainable = self.trainable + sum(c.ptrainable[p] for p in new_p)
         frozen = self.frozen + sum(c.pfrozen[p] for p in new_p)
         state = self.state + sum(c.pstate[p] for p in new_p)

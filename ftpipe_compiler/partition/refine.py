@@ -67,13 +67,16 @@ def refine(lay: Assignment, units: list[list[int]], max_moves: int = 20000) -> i
     near = [sorted({unit_of[i] for i in preds[k] + succs[k]}) for k in range(len(units))]
     # Units with a neighbour in another stage, by stage: the only ones that can move.
     border: dict[int, set[int]] = {s: set() for s in range(lay.nstages)}
+    where: dict[int, int] = {}  # unit -> the stage whose border holds it
 
     def update(k: int) -> None:
         s = lay.stage[units[k][0]]
-        for b in border.values():
-            b.discard(k)
+        was = where.pop(k, None)
+        if was is not None:
+            border[was].discard(k)
         if any(lay.stage[i] != s for i in preds[k]) or any(lay.stage[i] != s for i in succs[k]):
             border[s].add(k)
+            where[k] = s
 
     for k in range(len(units)):
         update(k)
