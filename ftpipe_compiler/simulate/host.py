@@ -27,7 +27,8 @@ A stage whose activations are offloaded copies what it keeps for a backward (its
 where it recomputes, else its activations) to the host after each forward, on a copy stream
 beside the compute, and fetches it back one backward ahead: the fetch for a micro-batch is
 issued when the stage's previous backward starts (or when the backward is due, for the
-first), so a backward waits only for what that did not hide. Each direction of a GPU's link
+first), so a backward waits only for what that did not hide; a forward whose stage's next
+backward is its own micro-batch's keeps its tensors (1F1B's last stage parks nothing). Each direction of a GPU's link
 carries one copy at a time (the gradient copies above occupy it too).
 
 A GPU's share of its node's link and CPUs is `Host.share` of the GPUs of the node that
@@ -92,6 +93,24 @@ class HostTraffic:
                 recompute = policies[s.id].recompute
                 self.kept[s.id] = s.input_bytes if recompute else s.act_bytes
         self.split = {a.stage for acts in lists.values() for a in acts if a.kind == "W"}
+        # A forward whose stage's next backward is the same micro-batch's keeps its tensors
+        # on the GPU, as the runtime does (`act_offload`: every forward of 1F1B's last stage,
+        # GPipe's last before its backwards): the round trip would only cost.
+        self.stays: set[tuple[int, int]] = set()
+        forwards = dict.fromkeys(self.kept, 0)
+        for acts in lists.values():
+            next_b: dict[int, int] = {}
+            for a in reversed(acts):
+                if a.stage not in self.kept:
+                    continue
+                if a.kind == "B":
+                    next_b[a.stage] = a.mb
+                elif a.kind == "F":
+                    forwards[a.stage] += 1
+                    if next_b.get(a.stage) == a.mb:
+                        self.stays.add((a.stage, a.mb))
+        stay = {s: sum(1 for t, _ in self.stays if t == s) for s in self.kept}
+        self.parked_share = {s: 1 - stay[s] / max(forwards[s], 1) for s in self.kept}
         # Each stage's backwards in list order: the one before each, whose start may fetch it.
         self.previous: dict[tuple[int, int], int] = {}
         for acts in lists.values():
@@ -117,6 +136,9 @@ class HostTraffic:
         (0.0 when the stage offloads none); the backward then starts and may fetch the next."""
         if s not in self.kept:
             return 0.0
+        if (s, m) in self.stays:
+            self.b_start[(s, m)] = now
+            return 0.0
         done = self.fetch_done.get((s, m))
         if done is None:
             before = self.previous.get((s, m))
@@ -132,6 +154,8 @@ class HostTraffic:
         """Action `a` ran on GPU g from `start` to `end`: its copies out, its marks."""
         s = a.stage
         if a.kind == "F" and s in self.kept:
+            if (s, a.mb) in self.stays:
+                return
             begin = max(end, self.d2h_free.get(g, 0.0))
             done = self.out_done[(s, a.mb)] = self.d2h_free[g] = begin + self.kept[s] / self.link[g]
             self._mark(g, s, "O", a.mb, begin, done)
@@ -162,9 +186,9 @@ class HostTraffic:
             out[g]["up"] += self.up_bytes[s]
             out[g]["cpu_s"] += cpu_s
         for s, nbytes in self.kept.items():
-            g = self.gpu[s]
-            out[g]["down"] += m * nbytes
-            out[g]["up"] += m * nbytes
+            g, parked = self.gpu[s], round(m * nbytes * self.parked_share[s])
+            out[g]["down"] += parked
+            out[g]["up"] += parked
         return out
 
 
