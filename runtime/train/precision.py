@@ -169,7 +169,7 @@ def plan_in(plan: dict, precision: Precision) -> dict:
     return {**plan, "transfers": transfers}
 
 
-def _weak_hook(owner: "MixedPrecision"):
+def _weak_hook(owner: MixedPrecision):
     ref = weakref.ref(owner)
 
     def accumulated(p: torch.Tensor) -> None:
