@@ -6,6 +6,8 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 OUT ?= out
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist): one per core, at most 4 (a test spawns up to 4 ranks itself).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 
 # What `make install` installs: the versions last tested (setup.cfg keeps ranges for users).
 CONSTRAINTS ?= constraints.txt
@@ -23,11 +25,11 @@ $(VENV)/.installed: setup.cfg pyproject.toml $(CONSTRAINTS)
 	touch $@
 
 test: install
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # Everything, the exhaustive parametrizations included (every schedule resumed: ~15 more minutes).
 test-all: install
-	$(BIN)/python -m pytest -q -m "exhaustive or not exhaustive" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "exhaustive or not exhaustive" $(PYTEST_ARGS)
 
 # The tests against the newest releases of everything but torch (its own venv), so that a new
 # transformers is met on purpose; when green, `make constraints` records them for install.
@@ -37,7 +39,7 @@ test-latest:
 	$(LATEST)/bin/python -m pip install -q "$(TORCH_SPEC)"
 	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[test]"
 	$(LATEST)/bin/python -m pip freeze --exclude-editable | grep -v -i -E '^(torch|ftpipe|pip|setuptools|wheel)=='
-	$(LATEST)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(LATEST)/bin/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # Write constraints.txt from the latest venv (after `make test-latest` passed).
 constraints:
