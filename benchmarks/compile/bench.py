@@ -75,7 +75,9 @@ def measure_cluster(out: Path, case=CLUSTER) -> dict:
             "--hardware", hardware]  # fmt: skip
     data = _compile(argv, out)
     p = data["planner"]
+    balance = _balance(Plan.load(out / "plan.json"))
     return {
+        **balance,
         "command": "ftpipe compile " + " ".join(argv),
         "load_before": load,
         "timings": data["timings"],
@@ -87,6 +89,23 @@ def measure_cluster(out: Path, case=CLUSTER) -> dict:
         "effective_speedup": p["effective_speedup"],
         "candidates": len(p["candidates"]),
     }
+
+
+def _balance(plan: Plan) -> dict:
+    """How evenly the chosen plan spreads its work: each GPU's compute seconds per micro-batch
+    (its stages' forward, backward and recompute), the busiest against the mean, and the
+    simulated time per micro-batch. With the same work spread evenly and the rest of each
+    micro-batch's time (transfers, the step, the all-reduce) unchanged, the time per
+    micro-batch would fall by busiest - mean: `balanced_speedup` is the effective speedup
+    then, a ceiling for any cut of the same shape and micro-batch size."""
+    policies = plan.policies
+    per_gpu: dict[int, float] = {}
+    for s in plan.stages:
+        per_gpu[s.gpu] = per_gpu.get(s.gpu, 0.0) + s.work_s(policies[s.id].recompute)
+    busiest, mean = max(per_gpu.values()), sum(per_gpu.values()) / len(per_gpu)
+    sim = plan.simulated or {}
+    per_micro_batch = float(sim.get("step_time_s", 0.0)) / plan.micro_batches
+    return {"busiest_gpu_s": busiest, "mean_gpu_s": mean, "per_micro_batch_s": per_micro_batch}
 
 
 FIGURES = Path(__file__).resolve().parents[2] / "docs"
@@ -158,6 +177,21 @@ def _cluster_markdown(c: dict) -> list[str]:
         f"{t['total_s']:.1f} s | {c['shape']}, {c['schedule']}, {c['partitioner']}, "
         f"{c['samples_per_s']:.2f} samples/s | {c['effective_speedup']:.1f} |",
         "",
+        *_balance_markdown(c),
         f"(load average {c['load_before']:.2f} when it started.)",
+        "",
+    ]
+
+
+def _balance_markdown(c: dict) -> list[str]:
+    if not c.get("per_micro_batch_s"):
+        return []
+    busiest, mean, per = c["busiest_gpu_s"], c["mean_gpu_s"], c["per_micro_batch_s"]
+    ceiling = c["effective_speedup"] * per / (per - (busiest - mean))
+    return [
+        f"What holds it back is balance: its busiest GPU computes {busiest * 1e3:.0f} ms per "
+        f"micro-batch against {mean * 1e3:.0f} ms on average, and a micro-batch takes "
+        f"{per * 1e3:.0f} ms. Spread evenly, the same work would give at most "
+        f"{ceiling:.1f} effective speedup; an operator is the smallest unit a cut moves.",
         "",
     ]
