@@ -5,11 +5,11 @@ spread of it would give."""
 from __future__ import annotations
 
 import pytest
+from partition.partition_helpers import make_graph, make_problem
 
 from benchmarks.compile.bench import _balance, _balance_markdown
 from ftpipe_compiler.partition import run_partitioner
 from ftpipe_compiler.simulate import simulate
-from partition.partition_helpers import make_graph, make_problem
 
 
 def test_balance_sums_each_gpus_stages_as_the_schedule_runs_them():
