@@ -192,6 +192,6 @@ def _balance_markdown(c: dict) -> list[str]:
         f"What holds it back is balance: its busiest GPU computes {busiest * 1e3:.0f} ms per "
         f"micro-batch against {mean * 1e3:.0f} ms on average, and a micro-batch takes "
         f"{per * 1e3:.0f} ms. Spread evenly, the same work would give at most "
-        f"{ceiling:.1f} effective speedup; an operator is the smallest unit a cut moves.",
+        f"{ceiling:.1f} effective speedup.",
         "",
     ]
