@@ -51,10 +51,8 @@ class Assignment:
         self._mem: list[int | None] = [None] * G
         self._stale: set[int] = set(range(G))  # GPUs whose period went (see periods)
         self._mem_key = (-1, -1)  # (policy epoch, loss stage) the kept memory was made under
-        # Build by "moving" every node in from nowhere (stage -1) so one code path keeps the books.
-        place, self.stage = self.stage, [-1] * c.n
-        for i in range(c.n):
-            self._move_node(i, place[i])
+        self._dirty = True
+        self._build()
         self._depths()
 
     # --- figures ---
@@ -145,6 +143,47 @@ class Assignment:
 
     def gpu_of(self) -> dict[int, int]:
         return dict(enumerate(self.gpu))
+
+    def _build(self) -> None:
+        """The books as moving every node in from nowhere would leave them (`_move_node`
+        keeps them from then on; test_assignment checks the two agree), counted in one pass
+        over nodes, tensors, model inputs and parameters: a search builds dozens of these."""
+        c, stage, gpu = self.c, self.stage, self.gpu
+        size, rec, last, act = self.size, self.rec, self.last, self.act
+        input_bytes, edges = self.input_bytes, self.stage_edges
+        for i in range(c.n):  # in node order: float sums as moving them in one by one
+            s = stage[i]
+            size[s] += 1
+            rec[s] += c.rec[i]
+            last[s] += c.last[i]
+            act[s] += c.act[i]
+            for u in c.preds[i]:
+                su = stage[u]
+                self.stage_readers[u][s] += 1
+                self.gpu_readers[u][gpu[s]] += 1
+                if su != s:
+                    edges[(su, s)] += 1
+            for x in c.inputs[i]:
+                self.input_readers[s][x] += 1
+            for p in c.params[i]:
+                self.param_readers[p][s] += 1
+        for u in range(c.n):  # tensor u: each other stage reading it receives it once
+            su = stage[u]
+            for s in self.stage_readers[u]:
+                if s != su:
+                    input_bytes[s] += c.out[u]
+            g, b = gpu[su], c.out[u]
+            for h in self.gpu_readers[u]:
+                if h != g:
+                    self.fwd[g] += b
+                    if c.grad[u]:
+                        self.bwd[h] += b
+        for s in range(self.nstages):
+            for x in self.input_readers[s]:
+                input_bytes[s] += c.input_bytes[x]
+        for p in range(len(c.pstatic)):
+            if self.param_readers[p]:
+                self._param(p, +1)
 
     # --- moves ---
     def move(self, nodes, t: int) -> list[int]:
