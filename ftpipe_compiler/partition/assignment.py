@@ -198,59 +198,63 @@ class Assignment:
             self._move_node(i, s)
 
     def _move_node(self, i: int, t: int) -> None:
-        c, a = self.c, self.stage[i]
+        """Node i (placed: `_build` placed them all) to stage t, every book kept."""
+        c, stage, a = self.c, self.stage, self.stage[i]
         if a == t:
             return
-        ga, gt = (self.gpu[a] if a >= 0 else -1), self.gpu[t]
-        self._touch(gt)
-        if a >= 0:
-            self._touch(ga)
+        ga, gt = self.gpu[a], self.gpu[t]
+        period, mem, stale = self._period, self._mem, self._stale  # _touch, inline: hot
+        period[ga] = mem[ga] = period[gt] = mem[gt] = None
+        stale.add(ga)
+        stale.add(gt)
         if ga != gt:  # tensor i now leaves from gt (its readers' GPUs are as they were)
             self._sender(i, ga, -1)
             self._sender(i, gt, +1)
         # Tensor i: stages that now receive it, or no longer do.
-        if a >= 0 and self.stage_readers[i].get(a):
-            self.input_bytes[a] += c.out[i]
-        if self.stage_readers[i].get(t):
-            self.input_bytes[t] -= c.out[i]
+        readers, out, input_bytes = self.stage_readers[i], c.out[i], self.input_bytes
+        if readers.get(a):
+            input_bytes[a] += out
+        if readers.get(t):
+            input_bytes[t] -= out
+        edge = self._edge
         for j in c.succs[i]:
-            sj = self.stage[j]
-            if sj >= 0:
-                self._edge(a, sj, -1)
-                self._edge(t, sj, +1)
+            sj = stage[j]
+            edge(a, sj, -1)
+            edge(t, sj, +1)
+        consumer = self._consumer
         for u in c.preds[i]:
-            su = self.stage[u]
-            if a >= 0:
-                self._consumer(u, su, a, ga, -1)
-                self._edge(su, a, -1)
-            self._consumer(u, su, t, gt, +1)
-            self._edge(su, t, +1)
-        for x in c.inputs[i]:
-            if a >= 0:
-                self.input_readers[a][x] -= 1
-                if not self.input_readers[a][x]:
-                    self.input_bytes[a] -= c.input_bytes[x]
-            if not self.input_readers[t][x]:
-                self.input_bytes[t] += c.input_bytes[x]
-            self.input_readers[t][x] += 1
+            su = stage[u]
+            consumer(u, su, a, ga, -1)
+            edge(su, a, -1)
+            consumer(u, su, t, gt, +1)
+            edge(su, t, +1)
+        if c.inputs[i]:
+            on_a, on_t = self.input_readers[a], self.input_readers[t]
+            for x in c.inputs[i]:
+                on_a[x] -= 1
+                if not on_a[x]:
+                    input_bytes[a] -= c.input_bytes[x]
+                if not on_t[x]:
+                    input_bytes[t] += c.input_bytes[x]
+                on_t[x] += 1
         for p in c.params[i]:
             self._param(p, -1)
-            if a >= 0:
-                self.param_readers[p][a] -= 1
-            self.param_readers[p][t] += 1
+            readers_p = self.param_readers[p]
+            readers_p[a] -= 1
+            readers_p[t] += 1
             self._param(p, +1)
-        if (a >= 0 and self.size[a] == 1) or not self.size[t]:
+        size = self.size
+        if size[a] == 1 or not size[t]:
             self._epoch += 1  # a stage empties or fills: chunks may shift
-        if a >= 0:
-            self.size[a] -= 1
-            self.rec[a] -= c.rec[i]
-            self.last[a] -= c.last[i]
-            self.act[a] -= c.act[i]
-        self.size[t] += 1
+        size[a] -= 1
+        self.rec[a] -= c.rec[i]
+        self.last[a] -= c.last[i]
+        self.act[a] -= c.act[i]
+        size[t] += 1
         self.rec[t] += c.rec[i]
         self.last[t] += c.last[i]
         self.act[t] += c.act[i]
-        self.stage[i] = t
+        stage[i] = t
 
     def _touch(self, g: int) -> None:
         """GPU g's figures changed (its stages' work, bytes, inputs or parameters)."""
