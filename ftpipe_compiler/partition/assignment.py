@@ -51,10 +51,8 @@ class Assignment:
         self._mem: list[int | None] = [None] * G
         self._stale: set[int] = set(range(G))  # GPUs whose period went (see periods)
         self._mem_key = (-1, -1)  # (policy epoch, loss stage) the kept memory was made under
-        # Build by "moving" every node in from nowhere (stage -1) so one code path keeps the books.
-        place, self.stage = self.stage, [-1] * c.n
-        for i in range(c.n):
-            self._move_node(i, place[i])
+        self._dirty = True
+        self._build()
         self._depths()
 
     # --- figures ---
@@ -146,6 +144,47 @@ class Assignment:
     def gpu_of(self) -> dict[int, int]:
         return dict(enumerate(self.gpu))
 
+    def _build(self) -> None:
+        """The books as moving every node in from nowhere would leave them (`_move_node`
+        keeps them from then on; test_assignment checks the two agree), counted in one pass
+        over nodes, tensors, model inputs and parameters: a search builds dozens of these."""
+        c, stage, gpu = self.c, self.stage, self.gpu
+        size, rec, last, act = self.size, self.rec, self.last, self.act
+        input_bytes, edges = self.input_bytes, self.stage_edges
+        for i in range(c.n):  # in node order: float sums as moving them in one by one
+            s = stage[i]
+            size[s] += 1
+            rec[s] += c.rec[i]
+            last[s] += c.last[i]
+            act[s] += c.act[i]
+            for u in c.preds[i]:
+                su = stage[u]
+                self.stage_readers[u][s] += 1
+                self.gpu_readers[u][gpu[s]] += 1
+                if su != s:
+                    edges[(su, s)] += 1
+            for x in c.inputs[i]:
+                self.input_readers[s][x] += 1
+            for p in c.params[i]:
+                self.param_readers[p][s] += 1
+        for u in range(c.n):  # tensor u: each other stage reading it receives it once
+            su = stage[u]
+            for s in self.stage_readers[u]:
+                if s != su:
+                    input_bytes[s] += c.out[u]
+            g, b = gpu[su], c.out[u]
+            for h in self.gpu_readers[u]:
+                if h != g:
+                    self.fwd[g] += b
+                    if c.grad[u]:
+                        self.bwd[h] += b
+        for s in range(self.nstages):
+            for x in self.input_readers[s]:
+                input_bytes[s] += c.input_bytes[x]
+        for p in range(len(c.pstatic)):
+            if self.param_readers[p]:
+                self._param(p, +1)
+
     # --- moves ---
     def move(self, nodes, t: int) -> list[int]:
         """Move nodes to stage t; returns their previous stages (for `undo`)."""
@@ -159,59 +198,63 @@ class Assignment:
             self._move_node(i, s)
 
     def _move_node(self, i: int, t: int) -> None:
-        c, a = self.c, self.stage[i]
+        """Node i (placed: `_build` placed them all) to stage t, every book kept."""
+        c, stage, a = self.c, self.stage, self.stage[i]
         if a == t:
             return
-        ga, gt = (self.gpu[a] if a >= 0 else -1), self.gpu[t]
-        self._touch(gt)
-        if a >= 0:
-            self._touch(ga)
+        ga, gt = self.gpu[a], self.gpu[t]
+        period, mem, stale = self._period, self._mem, self._stale  # _touch, inline: hot
+        period[ga] = mem[ga] = period[gt] = mem[gt] = None
+        stale.add(ga)
+        stale.add(gt)
         if ga != gt:  # tensor i now leaves from gt (its readers' GPUs are as they were)
             self._sender(i, ga, -1)
             self._sender(i, gt, +1)
         # Tensor i: stages that now receive it, or no longer do.
-        if a >= 0 and self.stage_readers[i].get(a):
-            self.input_bytes[a] += c.out[i]
-        if self.stage_readers[i].get(t):
-            self.input_bytes[t] -= c.out[i]
+        readers, out, input_bytes = self.stage_readers[i], c.out[i], self.input_bytes
+        if readers.get(a):
+            input_bytes[a] += out
+        if readers.get(t):
+            input_bytes[t] -= out
+        edge = self._edge
         for j in c.succs[i]:
-            sj = self.stage[j]
-            if sj >= 0:
-                self._edge(a, sj, -1)
-                self._edge(t, sj, +1)
+            sj = stage[j]
+            edge(a, sj, -1)
+            edge(t, sj, +1)
+        consumer = self._consumer
         for u in c.preds[i]:
-            su = self.stage[u]
-            if a >= 0:
-                self._consumer(u, su, a, ga, -1)
-                self._edge(su, a, -1)
-            self._consumer(u, su, t, gt, +1)
-            self._edge(su, t, +1)
-        for x in c.inputs[i]:
-            if a >= 0:
-                self.input_readers[a][x] -= 1
-                if not self.input_readers[a][x]:
-                    self.input_bytes[a] -= c.input_bytes[x]
-            if not self.input_readers[t][x]:
-                self.input_bytes[t] += c.input_bytes[x]
-            self.input_readers[t][x] += 1
+            su = stage[u]
+            consumer(u, su, a, ga, -1)
+            edge(su, a, -1)
+            consumer(u, su, t, gt, +1)
+            edge(su, t, +1)
+        if c.inputs[i]:
+            on_a, on_t = self.input_readers[a], self.input_readers[t]
+            for x in c.inputs[i]:
+                on_a[x] -= 1
+                if not on_a[x]:
+                    input_bytes[a] -= c.input_bytes[x]
+                if not on_t[x]:
+                    input_bytes[t] += c.input_bytes[x]
+                on_t[x] += 1
         for p in c.params[i]:
             self._param(p, -1)
-            if a >= 0:
-                self.param_readers[p][a] -= 1
-            self.param_readers[p][t] += 1
+            readers_p = self.param_readers[p]
+            readers_p[a] -= 1
+            readers_p[t] += 1
             self._param(p, +1)
-        if (a >= 0 and self.size[a] == 1) or not self.size[t]:
+        size = self.size
+        if size[a] == 1 or not size[t]:
             self._epoch += 1  # a stage empties or fills: chunks may shift
-        if a >= 0:
-            self.size[a] -= 1
-            self.rec[a] -= c.rec[i]
-            self.last[a] -= c.last[i]
-            self.act[a] -= c.act[i]
-        self.size[t] += 1
+        size[a] -= 1
+        self.rec[a] -= c.rec[i]
+        self.last[a] -= c.last[i]
+        self.act[a] -= c.act[i]
+        size[t] += 1
         self.rec[t] += c.rec[i]
         self.last[t] += c.last[i]
         self.act[t] += c.act[i]
-        self.stage[i] = t
+        stage[i] = t
 
     def _touch(self, g: int) -> None:
         """GPU g's figures changed (its stages' work, bytes, inputs or parameters)."""

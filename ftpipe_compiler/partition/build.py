@@ -7,9 +7,9 @@ Every partitioner ends here, so the figures of competing plans are computed one 
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, replace
 
-import networkx as nx
 from ftpipe_runtime.schedules import StageInfo, with_chunks
 
 from ..costs.formulas import optimizer_step_s
@@ -93,24 +93,24 @@ def _cut(problem: Problem, stage_of, gpu_of, partitioner: str) -> _Cut:
     copied = rematerialised(graph, stage_of, problem.bandwidth) if problem.rematerialise else {}
     # Stage graph and a deterministic topological numbering. Ties keep the caller's order, so
     # stages a Assignment numbered topologically keep their numbers (and parameters their owners).
-    sg = nx.DiGraph()
-    sg.add_nodes_from(stage_of[n.id] for n in graph.nodes)
+    succ: dict[int, set[int]] = {stage_of[n.id]: set() for n in graph.nodes}
     for e in graph.edges:
         a, b = stage_of[e.src], stage_of[e.dst]
         if a != b and e.src not in copied.get(b, ()):
-            sg.add_edge(a, b)
-    if not nx.is_directed_acyclic_graph(sg):
+            succ[a].add(b)
+    order = _lowest_first(succ)
+    if order is None:
         raise FtpipeError(f"{partitioner} produced a cyclic stage graph")
-    order = list(nx.lexicographical_topological_sort(sg, key=lambda s: s))
     renum = {old: new for new, old in enumerate(order)}
     sid = {n: renum[s] for n, s in stage_of.items()}
     copies = {renum[s]: sorted(ids, key=graph.index.get) for s, ids in copied.items()}
     readers = _param_readers(graph, sid, copies)
-    rg = nx.relabel_nodes(sg, renum)
-    rg.add_edges_from((r[0], x) for r in readers.values() for x in r[1:])
-    depth = {s: 0 for s in rg}
-    for s in reversed(list(nx.topological_sort(rg))):
-        depth[s] = max((depth[t] + 1 for t in rg.successors(s)), default=0)
+    after = {renum[a]: {renum[b] for b in bs} for a, bs in succ.items()}
+    for r in readers.values():  # a weight's readers wait for its owner (the lowest reader)
+        after[r[0]].update(r[1:])
+    depth = {s: 0 for s in range(len(order))}
+    for s in reversed(range(len(order))):  # every edge goes to a higher stage now
+        depth[s] = max((depth[t] + 1 for t in after[s]), default=0)
     consumers: dict[str, set[int]] = {}
     readers_of: dict[str, set[int]] = {}
     for e in graph.edges:
@@ -130,6 +130,26 @@ def _cut(problem: Problem, stage_of, gpu_of, partitioner: str) -> _Cut:
         readers_of=readers_of,
         shared=[p for p in graph.params if len(readers.get(p.name, ())) > 1],
     )
+
+
+def _lowest_first(succ: dict[int, set[int]]) -> list[int] | None:
+    """The stages in topological order, the lowest id first among those ready (so ids
+    already topological keep their order); None when the stage graph has a cycle."""
+    indeg = dict.fromkeys(succ, 0)
+    for bs in succ.values():
+        for b in bs:
+            indeg[b] += 1
+    ready = [s for s, k in indeg.items() if not k]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        s = heapq.heappop(ready)
+        order.append(s)
+        for b in succ[s]:
+            indeg[b] -= 1
+            if not indeg[b]:
+                heapq.heappush(ready, b)
+    return order if len(order) == len(succ) else None
 
 
 def _param_readers(graph: OpGraph, sid, copies) -> dict[str, list[int]]:

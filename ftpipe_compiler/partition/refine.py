@@ -167,9 +167,9 @@ def _best_move(lay, g, units, border, preds, succs, cur, per, work):
 
 def _targets(lay: Assignment, s: int, preds: list[int], succs: list[int]) -> list[int]:
     """The legal neighbouring stages of a unit now in stage s (none if it is interior)."""
-    st = lay.stage
-    lo = max((st[p] for p in preds), default=-1)
-    hi = min((st[q] for q in succs), default=lay.nstages)
+    at = lay.stage.__getitem__
+    lo = max(map(at, preds)) if preds else -1
+    hi = min(map(at, succs)) if succs else lay.nstages
     out = []
     if 0 <= lo != s:
         out.append(lo)

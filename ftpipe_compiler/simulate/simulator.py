@@ -113,7 +113,7 @@ def simulate(
     except ScheduleError as e:
         raise FtpipeError(str(e)) from None
     try:
-        lists = sched.actions(infos, m, run_steps)
+        lists = _action_lists(sched, name, plan.recompute, infos, m, run_steps)
         if checked:
             validate(lists, StageGraph.of(infos, consumers), sched, m, run_steps)
     except ScheduleError as e:
@@ -143,6 +143,26 @@ def simulate(
     )
     run.go()
     return _result(plan, run, name, m, steps, run_steps, host)
+
+
+_KEEP_LISTS = 64
+_LISTS: dict[tuple, dict] = {}  # (schedule, recompute, stages, m, steps) -> lists, oldest first
+
+
+def _action_lists(sched, name: str, recompute: bool, infos, m: int, steps: int) -> dict:
+    """The schedule's action lists for these stages, kept: a search simulates many plans
+    whose stages sit alike (a chain of one stage per GPU under each schedule, Mixed-pipe's
+    candidates), and the lists depend on the built-in schedule and the stages' places alone
+    (a .csv schedule is read again each time). Each caller gets its own lists."""
+    if name.lower().endswith(".csv"):
+        return sched.actions(infos, m, steps)
+    key = (name, recompute, tuple(infos), m, steps)
+    got = _LISTS.get(key)
+    if got is None:
+        while len(_LISTS) >= _KEEP_LISTS:
+            _LISTS.pop(next(iter(_LISTS)))
+        got = _LISTS[key] = sched.actions(infos, m, steps)
+    return {g: list(acts) for g, acts in got.items()}
 
 
 def _result(plan: Plan, run: EventLoop, name: str, m: int, steps: int, run_steps: int,

@@ -85,3 +85,45 @@ def test_refine_never_raises_the_period_and_keeps_the_plan_valid(seed):
         plan = build_plan(problem, lay.stage_of(), lay.gpu_of(), "test")
         plan.validate()
         assert plan.period_s == pytest.approx(lay.period())
+
+
+def _books(lay: Assignment) -> dict:
+    """Every count an Assignment keeps (zero counts are as good as absent)."""
+
+    def nonzero(dicts):
+        return [{k: v for k, v in d.items() if v} for d in dicts]
+
+    return {
+        "stage": list(lay.stage),
+        "size": list(lay.size),
+        "act": list(lay.act),
+        "input_bytes": list(lay.input_bytes),
+        "owned": (list(lay.trainable), list(lay.frozen), list(lay.state)),
+        "traffic": (list(lay.fwd), list(lay.bwd)),
+        "edges": {k: v for k, v in lay.stage_edges.items() if v},
+        "readers": [
+            nonzero(d)
+            for d in (lay.stage_readers, lay.gpu_readers, lay.input_readers, lay.param_readers)
+        ],
+    }
+
+
+def test_a_fresh_assignment_keeps_the_books_moves_keep(seed):
+    """Built in one pass, an assignment holds what moving its nodes in leaves: one built
+    on other cuts of the graph order (as many stages, on the same GPUs) and moved node by
+    node onto these cuts keeps the same counts."""
+    rng = random.Random(seed)
+    for trial in range(8):
+        problem = make_problem(make_graph(rng.randint(8, 40), seed + trial), gpus=3)
+        costs = NodeCosts.of(problem)
+        stages = rng.randint(1, 6)
+        cuts = [sorted(rng.sample(range(1, costs.n), stages - 1)) for _ in range(2)]
+        there, here = ([sum(i >= c for c in cut) for i in range(costs.n)] for cut in cuts)
+        gpu_of = [rng.randrange(3) for _ in range(stages)]
+        lay, fresh = Assignment(costs, there, gpu_of), Assignment(costs, here, gpu_of)
+        for i in range(costs.n):
+            lay.move([i], here[i])
+        assert _books(lay) == _books(fresh)
+        assert lay.rec == pytest.approx(fresh.rec) and lay.last == pytest.approx(fresh.last)
+        assert lay.periods() == pytest.approx(fresh.periods())
+        assert [lay.memory(g) for g in range(3)] == [fresh.memory(g) for g in range(3)]

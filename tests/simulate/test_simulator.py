@@ -273,3 +273,26 @@ def test_a_synchronous_step_sends_its_new_weight_at_once(plan_factory, schedule)
     ev = {(e.stage, e.kind, e.mb): e for e in result.timeline}
     stepped = ev[(0, "S", 0)].end
     assert ev[(1, "F", 2)].start == pytest.approx(stepped + 2.0, abs=1e-6)
+
+
+def test_kept_action_lists_give_the_same_simulation_and_are_each_callers_own(plan_factory):
+    """simulate keeps a schedule's action lists for stages placed alike: a second simulation
+    of the plan (or a like one) finds them kept and simulates the same step, and what one
+    caller does to its lists never reaches the next."""
+    from ftpipe_compiler.simulate import simulator
+
+    plan = plan_factory([(1.0, 2.0, 0.5), (2.0, 3.0, 0.0), (1.5, 2.0, 1.0)], schedule="1f1b",
+                        micro_batches=4)  # fmt: skip
+    simulator._LISTS.clear()
+    first = simulate(plan, steps=3)
+    assert len(simulator._LISTS) == 1
+    again = simulate(plan, steps=3)
+    assert len(simulator._LISTS) == 1  # found, not made again
+    assert again.step_time_s == first.step_time_s and again.timeline == first.timeline
+    sched = get_schedule("1f1b")
+    args = (sched, "1f1b", plan.recompute, plan.stage_infos(), 4, 3)
+    mine = simulator._action_lists(*args)
+    assert mine == sched.actions(plan.stage_infos(), 4, 3)
+    for acts in mine.values():
+        acts.clear()
+    assert simulator._action_lists(*args) == sched.actions(plan.stage_infos(), 4, 3)
