@@ -81,7 +81,7 @@ def _offloaded(pkg, plan):
 
 
 # A known defect, not fixed yet: under 2bw, rank 1 (reading rank 0's tied embedding) peaked at
-# 239-273 MiB against 229.8 planned in six runs, over the 15% in two; a sampling probe saw six
+# 239-273 MiB against 229.8 planned in the five runs noted, over the 15% in two; a probe saw six
 # embedding-sized buffers alive at its peak where the plan counts five (received version,
 # gradient sum, held send, posted receive, autograd's transient). Which one is extra, and
 # when, depends on how far rank 0 runs ahead. gpipe's rank 1 keeps its plan within 0.5%.
