@@ -167,14 +167,13 @@ class OpGraph:
         ids = self.index
         # Every edge forwards in node order means no cycle; only a graph with an edge going
         # back is asked whether it has one (the clearer message).
-        if any(ids[e.src] >= ids[e.dst] for e in self.edges):
+        back = next((e for e in self.edges if ids[e.src] >= ids[e.dst]), None)
+        if back is not None:
             import networkx as nx
 
             if not nx.is_directed_acyclic_graph(self.nx):
                 raise FtpipeError("the operator graph has a cycle; this is a bug in tracing")
-        for e in self.edges:
-            if ids[e.src] >= ids[e.dst]:
-                raise FtpipeError(f"edge {e.src}->{e.dst} goes against the node order")
+            raise FtpipeError(f"edge {back.src}->{back.dst} goes against the node order")
         names = [p.name for p in self.params] + [a for p in self.params for a in p.aliases]
         if len(names) != len(set(names)):
             raise FtpipeError("a parameter name appears twice (tied weights not merged)")

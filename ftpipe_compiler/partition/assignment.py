@@ -51,7 +51,6 @@ class Assignment:
         self._mem: list[int | None] = [None] * G
         self._stale: set[int] = set(range(G))  # GPUs whose period went (see periods)
         self._mem_key = (-1, -1)  # (policy epoch, loss stage) the kept memory was made under
-        self._dirty = True
         self._build()
         self._depths()
 

@@ -7,7 +7,6 @@ Every partitioner ends here, so the figures of competing plans are computed one 
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, replace
 
 from ftpipe_runtime.schedules import StageInfo, with_chunks
@@ -16,6 +15,7 @@ from ..costs.formulas import optimizer_step_s
 from ..errors import FtpipeError
 from ..graph.opgraph import OpGraph
 from ..plan import Plan, PlanParam, Stage, Transfer
+from .indexed import lowest_first
 from .problem import Problem
 from .remat import rematerialised
 
@@ -98,7 +98,7 @@ def _cut(problem: Problem, stage_of, gpu_of, partitioner: str) -> _Cut:
         a, b = stage_of[e.src], stage_of[e.dst]
         if a != b and e.src not in copied.get(b, ()):
             succ[a].add(b)
-    order = _lowest_first(succ)
+    order = lowest_first(succ)
     if order is None:
         raise FtpipeError(f"{partitioner} produced a cyclic stage graph")
     renum = {old: new for new, old in enumerate(order)}
@@ -130,26 +130,6 @@ def _cut(problem: Problem, stage_of, gpu_of, partitioner: str) -> _Cut:
         readers_of=readers_of,
         shared=[p for p in graph.params if len(readers.get(p.name, ())) > 1],
     )
-
-
-def _lowest_first(succ: dict[int, set[int]]) -> list[int] | None:
-    """The stages in topological order, the lowest id first among those ready (so ids
-    already topological keep their order); None when the stage graph has a cycle."""
-    indeg = dict.fromkeys(succ, 0)
-    for bs in succ.values():
-        for b in bs:
-            indeg[b] += 1
-    ready = [s for s, k in indeg.items() if not k]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        s = heapq.heappop(ready)
-        order.append(s)
-        for b in succ[s]:
-            indeg[b] -= 1
-            if not indeg[b]:
-                heapq.heappush(ready, b)
-    return order if len(order) == len(succ) else None
 
 
 def _param_readers(graph: OpGraph, sid, copies) -> dict[str, list[int]]:

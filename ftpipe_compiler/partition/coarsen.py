@@ -13,7 +13,7 @@ move behind the merged group, which keeps the order topological without a global
 
 from __future__ import annotations
 
-from .indexed import NodeCosts
+from .indexed import NodeCosts, lowest_first
 
 
 class Coarse:
@@ -34,7 +34,7 @@ class Coarse:
                 if a != b:
                     self.succ[a].add(b)
                     self.pred[b].add(a)
-        self.order = _topological(self.members, self.succ, self.pred)
+        self.order = _topological(self.members, self.succ)
         self.pos = {g: k for k, g in enumerate(self.order)}
 
     def copy(self) -> Coarse:
@@ -98,22 +98,11 @@ class Coarse:
         return x
 
 
-def _topological(members, succ, pred) -> list[int]:
-    """Kahn's algorithm, smallest first node index first, so the order follows the graph's."""
-    import heapq
-
-    indeg = {g: len(pred[g]) for g in members}
-    heap = [(min(members[g]), g) for g in members if not indeg[g]]
-    heapq.heapify(heap)
-    out = []
-    while heap:
-        _, g = heapq.heappop(heap)
-        out.append(g)
-        for s in succ[g]:
-            indeg[s] -= 1
-            if not indeg[s]:
-                heapq.heappush(heap, (min(members[s]), s))
-    if len(out) != len(members):
+def _topological(members, succ) -> list[int]:
+    """Groups in topological order, the one with the smallest first node index first, so
+    the order follows the graph's."""
+    out = lowest_first({g: succ[g] for g in members}, lambda g: min(members[g]))
+    if out is None:
         raise ValueError("the groups given to Coarse form a cycle")
     return out
 

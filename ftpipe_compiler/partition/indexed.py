@@ -104,23 +104,33 @@ def topological_stages(costs: NodeCosts, stage_of: list[int]) -> list[int]:
         for j in costs.succs[i]:
             if stage_of[j] != s:
                 succ[s].add(stage_of[j])
-    indeg = dict.fromkeys(first, 0)
-    for s in succ:
-        for t in succ[s]:
-            indeg[t] += 1
-    heap = [(first[s], s) for s in first if not indeg[s]]
-    heapq.heapify(heap)
-    renum: dict[int, int] = {}
-    while heap:
-        _, s = heapq.heappop(heap)
-        renum[s] = len(renum)
-        for t in succ[s]:
-            indeg[t] -= 1
-            if not indeg[t]:
-                heapq.heappush(heap, (first[t], t))
-    if len(renum) != len(first):
+    order = lowest_first(succ, first.__getitem__)
+    if order is None:
         raise FtpipeError("internal error: a partitioner produced a cyclic stage graph")
+    renum = {s: k for k, s in enumerate(order)}
     return [renum[s] for s in stage_of]
+
+
+def lowest_first(succ: dict, key=None) -> list | None:
+    """The nodes of `succ` (node -> its successors) in topological order, the lowest `key`
+    (default: the node itself) first among those ready, so an order already topological by
+    that key is kept (Kahn's algorithm); None when the graph has a cycle."""
+    key = key or (lambda x: x)
+    indeg = dict.fromkeys(succ, 0)
+    for bs in succ.values():
+        for b in bs:
+            indeg[b] += 1
+    ready = [(key(x), x) for x, k in indeg.items() if not k]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, x = heapq.heappop(ready)
+        order.append(x)
+        for b in succ[x]:
+            indeg[b] -= 1
+            if not indeg[b]:
+                heapq.heappush(ready, (key(b), b))
+    return order if len(order) == len(succ) else None
 
 
 def infeasible(problem: Problem, partitioner: str, why: str = "") -> InfeasibleError:
