@@ -74,6 +74,8 @@ def finish(
         "optimizer_state_bytes": sum(map(state_bytes, prepared.optimizers.values())),
         "master_bytes": mixed.master_bytes(),
         "activation_offload": built.executor.offload.report(),
+        # Optimizer offload: the rank's seconds by phase (`train.offload.PHASES`), all steps.
+        "offload_seconds": mixed.offload.clock.seconds if mixed.offload is not None else None,
     }
     everyone = all_gather(mine, place.world, "finishing")
     summary = {
@@ -103,6 +105,8 @@ def finish(
     }
     if any(e["activation_offload"] for e in everyone):  # per rank: bytes parked on the host
         summary["activation_offload"] = [e["activation_offload"] for e in everyone]
+    if any(e["offload_seconds"] for e in everyone):  # per rank, None where nothing offloads
+        summary["offload_seconds"] = [e["offload_seconds"] for e in everyone]
     if place.rank == 0:
         mem = ", ".join(
             f"rank {r} {human_bytes(a)} ({human_bytes(b)} reserved)"
@@ -114,12 +118,27 @@ def finish(
             f"done: {config.steps - first} steps in {wall:.1f} s, "
             f"{summary['samples_per_s']:.1f} samples/s; peak memory {mem}"
         )
+        if summary.get("offload_seconds"):
+            progress.write(_offload_line(summary["offload_seconds"], config.steps - first))
         if config.log_json:
             write_atomic(config.log_json, json.dumps(summary, indent=1))
     if place.world > 1:
         barrier(place.world, "finishing")
         dist.destroy_process_group()
     return summary
+
+
+def _offload_line(per_rank: list[dict | None], steps: int) -> str:
+    """Where the optimizer offload's time went, per step, on the rank that spent most."""
+    rank, seconds = max(
+        ((r, s) for r, s in enumerate(per_rank) if s), key=lambda rs: sum(rs[1].values())
+    )
+    parts = ", ".join(
+        f"{name.replace('_', ' ')} {t / max(steps, 1):.3g} s"
+        for name, t in seconds.items()
+        if t > 0
+    )
+    return f"optimizer offload, per step on rank {rank}: {parts or 'nothing timed'}"
 
 
 def _first_replica(everyone: list[dict]) -> dict:

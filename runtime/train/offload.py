@@ -8,6 +8,7 @@ host memory, its optimizer step on the CPU.
     host.settle(stage)              # at the stage's S: every copy landed, its .grad complete
     host.upload(stage, pairs)       # after the CPU step: the new weights back to the device
     HostOffload(device, on_device={1})   # stage 1's gradients summed on the device (below)
+    host.clock.seconds                   # where the rank's time went, by phase (`PHASES`)
 
 Every trainable weight gets a master on the host, a copy distinct from the weight even in fp32
 (fp32 under mixed precision, else the weight's dtype), so the optimizer's state, which it
@@ -41,11 +42,46 @@ element), the host the masters, the optimizer state and the landed sums (no 16-b
 
 from __future__ import annotations
 
+import contextlib
+import time
+
 import torch
 
 from .precision import add_grad
 
-__all__ = ["HostOffload"]
+__all__ = ["PHASES", "Clock", "HostOffload"]
+
+# The rank thread's seconds by phase, which the simulator's host model predicts one by one
+# (`ftpipe_compiler.costs.host.optimizer_times`); on CUDA a wait is the time until the copy
+# or the compute before it is done, so the GPU-side split is visible from the host.
+PHASES = {
+    "to_host": "gradient copies issued to the host (on the CPU: made)",
+    "copy_wait": "waits for a gradient's copy to land",
+    "host_sums": "gradients added into the fp32 sums on the host",
+    "backward_wait": "at the step, waits for the device's queued work (GPU sums)",
+    "sum_copies": "the device's gradient sums copied to the host (GPU sums)",
+    "cpu_step": "the optimizer step on the CPU",
+    "to_device": "new weights' copies issued to the device",
+    "upload_wait": "waits for the previous step's weights to reach the device",
+}
+
+
+class Clock:
+    """Seconds this rank's thread spent in each phase, summed over the run.
+
+    clock = Clock(); with clock.phase("cpu_step"): optimizer.step()
+    """
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0
 
 
 class HostOffload:
@@ -61,6 +97,7 @@ class HostOffload:
         self._buffers: dict[int, torch.Tensor] = {}  # id(master) -> its gradient's landing
         self._pending: dict[int, dict[int, tuple]] = {}  # stage -> id(master) -> copy in flight
         self._uploads: dict[int, torch.cuda.Event] = {}  # stage -> its weights' copy back
+        self.clock = Clock()
 
     def master_of(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """A host copy of `weight` in `dtype` (pinned on CUDA), what the optimizer steps."""
@@ -82,12 +119,15 @@ class HostOffload:
             buf = torch.empty(g.shape, dtype=g.dtype, device="cpu", pin_memory=self.pinned)
             self._buffers[key] = buf
         if not self.pinned:
-            buf.copy_(g)
-            add_grad(master, buf)
+            with self.clock.phase("to_host"):
+                buf.copy_(g)
+            with self.clock.phase("host_sums"):
+                add_grad(master, buf)
             return
-        buf.copy_(g, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
+        with self.clock.phase("to_host"):
+            buf.copy_(g, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
         pending[key] = (master, buf, done)
 
     def settle(self, stage: int) -> None:
@@ -97,30 +137,43 @@ class HostOffload:
         for master, buf, done in self._pending.pop(stage, {}).values():
             self._land(master, buf, done)
         summing = self._summing.pop(stage, {})
-        for key, master in summing.items():
-            landed = self._landed.get(key)
-            if landed is None:
-                landed = torch.empty(
-                    master.shape, dtype=master.dtype, device="cpu", pin_memory=self.pinned
-                )
-                self._landed[key] = landed
-            landed.copy_(self._sums[key], non_blocking=self.pinned)
-            master.grad = landed
-        if summing and self.pinned:
-            torch.cuda.current_stream(self.device).synchronize()
+        if summing:
+            self._copy_sums(summing)
         upload = self._uploads.pop(stage, None)
         if upload is not None:
-            upload.synchronize()
+            with self.clock.phase("upload_wait"):
+                upload.synchronize()
+
+    def _copy_sums(self, summing: dict[int, torch.Tensor]) -> None:
+        """Each device sum once into its master's `.grad` on the host, waited for (first the
+        backwards still queued, timed apart from the copies)."""
+        stream = torch.cuda.current_stream(self.device) if self.pinned else None
+        if stream is not None:
+            with self.clock.phase("backward_wait"):
+                stream.synchronize()
+        with self.clock.phase("sum_copies"):
+            for key, master in summing.items():
+                landed = self._landed.get(key)
+                if landed is None:
+                    landed = torch.empty(
+                        master.shape, dtype=master.dtype, device="cpu", pin_memory=self.pinned
+                    )
+                    self._landed[key] = landed
+                landed.copy_(self._sums[key], non_blocking=self.pinned)
+                master.grad = landed
+            if stream is not None:
+                stream.synchronize()
 
     @torch.no_grad()
     def upload(self, stage: int, pairs) -> None:
         """(weight, master) pairs: the stepped masters into the device's weights."""
-        for weight, master in pairs:
-            weight.copy_(master, non_blocking=self.pinned)
-        if self.pinned:
-            done = torch.cuda.Event()
-            done.record()
-            self._uploads[stage] = done
+        with self.clock.phase("to_device"):
+            for weight, master in pairs:
+                weight.copy_(master, non_blocking=self.pinned)
+            if self.pinned:
+                done = torch.cuda.Event()
+                done.record()
+                self._uploads[stage] = done
 
     def forget(self, master: torch.Tensor) -> None:
         """A master that trains no more (freeze training): its buffers let go."""
@@ -142,7 +195,8 @@ class HostOffload:
         acc.copy_(g)
         summing[key] = master
 
-    @staticmethod
-    def _land(master: torch.Tensor, buf: torch.Tensor, done) -> None:
-        done.synchronize()
-        add_grad(master, buf)
+    def _land(self, master: torch.Tensor, buf: torch.Tensor, done) -> None:
+        with self.clock.phase("copy_wait"):
+            done.synchronize()
+        with self.clock.phase("host_sums"):
+            add_grad(master, buf)

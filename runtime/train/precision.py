@@ -49,6 +49,7 @@ into a gradient of that stage at that step, for tests of exactly this.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from dataclasses import dataclass
@@ -228,6 +229,11 @@ class MixedPrecision:
     def offloads(self, stage: int) -> bool:
         """Are this stage's masters and optimizer state on the host?"""
         return self._host.get(stage) is not None
+
+    def stepping(self, stage: int):
+        """Around the stage's optimizer step: offloaded, it is timed as the CPU's step."""
+        host = self._host.get(stage)
+        return host.clock.phase("cpu_step") if host is not None else contextlib.nullcontext()
 
     def trainable(self, stage: int) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor whose .grad the optimizer reads): the masters, or the weights (a

@@ -21,6 +21,8 @@ norm sums the slices' over the replicas too (`zero.replica_norms`).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .optim import clip_coef, squared_norm
@@ -82,7 +84,8 @@ class Stepper:
                     continue
                 for group in opt.param_groups:
                     group["lr"] = lr
-                opt.step()
+                with self._stepping(s):
+                    opt.step()
                 if self.precision is not None:
                     self.precision.after_step(s)
         for s in ev.stages:  # stepped, or skipped for an overflow: the gradients are spent
@@ -90,6 +93,12 @@ class Stepper:
                 p.grad = None
         if self.on_stepped is not None:
             self.on_stepped(ev, ev.step)
+
+    def _stepping(self, stage: int):
+        """Around a stage's optimizer step (offloaded: the CPU step, timed)."""
+        if self.precision is None:
+            return contextlib.nullcontext()
+        return self.precision.stepping(stage)
 
     def _trainable(self, stage: int):
         if self.precision is not None:

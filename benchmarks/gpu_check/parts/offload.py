@@ -43,6 +43,39 @@ def _simulated(plan: dict, host: dict | None = None):
     return simulate(p, "1f1b", int(plan["micro_batches"]), steps=10)
 
 
+def _phases(plan: dict, summary: dict, steps: int) -> dict | None:
+    """Per step on the run's rank: the seconds each part of the offloaded step took
+    (`ftpipe_runtime.train.offload.PHASES`, grouped as the model groups them) beside the
+    simulator's host model for the same plan (`costs.host.optimizer_times`), to show which
+    part of the model misses."""
+    from ftpipe_compiler.costs.host import optimizer_times
+    from ftpipe_compiler.plan import Plan
+
+    seconds = (summary.get("offload_seconds") or [None])[0]
+    if not seconds:
+        return None
+    p = Plan.from_dict(plan)
+    share = p.host.share(1)  # the one GPU of its node that offloads
+    m = int(plan["micro_batches"])
+    model = dict.fromkeys(("gradients_streamed", "sum_copies", "cpu_step", "upload"), 0.0)
+    for stage in p.stages:
+        if stage.offload.optimizer:
+            t = optimizer_times(p, stage, share)
+            model["gradients_streamed"] += m * t.grad_s
+            model["sum_copies"] += t.sum_s
+            model["cpu_step"] += t.cpu_s
+            model["upload"] += t.upload_s
+    got = {k: v / max(steps, 1) for k, v in seconds.items()}
+    measured = {
+        "gradients_streamed": got["to_host"] + got["copy_wait"] + got["host_sums"],
+        "backward_wait": got["backward_wait"],  # the GPU's queued backwards, not the model's
+        "sum_copies": got["sum_copies"],
+        "cpu_step": got["cpu_step"],
+        "upload": got["to_device"] + got["upload_wait"],
+    }
+    return {"measured_per_step_s": measured, "modelled_per_step_s": model, "raw_per_step_s": got}
+
+
 CASES = {  # name -> (where the gradients sum, None: no optimizer offload; activations)
     "optimizer_streamed": ("host", False),
     "optimizer_gpu_sums": ("device", False),
@@ -81,6 +114,9 @@ def offload(check: Check, found: Findings) -> None:
                "planned_peak_bytes": sim.gpus[0].peak_memory_bytes,
                "host_bytes_down": sim.gpus[0].host_bytes_down,
                "losses": summary["losses"], "slowdown": step / base["measured_step_s"]}  # fmt: skip
+        phases = _phases(plan, summary, s.llama_steps)
+        if phases:  # where the offloaded step's time went, against the model's parts
+            row["phases"] = phases
         if measured_host:  # the same plan costed with the host this check measured
             on_host = _simulated(plan, measured_host).step_time_s
             row["simulated_step_s_measured_host"] = on_host

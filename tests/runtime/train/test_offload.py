@@ -111,7 +111,14 @@ def _pair(run_pipeline, tmp_path, schedule: str, dtype: str, plan=None):
         argv += ["--checkpoint-dir", str(ckpt), "--log-json", str(log)]
         codes, ranks = run_pipeline(plan, argv, name=name)
         assert codes == [0, 0], ranks.stderr()
-        assert json.loads(log.read_text()).get("replica_difference", 0.0) == 0.0
+        summary = json.loads(log.read_text())
+        assert summary.get("replica_difference", 0.0) == 0.0
+        if extra:  # where each rank's offloaded steps spent their time (train.offload.PHASES)
+            for seconds in summary["offload_seconds"]:
+                assert seconds["cpu_step"] > 0 and seconds["host_sums"] > 0, seconds
+            assert "optimizer offload, per step on rank" in ranks.stderr(0)
+        else:
+            assert "offload_seconds" not in summary
         out.append(
             (json.loads(log.read_text())["losses"], checkpoint_params(ckpt, STEPS, range(4)))
         )
