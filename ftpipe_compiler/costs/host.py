@@ -21,7 +21,8 @@ A hardware file's `host` section describes the machine its GPUs sit in (its node
   written once (torch's AdamW on CPU tensors, fused; AdamW in fp32: 16 bytes an element, 8 of
   them its state) — `python -m benchmarks.calibrate` measures it (default 10e9);
 - `sum_bandwidth`: bytes/s the node's CPUs pass over adding a landed gradient into its fp32
-  sum (the landing buffer read, the sum read and written; default: `step_bandwidth`);
+  sum (the landing buffer read, the sum read and written), and converting a stepped fp32
+  master into its 16-bit weight before the copy back (default: `step_bandwidth`);
 - `device_is_host`: the "GPU" is the host's CPU (a CPU rank): what is offloaded stays in the
   same memory, so the rank's memory counts it (`gpu_memory.GpuMemory.host`).
 
@@ -70,6 +71,7 @@ __all__ = [
     "host_step_bytes",
     "device_sum_bytes",
     "host_sum_bytes",
+    "upload_convert_bytes",
     "nodes_of",
     "optimizer_times",
     "stage_device_sum_bytes",
@@ -150,13 +152,15 @@ def host_param_bytes(
     `ftpipe_runtime.train.offload` keeps it: its master (fp32 under mixed precision for a
     tensor in the compute dtype, else the tensor's own dtype), the optimizer's state (made
     like the master), the summed gradient (the master's dtype) and, unless its gradients
-    are summed `on_device`, the landing buffer (the gradient's dtype: the weight's).
+    are summed `on_device`, the landing buffer (the gradient's dtype: the weight's), which
+    also stages the new weight for its copy back; summed on the device, a staging buffer of
+    its own where the master's dtype is not the weight's (`HostOffload._staged`).
     `host_param_bytes((8, 8), "bfloat16", "adamw", bf16)` -> 64 x (4 + 8 + 4 + 2)."""
     numel = math.prod(shape)
     weight = _size(getattr(torch, dtype))
     master = _master_size(dtype, precision)
     state = optimizer_state_elements(tuple(shape), optimizer) * master
-    landing = 0 if on_device else weight
+    landing = weight if not on_device or master != weight else 0
     return numel * (master + master + landing) + state
 
 
@@ -186,6 +190,14 @@ def host_clip_bytes(shape, dtype: str, precision: Precision) -> int:
     scale. On the H200's host it took 0.5 s a step for a 1B model, more than the AdamW step's
     0.34 s (docs/gpu-check.md, where the offloaded step's time goes)."""
     return math.prod(shape) * 3 * _master_size(dtype, precision)
+
+
+def upload_convert_bytes(shape, dtype: str, precision: Precision) -> int:
+    """What converting one stepped master into its weight's dtype passes over on the host
+    before the copy back (the master read, the staging buffer written): nothing where the
+    master is in the weight's dtype already."""
+    weight, master = _size(getattr(torch, dtype)), _master_size(dtype, precision)
+    return 0 if weight == master else math.prod(shape) * (weight + master)
 
 
 def host_sum_bytes(shape, dtype: str, precision: Precision) -> int:
@@ -226,8 +238,9 @@ def stage_host_bytes(plan, stage, in_flight: int | None = None) -> int:
 class OptimizerTimes:
     """What offloading one stage's optimizer costs on a GPU's share of its node's host (as
     `ftpipe_runtime.train.offload` runs it): each micro-batch's gradients copied down and
-    summed on the host (`grad_s`), the CPU's clip and step (`cpu_s`), the new weights copied back
-    (`upload_s`: `up_bytes`, the weights' bytes); `grad_bytes`: one micro-batch's gradients
+    summed on the host (`grad_s`), the CPU's clip and step (`cpu_s`), the new weights converted
+    to their dtype on the host and copied back (`upload_s`: `up_bytes`, the weights' bytes,
+    over the link; `upload_convert_bytes` over the CPUs at `sum_bandwidth`); `grad_bytes`: one micro-batch's gradients
     (the weights' bytes). Summed
     on the device (`Offload.sums_on_device`): no `grad_s`, `grad_bytes` 0, and at the step
     the sums copied down once (`sum_s`, `sum_bytes`) before the CPU steps."""
@@ -261,7 +274,10 @@ def optimizer_times(plan, stage, share: tuple[float, float, float]) -> Optimizer
         + host_clip_bytes(p.shape, p.dtype, precision)
         for p in owned
     )
-    upload = nbytes / link
+    upload = (
+        nbytes / link
+        + sum(upload_convert_bytes(p.shape, p.dtype, precision) for p in owned) / sum_bw
+    )
     if stage.offload.sums_on_device:
         sums = sum(device_sum_bytes(p.shape, p.dtype, precision) for p in owned)
         return OptimizerTimes(0.0, stepped / step_bw, upload, 0, nbytes, sums / link, sums)

@@ -169,11 +169,32 @@ class HostOffload:
         """(weight, master) pairs: the stepped masters into the device's weights."""
         with self.clock.phase("to_device"):
             for weight, master in pairs:
-                weight.copy_(master, non_blocking=self.pinned)
+                weight.copy_(self._staged(weight, master), non_blocking=self.pinned)
             if self.pinned:
                 done = torch.cuda.Event()
                 done.record()
                 self._uploads[stage] = done
+
+    def _staged(self, weight: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        """The master to copy into `weight`, converted to the weight's dtype here into a host
+        buffer (pinned on CUDA), so that the copy back is the link's alone and asynchronous.
+        Copied as it is, a pinned fp32 master into a bf16 weight is converted by torch on the
+        CPU into a fresh pageable tensor and copied from that synchronously (ATen's
+        `copy_kernel_cuda`): the weights' bytes allocated, faulted in and waited for every
+        step. A streamed stage's landing buffer (the weight's dtype and shape, idle after
+        `settle`) is reused; a stage summing on the device gets one of its own (2 bytes an
+        element in bf16: `costs.host.host_param_bytes`). CPU ranks take the same path."""
+        if master.dtype == weight.dtype:
+            return master
+        key = id(master)
+        buf = self._buffers.get(key)
+        if buf is None or buf.dtype != weight.dtype:
+            buf = torch.empty(
+                weight.shape, dtype=weight.dtype, device="cpu", pin_memory=self.pinned
+            )
+            self._buffers[key] = buf
+        buf.copy_(master)  # the conversion, on the CPU's threads
+        return buf
 
     def forget(self, master: torch.Tensor) -> None:
         """A master that trains no more (freeze training): its buffers let go."""

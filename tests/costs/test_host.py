@@ -43,6 +43,7 @@ def _offloaded_bytes(precision: str, optimizer: str, on_device: bool = False):
         net(torch.randn(4, 6).to(p.dtype)).sum().backward()
     mixed.settle(0)
     opt.step()
+    mixed.after_step(0)  # the new weights staged in their dtype and copied back
     held = []
     for _, master in mixed.trainable(0):
         held += [master, master.grad]
@@ -70,10 +71,12 @@ def test_host_bytes_are_what_the_runtime_allocates(precision, optimizer):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-pure"])
-def test_summed_on_the_device_the_gpu_holds_the_sums_the_host_no_landing_buffer(precision):
+def test_summed_on_the_device_the_gpu_holds_the_sums_the_host_only_a_staging_buffer(precision):
     """Gradients summed on the device: the runtime's sums there are `device_sum_bytes` (fp32,
     4 B an element, under bf16; bf16 under bf16-pure), its host tensors `host_param_bytes`
-    without the landing buffer (bf16 AdamW: 4 + 4 + 8 = 16 B)."""
+    with no landing buffer but, where the master's dtype is not the weight's, the buffer the
+    new weights are converted into for the copy back (bf16 AdamW: 4 + 4 + 8 + 2 = 18 B;
+    bf16-pure and fp32: no conversion, no buffer)."""
     got, device_grads, sums = _offloaded_bytes(precision, "adamw", on_device=True)
     compute, cost = get_precision(precision).compute, PRECISIONS[precision]
     want = sum(host_param_bytes(s, compute, "adamw", cost, on_device=True) for s in SHAPES)
@@ -81,7 +84,9 @@ def test_summed_on_the_device_the_gpu_holds_the_sums_the_host_no_landing_buffer(
     assert sums == sum(device_sum_bytes(s, compute, cost) for s in SHAPES)
     numel = sum(math.prod(s) for s in SHAPES)
     if precision == "bf16":
-        assert (want, sums) == (16 * numel, 4 * numel)
+        assert (want, sums) == (18 * numel, 4 * numel)
+    if precision == "bf16-pure":
+        assert want == 8 * numel  # bf16 master, sum and two moments: 2 + 2 + 4, no staging
 
 
 def test_summed_on_the_device_the_link_carries_the_sum_once_a_step(tiny_bf16_plan):

@@ -75,12 +75,16 @@ def test_offloaded_masters_and_state_are_host_copies_with_the_same_update(dtype,
 
 def test_device_sums_are_made_once_and_land_once_a_step():
     """Summed on the device: one accumulator per weight in the master's dtype, and one
-    host copy of it, both reused by the next step (no 16-bit landing buffers)."""
+    host copy of it, both reused by the next step; the only 16-bit host buffers are those
+    the new weights are converted into for the copy back (no landing buffers)."""
     _, mixed, _ = _trained("bf16", offload=True, on_device=True)
     host = mixed.offload
     masters = {id(t) for _, t in mixed.trainable(0)}
-    assert set(host._sums) == set(host._landed) == masters and not host._buffers
+    assert set(host._sums) == set(host._landed) == set(host._buffers) == masters
     assert all(t.dtype == torch.float32 for t in host._sums.values())
+    for _, master in mixed.trainable(0):  # staged: the weight's dtype, the master's values
+        staged = host._buffers[id(master)]
+        assert staged.dtype == torch.bfloat16 and torch.equal(staged, master.detach().bfloat16())
     held = {k: (t.data_ptr(), host._landed[k].data_ptr()) for k, t in host._sums.items()}
     weights = [w for _, w in mixed.weights(0)]
     x = torch.ones(2, weights[0].shape[1], dtype=torch.bfloat16)
