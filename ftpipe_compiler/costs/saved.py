@@ -214,7 +214,22 @@ def _sdpa(n: fx.Node, inputs: list, on_cpu: bool) -> Kept | None:
     return Kept(outputs=(0,), inputs=tuple(dict.fromkeys(keep)), new=tuple(new))
 
 
-RULES = {aten.scaled_dot_product_attention.default: _sdpa}
+def _dropout(n: fx.Node, inputs: list, on_cpu: bool) -> Kept | None:
+    """A GPU's fused dropout keeps a boolean mask; a CPU's (and `meta`'s) multiplies by a
+    scaled noise tensor of the input's dtype, which the meta run keeps."""
+    x, p, train = (*n.args, *[None] * 3)[:3]
+    named = {"p": p, "train": train} | n.kwargs
+    if on_cpu or not (inputs and inputs[0].requires_grad):
+        return None
+    if not named["train"] or not 0 < named["p"] < 1:
+        return Kept()
+    return Kept(new=(x.meta["val"].numel(),))
+
+
+RULES = {
+    aten.scaled_dot_product_attention.default: _sdpa,
+    aten.dropout.default: _dropout,
+}
 
 
 def _storage(t: torch.Tensor) -> int:
