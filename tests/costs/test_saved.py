@@ -3,14 +3,13 @@ graph's sum against the bytes a real forward keeps (saved_tensors_hooks on real 
 
 import pytest
 import torch
+from saved_fixtures import TOKENS, WIDTH
 
 from ftpipe_compiler.costs.analytic import analytic_costs
 from ftpipe_compiler.costs.hardware import get_hardware
 from ftpipe_compiler.graph.trace import trace_model
 from ftpipe_compiler.model.tasks import resolve_task
 from ftpipe_compiler.model.zoo import _hf_spec, resolve_model
-
-from saved_fixtures import TOKENS, WIDTH
 
 ACT = TOKENS * WIDTH * 4  # one fp32 activation of the fixtures
 X = ACT  # the model input x, kept by the first linear
@@ -80,7 +79,9 @@ QWEN2 = {
 
 def _spec(name: str):
     if name == "qwen2":
-        return _hf_spec("qwen2-shaped", "qwen2-shaped", "zoo", QWEN2, None, default_task="wikitext2")
+        return _hf_spec(
+            "qwen2-shaped", "qwen2-shaped", "zoo", QWEN2, None, default_task="wikitext2"
+        )
     return resolve_model(name)
 
 
