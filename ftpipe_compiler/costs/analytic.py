@@ -31,6 +31,7 @@ from ..graph.granularity import collapse
 from ..graph.opgraph import OpGraph
 from ..graph.trace import Traced
 from .hardware import Hardware
+from .saved import saved_bytes
 
 BACKWARD_FACTOR = 2.0
 
@@ -100,6 +101,7 @@ def backward_factor(graph: OpGraph, n) -> float:
 def analytic_costs(traced: Traced, hw: Hardware, granularity: str = "op") -> OpGraph:
     graph = traced.graph
     flops = count_flops(traced)
+    kept = saved_bytes(traced, hw.host.device_is_host)
     input_bytes = {i.name: i.bytes for i in graph.inputs}
     nodes = []
     for n in graph.nodes:
@@ -111,10 +113,9 @@ def analytic_costs(traced: Traced, hw: Hardware, granularity: str = "op") -> OpG
             + sum(input_bytes[i] for i in n.inputs)
         )
         moved = 0.0 if view else float(read + n.out_bytes)
-        act = 0 if (view or not n.requires_grad) else n.out_bytes
-        if n.op == FUSED_OP:  # its logits are no node's output: written, read, kept
-            logits, lse = logits_bytes(graph, n)
-            moved, act = moved + 2 * logits, act + logits + lse
+        act = sum(kept.get(m, 0) for m in n.members)
+        if n.op == FUSED_OP:  # its logits are no node's output: written and read
+            moved += 2 * logits_bytes(graph, n)[0]
         # A matmul computing in bf16 makes bf16: its output dtype says which peak it runs at.
         fwd = 0.0 if view else hw.op_time(f, moved, n.dtype)
         k = backward_factor(graph, n)

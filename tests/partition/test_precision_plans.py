@@ -88,7 +88,9 @@ def test_bf16_needs_less_memory_per_gpu_with_fp32_masters_counted(t5_3b):
             dt: [p.gpu_memory(g) for g in range(p.gpus)]
             for dt, p in (("fp32", fp32), ("bf16", bf16))
         }
-        assert max(mem["bf16"]) < 0.85 * max(mem["fp32"]), (name, mem)  # the busiest GPU
+        # The busiest GPU. Activations kept in bf16 are 0.55x fp32's, not half: dropout's
+        # boolean masks and the layer norms' fp32 upcasts keep their size (costs/saved.py).
+        assert max(mem["bf16"]) < 0.9 * max(mem["fp32"]), (name, mem)
         # The decoder's GPUs (4 tokens: little activation, many weights) need more in bf16:
         # 10 bytes per parameter with the fp32 master and gradient against fp32's 8.
         assert any(b > a for a, b in zip(mem["fp32"], mem["bf16"])), (name, mem)
