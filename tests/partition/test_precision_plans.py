@@ -97,17 +97,21 @@ def test_bf16_needs_less_memory_per_gpu_with_fp32_masters_counted(t5_3b):
         assert bf16.model["precision"] == "bf16"
 
 
-def test_llama_3_1_8b_fits_9_rtx4090_in_bf16_not_8():
-    """144.5 GB of weights, gradients and state: 18 GB a GPU on 8, which left no room for
-    each card's CUDA context, communicators, fragmentation, the receive buffers and the 3 GB
-    the embedding's gradient takes in a backward (bf16, and its fp32 copy)."""
+def test_llama_3_1_8b_fits_8_rtx4090_in_bf16_not_7():
+    """144.5 GB of weights, gradients and state: 18 GB a GPU on 8, with the activations that
+    autograd keeps (`costs.saved`) the busiest GPU within 2% of a card less its reserve (the
+    CUDA context, communicators, fragmentation); 7 cards cannot hold the static state. (With
+    every op's output counted as kept, 8 did not fit: 9 were needed. Only a run on 8 cards
+    can say which is right; the plan's figure stayed above the measured one on the H200.)"""
     graph = costed_graph("llama-3.1-8b", hardware="rtx4090", precision="bf16")[3]
-    problem = problem_from_graph(graph, 9)
+    problem = problem_from_graph(graph, 8)
     static = sum(problem.static_bytes[p.name] for p in graph.params if p.trainable)
     trainable = sum(math.prod(p.shape) for p in graph.params if p.trainable)
     assert static == 18 * trainable  # 2 bf16 + 4 grad + 4 master + 8 AdamW
     (result,) = run_partitioners(problem, ["pipedream"], progress=False)
     assert result.feasible, result.error
-    assert result.plan.max_memory_bytes <= result.plan.memory_bytes
-    (eight,) = run_partitioners(replace(problem, gpus=8), ["pipedream"], progress=False)
-    assert not eight.feasible and "less the device's reserve" in eight.error
+    assert (
+        0.98 * result.plan.memory_bytes <= result.plan.max_memory_bytes <= result.plan.memory_bytes
+    )
+    (seven,) = run_partitioners(replace(problem, gpus=7), ["pipedream"], progress=False)
+    assert not seven.feasible and "less the device's reserve" in seven.error
