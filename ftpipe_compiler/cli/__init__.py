@@ -7,10 +7,14 @@ CliRunner().invoke(cli, ["compile", ...])  # tests
 
 from __future__ import annotations
 
-from ftpipe_runtime import prepare_process
-from ftpipe_runtime.job.signals import catch_sigterm
+from ftpipe_runtime.job.signals import catch_sigterm, starting
 
-from .group import cli
+# A signal while the command line itself loads (click: tens of milliseconds, seconds on a
+# busy machine) is one line too, as later while a command loads torch (group.py).
+with starting("ftpipe"):
+    from ftpipe_runtime import prepare_process
+
+    from .group import cli
 
 __all__ = ["COMMANDS", "cli", "main"]
 

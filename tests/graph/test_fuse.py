@@ -88,8 +88,9 @@ def test_analytic_costs_count_the_heads_product_and_kept_logits(tiny_gpt2):
     vocab, width = spec.config["vocab_size"], spec.config["n_embd"]
     tokens = task.micro_batch * task.seq_len
     assert head.flops == 2 * tokens * width * vocab  # as the unfused linear counted
-    # Kept: its loss, the fp32 logits and one fp32 log-sum-exp per token.
-    assert head.act_bytes == head.out_bytes + 4 * tokens * vocab + 4 * tokens
+    # Kept (costs/saved.py, from the fused op's own backward): the fp32 logits, its input
+    # (the final norm's output, which no earlier op keeps) and the labels; no log-sum-exp.
+    assert head.act_bytes == 4 * tokens * vocab + 4 * tokens * width + 8 * tokens
     assert head.bwd_s > head.fwd_s > 0
 
 
