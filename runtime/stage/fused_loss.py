@@ -19,17 +19,23 @@ forward a run times). The compiler puts it in place of linear -> [to] -> view ->
 cross_entropy_loss in the traced graph (`ftpipe_compiler.graph.fuse`), so a profile times
 what the run runs.
 
-A chunk's size depends on the device (`CHUNK_BYTES`): on a CPU 8 MB, whose log-softmax stays
-in malloc's heap; on a GPU 256 MB, as each chunk costs ~10 kernel launches and a GPU streams
-256 MB in well under a millisecond: 8,192 tokens of a 128k vocabulary in fp32 (4 GB of
-logits) are 16 chunks, not 512, for one 256 MB temporary at a time.
+A chunk's size depends on the device (`CHUNK_BYTES`): on a CPU 8 MB, its log-softmax (and in
+the backward its softmax) written into one kept chunk-sized buffer; on a GPU 256 MB, as each
+chunk costs ~10 kernel launches and a GPU streams 256 MB in well under a millisecond: 8,192
+tokens of a 128k vocabulary in fp32 (4 GB of logits) are 16 chunks, not 512, for one 256 MB
+temporary at a time.
 
-On a CPU the logits and the weight's gradient live in buffers kept from one micro-batch to
-the next (`_Buffers`): torch's CPU allocator maps each block above 32 MB afresh, and zeroing
-fresh pages was a quarter of a 2-rank run's CPU time on the benchmark model (`perf`,
-clear_page_erms); with the buffers the head stage's actions spend ~1 ms in the kernel (were
-20-50 ms). Off a CPU (`_LogitsLoss`) the product is torch's own recorded op: a caching
-allocator reuses blocks already.
+On a CPU the logits, the weight's gradient and a chunk's (log-)softmax live in buffers kept
+from one micro-batch to the next (`_Buffers`): torch's CPU allocator maps each block above 32
+MB afresh, and zeroing fresh pages was a quarter of a 2-rank run's CPU time on the benchmark
+model (`perf`, clear_page_erms); with the buffers the head stage's actions spend ~1 ms in the
+kernel (were 20-50 ms). A chunk's temporary came from glibc's heap, which a run keeps whole
+between optimizer steps (`job.cpu_allocator.keep_heap`): the forward's and the backward's,
+freed among smaller blocks, were not always reused, so the heap grew within a step: a 2-rank
+PipeDream-2BW loss stage, at its peak (the step's last backward, the next weight version
+in), held 12-27 MB of free heap beside its tensors, by chance of the layout. Off a CPU
+(`_LogitsLoss`) the product is torch's own recorded op: a caching allocator reuses blocks
+already.
 """
 
 from __future__ import annotations
@@ -89,6 +95,19 @@ class _Buffers:
 _buffers = _Buffers()
 
 
+def _chunk_buffer(z, dtype):
+    """Where a chunk of `z`'s (log-)softmax is written: on a CPU a kept buffer of the largest
+    chunk's rows (each chunk a view of its first rows); elsewhere None (the op allocates)."""
+    if z.device.type != "cpu":
+        return None
+    rows = next(_chunks(z.shape[0], z.shape[1], dtype.itemsize, z.device), (0, 0))[1]
+    return _buffers.take(rows, z.shape[1], dtype, z.device)
+
+
+def _rows(buf, n: int):
+    return None if buf is None else buf[:n]
+
+
 def _logits(x2, weight, bias):
     """All the tokens' logits in one product (chunked products run well below a whole one's
     speed on a CPU core), in the input's dtype, as the unfused head computes them, into a
@@ -104,11 +123,11 @@ def _cross_entropy(z, t, ignore_index, logits_dtype):
     there if the loss asks for another dtype than the product's)."""
     dtype = logits_dtype or z.dtype
     total = torch.zeros((), dtype=dtype, device=z.device)
+    buf = _chunk_buffer(z, dtype)
     for i, j in _chunks(z.shape[0], z.shape[1], dtype.itemsize, z.device):
         zc = z[i:j]
-        # Upcast inside the kernel: one pass over the chunk, no upcast copy of it first
-        # (one chunk: malloc's heap on a CPU, not fresh pages).
-        logp = torch.log_softmax(zc, dim=-1, dtype=dtype)
+        # Upcast inside the kernel: one pass over the chunk, no upcast copy of it first.
+        logp = torch.log_softmax(zc, dim=-1, dtype=dtype, out=_rows(buf, j - i))
         tc = t[i:j]
         keep = tc != ignore_index
         total = total - (logp.gather(1, tc.clamp(min=0)[:, None])[:, 0] * keep).sum()
@@ -137,11 +156,12 @@ def _into_gradient(ctx, upstream) -> tuple[torch.Tensor, list]:
         dtype = ctx.dtype
         keep = t != ctx.ignore_index
         scale = upstream.to(dtype) / keep.sum().to(dtype)
+        buf = _chunk_buffer(z, dtype)
         for i, j in _chunks(z.shape[0], z.shape[1], dtype.itemsize, z.device):
             # Two passes over a chunk (on a GPU the loss's time is memory traffic): the
             # softmax, upcast in its kernel; then scaled into the logits' own memory, cast
             # back to their dtype on the way, as the unfused `to`'s backward.
-            p = torch.softmax(z[i:j], dim=-1, dtype=dtype)
+            p = torch.softmax(z[i:j], dim=-1, dtype=dtype, out=_rows(buf, j - i))
             p[torch.arange(j - i, device=z.device), t[i:j].clamp(min=0)] -= 1.0
             torch.mul(p, (keep[i:j] * scale)[:, None], out=z[i:j])
         ctx.done = z, upstream, rest
