@@ -31,7 +31,7 @@ from ..graph.granularity import collapse
 from ..graph.opgraph import OpGraph
 from ..graph.trace import Traced
 from .hardware import Hardware
-from .saved import saved_bytes
+from .saved import map_val, saved_bytes
 
 BACKWARD_FACTOR = 2.0
 
@@ -63,23 +63,15 @@ def count_flops(traced: Traced) -> dict[str, float]:
 
 def _described(n: fx.Node):
     """What an input's FLOPs can depend on: its shape and dtype (values: as they are)."""
-    return _map_val(n.meta.get("val"), lambda t: ("tensor", tuple(t.shape), t.dtype))
+    return map_val(n.meta.get("val"), lambda t: ("tensor", tuple(t.shape), t.dtype))
 
 
 def _on_meta(n: fx.Node):
     """An empty `meta` tensor (or structure of them) like the traced input."""
-    return _map_val(
+    return map_val(
         n.meta.get("val"),
         lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"),
     )
-
-
-def _map_val(v, fn):
-    if isinstance(v, torch.Tensor):
-        return fn(v)
-    if isinstance(v, (tuple, list)):
-        return type(v)(_map_val(x, fn) for x in v)
-    return v
 
 
 def weight_share(graph: OpGraph, n) -> float:

@@ -144,7 +144,7 @@ def _signature(n: fx.Node, leaves: list[fx.Node], grad: dict) -> tuple:
     where = {a: i for i, a in enumerate(leaves)}
 
     def described(a: fx.Node):
-        return _map_val(
+        return map_val(
             a.meta.get("val"),
             lambda t: (tuple(t.shape), tuple(t.stride()), t.dtype, grad.get(a.name), where[a]),
         )
@@ -253,7 +253,7 @@ def _on_meta(a: fx.Node, requires_grad: bool, writes: bool):
         # An op writing into its input needs a non-leaf, as in the traced forward.
         return m.requires_grad_().clone() if writes else m.requires_grad_()
 
-    return _map_val(a.meta.get("val"), make)
+    return map_val(a.meta.get("val"), make)
 
 
 def _flat(v) -> list:
@@ -264,9 +264,10 @@ def _flat(v) -> list:
     return []
 
 
-def _map_val(v, fn):
+def map_val(v, fn):
+    """`fn` of every tensor in a traced value (a tensor, or tuples and lists of them)."""
     if isinstance(v, torch.Tensor):
         return fn(v)
     if isinstance(v, (tuple, list)):
-        return type(v)(_map_val(x, fn) for x in v)
+        return type(v)(map_val(x, fn) for x in v)
     return v
