@@ -25,13 +25,13 @@ import torch
 from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from ..graph.exported import VIEW_OPS, retarget
+from ..graph.exported import VIEW_OPS, map_tensors, retarget
 from ..graph.fuse import FUSED_OP, logits_bytes, register
 from ..graph.granularity import collapse
 from ..graph.opgraph import OpGraph
 from ..graph.trace import Traced
 from .hardware import Hardware
-from .saved import map_val, saved_bytes
+from .saved import saved_bytes
 
 BACKWARD_FACTOR = 2.0
 
@@ -63,12 +63,12 @@ def count_flops(traced: Traced) -> dict[str, float]:
 
 def _described(n: fx.Node):
     """What an input's FLOPs can depend on: its shape and dtype (values: as they are)."""
-    return map_val(n.meta.get("val"), lambda t: ("tensor", tuple(t.shape), t.dtype))
+    return map_tensors(n.meta.get("val"), lambda t: ("tensor", tuple(t.shape), t.dtype))
 
 
 def _on_meta(n: fx.Node):
     """An empty `meta` tensor (or structure of them) like the traced input."""
-    return map_val(
+    return map_tensors(
         n.meta.get("val"),
         lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta"),
     )

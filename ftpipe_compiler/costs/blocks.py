@@ -18,7 +18,7 @@ import torch
 from ftpipe_runtime.job.cpu_allocator import release_free_heap
 from torch import fx
 
-from ..graph.exported import VIEW_OPS, describe_value, op_name, retarget
+from ..graph.exported import VIEW_OPS, describe_value, map_tensors, op_name, retarget, tensors_in
 from ..graph.trace import Traced
 
 
@@ -96,7 +96,7 @@ def run_blocks(
         clock.reset_peak()  # the block's peak: its weights, inputs, activations, gradients
         params = weights.materialise(b.params)
         timings[b.id], outs = time_block(b, params, host, clock, repeats, seed)
-        host.update(zip(b.outputs, (_map(o, lambda t: t.detach().to("cpu")) for o in outs)))
+        host.update(zip(b.outputs, (map_tensors(o, lambda t: t.detach().to("cpu")) for o in outs)))
         for a in b.free_after:
             host.pop(a, None)
         del params, outs
@@ -110,15 +110,17 @@ def run_blocks(
 def time_block(b: Block, params: dict, host: dict, clock, repeats: int, seed: int):
     """(Timing, the block's output values) from one warm-up and `repeats` timed runs (the
     peak counts from the caller's `clock.reset_peak()`, before it materialised `params`)."""
-    leaves = {a: _map(host[a], _leaf(clock.device, a in b.grad_inputs)) for a in b.inputs}
+    leaves = {a: map_tensors(host[a], _leaf(clock.device, a in b.grad_inputs)) for a in b.inputs}
     grad_wrt = [t for t in params.values() if t.requires_grad]
-    wrt_inputs = [t for a in b.grad_inputs for t in _tensors(leaves[a]) if t.requires_grad]
+    wrt_inputs = [t for a in b.grad_inputs for t in tensors_in(leaves[a]) if t.requires_grad]
     split = bool(grad_wrt and wrt_inputs)  # both kinds of gradient: time B alone as well
     grad_wrt += wrt_inputs
     param_ptrs = {t.untyped_storage().data_ptr() for t in params.values()}
 
     def env():
-        values = {a: _map(v, torch.clone) for a, v in leaves.items()} if b.mutates else leaves
+        values = (
+            {a: map_tensors(v, torch.clone) for a, v in leaves.items()} if b.mutates else leaves
+        )
         return {**params, **values}
 
     fwd, rec, bwd, inp, saved, upstream, first = [], [], [], [], {}, None, None
@@ -130,7 +132,7 @@ def time_block(b: Block, params: dict, host: dict, clock, repeats: int, seed: in
         pack = _saver(saved, param_ptrs) if r == 0 else _same
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _same):
             t_r, outs = clock.time(_forward, b, env())
-        targets = [t for t in _tensors(outs) if t.requires_grad]
+        targets = [t for t in tensors_in(outs) if t.requires_grad]
         if upstream is None:
             g = torch.Generator(device=clock.device).manual_seed(seed)
             upstream = [_upstream(t, g) for t in targets]
@@ -200,22 +202,6 @@ def _args(n: fx.Node) -> list:
     found = []
     fx.node.map_arg((n.args, n.kwargs), found.append)
     return found
-
-
-def _map(v, fn):
-    if isinstance(v, torch.Tensor):
-        return fn(v)
-    if isinstance(v, (tuple, list)):
-        return type(v)([_map(x, fn) for x in v])  # a list: what torch's structseqs accept
-    return v
-
-
-def _tensors(v) -> list:
-    if isinstance(v, torch.Tensor):
-        return [v]
-    if isinstance(v, (tuple, list)):
-        return [t for x in v for t in _tensors(x)]
-    return []
 
 
 def _median(xs) -> float:

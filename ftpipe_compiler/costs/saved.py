@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from ..graph.exported import VIEW_OPS, op_name, retarget
+from ..graph.exported import VIEW_OPS, map_tensors, op_name, retarget, tensors_in
 from ..graph.fuse import register
 from ..graph.trace import Traced
 
@@ -126,7 +126,8 @@ class _Resolver:
 def _bytes(n: fx.Node, i: int) -> int:
     val = n.meta.get("val")
     if isinstance(val, (tuple, list)):
-        val = _flat(val)[i] if i < len(_flat(val)) else None
+        flat = tensors_in(val)
+        val = flat[i] if i < len(flat) else None
     if not isinstance(val, torch.Tensor):
         return 0
     return val.numel() * val.element_size()
@@ -144,7 +145,7 @@ def _signature(n: fx.Node, leaves: list[fx.Node], grad: dict) -> tuple:
     where = {a: i for i, a in enumerate(leaves)}
 
     def described(a: fx.Node):
-        return map_val(
+        return map_tensors(
             a.meta.get("val"),
             lambda t: (tuple(t.shape), tuple(t.stride()), t.dtype, grad.get(a.name), where[a]),
         )
@@ -164,14 +165,14 @@ def _measure(n: fx.Node, leaves: list[fx.Node], grad: dict, on_cpu: bool) -> Kep
         return ruled
     owner = {}
     for i, a in enumerate(leaves):
-        for t in _flat(made[a]):
+        for t in tensors_in(made[a]):
             owner.setdefault(_storage(t), i)
     saved: list[torch.Tensor] = []  # held: a freed storage's id could be reused
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(saved.append, _same):
-            out = _flat(n.target(*args, **kwargs))
+            out = tensors_in(n.target(*args, **kwargs))
     except Exception:  # an op meta cannot run: keep its output, the conservative guess
-        return Kept(outputs=tuple(range(len(_flat(n.meta.get("val"))))), measured=False)
+        return Kept(outputs=tuple(range(len(tensors_in(n.meta.get("val"))))), measured=False)
     outs = {}
     for i, t in enumerate(out):
         outs.setdefault(_storage(t), i)
@@ -253,21 +254,4 @@ def _on_meta(a: fx.Node, requires_grad: bool, writes: bool):
         # An op writing into its input needs a non-leaf, as in the traced forward.
         return m.requires_grad_().clone() if writes else m.requires_grad_()
 
-    return map_val(a.meta.get("val"), make)
-
-
-def _flat(v) -> list:
-    if isinstance(v, torch.Tensor):
-        return [v]
-    if isinstance(v, (tuple, list)):
-        return [t for x in v for t in _flat(x)]
-    return []
-
-
-def map_val(v, fn):
-    """`fn` of every tensor in a traced value (a tensor, or tuples and lists of them)."""
-    if isinstance(v, torch.Tensor):
-        return fn(v)
-    if isinstance(v, (tuple, list)):
-        return type(v)(map_val(x, fn) for x in v)
-    return v
+    return map_tensors(a.meta.get("val"), make)

@@ -263,6 +263,25 @@ def describe_value(val) -> tuple[tuple[int, ...], str, int]:
     return (), type(val).__name__, 0
 
 
+def map_tensors(v, fn):
+    """`fn` of every tensor in a value (a tensor, or tuples and lists of them), the structure
+    kept (built from a list: what torch's structseqs accept too)."""
+    if isinstance(v, torch.Tensor):
+        return fn(v)
+    if isinstance(v, (tuple, list)):
+        return type(v)([map_tensors(x, fn) for x in v])
+    return v
+
+
+def tensors_in(v) -> list:
+    """The tensors of a value (a tensor, or tuples and lists of them), in order."""
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (tuple, list)):
+        return [t for x in v for t in tensors_in(x)]
+    return []
+
+
 def retarget(args, kwargs, device):
     """Replace every device baked into an op's arguments at trace time with `device`."""
     fix = lambda v: device if isinstance(v, torch.device) else v  # noqa: E731
