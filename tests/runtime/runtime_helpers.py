@@ -1,4 +1,9 @@
-"""Launching toy pipelines: one subprocess per rank, rendezvous through a file store."""
+"""Launching toy pipelines: one process per rank, rendezvous through a file store.
+
+`run_pipeline` forks its ranks from servers that hold torch imported (`rank_server`: ~2.5 s
+of CPU a rank saved, minutes over the suite); `launch` starts cold ones unless asked, for the
+tests that time a rank's start or send it signals before it has begun. FTPIPE_TEST_COLD_RANKS=1
+starts every rank cold (what the suite did before)."""
 
 from __future__ import annotations
 
@@ -13,9 +18,12 @@ import ftpipe_runtime
 import pytest
 import torch
 from ftpipe_runtime.spec.plan import read_plan
+from rank_server import fork_rank
 
 HERE = Path(__file__).parent
 TOY = HERE / "runtime_toy.py"
+# Test modules whose ranks start cold: what they measure includes the process's own start.
+COLD = {"test_memory_plan.py": "a rank's peak is its resident set, the server's pages not in it"}
 # Where ftpipe_runtime was found (an install, or a folder on PYTHONPATH): children use it too.
 RUNTIME_HOME = str(Path(ftpipe_runtime.__path__[0]).parent)
 
@@ -57,10 +65,17 @@ class Ranks:
 
 
 def launch(
-    tmp_path: Path, plan: dict, argv: list[str], name: str = "run", env=None, module=None, cwd=None
+    tmp_path: Path,
+    plan: dict,
+    argv: list[str],
+    name: str = "run",
+    env=None,
+    module=None,
+    cwd=None,
+    fork: bool = False,
 ) -> Ranks:
     """Start the plan's ranks (every GPU of every replica) of the toy pipeline, or of
-    `python -m module` run in `cwd`."""
+    `python -m module` run in `cwd`; `fork`: from `rank_server`'s warm interpreters."""
     plan_file = tmp_path / f"{name}-plan.json"
     plan_file.write_text(json.dumps(plan))
     store = tmp_path / f"{name}-store"
@@ -80,6 +95,12 @@ def launch(
         }
         log = tmp_path / f"{name}-rank{rank}.log"
         logs.append(log)
+        if fork:  # the same command line, less the interpreter
+            line = [*map(str, cmd[1:]), "--init-method", f"file://{store}", *argv]
+            where = None if cwd is None else str(cwd)
+            # a generated package's __init__ calls prepare_process() before torch loads
+            procs.append(fork_rank(rank, line, child, where, log, prepared=module is not None))
+            continue
         with open(log, "w") as err:
             procs.append(
                 subprocess.Popen(
@@ -94,12 +115,13 @@ def launch(
 
 
 @pytest.fixture
-def run_pipeline(tmp_path):
+def run_pipeline(tmp_path, request):
     """run_pipeline(plan, argv) -> (return codes, Ranks); waits at most two minutes."""
     started = []
+    fork = request.path.name not in COLD and not os.environ.get("FTPIPE_TEST_COLD_RANKS")
 
     def go(plan, argv, name="run", env=None, timeout=120, module=None, cwd=None):
-        ranks = launch(tmp_path, plan, argv, name, env, module, cwd)
+        ranks = launch(tmp_path, plan, argv, name, env, module, cwd, fork)
         started.append(ranks)
         return ranks.wait(timeout), ranks
 
