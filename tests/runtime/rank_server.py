@@ -50,6 +50,7 @@ def serve(prepared: bool) -> None:
     # OMP_NUM_THREADS=1, so the fork copies a whole process.
     import torch._dynamo  # noqa: F401
 
+    _say("ready")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on pytest ends it by its stdin
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -210,22 +211,31 @@ class _Server:
         self.codes: dict[int, int] = {}
         self.ended = threading.Condition()
         self.started: list[int] = []
-        self.dead = False
+        self.ready = self.dead = False
         self.asking = threading.Lock()
         threading.Thread(target=self._listen, daemon=True).start()
 
     def _listen(self) -> None:
         for line in self.proc.stdout:
-            kind, pid, *code = line.split()
+            kind, *numbers = line.split()
             with self.ended:
-                if kind == b"pid":
-                    self.started.append(int(pid))
+                if kind == b"ready":
+                    self.ready = True
+                elif kind == b"pid":
+                    self.started.append(int(numbers[0]))
                 else:
-                    self.codes[int(pid)] = int(code[0])
+                    self.codes[int(numbers[0])] = int(numbers[1])
                 self.ended.notify_all()
         with self.ended:  # the server died: nothing it forked will be reported
             self.dead = True
             self.ended.notify_all()
+
+    def wait_ready(self) -> None:
+        with self.ended:
+            if not self.ended.wait_for(lambda: self.ready or self.dead, 300):
+                raise AssertionError("the rank server did not import torch in 300 s")
+            if not self.ready:
+                raise AssertionError(f"the rank server died (exit {self.proc.poll()})")
 
     def fork(self, argv: list[str], env: dict, cwd: str, log: str) -> ForkedRank:
         request = json.dumps({"argv": argv, "env": env, "cwd": cwd, "log": log})
@@ -251,13 +261,8 @@ def _read_before_torch(env: dict) -> dict:
     return dict(sorted(mine.items()))
 
 
-def fork_rank(
-    index: int, argv: list[str], env: dict, cwd: str | None, log: str, prepared: bool = False
-) -> ForkedRank:
-    """Start `python ARGV` as rank `index` with `env` (a full environment) in `cwd` (None: this
-    process's), its stdout and stderr to `log`, forked from a server holding torch imported;
-    `prepared`: ARGV calls `ftpipe_runtime.prepare_process()` before torch loads (a generated
-    package does), so the server did too."""
+def _server(index: int, env: dict, prepared: bool) -> _Server:
+    """The server of rank `index` with `env`, started if need be (it may still be importing)."""
     early = _read_before_torch(env)
     key = (index, prepared, tuple(early.items()))
     server = _SERVERS.get(key)
@@ -265,6 +270,27 @@ def fork_rank(
         base = {k: v for k, v in os.environ.items() if k not in _read_before_torch(os.environ)}
         base.pop("PYTEST_CURRENT_TEST", None)
         server = _SERVERS[key] = _Server({**base, **early}, prepared)
+    return server
+
+
+def warm(ranks: list[tuple[int, dict]], prepared: bool = False) -> None:
+    """Start the servers of these (index, env) ranks and wait until each has its imports done,
+    so that a run's ranks start together, as cold ones do: forked while the next rank's server
+    still imports torch, a rank would wait for that one past a short --timeout."""
+    servers = [_server(index, env, prepared) for index, env in ranks]
+    for server in servers:
+        server.wait_ready()
+
+
+def fork_rank(
+    index: int, argv: list[str], env: dict, cwd: str | None, log: str, prepared: bool = False
+) -> ForkedRank:
+    """Start `python ARGV` as rank `index` with `env` (a full environment) in `cwd` (None: this
+    process's), its stdout and stderr to `log`, forked from a server holding torch imported;
+    `prepared`: ARGV calls `ftpipe_runtime.prepare_process()` before torch loads (a generated
+    package does), so the server did too."""
+    server = _server(index, env, prepared)
+    server.wait_ready()
     open(log, "w").close()  # there when this returns, as Popen's redirected output is
     return server.fork(argv, env, cwd or os.getcwd(), str(log))
 
