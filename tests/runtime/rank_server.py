@@ -3,8 +3,9 @@
 Every rank of a test pipeline used to be a fresh `python runtime_toy.py ...` or `python -m pkg`,
 and each spent ~4.5 s of CPU importing torch (and torch._dynamo, through its optimizer) before
 doing anything else, where a toy's three steps take a fraction of a second; a suite of several
-hundred runs on 2 cores spent minutes so. A server (`python rank_server.py`, one per rank index,
-so that the ranks of one run keep distinct hash seeds as cold ones have) imports them once and,
+hundred runs on 2 cores spent minutes so. A server (`python rank_server.py`; two, `SEEDS`, for
+the even and the odd ranks, so that neighbouring ranks keep distinct hash seeds as cold ones
+have) imports them once and,
 asked, forks a child that becomes the rank: its environment, working directory and argv set,
 stdout and stderr written to the rank's log, the script or module run as `__main__`, and the
 interpreter's own exit imitated (SystemExit's code, a traceback and 1 for an uncaught
@@ -251,6 +252,11 @@ class _Server:
 
 
 _SERVERS: dict[tuple, _Server] = {}
+# Servers per kind of rank (toy or package): rank r is forked from server r % SEEDS. Two keep the
+# string hashes of a 2-rank run's ranks apart (set orders differ between them, as between cold
+# ranks); each costs ~220 MB held (tests/runtime/train and test_generated, -n 2: a peak of
+# 5.0 GB summed PSS with one per rank index, 2.8 GB cold).
+SEEDS = 2
 
 
 def _read_before_torch(env: dict) -> dict:
@@ -264,7 +270,7 @@ def _read_before_torch(env: dict) -> dict:
 def _server(index: int, env: dict, prepared: bool) -> _Server:
     """The server of rank `index` with `env`, started if need be (it may still be importing)."""
     early = _read_before_torch(env)
-    key = (index, prepared, tuple(early.items()))
+    key = (index % SEEDS, prepared, tuple(early.items()))
     server = _SERVERS.get(key)
     if server is None or server.proc.poll() is not None:
         base = {k: v for k, v in os.environ.items() if k not in _read_before_torch(os.environ)}
