@@ -1,4 +1,9 @@
-"""Launching toy pipelines: one subprocess per rank, rendezvous through a file store."""
+"""Launching toy pipelines: one process per rank, rendezvous through a file store.
+
+Ranks are forked from servers that hold torch imported (`rank_server`: ~4.5 s of CPU a rank
+saved, minutes over the suite), but for the tests that measure what a cold start includes
+(`COLD`, `launch(fork=False)`). FTPIPE_TEST_COLD_RANKS=1 starts every rank cold (what the suite
+did before)."""
 
 from __future__ import annotations
 
@@ -13,9 +18,12 @@ import ftpipe_runtime
 import pytest
 import torch
 from ftpipe_runtime.spec.plan import read_plan
+from rank_server import fork_rank, warm
 
 HERE = Path(__file__).parent
 TOY = HERE / "runtime_toy.py"
+# Test modules whose ranks start cold: what they measure includes the process's own start.
+COLD = {"test_memory_plan.py": "a rank's peak is its resident set, the server's pages not in it"}
 # Where ftpipe_runtime was found (an install, or a folder on PYTHONPATH): children use it too.
 RUNTIME_HOME = str(Path(ftpipe_runtime.__path__[0]).parent)
 
@@ -57,18 +65,26 @@ class Ranks:
 
 
 def launch(
-    tmp_path: Path, plan: dict, argv: list[str], name: str = "run", env=None, module=None, cwd=None
+    tmp_path: Path,
+    plan: dict,
+    argv: list[str],
+    name: str = "run",
+    env=None,
+    module=None,
+    cwd=None,
+    fork: bool = True,
 ) -> Ranks:
     """Start the plan's ranks (every GPU of every replica) of the toy pipeline, or of
-    `python -m module` run in `cwd`."""
+    `python -m module` run in `cwd`; `fork`: from `rank_server`'s warm interpreters."""
+    fork = fork and not os.environ.get("FTPIPE_TEST_COLD_RANKS")
     plan_file = tmp_path / f"{name}-plan.json"
     plan_file.write_text(json.dumps(plan))
     store = tmp_path / f"{name}-store"
     world = plan["gpus"] * plan.get("replicas", 1)
     procs, logs = [], []
     cmd = [sys.executable, "-m", module] if module else [sys.executable, str(TOY), str(plan_file)]
-    for rank in range(world):
-        child = {
+    children = [
+        {
             **os.environ,
             "RANK": str(rank),
             "WORLD_SIZE": str(world),
@@ -78,8 +94,19 @@ def launch(
             "PYTHONPATH": os.pathsep.join([RUNTIME_HOME, os.environ.get("PYTHONPATH", "")]),
             **(env or {}),
         }
+        for rank in range(world)
+    ]
+    prepared = module is not None  # a package's __init__ calls prepare_process() before torch
+    if fork:
+        warm(list(enumerate(children)), prepared)
+    for rank, child in enumerate(children):
         log = tmp_path / f"{name}-rank{rank}.log"
         logs.append(log)
+        if fork:  # the same command line, less the interpreter
+            line = [*map(str, cmd[1:]), "--init-method", f"file://{store}", *argv]
+            where = None if cwd is None else str(cwd)
+            procs.append(fork_rank(rank, line, child, where, log, prepared))
+            continue
         with open(log, "w") as err:
             procs.append(
                 subprocess.Popen(
@@ -94,12 +121,13 @@ def launch(
 
 
 @pytest.fixture
-def run_pipeline(tmp_path):
+def run_pipeline(tmp_path, request):
     """run_pipeline(plan, argv) -> (return codes, Ranks); waits at most two minutes."""
     started = []
+    fork = request.path.name not in COLD
 
     def go(plan, argv, name="run", env=None, timeout=120, module=None, cwd=None):
-        ranks = launch(tmp_path, plan, argv, name, env, module, cwd)
+        ranks = launch(tmp_path, plan, argv, name, env, module, cwd, fork)
         started.append(ranks)
         return ranks.wait(timeout), ranks
 

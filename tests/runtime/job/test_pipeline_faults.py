@@ -278,8 +278,10 @@ def test_a_rank_that_cannot_start_stops_the_others_naming_it(run_pipeline, tmp_p
 
 
 def test_setup_waits_for_a_stopped_peer_only_as_long_as_timeout(tmp_path):
-    """Rank 1 is stopped before it ever beats: rank 0 gives up after --timeout, not 300 s."""
-    ranks = launch(tmp_path, toy_plan("two-ranks", "1f1b"), ["--steps", "2", "--timeout", "5"])
+    """Rank 1 is stopped before it ever beats: rank 0 gives up after --timeout, not 300 s.
+    (Cold ranks: a forked one might beat before the SIGSTOP reaches it.)"""
+    argv, plan = ["--steps", "2", "--timeout", "5"], toy_plan("two-ranks", "1f1b")
+    ranks = launch(tmp_path, plan, argv, fork=False)
     try:
         ranks.procs[1].send_signal(signal.SIGSTOP)
         begun = time.monotonic()
