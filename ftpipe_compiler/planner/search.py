@@ -209,6 +209,12 @@ def cut_candidate(problem: Problem, candidate: Candidate, cluster: Cluster, spac
 def _placed(problem: Problem, candidate: Candidate, cluster: Cluster, space: Space,
             partitioner: str) -> tuple[dict, tuple | None]:  # fmt: skip
     r = run_partitioner(problem, partitioner)
+    if r.feasible and r.plan.gpus < candidate.gpus:
+        # A cut that leaves GPUs idle (`Plan.compacted`) is no plan of this shape: its ranks
+        # would not fill the cluster, and the runtime launches every one of them.
+        idle = candidate.gpus - r.plan.gpus
+        r = replace(r, feasible=False, error=f"{partitioner}: leaves {idle} of the "
+                    f"{candidate.gpus} GPUs of a pipeline without a stage")  # fmt: skip
     row, best = r.to_json(), None
     if r.feasible:
         for o in orientations(cluster, candidate.replicas, candidate.gpus):

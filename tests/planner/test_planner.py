@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from ftpipe_compiler.costs.cluster import get_cluster
+from ftpipe_compiler.errors import FtpipeError
 from ftpipe_compiler.plan import Plan
 from ftpipe_compiler.planner import Space, depths, orientations, placement, plan_shape
 
@@ -75,3 +76,18 @@ def test_shapes_search_their_schedules_as_compile_does(tiny_t5_costed):
     deep = [r for r in searched if not r.note]  # the slower partitioners cut these
     assert len(deep) == len(shapes) < len(searched)  # one per shape (width 1)
     assert all("ranked first" in r.note for r in searched if r not in deep)
+
+
+def test_a_cut_that_leaves_gpus_idle_is_no_plan_of_the_shape(tiny_t5_costed):
+    """A pipeline deeper than the partitioners fill (a tiny T5 over 32 GPUs in one pipeline):
+    a cut that leaves GPUs without a stage comes back compacted, and is no plan of that shape
+    (its ranks would not fill the cluster; the plan's reader refuses it). It was chosen, and
+    the compile then failed on a rank's GPU outside the plan (KeyError)."""
+    cluster = get_cluster("rtx2080ti", gpus=32, gpus_per_node=8)
+    space = Space(batch=BATCH, schedules=("1f1b",), partitioners=("metis", "even-layers"),
+                  replicas=1, micro_batches=4, gap=-1.0)  # fmt: skip
+    with pytest.raises(
+        FtpipeError, match="leaves 21 of the 32 GPUs of a pipeline without a stage"
+    ) as e:
+        plan_shape(lambda b: tiny_t5_costed, cluster, space, progress=False)
+    assert "KeyError" not in str(e.value)
