@@ -91,3 +91,19 @@ def test_a_cut_that_leaves_gpus_idle_is_no_plan_of_the_shape(tiny_t5_costed):
     ) as e:
         plan_shape(lambda b: tiny_t5_costed, cluster, space, progress=False)
     assert "KeyError" not in str(e.value)
+
+
+def test_equal_cheap_plans_give_the_slower_cuts_to_the_one_with_room():
+    """Schedules that time a cut alike tie on the cheap plans' samples/s: the slower
+    partitioners go to the candidate whose fullest GPU has the most room, not the first name."""
+    from types import SimpleNamespace
+
+    from ftpipe_compiler.planner.search import _promise
+
+    def got(samples, memory):
+        return (None, SimpleNamespace(samples_per_s=samples, max_memory_bytes=memory), "x")
+
+    two_versions, one_version, slower = got(10.76, 30 << 30), got(10.76, 20 << 30), got(9.0, 1)
+    ranked = sorted([two_versions, slower, one_version], key=_promise)
+    assert ranked == [one_version, two_versions, slower]
+    assert _promise(None) > _promise(slower)  # no plan: last
