@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from ..costs.formulas import stage_memory
 from ..plan import Plan
+from . import fit
 from .assignment import Assignment
 from .coarsen import atoms
 from .indexed import NodeCosts
@@ -34,11 +35,39 @@ def acyclic(problem) -> Plan:
     costs = NodeCosts.of(problem)
     coarse = atoms(costs)
     units = coarse.groups()
+    why = "no slicing of a topological order fits"
+    best = _search(costs, coarse, units, None)
+    plan = best.plan(problem, "acyclic", t0, why)
+    fits = fit.room(problem, plan) is None
+    budget = best.best.budget  # lowered where the plan's own count found a GPU over (refit)
+    for _ in range(fit.ROUNDS):  # slice again within it: refinement alone may not reach it
+        if min(budget) >= problem.memory:
+            break
+        again = _search(costs, coarse, units, budget)
+        if again.best is None:
+            break
+        other = again.plan(problem, "acyclic", t0, why)
+        if fit.room(problem, other) is None:
+            if not fits or _key(other) < _key(plan):
+                plan = other
+            break
+        budget = again.best.budget  # the new cut moved what the runtime holds: lower again
+    return plan
+
+
+def _key(plan: Plan) -> tuple[float, int]:
+    return round(plan.period_s, 12), plan.comm_bytes
+
+
+def _search(costs: NodeCosts, coarse, units, budget: list[int] | None) -> BestRefined:
+    """Every seeded order sliced and refined, within `budget` per GPU where given (else
+    `problem.memory`)."""
+    problem = costs.problem
     rng = random.Random(problem.seed)
     best = BestRefined(units)
     for noise in ORDERS:
         order = seeded_order(coarse, rng, noise)
-        slices = bisect(costs, order, problem.gpus)
+        slices = bisect(costs, order, problem.gpus, budget=budget)
         if slices is None:
             continue
         stage_of = [0] * costs.n
@@ -46,8 +75,11 @@ def acyclic(problem) -> Plan:
             for u in sl:
                 for i in u:
                     stage_of[i] = s
-        best.offer(Assignment(costs, stage_of, list(range(len(slices)))))
-    return best.plan(problem, "acyclic", t0, "no slicing of a topological order fits")
+        lay = Assignment(costs, stage_of, list(range(len(slices))))
+        if budget is not None:
+            lay.budget = list(budget)
+        best.offer(lay)
+    return best
 
 
 def seeded_order(coarse, rng: random.Random, noise: float) -> list[list[int]]:
@@ -68,19 +100,19 @@ def seeded_order(coarse, rng: random.Random, noise: float) -> list[list[int]]:
     return out
 
 
-def bisect(costs: NodeCosts, order: list[list[int]], gpus: int, rounds: int = 24):
+def bisect(costs: NodeCosts, order: list[list[int]], gpus: int, rounds: int = 24, budget=None):
     """Smallest period (to 0.1%) whose greedy walk needs at most `gpus` slices."""
     lo = max(costs.problem.lower_bound(), 1e-12)
     hi = sum(costs.rec) + 1e-12
     atoms = {id(u): _Atom.of(costs, u) for u in order}  # each walk adds the same atoms
-    best = greedy(costs, order, hi, gpus, atoms)
+    best = greedy(costs, order, hi, gpus, atoms, budget)
     if best is None:
         return None
     for _ in range(rounds):
         if hi <= lo * 1.001:
             break
         mid = (lo + hi) / 2
-        got = greedy(costs, order, mid, gpus, atoms)
+        got = greedy(costs, order, mid, gpus, atoms, budget)
         if got is None:
             lo = mid
         else:
@@ -88,15 +120,19 @@ def bisect(costs: NodeCosts, order: list[list[int]], gpus: int, rounds: int = 24
     return best
 
 
-def greedy(costs: NodeCosts, order: list[list[int]], period: float, gpus: int, atoms=None):
+def greedy(
+    costs: NodeCosts, order: list[list[int]], period: float, gpus: int, atoms=None, budget=None
+):
     """Cut `order` from its end into slices within `period` and memory; None if > gpus.
-    `atoms`: id(atom) -> its `_Atom` (made here when not given)."""
-    mem = costs.problem.memory
+    `atoms`: id(atom) -> its `_Atom` (made here when not given); `budget`: bytes per GPU
+    (the slice at depth d on GPU gpus - 1 - d), else `problem.memory` for each."""
+    budget = budget or [costs.problem.memory] * gpus
     if atoms is None:
         atoms = {id(u): _Atom.of(costs, u) for u in order}
     slices: list[list[list[int]]] = []
     cur: list[list[int]] = []
     state = _Slice(costs, depth=0, length=gpus)
+    mem = budget[gpus - 1]
     for u in reversed(order):
         if not state.add(atoms[id(u)], period, mem):
             if not cur:
@@ -105,6 +141,7 @@ def greedy(costs: NodeCosts, order: list[list[int]], period: float, gpus: int, a
             if len(slices) >= gpus:
                 return None
             cur, state = [], _Slice(costs, depth=len(slices), length=gpus)
+            mem = budget[gpus - 1 - len(slices)]
             if not state.add(atoms[id(u)], period, mem):
                 return None
         cur.append(u)

@@ -51,6 +51,9 @@ class Assignment:
         self._mem: list[int | None] = [None] * G
         self._stale: set[int] = set(range(G))  # GPUs whose period went (see periods)
         self._mem_key = (-1, -1)  # (policy epoch, loss stage) the kept memory was made under
+        # What each GPU's stages may hold: `problem.memory`, until the plan's own count of a
+        # GPU says less is left beside them (partition/fit.py tightens it).
+        self.budget = [costs.problem.memory] * G
         self._build()
         self._depths()
 
@@ -134,8 +137,10 @@ class Assignment:
         return gpu_memory_bytes(parts)
 
     def fits(self, gpus=None) -> bool:
-        mem = self.c.problem.memory
-        return all(self.memory(g) <= mem for g in (range(self.gpus) if gpus is None else gpus))
+        budget = self.budget
+        return all(
+            self.memory(g) <= budget[g] for g in (range(self.gpus) if gpus is None else gpus)
+        )
 
     def stage_of(self) -> dict[str, int]:
         return dict(zip(self.c.ids, self.stage))

@@ -20,8 +20,7 @@ import numpy as np
 
 from ..graph.granularity import layer_key
 from ..plan import Plan
-from .build import build_plan
-from .chain import Chain, runs
+from .chain import Chain, fitted, runs
 from .indexed import NodeCosts, infeasible
 
 
@@ -51,23 +50,41 @@ def even_layers(problem) -> Plan:
     q, r = divmod(U, stages)
     count = np.arange(U)[None, :] - np.arange(U)[:, None] + 1  # layers in segment k..j
     allowed = (count == q) | ((count == q + 1) & (r > 0))
-    segs = chain.split(chain.period, stages, exact=True, allowed=allowed, per_gpu=problem.per_gpu)
-    if segs is None:
+    plan = fitted(
+        problem,
+        chain,
+        "even-layers",
+        t0,
+        chain.period,
+        stages,
+        exact=True,
+        allowed=allowed,
+        per_gpu=problem.per_gpu,
+    )
+    if plan is None:
         raise infeasible(
             problem,
             "even-layers",
             f"{U} layers split {q}{'-' + str(q + 1) if r else ''} per GPU do not fit",
         )
-    return build_plan(problem, *chain.assignment(segs), "even-layers", time.perf_counter() - t0)
+    return plan
 
 
 def params(problem) -> Plan:
     t0 = time.perf_counter()
     costs = NodeCosts.of(problem)
     chain = Chain(costs, layer_units(costs))
-    segs = chain.split(
-        chain.static.astype(float), problem.chain_length, exact=True, per_gpu=problem.per_gpu
+    static = chain.static.astype(float)
+    plan = fitted(
+        problem,
+        chain,
+        "params",
+        t0,
+        static,
+        problem.chain_length,
+        exact=True,
+        per_gpu=problem.per_gpu,
     )
-    if segs is None:
+    if plan is None:
         raise infeasible(problem, "params", "no contiguous split by layers fits")
-    return build_plan(problem, *chain.assignment(segs), "params", time.perf_counter() - t0)
+    return plan

@@ -20,10 +20,16 @@ like a tensor, its gradient coming back.
 
 from __future__ import annotations
 
+import time
+from collections import Counter
+
 import numpy as np
 from tqdm import tqdm
 
 from ..costs.formulas import period_s, stage_memory
+from ..plan import Plan
+from . import fit
+from .build import build_plan
 from .indexed import NodeCosts
 
 
@@ -149,10 +155,12 @@ class Chain:
         exact: bool = False,
         allowed: np.ndarray | None = None,
         per_gpu: int = 1,
+        budget=None,
     ) -> list[tuple[int, int]] | None:
         """Minimise the largest `objective[k, j]` over splits into at most (or exactly) `gpus`
         segments whose memory fits at their depth; ties prefer fewer stages. With `per_gpu`
-        stages on each GPU (a schedule's pattern), each gets that share of the memory."""
+        stages on each GPU (a schedule's pattern), each gets that share of the memory;
+        `budget[d]`, where given, is what the segment at depth d may hold (partition/fit.py)."""
         c = self.c
         U, mem = len(self), c.problem.memory / per_gpu
         stages = min(gpus, U)
@@ -160,7 +168,7 @@ class Chain:
         B = np.full((stages, U + 1), inf)
         choice = np.zeros((stages, U), dtype=int)
         for d in range(stages):
-            ok = self.memory(d, stages) <= mem
+            ok = self.memory(d, stages) <= (mem if budget is None else budget[d])
             if allowed is not None:
                 ok &= allowed
             obj = np.where(ok, objective, inf)
@@ -196,6 +204,39 @@ class Chain:
             chain = problem.sched.placement.chain(problem.gpus)
             return stage_of, {s: chain[s].gpu for s in range(len(segs))}
         return stage_of, {s: s for s in range(len(segs))}
+
+
+def fitted(
+    problem, chain: Chain, name: str, t0: float, objective, gpus: int, **split
+) -> Plan | None:
+    """The plan of `chain.split(objective, gpus, **split)`; None where no split fits. Where
+    a GPU is over by the plan's full count, split again with the budget of the segments on
+    that GPU lowered to the room the plan left them (`fit.room`, shared among a GPU's
+    segments), at most `fit.ROUNDS` times. A split that still does not fit is returned as it
+    is, for the plan's check to report."""
+    segs = chain.split(objective, gpus, **split)
+    if segs is None:
+        return None
+    length = min(gpus, len(chain))  # the depths `split` costs segments at
+    budget = [problem.memory / problem.per_gpu] * length
+    plan = build_plan(problem, *chain.assignment(segs), name, time.perf_counter() - t0)
+    for _ in range(fit.ROUNDS):
+        free = fit.room(problem, plan)
+        if free is None:
+            break
+        _, gpu_of = chain.assignment(segs)
+        shared = Counter(gpu_of.values())
+        for s, (k, j) in enumerate(segs):
+            d = len(segs) - 1 - s
+            own = chain.memory(d, length)[k, j]
+            g = gpu_of[s]
+            budget[d] = min(budget[d], own + free[g] / shared[g])
+        got = chain.split(objective, gpus, budget=budget, **split)
+        if got is None:
+            break
+        segs = got
+        plan = build_plan(problem, *chain.assignment(segs), name, time.perf_counter() - t0)
+    return plan
 
 
 def _unit_tables(costs: NodeCosts, units: list[list[int]]):

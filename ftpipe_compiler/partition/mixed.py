@@ -20,7 +20,7 @@ from .assignment import Assignment
 from .build import build_plan
 from .coarsen import Coarse, atoms, by_scope, grow_centers
 from .indexed import NodeCosts, infeasible
-from .refine import refine
+from .refine import refine, refit
 
 ITERATIONS = 4  # §4.3 re-costing rounds: usually stable after two; a repeat also ends them
 JUDGE_STEPS = 10  # simulated steps per candidate: enough to reach the steady state
@@ -59,11 +59,31 @@ def mixed(problem) -> Plan:
         lay = assign(costs, blocks)
         refine(lay, units)
         if lay.fits():
-            plans.append(build_plan(problem, lay.stage_of(), lay.gpu_of(), "mixed"))
+            plans.append((lay, build_plan(problem, lay.stage_of(), lay.gpu_of(), "mixed")))
     if not plans:
         raise infeasible(problem, "mixed")
-    best = min(plans, key=_judge)
+    best = _fitting(problem, plans, units, t0)
     return best.with_(search_seconds=time.perf_counter() - t0)
+
+
+def _fitting(problem, plans: list[tuple[Assignment, Plan]], units, t0: float) -> Plan:
+    """The best-judged plan that fits by the plan's full count: candidates in judged order,
+    each refitted where a GPU is over (`refine.refit`), until the next one, even before its
+    refit, judges no better than the best that fits (a refit only narrows its choices). None
+    fitting: the best-judged, for the plan's check to say where it is over."""
+    judged = sorted((_judge(plan), k) for k, (_, plan) in enumerate(plans))
+    best = None
+    for key, k in judged:
+        if best is not None and key >= best[0]:
+            break
+        lay, plan = plans[k]
+        got, fits = refit(problem, lay, units, "mixed", t0, plan)
+        if not fits:
+            continue
+        key = key if got is plan else _judge(got)
+        if best is None or key < best[0]:
+            best = (key, got)
+    return best[1] if best is not None else plans[judged[0][1]][1]
 
 
 def _judge(plan: Plan) -> tuple[float, float, int, int]:

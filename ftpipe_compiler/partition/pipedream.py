@@ -20,8 +20,7 @@ from __future__ import annotations
 import time
 
 from ..plan import Plan
-from .build import build_plan
-from .chain import Chain, compress
+from .chain import Chain, compress, fitted
 from .indexed import NodeCosts, infeasible
 
 MAX_UNITS = 384  # chain length: ~0.3% of the work per unit on T5-3B, a second of DP
@@ -33,8 +32,16 @@ def pipedream(problem, max_units: int = MAX_UNITS) -> Plan:
     units = compress(costs, [[i] for i in range(costs.n)], max_units)
     chain = Chain(costs, units)
     n = problem.chain_length  # a schedule with a pattern (WPipe's loop) gets exactly its stages
-    segs = chain.split(chain.period, n, exact=problem.patterned, per_gpu=problem.per_gpu)
-    if segs is None:
+    plan = fitted(
+        problem,
+        chain,
+        "pipedream",
+        t0,
+        chain.period,
+        n,
+        exact=problem.patterned,
+        per_gpu=problem.per_gpu,
+    )
+    if plan is None:
         raise infeasible(problem, "pipedream", "no contiguous split fits")
-    stage_of, gpu_of = chain.assignment(segs)
-    return build_plan(problem, stage_of, gpu_of, "pipedream", time.perf_counter() - t0)
+    return plan

@@ -7,7 +7,8 @@ by construction. Only the two neighbouring stages of that range are tried (a mov
 unrelated stage would only add transfers). A start that does not fit first takes the moves
 that lower the memory over the limit most. Then a move is kept when it lowers the slowest
 GPU's period, or keeps it and lowers the sum of squared periods (spreads load away from a
-second bottleneck), or keeps both and lowers the bytes communicated — always within memory.
+second bottleneck), or keeps both and lowers the bytes communicated — always within memory
+(each GPU's `Assignment.budget`; `refit` lowers it where the plan's full count is over).
 
     refine(assignment, units) -> number of moves made
     best = BestRefined(units); best.offer(assignment) ...; best.plan(problem, "metis", t0, why)
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import time
 
+from . import fit
 from .assignment import Assignment
 from .build import build_plan
 from .indexed import infeasible
@@ -115,17 +117,15 @@ def refine(lay: Assignment, units: list[list[int]], max_moves: int = 20000) -> i
 
 
 def overflow(lay: Assignment) -> int:
-    mem = lay.c.problem.memory
-    return sum(max(0, lay.memory(g) - mem) for g in range(lay.gpus))
+    return sum(max(0, lay.memory(g) - lay.budget[g]) for g in range(lay.gpus))
 
 
 def _fit_move(lay, units, border, preds, succs):
     """The move off an over-full GPU that lowers the total overflow most (then the period)."""
     cur = (overflow(lay), lay.period())
-    mem = lay.c.problem.memory
     best = None
     for g in range(lay.gpus):
-        if lay.memory(g) <= mem:
+        if lay.memory(g) <= lay.budget[g]:
             continue
         for s in lay.on[g]:
             for k in sorted(border[s]):
@@ -192,8 +192,27 @@ class BestRefined:
             self.key, self.best = key, lay
 
     def plan(self, problem, name: str, t0: float, why: str):
-        """The best start's plan; `why` says what did not fit when none did."""
+        """The best start's plan, refitted where a GPU is over by the plan's count (`refit`);
+        `why` says what did not fit when none did."""
         if self.best is None:
             raise infeasible(problem, name, why)
-        lay = self.best
-        return build_plan(problem, lay.stage_of(), lay.gpu_of(), name, time.perf_counter() - t0)
+        return refit(problem, self.best, self.units, name, t0)[0]
+
+
+def refit(problem, lay: Assignment, units: list[list[int]], name: str, t0: float, plan=None):
+    """(`lay`'s plan, whether it fits; its search began at `t0`): `plan`, where already
+    built from it; where a GPU is over by the plan's full count, `lay` refined again with each
+    GPU's budget lowered to the room the plan left it (`fit.room`: the moves off an over-full
+    GPU first), at most `fit.ROUNDS` times. A cut that still does not fit is returned as it
+    is, for the plan's check to report."""
+    plan = plan or build_plan(problem, lay.stage_of(), lay.gpu_of(), name, time.perf_counter() - t0)
+    for _ in range(fit.ROUNDS):
+        free = fit.room(problem, plan)
+        if free is None:
+            return plan, True
+        lay.budget = [min(b, lay.memory(g) + r) for g, (b, r) in enumerate(zip(lay.budget, free))]
+        refine(lay, units)
+        if not lay.fits():
+            return plan, False
+        plan = build_plan(problem, lay.stage_of(), lay.gpu_of(), name, time.perf_counter() - t0)
+    return plan, fit.room(problem, plan) is None

@@ -109,7 +109,18 @@ class Plan(spec.Plan):
         """Peak bytes on a GPU (`costs.gpu_memory`: its stages, the runtime's messages and
         buffers, the device's reserve); micro-batches in flight (and, split, between B and W)
         per stage from the schedule unless given."""
-        return self.gpu_memory_parts(gpu, in_flight, deferred).total
+        if in_flight or deferred:
+            return self.gpu_memory_parts(gpu, in_flight, deferred).total
+        got = self._peaks.get(gpu)
+        if got is None:
+            got = self._peaks[gpu] = self.gpu_memory_parts(gpu).total
+        return got
+
+    @functools.cached_property
+    def _peaks(self) -> dict[int, int]:
+        """GPU -> its `gpu_memory` under the schedule's own counts, made once: a partitioner
+        checks its plan (partition/fit.py), then `validate`, reports and the planner ask."""
+        return {}
 
     def gpu_memory_parts(
         self, gpu: int, in_flight: dict[int, int] | None = None, deferred: dict | None = None
