@@ -219,12 +219,12 @@ def fitted(
         return None
     length = min(gpus, len(chain))  # the depths `split` costs segments at
     budget = [problem.memory / problem.per_gpu] * length
-    plan = build_plan(problem, *chain.assignment(segs), name, time.perf_counter() - t0)
+    stage_of, gpu_of = chain.assignment(segs)
+    plan = build_plan(problem, stage_of, gpu_of, name, time.perf_counter() - t0)
     for _ in range(fit.ROUNDS):
         free = fit.room(problem, plan)
         if free is None:
             break
-        _, gpu_of = chain.assignment(segs)
         shared = Counter(gpu_of.values())
         for s, (k, j) in enumerate(segs):
             d = len(segs) - 1 - s
@@ -235,7 +235,8 @@ def fitted(
         if got is None:
             break
         segs = got
-        plan = build_plan(problem, *chain.assignment(segs), name, time.perf_counter() - t0)
+        stage_of, gpu_of = chain.assignment(segs)
+        plan = build_plan(problem, stage_of, gpu_of, name, time.perf_counter() - t0)
     return plan
 
 
