@@ -68,9 +68,7 @@ class Units:
             preds.append(sorted({p for i in nodes for p in c.preds[i] if unit_of[p] != k}))
             succs.append(sorted({s for i in nodes for s in c.succs[i] if unit_of[s] != k}))
         near = [sorted({unit_of[i] for i in preds[k] + succs[k]}) for k in range(len(units))]
-        work = [
-            (sum(c.rec[i] for i in u), sum(c.last[i] for i in u), c.output in u) for u in units
-        ]
+        work = [(sum(c.rec[i] for i in u), sum(c.last[i] for i in u), c.output in u) for u in units]
         return cls(units, unit_of, preds, succs, near, work)
 
 

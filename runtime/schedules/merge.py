@@ -189,7 +189,7 @@ class _Ideal:
 
     def dispatch(self) -> None:
         """Every idle GPU starts the ready head action its priority ranks first."""
-        t, heads, info = self.t, self.heads, self.info
+        t, heads, rank = self.t, self.heads, self.rank
         for g in self.on_gpu:
             if self.gpu_free[g] > t:
                 continue
@@ -198,7 +198,7 @@ class _Ideal:
                 now.add(heapq.heappop(soon)[1])
             if not now:
                 continue
-            s = min(map(self.rank.__getitem__, now))[1]
+            s = min(map(rank.__getitem__, now))[1]
             now.discard(s)
             a = heads[s]
             done = t + duration(a, s in self.split)
