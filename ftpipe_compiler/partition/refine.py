@@ -17,11 +17,12 @@ second bottleneck), or keeps both and lowers the bytes communicated — always w
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from . import fit
 from .assignment import Assignment
 from .build import build_plan
-from .indexed import infeasible
+from .indexed import NodeCosts, infeasible
 
 EPS = 1e-12
 
@@ -43,35 +44,61 @@ def _better(new: tuple, old: tuple) -> bool:
     return new[1] <= old[1] + tol2 and new[2] < old[2]
 
 
-def unit_neighbours(
-    lay: Assignment, units: list[list[int]]
-) -> tuple[list[int], list[list[int]], list[list[int]]]:
-    """unit of every node, and each unit's predecessor / successor nodes outside it."""
-    unit_of = [0] * lay.c.n
-    for k, nodes in enumerate(units):
-        for i in nodes:
-            unit_of[i] = k
-    preds, succs = [], []
-    for k, nodes in enumerate(units):
-        preds.append(sorted({p for i in nodes for p in lay.c.preds[i] if unit_of[p] != k}))
-        succs.append(sorted({s for i in nodes for s in lay.c.succs[i] if unit_of[s] != k}))
-    return unit_of, preds, succs
+@dataclass(frozen=True)
+class Units:
+    """The units and what refinement reads of them that no move changes: made once per
+    search (Mixed-pipe refines 16 starts on the same units, METIS 12), not once per start."""
+
+    nodes: list[list[int]]
+    unit_of: list[int]  # unit of every node
+    preds: list[list[int]]  # each unit's predecessor nodes outside it
+    succs: list[list[int]]  # ... successor nodes
+    near: list[list[int]]  # the units those belong to
+    # (work when its stage recomputes, work in the loss stage, whether it holds the loss)
+    work: list[tuple[float, float, bool]]
+
+    @classmethod
+    def of(cls, c: NodeCosts, units: list[list[int]]) -> Units:
+        unit_of = [0] * c.n
+        for k, nodes in enumerate(units):
+            for i in nodes:
+                unit_of[i] = k
+        preds, succs = [], []
+        for k, nodes in enumerate(units):
+            preds.append(sorted({p for i in nodes for p in c.preds[i] if unit_of[p] != k}))
+            succs.append(sorted({s for i in nodes for s in c.succs[i] if unit_of[s] != k}))
+        near = [sorted({unit_of[i] for i in preds[k] + succs[k]}) for k in range(len(units))]
+        work = [(sum(c.rec[i] for i in u), sum(c.last[i] for i in u), c.output in u) for u in units]
+        return cls(units, unit_of, preds, succs, near, work)
 
 
-def refine(lay: Assignment, units: list[list[int]], max_moves: int = 20000) -> int:
+def refine(lay: Assignment, units: list[list[int]] | Units, max_moves: int = 20000) -> int:
     """Greedy best-move refinement, slowest GPU first; every unit must sit in one stage.
 
     Stops when no move helps. `max_moves` is a safety net (the models we ship converge in
     well under a second); it counts moves, not seconds, so the plan never depends on how
-    busy the machine is.
+    busy the machine is. `units` made into `Units` once serve every start of a search.
     """
-    unit_of, preds, succs = unit_neighbours(lay, units)
-    near = [sorted({unit_of[i] for i in preds[k] + succs[k]}) for k in range(len(units))]
+    if not isinstance(units, Units):
+        units = Units.of(lay.c, units)
+    preds, succs, near, work = units.preds, units.succs, units.near, units.work
+    units = units.nodes
     # Units with a neighbour in another stage, by stage: the only ones that can move.
     border: dict[int, set[int]] = {s: set() for s in range(lay.nstages)}
     where: dict[int, int] = {}  # unit -> the stage whose border holds it
+    # Unit -> the stages it may move to (`_targets`): they change only when it or a
+    # neighbour moves, and every search for a move asks again for each unit on a border.
+    reachable: dict[int, list[int]] = {}
+
+    def reach(k: int) -> list[int]:
+        got = reachable.get(k)
+        if got is None:
+            got = reachable[k] = _targets(lay, lay.stage[units[k][0]], preds[k], succs[k])
+        return got
 
     def update(k: int) -> None:
+        """Unit k or a neighbour moved: its border and targets are made again."""
+        reachable.pop(k, None)
         s = lay.stage[units[k][0]]
         was = where.pop(k, None)
         if was is not None:
@@ -82,13 +109,9 @@ def refine(lay: Assignment, units: list[list[int]], max_moves: int = 20000) -> i
 
     for k in range(len(units)):
         update(k)
-    work = [
-        (sum(lay.c.rec[i] for i in u), sum(lay.c.last[i] for i in u), lay.c.output in u)
-        for u in units
-    ]
     moves = 0
     while not lay.fits() and moves < max_moves:
-        best = _fit_move(lay, units, border, preds, succs)
+        best = _fit_move(lay, units, border, reach)
         if best is None:
             return moves  # no single move brings memory down: leave it to the caller
         k, t = best
@@ -103,7 +126,7 @@ def refine(lay: Assignment, units: list[list[int]], max_moves: int = 20000) -> i
         # The slowest GPU first; when it has no good move, a lighter one may shed load so
         # that a later move off the slowest becomes possible (lower sum of squares).
         for g in sorted(range(lay.gpus), key=lambda g: (-per[g], g)):
-            best = _best_move(lay, g, units, border, preds, succs, cur, per, work)
+            best = _best_move(lay, g, units, border, reach, cur, per, work)
             if best is not None:
                 break
         if best is None:
@@ -120,7 +143,7 @@ def overflow(lay: Assignment) -> int:
     return sum(max(0, lay.memory(g) - lay.budget[g]) for g in range(lay.gpus))
 
 
-def _fit_move(lay, units, border, preds, succs):
+def _fit_move(lay, units, border, reach):
     """The move off an over-full GPU that lowers the total overflow most (then the period)."""
     cur = (overflow(lay), lay.period())
     best = None
@@ -129,7 +152,7 @@ def _fit_move(lay, units, border, preds, succs):
             continue
         for s in lay.on[g]:
             for k in sorted(border[s]):
-                for t in _targets(lay, s, preds[k], succs[k]):
+                for t in reach(k):
                     if lay.gpu[t] == g:
                         continue
                     before = lay.move(units[k], t)
@@ -140,7 +163,7 @@ def _fit_move(lay, units, border, preds, succs):
     return None if best is None else best[1:]
 
 
-def _best_move(lay, g, units, border, preds, succs, cur, per, work):
+def _best_move(lay, g, units, border, reach, cur, per, work):
     best = None
     loss, top, least = lay.loss, max(per), min(per)
     for s in lay.on[g]:
@@ -148,7 +171,7 @@ def _best_move(lay, g, units, border, preds, succs, cur, per, work):
             rec, last, has_out = work[k]
             if not has_out and least + min(rec, last) >= per[g]:
                 continue  # every target would grow as slow as g (the test below, for all)
-            for t in _targets(lay, s, preds[k], succs[k]):
+            for t in reach(k):
                 h = lay.gpu[t]
                 if h == g:
                     continue
@@ -186,6 +209,8 @@ class BestRefined:
         self.units, self.key, self.best = units, None, None
 
     def offer(self, lay: Assignment) -> None:
+        if not isinstance(self.units, Units):  # once, for every start offered
+            self.units = Units.of(lay.c, self.units)
         refine(lay, self.units)
         key = (round(lay.period(), 12), lay.comm_bytes())
         if lay.fits() and (self.key is None or key < self.key):

@@ -36,6 +36,7 @@ the matrix are exactly those of one process evaluating each cell when its turn c
 
 from __future__ import annotations
 
+import gc
 import math
 import multiprocessing
 import os
@@ -282,6 +283,11 @@ class CellPool:
         self.seen: dict = {}  # pid -> worker, all started so far
 
     def __enter__(self) -> CellPool:
+        # What exists now (the traced model, the graph, the problem: over a million objects
+        # in a compile) lives as long as the search: frozen, the collector's full passes,
+        # here and in the workers forked with it, skip it. They took a seventh of a
+        # Mixed-pipe search, visiting all of it each time.
+        gc.freeze()
         if self.ahead:
             _SHARED["run"] = self.run
             context = multiprocessing.get_context("fork")
@@ -291,6 +297,7 @@ class CellPool:
         return self
 
     def __exit__(self, error, *exc) -> None:
+        gc.unfreeze()  # (the workers keep theirs)
         if self.executor is None:
             return
         _SHARED.pop("run", None)

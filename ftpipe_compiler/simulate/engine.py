@@ -31,6 +31,7 @@ to be fetched back; the host's marks go on the timeline beside the actions.
 from __future__ import annotations
 
 import heapq
+from collections import defaultdict
 
 from ..plan import Plan
 from .network import Network
@@ -155,7 +156,7 @@ class EventLoop:
         self.waiting: dict[int, tuple] = {}
         # (GPU, step) -> bytes it sent for that step: the activations and weights its
         # micro-batches read, the gradients they gave back (per-step figures: `simulator`)
-        self.sent_in: dict[tuple[int, int], int] = {}
+        self.sent_in: dict[tuple[int, int], int] = defaultdict(int)
         self.busy: dict[int, list[tuple[float, float]]] = {g: [] for g in lists}
         self.step_end: dict[int, dict[int, float]] = {g: {} for g in lists}
         self.held = dict.fromkeys(st, 0)
@@ -185,10 +186,13 @@ class EventLoop:
         heapq.heappush(self.heap, (end, self.seq, g))
 
     def try_start(self, g: int) -> None:
-        lst = self.lists[g]
-        if self.running[g] or self.pos[g] >= len(lst):
+        if self.running[g]:
             return
-        got = self.start_of[lst[self.pos[g]].kind](g, lst[self.pos[g]])
+        lst, i = self.lists[g], self.pos[g]
+        if i >= len(lst):
+            return
+        a = lst[i]
+        got = self.start_of[a.kind](g, a)
         if got is not None:
             ready, dur = got
             start = max(self.free[g], ready)
@@ -240,8 +244,9 @@ class EventLoop:
             self._push(h, t0, self._step_end(h, self.lists[h][self.pos[h]].stage, t0))
 
     def _send(self, src: int, dst: int, nbytes: int, t: float, step: int) -> float:
-        if src != dst:
-            self.sent_in[src, step] = self.sent_in.get((src, step), 0) + nbytes
+        if src == dst:
+            return t  # `Network.send`: handed over on the GPU
+        self.sent_in[src, step] += nbytes
         return self.net.send(src, dst, nbytes, t)
 
     def complete(self, g: int, t: float) -> None:
@@ -273,8 +278,13 @@ class EventLoop:
         of micro-batches `mbs`."""
         arrive = self._send(g, dst, nbytes, t, mbs[0] // self.m)
         for c in consumers:
-            for i in mbs:
-                self._arrive(self.fcount[c], self.ftime[c], i, arrive, self.need_f[c], ("F", c, i))
+            count, times, need = self.fcount[c], self.ftime[c], self.need_f[c]
+            for i in mbs:  # `_arrive`, inline: the hottest call of a simulation
+                count[i] += 1
+                if arrive > times[i]:
+                    times[i] = arrive
+                if count[i] == need:
+                    self._ready("F", c, i)
 
     def _send_weights(self, g: int, s: int, m: int, t: float) -> None:
         """Stage s's weights read by other GPUs, in the version its forward of micro-batch m
@@ -316,7 +326,8 @@ class EventLoop:
                     to,
                     arrive,
                     self.need_b[producer],
-                    ("B", producer, to),
+                    "B",
+                    producer,
                 )
 
     def _finish_w(self, g: int, a, start: float, t: float) -> None:
@@ -344,12 +355,17 @@ class EventLoop:
         acts, i = self.lists[g], self.pos[g]
         return i >= len(acts) or acts[i].kind != "S" or acts[i].mb != a.mb
 
-    def _arrive(self, count, times, m: int, arrive: float, need: int, key: tuple) -> None:
+    def _arrive(self, count, times, m: int, arrive: float, need: int, kind: str, s: int) -> None:
         count[m] += 1
         if arrive > times[m]:
             times[m] = arrive
         if count[m] == need:
-            g = self.gpu[key[1]]
-            if self.waiting.get(g) == key:
-                del self.waiting[g]
-                self.try_start(g)
+            self._ready(kind, s, m)
+
+    def _ready(self, kind: str, s: int, m: int) -> None:
+        """Every input of stage s's `kind` of micro-batch m is in: its GPU starts it if it
+        waits for it."""
+        g = self.gpu[s]
+        if self.waiting.get(g) == (kind, s, m):
+            del self.waiting[g]
+            self.try_start(g)

@@ -74,6 +74,18 @@ def simulate(
     the runtime did before (benchmarks compare the bytes); the runtime itself never does.
     `checked=False` leaves out `validate` of the lists: a search simulating many plans
     checks the one it keeps (the runtime checks its lists again when it starts)."""
+    return _result(*_run(plan, schedule, micro_batches, steps, weights_once, checked))
+
+
+def step_time(plan: Plan, steps: int = 10) -> float:
+    """`simulate(plan, steps=steps, checked=False).step_time_s` without the other figures
+    (each GPU's memory, busy fractions): what a search judging many candidates reads."""
+    run = _run(plan, None, None, steps, True, False)[1]
+    return _window(run, steps)[2]
+
+
+def _run(plan: Plan, schedule, micro_batches, steps: int, weights_once: bool, checked: bool):
+    """The event loop run to its end, and what `_result` reads besides."""
     name = schedule or plan.schedule
     if name not in SCHEDULES and not name.lower().endswith(".csv"):
         raise unknown("schedule", name, SCHEDULES)
@@ -142,7 +154,7 @@ def simulate(
         host=host,
     )
     run.go()
-    return _result(plan, run, name, m, steps, run_steps, host)
+    return plan, run, name, steps, m, run_steps, host
 
 
 _KEEP_LISTS = 64
@@ -165,17 +177,24 @@ def _action_lists(sched, name: str, recompute: bool, infos, m: int, steps: int) 
     return {g: list(acts) for g, acts in got.items()}
 
 
-def _result(plan: Plan, run: EventLoop, name: str, m: int, steps: int, run_steps: int,
-            host: HostTraffic | None = None):  # fmt: skip
-    """The figures of a finished run: step time over the second half of the steps (the
-    first half warms the pipeline up), busy fractions and peak memory per GPU; with
-    offloaded stages their host traffic and each node's host memory."""
+def _window(run: EventLoop, steps: int) -> tuple[list[float], tuple[float, float], float]:
+    """(when each step ends, the window measured: the second half of the steps, the first
+    half warming the pipeline up, the mean step time over it)."""
     lists = run.lists
     ends = [max(run.step_end[g].get(k, 0.0) for g in lists) for k in range(steps)]
     n = steps // 2
     window = (ends[-1 - n], ends[-1]) if n else (0.0, ends[0])
+    return ends, window, (window[1] - window[0]) / max(n, 1)
+
+
+def _result(plan: Plan, run: EventLoop, name: str, steps: int, m: int, run_steps: int,
+            host: HostTraffic | None = None):  # fmt: skip
+    """The figures of a finished run: step time over the second half of the steps, busy
+    fractions and peak memory per GPU; with offloaded stages their host traffic and each
+    node's host memory."""
+    ends, window, step_time = _window(run, steps)
+    n = steps // 2
     measured = range(steps - n, steps) if n else range(1)  # the steps the window holds
-    step_time = (window[1] - window[0]) / max(n, 1)
     busy = {
         g: _overlap(run.busy.get(g, ()), *window) / max(window[1] - window[0], 1e-30)
         for g in range(plan.gpus)

@@ -123,6 +123,7 @@ class _Ideal:
         self.soon: dict[int, list] = {g: [] for g in self.on_gpu}  # heaps of (may start, stage)
         self.now: dict[int, set[int]] = {g: set() for g in self.on_gpu}  # heads that may start
         self.blocked: dict[tuple, list[int]] = {}  # (kind, stage, mb) -> heads waiting on it
+        self.rank: dict[int, tuple] = {}  # stage -> (its armed head's priority, stage)
         for s in self.info:
             self._arm(s)
 
@@ -144,21 +145,30 @@ class _Ideal:
         """When stage s's head (not a step) may start: its inputs all ended, or the input not
         started yet that it waits on."""
         a = self.heads[s]
-        if a is None or a.kind == "S":
+        if a is None:
             return
-        if a.kind == "W":
-            inputs = [("B", s)]
+        kind, mb = a.kind, a.mb
+        if kind == "S":
+            return
+        if kind == "W":
+            inputs = (("B", s),)
+        elif kind == "F":
+            inputs = [("F", d) for d in self.producers[s]]
         else:
-            needed = self.producers[s] if a.kind == "F" else self.consumers[s]
-            inputs = [(a.kind, d) for d in needed] + ([("F", s)] if a.kind == "B" else [])
+            inputs = [("B", d) for d in self.consumers[s]]
+            inputs.append(("F", s))
         at = 0
-        for kind, d in inputs:
-            x = self.end[kind][d].get(a.mb)
+        end = self.end
+        for k, d in inputs:
+            x = end[k][d].get(mb)
             if x is None:
-                self.blocked.setdefault((kind, d, a.mb), []).append(s)
+                self.blocked.setdefault((k, d, mb), []).append(s)
                 return
-            at = max(at, x)
-        heapq.heappush(self.soon[self.info[s].gpu], (at, s))
+            if x > at:
+                at = x
+        info = self.info[s]
+        self.rank[s] = (self.priority(a, info), s)  # asked each time its GPU is idle
+        heapq.heappush(self.soon[info.gpu], (at, s))
 
     def take_steps(self) -> None:
         """Steps cost no time; a synchronised one waits for its whole group."""
@@ -179,7 +189,7 @@ class _Ideal:
 
     def dispatch(self) -> None:
         """Every idle GPU starts the ready head action its priority ranks first."""
-        t, heads, info = self.t, self.heads, self.info
+        t, heads, rank = self.t, self.heads, self.rank
         for g in self.on_gpu:
             if self.gpu_free[g] > t:
                 continue
@@ -188,7 +198,7 @@ class _Ideal:
                 now.add(heapq.heappop(soon)[1])
             if not now:
                 continue
-            _, s = min((self.priority(heads[s], info[s]), s) for s in now)
+            s = min(map(rank.__getitem__, now))[1]
             now.discard(s)
             a = heads[s]
             done = t + duration(a, s in self.split)
