@@ -75,3 +75,36 @@ def test_mixed_on_tiny_t5_costed_balances_better_than_one_gpu(tiny_t5_costed):
 )
 def test_sublayer_key(scope, key):
     assert sublayer_key(scope) == key
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("schedule", ["ftpipe", "1f1b"])
+def test_judged_lazily_in_the_same_order_as_every_plan_simulated(monkeypatch, seed, schedule):
+    """`_judged` simulates a plan only when its floor may beat the steps simulated so far,
+    and gives the plans in the order of judging them all; no floor, less its slack, is
+    above its step."""
+    import ftpipe_compiler.partition.mixed as mx
+
+    seen = []
+    real = mx._fitting
+
+    def keep(problem, plans, units, t0):
+        seen.append(plans)
+        return real(problem, plans, units, t0)
+
+    monkeypatch.setattr(mx, "_fitting", keep)
+    mixed(make_problem(make_graph(40, seed), gpus=4, schedule=schedule))
+    (plans,) = seen
+    everything = sorted((mx._judge(plan), k) for k, (_, plan) in enumerate(plans))
+    assert list(mx._judged(plans)) == everything
+    slack = 1 - mx.FLOOR_SLACK
+    assert all(mx._floor(plans[k][1]) * slack <= key[0] for key, k in everything)
+
+
+def test_judge_steps_keep_the_micro_batches_simulated():
+    from ftpipe_compiler.partition.mixed import JUDGE_STEPS, judge_steps
+
+    assert judge_steps(4) == JUDGE_STEPS == 10  # a replica's few micro-batches: unchanged
+    assert judge_steps(16) == 10
+    assert judge_steps(32) == 5
+    assert judge_steps(160) == 4  # at least 2 steps to warm up, 2 measured
