@@ -219,25 +219,24 @@ def fitted(
         return None
     length = min(gpus, len(chain))  # the depths `split` costs segments at
     budget = [problem.memory / problem.per_gpu] * length
-    stage_of, gpu_of = chain.assignment(segs)
-    plan = build_plan(problem, stage_of, gpu_of, name, time.perf_counter() - t0)
-    for _ in range(fit.ROUNDS):
-        free = fit.room(problem, plan)
-        if free is None:
-            break
+    cut = {"segs": segs}
+
+    def build(segs):
+        cut["segs"] = segs
+        stage_of, cut["gpu_of"] = chain.assignment(segs)
+        return build_plan(problem, stage_of, cut["gpu_of"], name, time.perf_counter() - t0)
+
+    def recut(plan, free):
+        segs, gpu_of = cut["segs"], cut["gpu_of"]
         shared = Counter(gpu_of.values())
         for s, (k, j) in enumerate(segs):
             d = len(segs) - 1 - s
             own = chain.memory(d, length)[k, j]
-            g = gpu_of[s]
-            budget[d] = min(budget[d], own + free[g] / shared[g])
+            budget[d] = min(budget[d], own + free[gpu_of[s]] / shared[gpu_of[s]])
         got = chain.split(objective, gpus, budget=budget, **split)
-        if got is None:
-            break
-        segs = got
-        stage_of, gpu_of = chain.assignment(segs)
-        plan = build_plan(problem, stage_of, gpu_of, name, time.perf_counter() - t0)
-    return plan
+        return None if got is None else build(got)
+
+    return fit.again(problem, build(segs), recut)[0]
 
 
 def _unit_tables(costs: NodeCosts, units: list[list[int]]):

@@ -11,11 +11,13 @@ with that GPU's budget for its own figure lowered to match (`refine.refit`, `cha
 at most `ROUNDS` times: a new cut may move the overhead too.
 
     free = room(problem, plan)       # None: every GPU fits; else bytes per GPU (< 0: over)
+    plan, fits = again(problem, plan, recut)   # recut(plan, free) -> a new plan, or None
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 ROUNDS = 3  # a second cut's overhead seldom moves enough to need more
 
@@ -33,3 +35,19 @@ def room(problem, plan) -> list[int] | None:
         return None
     grows = 1 + plan.reserve.fragmentation
     return [math.floor(f / grows) for f in free]
+
+
+def again(problem, plan, recut: Callable[[object, list[int]], object]) -> tuple[object, bool]:
+    """(`plan`, whether it fits), where a GPU is over by the plan's full count cut again by
+    `recut(plan, free)` with each GPU's `room`, at most `ROUNDS` times; `recut` returns the
+    new plan, or None where no cut fits within that room (the last plan is kept, for the
+    plan's check to say where it is over)."""
+    for _ in range(ROUNDS):
+        free = room(problem, plan)
+        if free is None:
+            return plan, True
+        got = recut(plan, free)
+        if got is None:
+            return plan, False
+        plan = got
+    return plan, room(problem, plan) is None

@@ -230,14 +230,13 @@ def refit(problem, lay: Assignment, units: list[list[int]], name: str, t0: float
     GPU's budget lowered to the room the plan left it (`fit.room`: the moves off an over-full
     GPU first), at most `fit.ROUNDS` times. A cut that still does not fit is returned as it
     is, for the plan's check to report."""
-    plan = plan or build_plan(problem, lay.stage_of(), lay.gpu_of(), name, time.perf_counter() - t0)
-    for _ in range(fit.ROUNDS):
-        free = fit.room(problem, plan)
-        if free is None:
-            return plan, True
+
+    def recut(plan, free):
         lay.budget = [min(b, lay.memory(g) + r) for g, (b, r) in enumerate(zip(lay.budget, free))]
         refine(lay, units)
         if not lay.fits():
-            return plan, False
-        plan = build_plan(problem, lay.stage_of(), lay.gpu_of(), name, time.perf_counter() - t0)
-    return plan, fit.room(problem, plan) is None
+            return None
+        return build_plan(problem, lay.stage_of(), lay.gpu_of(), name, time.perf_counter() - t0)
+
+    plan = plan or build_plan(problem, lay.stage_of(), lay.gpu_of(), name, time.perf_counter() - t0)
+    return fit.again(problem, plan, recut)
