@@ -17,7 +17,13 @@ The same switch keeps glibc's heap (`keep_heap`): by default glibc returns the t
 to the OS once 2x its adaptive mmap threshold lies free there, so the few-MB temporaries of an
 LM-head micro-batch (8 MB chunks of log-softmax) were mapped afresh every micro-batch too
 (5,232 page faults per forward of the benchmark's head stage; 302 with the heap kept). A
-fixed 32 MB mmap threshold and a 1 GiB trim threshold keep what a step freed for the next one.
+1 GiB trim threshold keeps what a step freed for the next one. The mmap threshold is fixed at
+2 MB: blocks from there up (huge-page aligned by the switch) are mapped and unmapped when
+freed, so the heap holds only smaller ones. With glibc's largest, 32 MB, the weight-sized
+blocks between (17 MB in a 0.5B model) stayed in the heap, and where they landed among its
+holes was chance: a 2-rank PipeDream-2BW run's rank 1 peaked 1.07-1.15 x its plan from run to
+run; at 2 MB, 1.05. The page faults per step of the runtime benchmark's runs stayed the same
+(17.5k / 35.6k per rank against 18.3k / 35.3k; 31.3k / 152 against 31.1k / 67).
 GLIBC_TUNABLES or a MALLOC_* variable the user set wins. `release_free_heap` hands what is
 free back on demand: the measured profiler reads RSS as the live tensors, and a run calls it
 after every optimizer step, since a heap kept whole grows past what is live: tensors that
@@ -53,7 +59,7 @@ def prepare_process() -> None:
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
-MMAP_THRESHOLD = 32 << 20  # glibc's largest: blocks above it are still mapped
+MMAP_THRESHOLD = 2 << 20  # huge-page sized and up: mapped, and unmapped when freed
 TRIM_THRESHOLD = 1 << 30
 
 

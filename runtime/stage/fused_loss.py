@@ -46,7 +46,7 @@ __all__ = ["CHUNK_BYTES", "chunk_bytes", "linear_cross_entropy", "register"]
 
 # Bytes of logits the loss reads at a time, by device type; others take the GPU's.
 CHUNK_BYTES = {
-    "cpu": 8 << 20,  # below glibc's largest mmap threshold (32 MB): no fresh pages per chunk
+    "cpu": 8 << 20,  # 4 huge pages (job/cpu_allocator): few faults for a fresh chunk
     "cuda": 256 << 20,  # few launches; one bounded temporary (a chunk's log-softmax)
 }
 
@@ -69,8 +69,8 @@ def _chunks(tokens: int, vocab: int, itemsize: int, device):
 
 class _Buffers:
     """Logits- and weight-sized CPU buffers kept for the next micro-batch. torch's CPU
-    allocator hands blocks above 32 MB back to the OS when freed, and each new one costs the
-    kernel a page fault per page (on a VM whose host takes freed memory back, 20-60 ms per
+    allocator hands large blocks back to the OS when freed (above 2 MB: job/cpu_allocator),
+    and each new one costs the kernel a page fault per page (on a VM whose host takes freed memory back, 20-60 ms per
     51 MB). A buffer is free again when nothing but this pool holds its storage: its autograd
     graph is gone, the gradient accumulated from it no longer a parameter's `.grad`. So the
     pool holds as many per shape as were alive at once (a GPipe stage: one per micro-batch
