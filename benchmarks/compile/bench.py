@@ -105,10 +105,7 @@ def _balance(plan: Plan) -> dict:
     micro-batch's time (transfers, the step, the all-reduce) unchanged, the time per
     micro-batch would fall by busiest - mean: `balanced_speedup` is the effective speedup
     then, a ceiling for any cut of the same shape and micro-batch size."""
-    policies = plan.policies
-    per_gpu: dict[int, float] = {}
-    for s in plan.stages:
-        per_gpu[s.gpu] = per_gpu.get(s.gpu, 0.0) + s.work_s(policies[s.id].recompute)
+    per_gpu = plan.gpu_work_s()
     busiest, mean = max(per_gpu.values()), sum(per_gpu.values()) / len(per_gpu)
     sim = plan.simulated or {}
     per_micro_batch = float(sim.get("step_time_s", 0.0)) / plan.micro_batches

@@ -219,15 +219,15 @@ def fitted(
         return None
     length = min(gpus, len(chain))  # the depths `split` costs segments at
     budget = [problem.memory / problem.per_gpu] * length
-    cut = {"segs": segs}
+    gpu_of: dict[int, int] = {}
 
-    def build(segs):
-        cut["segs"] = segs
-        stage_of, cut["gpu_of"] = chain.assignment(segs)
-        return build_plan(problem, stage_of, cut["gpu_of"], name, time.perf_counter() - t0)
+    def build(got):  # the plan of a split, which `recut` lowers the budgets of
+        nonlocal segs, gpu_of
+        segs = got
+        stage_of, gpu_of = chain.assignment(segs)
+        return build_plan(problem, stage_of, gpu_of, name, time.perf_counter() - t0)
 
     def recut(plan, free):
-        segs, gpu_of = cut["segs"], cut["gpu_of"]
         shared = Counter(gpu_of.values())
         for s, (k, j) in enumerate(segs):
             d = len(segs) - 1 - s

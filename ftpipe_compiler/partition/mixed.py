@@ -117,10 +117,7 @@ def _judged(plans: list[tuple[Assignment, Plan]]):
 def _floor(plan: Plan) -> float:
     """Seconds per step the plan's simulation cannot go below: its busiest GPU computes each
     of the step's micro-batches."""
-    policies, work = plan.policies, {}
-    for s in plan.stages:
-        work[s.gpu] = work.get(s.gpu, 0.0) + s.work_s(policies[s.id].recompute)
-    return plan.micro_batches * max(work.values(), default=0.0)
+    return plan.micro_batches * max(plan.gpu_work_s().values(), default=0.0)
 
 
 def _judge(plan: Plan) -> tuple[float, float, int, int]:

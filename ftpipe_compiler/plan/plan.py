@@ -58,6 +58,14 @@ class Plan(spec.Plan):
     def gpu_compute_s(self, gpu: int) -> float:
         return sum(s.compute_s for s in self.stages_on(gpu))
 
+    def gpu_work_s(self) -> dict[int, float]:
+        """GPU -> the seconds its stages compute per micro-batch (forward, backward and the
+        recompute its schedule's policies ask for), as the simulator runs them."""
+        policies, work = self.policies, {}
+        for s in self.stages:
+            work[s.gpu] = work.get(s.gpu, 0.0) + s.work_s(policies[s.id].recompute)
+        return work
+
     def gpu_comm_s(self, gpu: int) -> tuple[float, float]:
         """(forward bytes sent, gradient bytes sent) / bandwidth, each tensor once per GPU."""
         gpu_of = {s.id: s.gpu for s in self.stages}

@@ -452,10 +452,6 @@ def _tiers(ks: list[int], bound) -> list[list[int]]:
     return out
 
 
-def _samples(got) -> float:
-    return got[1].samples_per_s if got else 0.0
-
-
 def _promise(got) -> tuple[float, int]:
     """How likely the slower partitioners improve a candidate, most likely first: its cheap
     plans' samples/s, then the least memory on the fullest GPU. Schedules that time a cut
