@@ -46,7 +46,7 @@ from ftpipe_runtime.schedules import resolve_schedule
 from .formulas import PRECISIONS, gpu_memory_bytes, posted_bytes
 from .host import stage_host_bytes
 
-__all__ = ["GpuMemory", "gpu_memory", "grad_bytes"]
+__all__ = ["GpuMemory", "MemoryView", "gpu_memory", "grad_bytes"]
 
 
 @dataclass(frozen=True)
@@ -81,10 +81,12 @@ def gpu_memory(
     in_flight: dict[int, int] | None = None,
     deferred: dict[int, int] | None = None,
     post_ahead_bytes: int = POST_AHEAD_BYTES,
+    view: MemoryView | None = None,
 ) -> GpuMemory:
     """GPU `gpu` of `plan` at its peak; micro-batches in flight (and, split, between B and W)
-    per stage from the schedule unless given (the simulator's peaks)."""
-    view = _View(plan)
+    per stage from the schedule unless given (the simulator's peaks). `view`: the plan's
+    `MemoryView`, made once where many GPUs or peaks of one plan are asked (`Plan`)."""
+    view = view or MemoryView(plan)
     mine = plan.stages_on(gpu)
     policies = {}
     for s in mine:
@@ -113,10 +115,7 @@ def gpu_memory(
         received_weights=copies,
         weight_grads=sum(wgrads),
         sends=view.sends(gpu, held=plan.reserve.sends_held),
-        posted=sum(
-            posted_bytes(sizes, post_ahead_bytes, POST_AHEAD_MESSAGES)
-            for sizes in view.messages_to(gpu).values()
-        ),
+        posted=view.posted(gpu, post_ahead_bytes),
         replicas=view.replica_buffers(mine),
         transient=largest + view.master_copy(mine),
         reserve=0,
@@ -139,8 +138,10 @@ def grad_bytes(p, precision) -> int:
     return p.bytes
 
 
-class _View:
-    """The plan as the runtime sees it: which transfers are weights, who sends what to whom."""
+class MemoryView:
+    """The plan as the runtime sees it: which transfers are weights, who sends what to whom.
+    What depends on the plan alone (never on the micro-batches in flight) is kept: the
+    simulator and the partitioners' memory checks ask for every GPU of one plan, often."""
 
     def __init__(self, plan):
         self.plan = plan
@@ -151,10 +152,17 @@ class _View:
         self.precision = PRECISIONS[plan.model.get("precision") or "fp32"]
         self.weights = [t for t in plan.transfers if t.tensor in self.params]
         self.activations = [t for t in plan.transfers if t.tensor not in self.params]
+        self._dests = {id(t): self._reached(t) for t in plan.transfers}
+        self._posted: dict[tuple[int, int], int] = {}
+        self._pairs: set[tuple[int, int]] | None = None
+
+    def _reached(self, t) -> set[int]:
+        return {self.gpu_of[c] for c in t.consumers} - {self.gpu_of[t.producer]}
 
     def dests(self, t) -> set[int]:
         """GPUs other than its producer's that read transfer t."""
-        return {self.gpu_of[c] for c in t.consumers} - {self.gpu_of[t.producer]}
+        got = self._dests.get(id(t))
+        return self._reached(t) if got is None else got
 
     def remote(self, t, gpu: int) -> bool:
         return self.gpu_of[t.producer] != gpu
@@ -224,18 +232,27 @@ class _View:
         )
         return 2 * (per_step + clones) + wgrads
 
+    def posted(self, gpu: int, ahead_bytes: int) -> int:
+        """Receive buffers posted ahead on `gpu`, all its sources together (`posted_bytes`)."""
+        key = (gpu, ahead_bytes)
+        if key not in self._posted:
+            self._posted[key] = sum(
+                posted_bytes(sizes, ahead_bytes, POST_AHEAD_MESSAGES)
+                for sizes in self.messages_to(gpu).values()
+            )
+        return self._posted[key]
+
     def messages_to(self, gpu: int) -> dict[int, list[int]]:
         """Per source GPU: the sizes of one step's messages to `gpu`, in sending order."""
-        out: dict[int, list[int]] = {}
-        for _ in range(self.m):
-            for t in self.activations:  # activations down, each micro-batch
-                src = self.gpu_of[t.producer]
-                if gpu in self.dests(t):
-                    out.setdefault(src, []).append(t.bytes)
-            for t in self.activations:  # their gradients back
-                if t.requires_grad and not self.remote(t, gpu):
-                    for src in self.dests(t):
-                        out.setdefault(src, []).append(t.bytes)
+        one: dict[int, list[int]] = {}  # each micro-batch sends the same, in the same order
+        for t in self.activations:  # activations down
+            if gpu in self.dests(t):
+                one.setdefault(self.gpu_of[t.producer], []).append(t.bytes)
+        for t in self.activations:  # their gradients back
+            if t.requires_grad and not self.remote(t, gpu):
+                for src in self.dests(t):
+                    one.setdefault(src, []).append(t.bytes)
+        out = {src: sizes * self.m for src, sizes in one.items()}
         for t in self.weights:  # a weight once per version, its gradient once per step
             if gpu in self.dests(t):
                 out.setdefault(self.gpu_of[t.producer], []).append(t.bytes)
@@ -247,14 +264,15 @@ class _View:
     def communicators(self, gpu: int) -> int:
         """Process groups this GPU is in: one per directed pair it exchanges messages in
         (`comm.Comm.make_groups`), the job's own, and with replicas theirs."""
-        pairs = set()
-        for t in self.plan.transfers:
-            src = self.gpu_of[t.producer]
-            for dst in self.dests(t):
-                pairs.add((src, dst))
-                if t.requires_grad:
-                    pairs.add((dst, src))
-        return sum(1 for p in pairs if gpu in p) + 1 + (self.plan.replicas > 1)
+        if self._pairs is None:
+            self._pairs = set()
+            for t in self.plan.transfers:
+                src = self.gpu_of[t.producer]
+                for dst in self.dests(t):
+                    self._pairs.add((src, dst))
+                    if t.requires_grad:
+                        self._pairs.add((dst, src))
+        return sum(1 for p in self._pairs if gpu in p) + 1 + (self.plan.replicas > 1)
 
     def replica_buffers(self, stages) -> int:
         d = self.plan.replicas

@@ -119,6 +119,22 @@ class Assignment:
             self._mem[g] = self._memory(g)
         return self._mem[g]
 
+    def overflow(self) -> int:
+        """Bytes over budget, all GPUs together: `memory` of each, the checks made once (a
+        fit search asks after every trial move, and most GPUs' figures are kept)."""
+        if self._dirty:
+            self._depths()
+        if self._mem_key != (self._epoch, self.loss):
+            self._mem_key, self._mem = (self._epoch, self.loss), [None] * self.gpus
+        mem, total = self._mem, 0
+        for g, budget in enumerate(self.budget):
+            got = mem[g]
+            if got is None:
+                got = mem[g] = self._memory(g)
+            if got > budget:
+                total += got - budget
+        return total
+
     def _memory(self, g: int) -> int:
         parts = []
         for s in self.on[g]:

@@ -16,7 +16,7 @@ import time
 from ..costs.formulas import gpu_memory_bytes, stage_memory
 from ..graph.granularity import layer_key, sublayer_key
 from ..plan import Plan
-from ..simulate.simulator import step_time
+from ..simulate.simulator import steady_steps, step_time
 from .assignment import Assignment
 from .build import build_plan
 from .coarsen import Coarse, atoms, by_scope, grow_centers
@@ -24,12 +24,8 @@ from .indexed import NodeCosts, infeasible
 from .refine import Units, refine, refit
 
 ITERATIONS = 4  # §4.3 re-costing rounds: usually stable after two; a repeat also ends them
-JUDGE_STEPS = 10  # simulated steps per candidate: enough to reach the steady state...
-# ...with the few micro-batches of a step that one replica takes alone. With many (a cluster's
-# replica: 160), fewer steps hold as many micro-batches, and the judge simulates at least
-# JUDGE_MICRO_BATCHES (4 steps at least: 2 warm the pipeline up, 2 are measured). Its cost
-# is linear in steps x micro-batches: at 160, 10 steps were 85% of a 16-GPU Mixed-pipe search.
-JUDGE_MICRO_BATCHES = 16 * JUDGE_STEPS
+JUDGE_STEPS = 10  # simulated steps per candidate at most (`simulator.steady_steps`: fewer
+# with a cluster replica's many micro-batches; at 160, 10 steps were 85% of a 16-GPU search)
 MAX_BLOCKS = 64
 FLOOR_SLACK = 0.02  # how far under a plan's floor its judged step may come (`_judged`)
 
@@ -124,16 +120,11 @@ def _judge(plan: Plan) -> tuple[float, float, int, int]:
     """Simulated step time first (FTPipe §4.1 picks L by "the best pipeline throughput"): a
     deeper pipeline may match another's period yet stall on its longer round trip."""
     return (
-        round(step_time(plan, steps=judge_steps(plan.micro_batches)), 9),
+        round(step_time(plan, steps=steady_steps(plan.micro_batches, JUDGE_STEPS)), 9),
         round(plan.period_s, 12),
         plan.comm_bytes,
         len(plan.stages),
     )
-
-
-def judge_steps(micro_batches: int) -> int:
-    """Steps simulated to judge a plan of `micro_batches` per step (`JUDGE_MICRO_BATCHES`)."""
-    return max(4, min(JUDGE_STEPS, -(-JUDGE_MICRO_BATCHES // max(micro_batches, 1))))
 
 
 def _key(lay: Assignment) -> tuple[float, int, int]:

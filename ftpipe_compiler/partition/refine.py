@@ -139,13 +139,9 @@ def refine(lay: Assignment, units: list[list[int]] | Units, max_moves: int = 200
     return moves
 
 
-def overflow(lay: Assignment) -> int:
-    return sum(max(0, lay.memory(g) - lay.budget[g]) for g in range(lay.gpus))
-
-
 def _fit_move(lay, units, border, reach):
     """The move off an over-full GPU that lowers the total overflow most (then the period)."""
-    cur = (overflow(lay), lay.period())
+    cur = (lay.overflow(), lay.period())
     best = None
     for g in range(lay.gpus):
         if lay.memory(g) <= lay.budget[g]:
@@ -156,7 +152,7 @@ def _fit_move(lay, units, border, reach):
                     if lay.gpu[t] == g:
                         continue
                     before = lay.move(units[k], t)
-                    new = (overflow(lay), lay.period())
+                    new = (lay.overflow(), lay.period())
                     if new < cur and (best is None or new < best[0]):
                         best = (new, k, t)
                     lay.undo(units[k], before)

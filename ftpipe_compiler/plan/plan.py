@@ -32,7 +32,7 @@ from ftpipe_runtime.spec import plan as spec
 
 from ..costs.cluster import Cluster
 from ..costs.formulas import PRECISIONS, MemoryReserve, param_bytes, period_s, stage_memory
-from ..costs.gpu_memory import GpuMemory, gpu_memory
+from ..costs.gpu_memory import GpuMemory, MemoryView, gpu_memory
 from ..costs.host import Host, host_memory, stage_device_sum_bytes
 from ..errors import FtpipeError, PlanFormatError
 from ..units import mib
@@ -134,7 +134,16 @@ class Plan(spec.Plan):
         self, gpu: int, in_flight: dict[int, int] | None = None, deferred: dict | None = None
     ) -> GpuMemory:
         """The same peak, by what holds it."""
-        return gpu_memory(self, gpu, in_flight, deferred)
+        return gpu_memory(self, gpu, in_flight, deferred, view=self._memory_view)
+
+    @functools.cached_property
+    def _memory_view(self) -> MemoryView:
+        """Who sends what to whom, made once: `gpu_memory` asks it for every GPU and peak."""
+        return MemoryView(self)
+
+    def __getstate__(self) -> dict:
+        # The view keys its transfers by id(), which a pickle (a search's worker) does not keep.
+        return {k: v for k, v in self.__dict__.items() if k != "_memory_view"}
 
     def stage_memory(
         self, s: Stage, in_flight: dict[int, int] | None = None, deferred: dict | None = None

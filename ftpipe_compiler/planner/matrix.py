@@ -54,7 +54,7 @@ from ftpipe_runtime.schedules import SCHEDULES, StageInfo, get_schedule
 from ..errors import FtpipeError, InfeasibleError, unknown
 from ..partition import PARTITIONERS, PATTERNED, Problem, run_partitioner
 from ..plan import Plan
-from ..simulate import SimResult, simulate
+from ..simulate import SimResult, simulate, steady_steps
 from .bounds import step_floor
 from .offload import choose_offload
 
@@ -232,7 +232,7 @@ def search_matrix(
 def check_lists(plan: Plan, steps: int) -> None:
     """Validate the action lists a plan's simulation runs (the searches' cells skip that,
     `simulate(checked=False)`, and check the plan they keep): FtpipeError if they do not hold."""
-    simulate(plan, steps=steps)
+    simulate(plan, steps=steady_steps(plan.micro_batches, steps))
 
 
 def _slowest_first(cell: tuple[str, str]) -> int:
@@ -434,7 +434,7 @@ def evaluate(problem: Problem, partitioner: str, bound: float, steps: int) -> Ce
             s, partitioner, status, bound, search_s=result.search_seconds, note=result.error
         )
     plan = choose_offload(result.plan, problem.offload)  # per stage (planner/offload.py)
-    sim = simulate(plan, steps=steps, checked=False)  # the winner's checked after
+    sim = simulate(plan, steps=steady_steps(plan.micro_batches, steps), checked=False)
     status = "ok" if sim.fits else "does not fit"
     note = "" if sim.fits else _overflow(sim)
     return Cell(s, partitioner, status, bound, plan, sim, time.perf_counter() - t0, note)

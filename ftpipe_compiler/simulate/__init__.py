@@ -9,7 +9,7 @@ rows = compare([("a", plan, "gpipe"), ("a", plan, "2bw")]); print(table(rows))
 from .compare import Row, compare, table
 from .report import render_report, write_report
 from .result import Event, GpuResult, SimResult
-from .simulator import simulate
+from .simulator import simulate, steady_steps
 
 __all__ = [
     "Event",
@@ -19,6 +19,7 @@ __all__ = [
     "compare",
     "render_report",
     "simulate",
+    "steady_steps",
     "table",
     "write_report",
 ]

@@ -77,6 +77,20 @@ def simulate(
     return _result(*_run(plan, schedule, micro_batches, steps, weights_once, checked))
 
 
+STEADY_MICRO_BATCHES = 160  # what a few steps must hold to show the steady state
+STEADY_STEPS = 2  # at least: the window is the second half, so 1 warms up and 1 is measured
+
+
+def steady_steps(micro_batches: int, steps: int) -> int:
+    """Steps a search simulates to rank plans of `micro_batches` per step, `steps` at most:
+    with many micro-batches per step (a cluster's replica: 160) a few steps hold as many as
+    `steps` of a replica's few, and the cost is linear in steps x micro-batches. T5-11B's
+    16-GPU replica (Mixed-pipe's cut) at 80 and 160 micro-batches: 2, 3, 4 and 10 steps gave
+    the same step time to 1e-9 under gpipe, 1f1b, ftpipe and 2bw; at 40, 2 steps were 0.5%
+    off 10 under the asynchronous ones, 4 steps 0.1% (the window holds 80 micro-batches)."""
+    return min(steps, max(STEADY_STEPS, -(-STEADY_MICRO_BATCHES // max(micro_batches, 1))))
+
+
 def step_time(plan: Plan, steps: int = 10) -> float:
     """`simulate(plan, steps=steps, checked=False).step_time_s` without the other figures
     (each GPU's memory, busy fractions): what a search judging many candidates reads."""

@@ -99,12 +99,3 @@ def test_judged_lazily_in_the_same_order_as_every_plan_simulated(monkeypatch, se
     assert list(mx._judged(plans)) == everything
     slack = 1 - mx.FLOOR_SLACK
     assert all(mx._floor(plans[k][1]) * slack <= key[0] for key, k in everything)
-
-
-def test_judge_steps_keep_the_micro_batches_simulated():
-    from ftpipe_compiler.partition.mixed import JUDGE_STEPS, judge_steps
-
-    assert judge_steps(4) == JUDGE_STEPS == 10  # a replica's few micro-batches: unchanged
-    assert judge_steps(16) == 10
-    assert judge_steps(32) == 5
-    assert judge_steps(160) == 4  # at least 2 steps to warm up, 2 measured

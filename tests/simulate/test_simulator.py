@@ -296,3 +296,22 @@ def test_kept_action_lists_give_the_same_simulation_and_are_each_callers_own(pla
     for acts in mine.values():
         acts.clear()
     assert simulator._action_lists(*args) == sched.actions(plan.stage_infos(), 4, 3)
+
+
+def test_steady_steps_hold_the_micro_batches_and_give_the_step_time(plan_factory, seed):
+    """A search ranks plans on `steady_steps`: with many micro-batches per step, 4 steps say
+    what `steps` do, at a fraction of the cost (linear in steps x micro-batches)."""
+    from ftpipe_compiler.simulate import steady_steps
+
+    assert steady_steps(4, 20) == 20  # a replica's few micro-batches: as asked
+    assert steady_steps(10, 20) == 16
+    assert steady_steps(32, 20) == 5
+    assert steady_steps(40, 20) == 4
+    assert steady_steps(160, 20) == 2  # the window is the second half: 1 warms up, 1 measured
+    assert steady_steps(160, 2) == 2  # never more than asked
+    rng = random.Random(seed)
+    for schedule in ("gpipe", "1f1b", "ftpipe", "2bw", "zb1p"):
+        costs = [(rng.uniform(0.5, 2), rng.uniform(1, 4), rng.uniform(0.5, 2)) for _ in range(6)]
+        plan = plan_factory(costs, micro_batches=48, schedule=schedule, tied=[(0, 5)])
+        few, many = (simulate(plan, steps=n) for n in (steady_steps(48, 20), 20))
+        assert few.step_time_s == pytest.approx(many.step_time_s, rel=1e-9), schedule
