@@ -153,8 +153,12 @@ def _data_request(options: dict) -> DataRequest | None:
 @partitioners_option
 @optimizer_option
 @micro_batches_option("Micro-batches per step (default: the task's batch / micro-batch).")
-@steps_option(20, 2, "Simulated steps per plan, at most: a step of many micro-batches needs fewer "
-              "to show the steady state (at least 160 micro-batches and 4 steps).")
+@steps_option(
+    20,
+    2,
+    "Simulated steps per plan, at most: steps of many micro-batches show the steady state "
+    "sooner (a search simulates at least 160 micro-batches and 2 steps).",
+)
 @seed_option
 @click.option(
     "--gpus-per-node",
