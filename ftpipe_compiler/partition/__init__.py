@@ -34,6 +34,7 @@ __all__ = [
     "PARTITIONERS",
     "PATTERNED",
     "Problem",
+    "SPLIT",
     "Result",
     "build_plan",
     "get_partitioner",
@@ -52,6 +53,10 @@ PARTITIONERS: dict[str, Callable[[Problem], Plan]] = {
     "params": baselines.params,
 }
 PATTERNED = frozenset({"pipedream", "even-layers", "params"})  # can cut a schedule's pattern
+# Partitioners whose search may run in parts side by side (a planner's workers), then joined
+# into the plan the search in one piece gives: name -> (part(problem, i, n), join(problem,
+# parts)). Mixed-pipe's cut of a 16-GPU replica is the longest cell of a cluster's search.
+SPLIT = {"mixed": (mixed.part, mixed.join)}
 
 
 def problem_from_graph(
@@ -114,8 +119,9 @@ class Result:
         return d
 
 
-def run_partitioner(problem: Problem, name: str) -> Result:
+def run_partitioner(problem: Problem, name: str, parts: list | None = None) -> Result:
     """One partitioner; an infeasible problem or a plan that fails its checks is a Result.
+    `parts`: a `SPLIT` partitioner's parts of this problem, made already, to join.
 
     A plan that leaves GPUs without a stage (more GPUs than the model has useful cuts) is
     kept on the GPUs it uses: a runtime rank with nothing to run cannot take part.
@@ -132,7 +138,7 @@ def run_partitioner(problem: Problem, name: str) -> Result:
         )
     t0 = time.perf_counter()
     try:
-        plan = fn(problem).compacted()
+        plan = (fn(problem) if parts is None else SPLIT[name][1](problem, parts)).compacted()
     except InfeasibleError as e:
         return Result(name, None, False, str(e), time.perf_counter() - t0)
     try:

@@ -24,13 +24,24 @@ class Assignment:
     """Node -> stage (stages numbered topologically), stage -> GPU, with running figures."""
 
     def __init__(self, costs: NodeCosts, stage_of: list[int], gpu_of: dict[int, int] | list[int]):
-        c = self.c = costs
         old = list(stage_of)
-        self.stage = topological_stages(costs, old)
-        self.nstages = max(self.stage) + 1
-        self.gpu = [0] * self.nstages
-        for i, s in enumerate(self.stage):
-            self.gpu[s] = gpu_of[old[i]]
+        stage = topological_stages(costs, old)
+        gpu = [0] * (max(stage) + 1)
+        for i, s in enumerate(stage):
+            gpu[s] = gpu_of[old[i]]
+        self._setup(costs, stage, gpu)
+
+    @classmethod
+    def restore(cls, costs: NodeCosts, stage: list[int], gpu: list[int]) -> Assignment:
+        """The assignment whose books were `stage` and `gpu` (a refined one's, emptied stages
+        and numbering as they were): the same figures and the same moves from here on."""
+        lay = cls.__new__(cls)
+        lay._setup(costs, list(stage), list(gpu))
+        return lay
+
+    def _setup(self, costs: NodeCosts, stage: list[int], gpu: list[int]) -> None:
+        c = self.c = costs
+        self.stage, self.gpu, self.nstages = stage, gpu, len(gpu)
         self.gpus = costs.problem.gpus
         self.on = [[s for s in range(self.nstages) if self.gpu[s] == g] for g in range(self.gpus)]
         S, G = self.nstages, self.gpus

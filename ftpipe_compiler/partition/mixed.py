@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import heapq
 import time
+from dataclasses import dataclass, replace
 
 from ..costs.formulas import gpu_memory_bytes, stage_memory
 from ..graph.granularity import layer_key, sublayer_key
 from ..plan import Plan
 from ..simulate.simulator import steady_steps, step_time
+from . import fit
 from .assignment import Assignment
 from .build import build_plan
 from .coarsen import Coarse, atoms, by_scope, grow_centers
@@ -31,13 +33,33 @@ FLOOR_SLACK = 0.02  # how far under a plan's floor its judged step may come (`_j
 
 
 def mixed(problem) -> Plan:
+    return join(problem, [part(problem, 0, 1)])
+
+
+@dataclass(frozen=True)
+class Cut:
+    """One coarsening's refined cut that fits, made by `part` (in a worker): its place in
+    the order of coarsenings, the assignment's books (node -> stage, stage -> GPU), its plan,
+    and the judge's key where the part judged it."""
+
+    variant: int
+    stage: list[int]
+    gpu: list[int]
+    plan: Plan
+    key: tuple | None
+
+
+def part(problem, i: int, n: int) -> tuple[list[Cut], float]:
+    """(the cuts that fit of every n-th coarsening from the i-th, seconds taken): a search
+    with cores to spare runs the parts side by side and `join`s them. A part judges its own
+    cuts as the whole search would (`_judged`), up to its first: the whole search's first
+    comes from some part's, and no part leaves unjudged a cut that could come before it."""
     t0 = time.perf_counter()
     costs = NodeCosts.of(problem)
     P = problem.gpus
     base = atoms(costs)
-    units = Units.of(costs, base.groups())  # made once for the 16 refinements
+    units = Units.of(costs, base.groups())  # made once for the refinements
     mem = problem.memory
-
     policy = costs.chain_policy(P - 1, False, P)  # how many weight versions a stage keeps
 
     def fits(nodes) -> bool:
@@ -45,67 +67,96 @@ def mixed(problem) -> Plan:
         peak = (0, max((costs.act[i] for i in nodes), default=0))
         return gpu_memory_bytes([_params_memory(costs, params, policy), peak]) <= mem
 
-    variants = [
-        (key, L, offset)
-        for key in (layer_key, sublayer_key)
-        for L in (1, 2, 3, 4)
-        for offset in (0.5, 0.25)  # centres at the middle or a quarter of each share of work
-    ]
     scoped = {key: by_scope(base.copy(), key) for key in (layer_key, sublayer_key)}
-    tried, plans = set(), []
-    for key, L, offset in variants:
-        blocks_wanted = min(L * P, len(scoped[key].members), MAX_BLOCKS)
-        if (key, blocks_wanted, offset) in tried:
+    cuts = []
+    for v, (key, blocks_wanted, offset) in enumerate(_variants(problem, scoped)):
+        if v % n != i:
             continue
-        tried.add((key, blocks_wanted, offset))
         blocks = grow_centers(scoped[key].copy(), blocks_wanted, fits, offset).groups()
         lay = assign(costs, blocks)
         refine(lay, units)
         if lay.fits():
-            plans.append((lay, build_plan(problem, lay.stage_of(), lay.gpu_of(), "mixed")))
-    if not plans:
+            plan = build_plan(problem, lay.stage_of(), lay.gpu_of(), "mixed")
+            cuts.append(Cut(v, list(lay.stage), list(lay.gpu), plan, None))
+    if cuts:
+        known: dict[int, tuple] = {}
+        next(_judged([c.plan for c in cuts], known))
+        cuts = [replace(c, key=known.get(k)) for k, c in enumerate(cuts)]
+    return cuts, time.perf_counter() - t0
+
+
+def _variants(problem, scoped) -> list[tuple]:
+    """The coarsenings tried, in order: blocks by layer or sub-layer, L = P..4P (capped),
+    centres at the middle or a quarter of each share of work; repeats dropped."""
+    P, out = problem.gpus, []
+    for key in (layer_key, sublayer_key):
+        for L in (1, 2, 3, 4):
+            for offset in (0.5, 0.25):
+                v = (key, min(L * P, len(scoped[key].members), MAX_BLOCKS), offset)
+                if v not in out:
+                    out.append(v)
+    return out
+
+
+def join(problem, parts: list[tuple[list[Cut], float]]) -> Plan:
+    """The plan of the parts' cuts together: the best-judged that fits (`_fitting`)."""
+    t0 = time.perf_counter() - sum(seconds for _, seconds in parts)
+    cuts = sorted((c for got, _ in parts for c in got), key=lambda c: c.variant)
+    if not cuts:
         raise infeasible(problem, "mixed")
-    best = _fitting(problem, plans, units, t0)
+    best = _fitting(problem, cuts, t0)
     return best.with_(search_seconds=time.perf_counter() - t0)
 
 
-def _fitting(problem, plans: list[tuple[Assignment, Plan]], units, t0: float) -> Plan:
+def _fitting(problem, cuts: list[Cut], t0: float) -> Plan:
     """The best-judged plan that fits by the plan's full count: candidates in judged order,
     each refitted where a GPU is over (`refine.refit`), until the next one, even before its
     refit, judges no better than the best that fits (a refit only narrows its choices). None
     fitting: the best-judged, for the plan's check to say where it is over."""
     first = None
     best = None
-    for key, k in _judged(plans):
+    units = None
+    plans = [c.plan for c in cuts]
+    for key, k in _judged(plans, {k: c.key for k, c in enumerate(cuts) if c.key is not None}):
         first = first if first is not None else k
         if best is not None and key >= best[0]:
             break
-        lay, plan = plans[k]
-        got, fits = refit(problem, lay, units, "mixed", t0, plan)
+        plan = plans[k]
+        if fit.room(problem, plan) is None:
+            got, fits = plan, True
+        else:  # the cut's books again, to refine within the room the plan leaves
+            costs = NodeCosts.of(problem)
+            units = units or Units.of(costs, atoms(costs).groups())
+            lay = Assignment.restore(costs, cuts[k].stage, cuts[k].gpu)
+            got, fits = refit(problem, lay, units, "mixed", t0, plan)
         if not fits:
             continue
         key = key if got is plan else _judge(got)
         if best is None or key < best[0]:
             best = (key, got)
-    return best[1] if best is not None else plans[first][1]
+    return best[1] if best is not None else plans[first]
 
 
-def _judged(plans: list[tuple[Assignment, Plan]]):
+def _judged(plans: list[Plan], known: dict[int, tuple]):
     """(judge's key, index) of the plans in the key's order, each simulated only when its
-    turn may come: no step is shorter than its busiest GPU's compute for every micro-batch
-    (`_floor`), so a plan whose floor is above a step already simulated cannot come next.
-    The judge measures a window of a few steps, not yet quite periodic: it can come out a
-    little under the floor (0.8% at most on random graphs; 498 plans of T5, BERT and GPT-2
-    judged at most 0.983 of it), so floors are read `FLOOR_SLACK` lower. On a 16-GPU replica
-    of T5-3B (160 micro-batches) 8 of 16 plans were simulated."""
-    floors = sorted((_floor(plan), k) for k, (_, plan) in enumerate(plans))
+    turn may come (`known`: keys judged already, and those judged here added): no step is shorter than its busiest GPU's
+    compute for every micro-batch (`_floor`), so a plan whose floor is above a step already
+    simulated cannot come next. The judge measures a window of a few steps, not yet quite
+    periodic: it can come out a little under the floor (0.8% at most on random graphs; 498
+    plans of T5, BERT and GPT-2 judged at most 0.983 of it), so floors are read
+    `FLOOR_SLACK` lower. On a 16-GPU replica of T5-3B (160 micro-batches) 8 of 16 plans were
+    simulated."""
+    floors = sorted((_floor(plan), k) for k, plan in enumerate(plans))
     judged: list = []
     i = 0
     while judged or i < len(floors):
         while i < len(floors) and (
             not judged or floors[i][0] * (1 - FLOOR_SLACK) <= judged[0][0][0]
         ):
-            heapq.heappush(judged, (_judge(plans[floors[i][1]][1]), floors[i][1]))
+            k = floors[i][1]
+            if k not in known:
+                known[k] = _judge(plans[k])
+            heapq.heappush(judged, (known[k], k))
             i += 1
         yield heapq.heappop(judged)
 

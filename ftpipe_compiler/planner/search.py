@@ -42,7 +42,7 @@ from tqdm import tqdm
 from ..costs.cluster import Cluster
 from ..costs.formulas import PRECISIONS
 from ..errors import FtpipeError, InfeasibleError, unknown
-from ..partition import PARTITIONERS, Problem, run_partitioner
+from ..partition import PARTITIONERS, SPLIT, Problem, run_partitioner
 from ..plan import Plan
 from ..simulate import SimResult, simulate, steady_steps
 from .bounds import throughput_bound
@@ -192,23 +192,24 @@ def best_for_candidate(problem: Problem, candidate: Candidate, cluster: Cluster,
 
 
 def cut_candidate(problem: Problem, candidate: Candidate, cluster: Cluster, space: Space,
-                  partitioner: str) -> tuple[dict, tuple | None]:  # fmt: skip
+                  partitioner: str, parts: list | None = None) -> tuple[dict, tuple | None]:  # fmt: skip
     """One partitioner's cut of the candidate, replicated and placed in each orientation the
     cluster allows, each stage's optimizer state sharded across the replicas as
     `space.shard` says (`offload.choose_offload`), simulated: (its row, (plan, simulation,
     orientation) of the fastest that fits, or None). Under `auto` the cut counting every
     stage's state whole comes first, and the one counting it sharded (`problem.shard_over`)
-    only when that fits nowhere: a plan that shards never displaces one that need not."""
+    only when that fits nowhere: a plan that shards never displaces one that need not.
+    `parts`: the partitioner's `SPLIT` parts of the problem, made already (one problem only)."""
     if space.sharding == "auto" and problem.shard_over > 1:
         row, best = _placed(replace(problem, shard_over=1), candidate, cluster, space, partitioner)
         if best is not None:
             return row, best
-    return _placed(problem, candidate, cluster, space, partitioner)
+    return _placed(problem, candidate, cluster, space, partitioner, parts)
 
 
 def _placed(problem: Problem, candidate: Candidate, cluster: Cluster, space: Space,
-            partitioner: str) -> tuple[dict, tuple | None]:  # fmt: skip
-    r = run_partitioner(problem, partitioner)
+            partitioner: str, parts: list | None = None) -> tuple[dict, tuple | None]:  # fmt: skip
+    r = run_partitioner(problem, partitioner, parts)
     if r.feasible and r.plan.gpus < candidate.gpus:
         # A cut that leaves GPUs idle (`Plan.compacted`) is no plan of this shape: its ranks
         # would not fill the cluster, and the runtime launches every one of them.
@@ -310,6 +311,7 @@ def plan_shape(graph_for: Callable[[int], object], cluster: Cluster, space: Spac
     bar = tqdm(total=len(todo), desc="planning", file=sys.stderr,
                disable=None if progress else True, leave=False)  # fmt: skip
     with CellPool(search.cut, space.workers) as pool:
+        search.parts = pool.workers if pool.ahead else 1
         for i, shape in enumerate(search.shapes):
             rows += search.shape(pool, shape, search.shapes[i + 1 : i + 2], bar)
     bar.close()
@@ -348,12 +350,43 @@ class _Search:
         self.shapes = list(shapes.values())  # in the order of their best bounds
         self.cheap = [n for n in names if n in CHEAP]
         self.costly = sorted((n for n in names if n not in CHEAP), key=_slowest_first)
+        self.parts = 1  # how many parts a `SPLIT` partitioner's cut is made in (`shape`)
+        self.joined: dict[tuple[int, str], tuple] = {}  # (k, partitioner) -> its joined cut
         self.best = None  # (plan, sim, candidate's position) of the fastest so far
         self.competitors: dict[int, tuple] = {}  # candidate's position -> its partitioners' rows
 
-    def cut(self, key: tuple[int, str]) -> tuple[dict, tuple | None]:
+    def cut(self, key: tuple) -> tuple[dict, tuple | None]:
+        """A cell: (candidate's position, partitioner) cut and simulated, or with a part's
+        number one part of a `SPLIT` partitioner's search (`_split`)."""
         _, c, problem = self.todo[key[0]]
+        if len(key) == 3:
+            return SPLIT[key[1]][0](problem, key[2], self.parts)
         return cut_candidate(problem, c, self.cluster, self.space, key[1])
+
+    def _split(self, k: int, p: str) -> bool:
+        """Is candidate k's cut by p made in parts? With cores to share them, where the cut
+        has one problem (sharding under `auto` may cut a second) and a free placement."""
+        problem = self.todo[k][2]
+        return (
+            p in SPLIT
+            and self.parts > 1
+            and not problem.patterned
+            and not (self.space.sharding == "auto" and problem.shard_over > 1)
+        )
+
+    def _keys(self, k: int, p: str) -> list[tuple]:
+        """The cells that make candidate k's cut by p."""
+        return [(k, p, i) for i in range(self.parts)] if self._split(k, p) else [(k, p)]
+
+    def _result(self, pool: CellPool, k: int, p: str):
+        """Candidate k's cut by p, its parts joined here where it was made in parts."""
+        if not self._split(k, p):
+            return pool.result((k, p))
+        if (k, p) not in self.joined:
+            parts = [pool.result(key) for key in self._keys(k, p)]
+            _, c, problem = self.todo[k]
+            self.joined[(k, p)] = cut_candidate(problem, c, self.cluster, self.space, p, parts)
+        return self.joined[(k, p)]
 
     def _pruned(self, k: int) -> bool:
         bound = self.todo[k][0]
@@ -363,14 +396,16 @@ class _Search:
         """The rows of one shape's candidates, best bound first: pruned, or cut by the cheap
         partitioners, and the fastest `width` of them by the others too. While the slower
         cuts run, the next shape's best tier's cheap ones are wanted ahead (dropped if pruned
-        when their turn comes), so that every core works."""
+        when their turn comes), and its slower ones where they are known, so that every core
+        works."""
         quick = {}
         for tier in _tiers(ks, lambda k: self.todo[k][0]):  # equal bounds: wanted together
             pool.want([(k, p) for k in tier if not self._pruned(k) for p in self.cheap])
             for k in tier:  # a plan found prunes the candidates after it
                 if self._pruned(k):
                     for p in self.names:
-                        pool.drop((k, p))
+                        for key in self._keys(k, p):
+                            pool.drop(key)
                     continue
                 quick[k] = best_for_candidate(*self._args(k), self._cuts(pool, k, self.cheap))
                 self._offer(k, *quick[k])
@@ -378,7 +413,8 @@ class _Search:
         likely = self._deep(live, quick)
         deep = [k for k in likely if not self._pruned(k)]
         slow = sorted(
-            ((k, p) for k in deep for p in self.costly), key=lambda c: _slowest_first(c[1])
+            (key for k in deep for p in self.costly for key in self._keys(k, p)),
+            key=lambda c: _slowest_first(c[1]),
         )
         pool.want(slow, first=True)
         # Only the next shape's best tier: its later tiers are often pruned by the plans this
@@ -387,6 +423,14 @@ class _Search:
         ahead = [k for ks_ in after for k in _tiers(ks_, lambda k: self.todo[k][0])[0]]
         ahead = [k for k in ahead if not self._pruned(k)]
         pool.want([(k, p) for k in ahead for p in self.cheap])
+        if pool.ahead and after and self._settled(after[0]):
+            # Where the next shape's later tiers are pruned already, its slower cuts are
+            # those its best tier's cheap plans choose, as they will when its turn comes
+            # (unless this shape's plans prune them: then they were cut for nothing).
+            cheap = {k: best_for_candidate(*self._args(k), self._cuts(pool, k, self.cheap))
+                     for k in ahead}  # fmt: skip
+            deep = self._deep(ahead, cheap)
+            pool.want([key for k in deep for p in self.costly for key in self._keys(k, p)])
         out = []
         for k in ks:
             bound, c, _ = self.todo[k]
@@ -405,6 +449,11 @@ class _Search:
             bar.update()
         return out
 
+    def _settled(self, ks: list[int]) -> bool:
+        """Are a shape's candidates after its best tier all pruned by the best plan so far?"""
+        later = _tiers(ks, lambda k: self.todo[k][0])[1:]
+        return all(self._pruned(k) for tier in later for k in tier)
+
     def _deep(self, live: list[int], quick: dict) -> list[int]:
         """The candidates the slower partitioners cut: the `width` whose cheap plans simulate
         fastest among those placed freely, and those with a placement pattern (n/a at once)."""
@@ -419,7 +468,7 @@ class _Search:
     def _cuts(self, pool: CellPool, k: int, names: list[str]):
         """The cells of candidate k for best_for_candidate: these partitioners', in order."""
         wanted = set(names)
-        return lambda p: pool.result((k, p)) if p in wanted else None
+        return lambda p: self._result(pool, k, p) if p in wanted else None
 
     def _offer(self, k: int, got, competitors) -> None:
         """Candidate k's fastest plan so far (its cheap cuts, then all its cuts)."""

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
+from ftpipe_compiler.costs.formulas import MemoryReserve
 from ftpipe_compiler.costs.hardware import Hardware
 from ftpipe_compiler.graph.opgraph import Edge, ModelInput, Node, OpGraph, Param
 from ftpipe_compiler.partition.problem import Problem
 
 GIB = 2**30
+MB = 2**20
 
 
 def make_graph(
@@ -139,3 +142,24 @@ def crafted_graph(works: list[float], param_bytes: list[int], recompute: bool = 
         profile="analytic",
         hardware="test",
     )
+
+
+def tied_chain() -> Problem:
+    """A problem whose partitioners' cuts the plan's full count finds over (tests of
+    `partition/fit.py`): 12 layers of 4 MB weights on 3 GPUs; 1 MB activations; the first and last layers share
+    a 2 MB weight (embedding and LM head); a reserve of 1 MB a communicator, 5% fragmentation."""
+    graph = crafted_graph([1e-3] * 12, [4 * MB] * 12)
+    nodes = [replace(n, out_bytes=MB) for n in graph.nodes]
+    for i in (0, -1):
+        nodes[i] = replace(nodes[i], params=(*nodes[i].params, "tied"))
+    graph = replace(
+        graph,
+        nodes=tuple(nodes),
+        edges=tuple(replace(e, bytes=MB) for e in graph.edges),
+        params=(*graph.params, Param("tied", (MB // 2,), "float32", 2 * MB)),
+    )
+    gpu = replace(
+        hardware(bandwidth=1e11),
+        memory_reserve=MemoryReserve(communicator_bytes=MB, fragmentation=0.05),
+    )
+    return Problem(graph, 3, gpu, "ftpipe", "adamw", micro_batches=4)

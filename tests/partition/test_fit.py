@@ -11,34 +11,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from partition_helpers import crafted_graph, hardware
+from partition_helpers import tied_chain
 
-from ftpipe_compiler.costs.formulas import MemoryReserve
 from ftpipe_compiler.errors import InfeasibleError
-from ftpipe_compiler.graph.opgraph import Param
 from ftpipe_compiler.partition import PARTITIONERS, Problem, fit
 
 MB = 2**20
-
-
-def _tied_chain() -> Problem:
-    """12 layers of 4 MB weights on 3 GPUs; 1 MB activations; the first and last layers share
-    a 2 MB weight (embedding and LM head); a reserve of 1 MB a communicator, 5% fragmentation."""
-    graph = crafted_graph([1e-3] * 12, [4 * MB] * 12)
-    nodes = [replace(n, out_bytes=MB) for n in graph.nodes]
-    for i in (0, -1):
-        nodes[i] = replace(nodes[i], params=(*nodes[i].params, "tied"))
-    graph = replace(
-        graph,
-        nodes=tuple(nodes),
-        edges=tuple(replace(e, bytes=MB) for e in graph.edges),
-        params=(*graph.params, Param("tied", (MB // 2,), "float32", 2 * MB)),
-    )
-    gpu = replace(
-        hardware(bandwidth=1e11),
-        memory_reserve=MemoryReserve(communicator_bytes=MB, fragmentation=0.05),
-    )
-    return Problem(graph, 3, gpu, "ftpipe", "adamw", micro_batches=4)
 
 
 def _plans(problem: Problem) -> dict[str, object]:
@@ -52,7 +30,7 @@ def _plans(problem: Problem) -> dict[str, object]:
 
 
 def test_partitioners_cut_again_where_the_plan_counts_a_gpu_over(monkeypatch):
-    loose = _tied_chain()
+    loose = tied_chain()
     beside = loose.capacity - loose.memory  # what the estimate keeps beside the stages
     fixed = set()
     for extra in range(40, 100, 6):  # the stages' room, from too tight for any cut to loose

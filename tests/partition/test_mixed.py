@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import networkx as nx
 import pytest
-from partition_helpers import crafted_graph, make_graph, make_problem
+from partition_helpers import MB, crafted_graph, make_graph, make_problem, tied_chain
 
+from ftpipe_compiler.errors import InfeasibleError
 from ftpipe_compiler.graph.granularity import sublayer_key
 from ftpipe_compiler.partition.assignment import Assignment
 from ftpipe_compiler.partition.indexed import NodeCosts
@@ -88,14 +91,49 @@ def test_judged_lazily_in_the_same_order_as_every_plan_simulated(monkeypatch, se
     seen = []
     real = mx._fitting
 
-    def keep(problem, plans, units, t0):
-        seen.append(plans)
-        return real(problem, plans, units, t0)
+    def keep(problem, cuts, t0):
+        seen.append([c.plan for c in cuts])
+        return real(problem, cuts, t0)
 
     monkeypatch.setattr(mx, "_fitting", keep)
     mixed(make_problem(make_graph(40, seed), gpus=4, schedule=schedule))
     (plans,) = seen
-    everything = sorted((mx._judge(plan), k) for k, (_, plan) in enumerate(plans))
-    assert list(mx._judged(plans)) == everything
+    everything = sorted((mx._judge(plan), k) for k, plan in enumerate(plans))
+    assert list(mx._judged(plans, {})) == everything
     slack = 1 - mx.FLOOR_SLACK
-    assert all(mx._floor(plans[k][1]) * slack <= key[0] for key, k in everything)
+    assert all(mx._floor(plans[k]) * slack <= key[0] for key, k in everything)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_parts_joined_give_the_plan_of_one_search(seed):
+    """A search in parts (side by side in a planner's workers) gives the plan of the search
+    in one piece."""
+
+    problem = make_problem(make_graph(40, seed), gpus=4, schedule="ftpipe")
+    whole = _joined(problem, 1)
+    assert _joined(problem, 2) == _joined(problem, 3) == whole
+
+
+def test_parts_joined_refit_as_one_search(monkeypatch):
+    """Where the plan's full count finds a cut over (`partition/fit.py`), the joined parts
+    refine that cut again from where its part left it, as the search in one piece does."""
+    import ftpipe_compiler.partition.mixed as mx
+
+    loose = tied_chain()
+    refits = []
+    real = mx.refit
+    monkeypatch.setattr(mx, "refit", lambda *a: refits.append(1) or real(*a))
+    for extra in range(40, 100, 6):
+        problem = replace(loose, memory_bytes=loose.capacity - loose.memory + extra * MB)
+        assert _joined(problem, 2) == _joined(problem, 1), extra
+    assert refits
+
+
+def _joined(problem, n: int):
+    import ftpipe_compiler.partition.mixed as mx
+
+    try:
+        plan = mx.join(problem, [mx.part(problem, i, n) for i in range(n)])
+    except InfeasibleError as e:
+        return str(e)
+    return {**plan.to_dict(), "search_seconds": 0}

@@ -62,8 +62,8 @@ def test_replicated_plan_round_trip(planned, tmp_path):
 
 def test_shapes_search_their_schedules_as_compile_does(tiny_t5_costed):
     """Every schedule: the cheap partitioners cut every candidate of a shape, the slower ones
-    the fastest (width) only; one process and two workers searching ahead find the same rows
-    and plan."""
+    the fastest (width) only; one process and two workers searching ahead (Mixed-pipe's cuts
+    in two parts, joined) find the same rows and plan."""
     cluster = get_cluster("rtx2080ti", gpus=4, gpus_per_node=2)
     space = Space(batch=BATCH, schedules=("1f1b", "ftpipe", "2bw", "zb1p"), recompute=(True, False), gap=-1.0)  # fmt: skip
     one = plan_shape(lambda b: tiny_t5_costed, cluster, replace(space, workers=1), progress=False)
