@@ -429,8 +429,8 @@ class _Search:
             # (unless this shape's plans prune them: then they were cut for nothing).
             cheap = {k: best_for_candidate(*self._args(k), self._cuts(pool, k, self.cheap))
                      for k in ahead}  # fmt: skip
-            deep = self._deep(ahead, cheap)
-            pool.want([key for k in deep for p in self.costly for key in self._keys(k, p)])
+            guess = self._deep(ahead, cheap)
+            pool.want([key for k in guess for p in self.costly for key in self._keys(k, p)])
         out = []
         for k in ks:
             bound, c, _ = self.todo[k]

@@ -60,12 +60,16 @@ def test_replicated_plan_round_trip(planned, tmp_path):
     assert again == plan and again.world == plan.replicas * plan.gpus
 
 
-def test_shapes_search_their_schedules_as_compile_does(tiny_t5_costed):
+@pytest.mark.parametrize(
+    "schedules",
+    [("1f1b", "ftpipe", "2bw", "zb1p"), ("ftpipe",)],  # one tier a shape: its slow cuts ahead
+)
+def test_shapes_search_their_schedules_as_compile_does(tiny_t5_costed, schedules):
     """Every schedule: the cheap partitioners cut every candidate of a shape, the slower ones
     the fastest (width) only; one process and two workers searching ahead (Mixed-pipe's cuts
     in two parts, joined) find the same rows and plan."""
     cluster = get_cluster("rtx2080ti", gpus=4, gpus_per_node=2)
-    space = Space(batch=BATCH, schedules=("1f1b", "ftpipe", "2bw", "zb1p"), recompute=(True, False), gap=-1.0)  # fmt: skip
+    space = Space(batch=BATCH, schedules=schedules, recompute=(True, False), gap=-1.0)
     one = plan_shape(lambda b: tiny_t5_costed, cluster, replace(space, workers=1), progress=False)
     two = plan_shape(lambda b: tiny_t5_costed, cluster, replace(space, workers=2), progress=False)
     strip = lambda r: {k: v for k, v in r.to_json().items() if k != "seconds"}  # noqa: E731
@@ -74,7 +78,8 @@ def test_shapes_search_their_schedules_as_compile_does(tiny_t5_costed):
     searched = [r for r in one.rows if r.status in ("simulated", "chosen")]
     shapes = {(r.candidate.replicas, r.candidate.gpus) for r in searched}
     deep = [r for r in searched if not r.note]  # the slower partitioners cut these
-    assert len(deep) == len(shapes) < len(searched)  # one per shape (width 1)
+    assert len(deep) == len(shapes) <= len(searched)  # one per shape (width 1)
+    assert len(shapes) < len(searched) or len(schedules) == 1
     assert all("ranked first" in r.note for r in searched if r not in deep)
 
 
