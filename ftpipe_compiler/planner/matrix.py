@@ -52,7 +52,7 @@ from ftpipe_runtime.job.signals import Terminated, held
 from ftpipe_runtime.schedules import SCHEDULES, StageInfo, get_schedule
 
 from ..errors import FtpipeError, InfeasibleError, unknown
-from ..partition import PARTITIONERS, PATTERNED, Problem, run_partitioner
+from ..partition import PARTITIONERS, PATTERNED, SPLIT, Problem, run_partitioner
 from ..plan import Plan
 from ..simulate import SimResult, simulate, steady_steps
 from .bounds import step_floor
@@ -169,6 +169,22 @@ def search_matrix(
     costly = [p for p in names if p not in CHEAP]
     total = len(problems) * len(names)
     best = [math.inf]
+    parts = [1]  # a `SPLIT` partitioner's cell is made in one part per worker, then joined
+
+    def keys(s: str, p: str) -> list[tuple]:
+        """The pool's cells that make the cell (s, p)."""
+        if p in SPLIT and parts[0] > 1 and not problems[s].patterned:
+            return [(s, p, i) for i in range(parts[0])]
+        return [(s, p)]
+
+    def wanted(cells_: list[tuple[str, str]]) -> list[tuple]:
+        return [key for s, p in cells_ for key in keys(s, p)]
+
+    def result(pool: CellPool, s: str, p: str) -> Cell:
+        ks = keys(s, p)
+        if len(ks[0]) == 2:
+            return pool.result(ks[0])
+        return evaluate(problems[s], p, bound[s], steps, [pool.result(k) for k in ks])  # joined
 
     def settle(pool: CellPool, s: str, p: str) -> None:
         """The cell as the search in order makes it: pruned by the best step so far, or
@@ -176,9 +192,10 @@ def search_matrix(
         if bound[s] >= best[0]:
             note = f"step >= {bound[s]:.4g} s, not below the best {best[0]:.4g} s"
             cells[(s, p)] = Cell(s, p, "pruned", bound[s], note=note)
-            pool.drop((s, p))
+            for key in keys(s, p):
+                pool.drop(key)
         else:
-            cells[(s, p)] = cell = pool.result((s, p))
+            cells[(s, p)] = cell = result(pool, s, p)
             if cell.status == "ok":
                 best[0] = min(best[0], cell.step_s)
         if progress:
@@ -199,9 +216,15 @@ def search_matrix(
         )
 
     quick = [(s, p) for p in cheap for s in problems]
-    # `evaluate` looked up at each call (tests put another in its place before the fork).
-    run = lambda key: evaluate(problems[key[0]], key[1], bound[key[0]], steps)  # noqa: E731
+
+    def run(key: tuple):
+        # `evaluate` looked up at each call (tests put another in its place before the fork).
+        if len(key) == 3:
+            return SPLIT[key[1]][0](problems[key[0]], key[2], parts[0])
+        return evaluate(problems[key[0]], key[1], bound[key[0]], steps)
+
     with CellPool(run, workers) as pool:
+        parts[0] = pool.workers if pool.ahead else 1
         # The free-placement schedules' quick cells first: they choose where the costly
         # partitioners run, which start (a guess) as soon as those are in, before the
         # patterned schedules' quick cells.
@@ -209,14 +232,14 @@ def search_matrix(
         if pool.ahead and cheap:  # the ranking as it will be unless pruning changes it
             guess = {s: math.inf if problems[s].patterned
                      else min(pool.result((s, p)).step_s for p in cheap) for s in problems}  # fmt: skip
-            pool.want(sorted(costly_cells(guess), key=_slowest_first))
+            pool.want(wanted(sorted(costly_cells(guess), key=_slowest_first)))
         pool.want(quick)
         for s, p in quick:
             settle(pool, s, p)
         fastest = {s: min((cells[(s, p)].step_s for p in cheap), default=math.inf)
                    for s in problems}  # fmt: skip
         later = costly_cells(fastest)
-        pool.want(later, first=True)
+        pool.want(wanted(later), first=True)
         for s, p in later:
             settle(pool, s, p)
     for s in problems:  # the costly cells of the schedules ranked out
@@ -423,11 +446,13 @@ def _not_searched(s: str, p: str, bound: float, fastest: float, width: int) -> C
     return Cell(s, p, "not searched", bound, note=note)
 
 
-def evaluate(problem: Problem, partitioner: str, bound: float, steps: int) -> Cell:
-    """One cell: the partitioner's plan under the problem's schedule, simulated."""
+def evaluate(problem: Problem, partitioner: str, bound: float, steps: int,
+             parts: list | None = None) -> Cell:  # fmt: skip
+    """One cell: the partitioner's plan under the problem's schedule, simulated (`parts`: a
+    `SPLIT` partitioner's parts of its search, made already, to join)."""
     s = problem.schedule
-    t0 = time.perf_counter()
-    result = run_partitioner(problem, partitioner)
+    t0 = time.perf_counter() - sum(seconds for _, seconds in parts or ())
+    result = run_partitioner(problem, partitioner, parts)
     if result.plan is None or not result.feasible:
         status = "n/a" if problem.patterned and partitioner not in PATTERNED else "infeasible"
         return Cell(
