@@ -169,22 +169,15 @@ def search_matrix(
     costly = [p for p in names if p not in CHEAP]
     total = len(problems) * len(names)
     best = [math.inf]
-    parts = [1]  # a `SPLIT` partitioner's cell is made in one part per worker, then joined
 
-    def keys(s: str, p: str) -> list[tuple]:
-        """The pool's cells that make the cell (s, p)."""
-        if p in SPLIT and parts[0] > 1 and not problems[s].patterned:
-            return [(s, p, i) for i in range(parts[0])]
-        return [(s, p)]
-
-    def wanted(cells_: list[tuple[str, str]]) -> list[tuple]:
-        return [key for s, p in cells_ for key in keys(s, p)]
+    def wanted(pool: CellPool, cells_: list[tuple[str, str]]) -> list[tuple]:
+        return [key for s, p in cells_ for key in split_keys((s, p), problems[s], pool.parts)]
 
     def result(pool: CellPool, s: str, p: str) -> Cell:
-        ks = keys(s, p)
-        if len(ks[0]) == 2:
-            return pool.result(ks[0])
-        return evaluate(problems[s], p, bound[s], steps, [pool.result(k) for k in ks])  # joined
+        keys = split_keys((s, p), problems[s], pool.parts)
+        if keys == [(s, p)]:
+            return pool.result((s, p))
+        return evaluate(problems[s], p, bound[s], steps, [pool.result(k) for k in keys])  # joined
 
     def settle(pool: CellPool, s: str, p: str) -> None:
         """The cell as the search in order makes it: pruned by the best step so far, or
@@ -192,7 +185,7 @@ def search_matrix(
         if bound[s] >= best[0]:
             note = f"step >= {bound[s]:.4g} s, not below the best {best[0]:.4g} s"
             cells[(s, p)] = Cell(s, p, "pruned", bound[s], note=note)
-            for key in keys(s, p):
+            for key in split_keys((s, p), problems[s], pool.parts):
                 pool.drop(key)
         else:
             cells[(s, p)] = cell = result(pool, s, p)
@@ -218,13 +211,12 @@ def search_matrix(
     quick = [(s, p) for p in cheap for s in problems]
 
     def run(key: tuple):
+        if len(key) == 4:  # one part of a `SPLIT` partitioner's search (`split_keys`)
+            return SPLIT[key[1]][0](problems[key[0]], key[2], key[3])
         # `evaluate` looked up at each call (tests put another in its place before the fork).
-        if len(key) == 3:
-            return SPLIT[key[1]][0](problems[key[0]], key[2], parts[0])
         return evaluate(problems[key[0]], key[1], bound[key[0]], steps)
 
     with CellPool(run, workers) as pool:
-        parts[0] = pool.workers if pool.ahead else 1
         # The free-placement schedules' quick cells first: they choose where the costly
         # partitioners run, which start (a guess) as soon as those are in, before the
         # patterned schedules' quick cells.
@@ -232,14 +224,14 @@ def search_matrix(
         if pool.ahead and cheap:  # the ranking as it will be unless pruning changes it
             guess = {s: math.inf if problems[s].patterned
                      else min(pool.result((s, p)).step_s for p in cheap) for s in problems}  # fmt: skip
-            pool.want(wanted(sorted(costly_cells(guess), key=_slowest_first)))
+            pool.want(wanted(pool, sorted(costly_cells(guess), key=_slowest_first)))
         pool.want(quick)
         for s, p in quick:
             settle(pool, s, p)
         fastest = {s: min((cells[(s, p)].step_s for p in cheap), default=math.inf)
                    for s in problems}  # fmt: skip
         later = costly_cells(fastest)
-        pool.want(wanted(later), first=True)
+        pool.want(wanted(pool, later), first=True)
         for s, p in later:
             settle(pool, s, p)
     for s in problems:  # the costly cells of the schedules ranked out
@@ -250,6 +242,16 @@ def search_matrix(
     winner = _winner(matrix)
     check_lists(winner.plan, steps)
     return winner, matrix
+
+
+def split_keys(cell: tuple, problem: Problem, parts: int) -> list[tuple]:
+    """The pool's keys that make `cell` (its last item the partitioner's name): where that
+    partitioner's search is made in parts (`partition.SPLIT`), the problem places its stages
+    freely and `parts` cores share them, one key per part (its number, and how many); else
+    the cell itself. The parts are joined in the parent (`run_partitioner(..., parts)`)."""
+    if cell[-1] in SPLIT and parts > 1 and not problem.patterned:
+        return [(*cell, i, parts) for i in range(parts)]
+    return [cell]
 
 
 def check_lists(plan: Plan, steps: int) -> None:
@@ -347,6 +349,12 @@ class CellPool:
             results._writer.close()
         if manager is not None:
             manager.join()
+
+    @property
+    def parts(self) -> int:
+        """How many parts a `SPLIT` partitioner's cell is made in (`split_keys`): one per
+        worker, or one where the cells run here."""
+        return self.workers if self.ahead else 1
 
     def want(self, keys, first: bool = False) -> None:
         """Evaluate these cells ahead of time, after those wanted earlier (`first`: before

@@ -46,7 +46,7 @@ from ..partition import PARTITIONERS, SPLIT, Problem, run_partitioner
 from ..plan import Plan
 from ..simulate import SimResult, simulate, steady_steps
 from .bounds import throughput_bound
-from .matrix import CHEAP, SLOWEST_FIRST, CellPool, check_lists
+from .matrix import CHEAP, SLOWEST_FIRST, CellPool, check_lists, split_keys
 from .offload import choose_offload, shard_refusal
 from .shapes import depths, orientations, placement
 
@@ -311,7 +311,6 @@ def plan_shape(graph_for: Callable[[int], object], cluster: Cluster, space: Spac
     bar = tqdm(total=len(todo), desc="planning", file=sys.stderr,
                disable=None if progress else True, leave=False)  # fmt: skip
     with CellPool(search.cut, space.workers) as pool:
-        search.parts = pool.workers if pool.ahead else 1
         for i, shape in enumerate(search.shapes):
             rows += search.shape(pool, shape, search.shapes[i + 1 : i + 2], bar)
     bar.close()
@@ -350,41 +349,34 @@ class _Search:
         self.shapes = list(shapes.values())  # in the order of their best bounds
         self.cheap = [n for n in names if n in CHEAP]
         self.costly = sorted((n for n in names if n not in CHEAP), key=_slowest_first)
-        self.parts = 1  # how many parts a `SPLIT` partitioner's cut is made in (`shape`)
         self.joined: dict[tuple[int, str], tuple] = {}  # (k, partitioner) -> its joined cut
         self.best = None  # (plan, sim, candidate's position) of the fastest so far
         self.competitors: dict[int, tuple] = {}  # candidate's position -> its partitioners' rows
 
     def cut(self, key: tuple) -> tuple[dict, tuple | None]:
-        """A cell: (candidate's position, partitioner) cut and simulated, or with a part's
-        number one part of a `SPLIT` partitioner's search (`_split`)."""
+        """A cell: (candidate's position, partitioner) cut and simulated, or one part of a
+        `SPLIT` partitioner's search (`_keys`)."""
         _, c, problem = self.todo[key[0]]
-        if len(key) == 3:
-            return SPLIT[key[1]][0](problem, key[2], self.parts)
+        if len(key) == 4:
+            return SPLIT[key[1]][0](problem, key[2], key[3])
         return cut_candidate(problem, c, self.cluster, self.space, key[1])
 
-    def _split(self, k: int, p: str) -> bool:
-        """Is candidate k's cut by p made in parts? With cores to share them, where the cut
-        has one problem (sharding under `auto` may cut a second) and a free placement."""
+    def _keys(self, pool: CellPool, k: int, p: str) -> list[tuple]:
+        """The pool's cells that make candidate k's cut by p: in parts (`split_keys`) where
+        the cut has one problem (sharding under `auto` may cut a second)."""
         problem = self.todo[k][2]
-        return (
-            p in SPLIT
-            and self.parts > 1
-            and not problem.patterned
-            and not (self.space.sharding == "auto" and problem.shard_over > 1)
-        )
-
-    def _keys(self, k: int, p: str) -> list[tuple]:
-        """The cells that make candidate k's cut by p."""
-        return [(k, p, i) for i in range(self.parts)] if self._split(k, p) else [(k, p)]
+        if self.space.sharding == "auto" and problem.shard_over > 1:
+            return [(k, p)]
+        return split_keys((k, p), problem, pool.parts)
 
     def _result(self, pool: CellPool, k: int, p: str):
         """Candidate k's cut by p, its parts joined here where it was made in parts."""
-        if not self._split(k, p):
+        keys = self._keys(pool, k, p)
+        if keys == [(k, p)]:
             return pool.result((k, p))
         if (k, p) not in self.joined:
-            parts = [pool.result(key) for key in self._keys(k, p)]
             _, c, problem = self.todo[k]
+            parts = [pool.result(key) for key in keys]
             self.joined[(k, p)] = cut_candidate(problem, c, self.cluster, self.space, p, parts)
         return self.joined[(k, p)]
 
@@ -404,7 +396,7 @@ class _Search:
             for k in tier:  # a plan found prunes the candidates after it
                 if self._pruned(k):
                     for p in self.names:
-                        for key in self._keys(k, p):
+                        for key in self._keys(pool, k, p):
                             pool.drop(key)
                     continue
                 quick[k] = best_for_candidate(*self._args(k), self._cuts(pool, k, self.cheap))
@@ -413,7 +405,7 @@ class _Search:
         likely = self._deep(live, quick)
         deep = [k for k in likely if not self._pruned(k)]
         slow = sorted(
-            (key for k in deep for p in self.costly for key in self._keys(k, p)),
+            (key for k in deep for p in self.costly for key in self._keys(pool, k, p)),
             key=lambda c: _slowest_first(c[1]),
         )
         pool.want(slow, first=True)
@@ -430,7 +422,7 @@ class _Search:
             cheap = {k: best_for_candidate(*self._args(k), self._cuts(pool, k, self.cheap))
                      for k in ahead}  # fmt: skip
             guess = self._deep(ahead, cheap)
-            pool.want([key for k in guess for p in self.costly for key in self._keys(k, p)])
+            pool.want([key for k in guess for p in self.costly for key in self._keys(pool, k, p)])
         out = []
         for k in ks:
             bound, c, _ = self.todo[k]
