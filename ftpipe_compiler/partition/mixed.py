@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from ..costs.formulas import gpu_memory_bytes, stage_memory
 from ..graph.granularity import layer_key, sublayer_key
 from ..plan import Plan
-from ..simulate.simulator import steady_steps, step_time
+from ..simulate.simulator import step_time
 from . import fit
 from .assignment import Assignment
 from .build import build_plan
@@ -171,7 +171,7 @@ def _judge(plan: Plan) -> tuple[float, float, int, int]:
     """Simulated step time first (FTPipe §4.1 picks L by "the best pipeline throughput"): a
     deeper pipeline may match another's period yet stall on its longer round trip."""
     return (
-        round(step_time(plan, steps=steady_steps(plan.micro_batches, JUDGE_STEPS)), 9),
+        round(step_time(plan, steps=JUDGE_STEPS, steady=True), 9),
         round(plan.period_s, 12),
         plan.comm_bytes,
         len(plan.stages),

@@ -44,9 +44,9 @@ from ..costs.formulas import PRECISIONS
 from ..errors import FtpipeError, InfeasibleError, unknown
 from ..partition import PARTITIONERS, SPLIT, Problem, run_partitioner
 from ..plan import Plan
-from ..simulate import SimResult, simulate, steady_steps
+from ..simulate import SimResult, simulate
 from .bounds import throughput_bound
-from .matrix import CHEAP, SLOWEST_FIRST, CellPool, check_lists, split_keys
+from .matrix import CHEAP, SLOWEST_FIRST, CellPool, kept_sim, split_keys
 from .offload import choose_offload, shard_refusal
 from .shapes import depths, orientations, placement
 
@@ -176,7 +176,7 @@ def best_for_candidate(problem: Problem, candidate: Candidate, cluster: Cluster,
     partitioner's cut, replicated and placed in each orientation, simulated. None: no fit.
     `cut(partitioner)`: a partitioner's `cut_candidate`, made already (or not: None), the
     plan kept checked by the caller; without it, every cut is made here and the plan kept
-    checked here (`matrix.check_lists`)."""
+    simulated again here (`matrix.kept_sim`)."""
     best, rows = None, []
     for name in _partitioners(space):
         got = cut(name) if cut else cut_candidate(problem, candidate, cluster, space, name)
@@ -187,7 +187,7 @@ def best_for_candidate(problem: Problem, candidate: Candidate, cluster: Cluster,
             best = fastest
         rows.append(row)
     if best is not None and cut is None:
-        check_lists(best[0], space.steps)
+        best = (best[0], kept_sim(best[0], space.steps), *best[2:])
     return best, tuple(rows)
 
 
@@ -226,8 +226,8 @@ def _placed(problem: Problem, candidate: Candidate, cluster: Cluster, space: Spa
                 recompute=candidate.recompute,
             )
             plan = choose_offload(plan, "none", shard=space.sharding)
-            steps = steady_steps(plan.micro_batches, space.steps)  # the chosen one's checked
-            sim = simulate(plan, steps=steps, checked=False)
+            # the chosen one simulated again, its lists checked (`kept_sim`)
+            sim = simulate(plan, steps=space.steps, checked=False, steady=True)
             if sim.fits and (best is None or sim.samples_per_s > best[1].samples_per_s):
                 best = (plan, sim, o)
             if sim.samples_per_s > (row.get("simulated_samples_per_s") or 0):
@@ -317,8 +317,8 @@ def plan_shape(graph_for: Callable[[int], object], cluster: Cluster, space: Spac
     if search.best is None:
         why = "; ".join(f"{r.candidate.label}: {r.error}" for r in rows if r.error)[:500]
         raise InfeasibleError(f"no shape of {cluster.gpus} GPUs fits: {why or 'nothing to try'}")
-    plan, sim, k = search.best
-    check_lists(plan, space.steps)
+    plan, _, k = search.best
+    sim = kept_sim(plan, space.steps)
     chosen, competitors = search.todo[k][1], search.competitors[k]
     rows = [
         Row(**{**r.__dict__, "status": "chosen"})

@@ -37,6 +37,12 @@ from ..plan import Plan
 from .network import Network
 from .result import Event
 
+# Steps in a row that took the same time (to 1e-9): a run `until_steady` ends after them. A
+# GPipe or 1F1B step drains, so the first ones repeat; the asynchronous schedules of T5-3B's
+# 36 plans on 8 GPUs took the same time every step from the first (WPipe's from the fourth),
+# their step times and busy fractions then equal to 1e-12 those of 20 steps.
+SETTLED = 3
+
 
 class EventLoop:
     """The event loop. Arrivals are counted per (stage, micro-batch) in flat lists for speed."""
@@ -53,8 +59,22 @@ class EventLoop:
         weights_once: bool = True,
         synchronous: bool = False,
         host=None,
+        until_steady: int = 0,
     ):
         self.lists, self.cap_steps = lists, timeline_steps
+        # Steps measured (0: run every list to its end): the run ends once they all ended, or
+        # earlier once the step times settle (`SETTLED`), with `settled_at` steps
+        self.until_steady = until_steady
+        self.settled_at = 0
+        self.done = False
+        self.ends: list[float] = []  # when each step ended on every GPU that steps (E_k)
+        # GPU -> its S actions a step (one per stage it holds); (GPU, step) -> those done;
+        # step -> the GPUs done with it
+        self.s_per_step = {g: sum(a.kind == "S" and a.mb == 0 for a in acts)
+                           for g, acts in lists.items()}  # fmt: skip
+        self.stepping = [g for g, n in self.s_per_step.items() if n]
+        self.s_done: dict[tuple[int, int], int] = defaultdict(int)
+        self.steps_in: dict[int, int] = defaultdict(int)
         self.cap_mbs = timeline_steps * micro_batches
         self.m = micro_batches
         self.net = Network(plan)
@@ -157,7 +177,9 @@ class EventLoop:
         # (GPU, step) -> bytes it sent for that step: the activations and weights its
         # micro-batches read, the gradients they gave back (per-step figures: `simulator`)
         self.sent_in: dict[tuple[int, int], int] = defaultdict(int)
-        self.busy: dict[int, list[tuple[float, float]]] = {g: [] for g in lists}
+        # (GPU, step) -> seconds it computed for that step's micro-batches (F, B, W): per step,
+        # so that a window of steps counts its own work (none of the step after the last)
+        self.busy: dict[tuple[int, int], float] = defaultdict(float)
         self.step_end: dict[int, dict[int, float]] = {g: {} for g in lists}
         self.held = dict.fromkeys(st, 0)
         self.peak = dict.fromkeys(st, 0)
@@ -170,10 +192,10 @@ class EventLoop:
     def go(self) -> None:
         for g in self.lists:
             self.try_start(g)
-        while self.heap:
+        while self.heap and not self.done:
             t, _, g = heapq.heappop(self.heap)
             self.complete(g, t)
-        stuck = [g for g in self.lists if self.pos[g] < len(self.lists[g])]
+        stuck = [g for g in self.lists if self.pos[g] < len(self.lists[g]) and not self.done]
         if stuck:  # the schedules are built not to deadlock; this would be a bug
             raise RuntimeError(
                 f"simulation deadlocked at {self.lists[stuck[0]][self.pos[stuck[0]]]}"
@@ -265,7 +287,7 @@ class EventLoop:
 
     def _finish_f(self, g: int, a, start: float, t: float) -> None:
         s, m = a.stage, a.mb
-        self.busy[g].append((start, t))
+        self.busy[g, m // self.m] += t - start
         self.held[s] += 1
         self.peak[s] = max(self.peak[s], self.held[s])
         for nbytes, dst, consumers, per_step in self.out[s]:
@@ -304,7 +326,7 @@ class EventLoop:
 
     def _finish_b(self, g: int, a, start: float, t: float) -> None:
         s, m = a.stage, a.mb
-        self.busy[g].append((start, t))
+        self.busy[g, m // self.m] += t - start
         if s in self.split:
             self.deferred[s] += 1
             self.peak_deferred[s] = max(self.peak_deferred[s], self.deferred[s])
@@ -331,7 +353,7 @@ class EventLoop:
                 )
 
     def _finish_w(self, g: int, a, start: float, t: float) -> None:
-        self.busy[g].append((start, t))
+        self.busy[g, a.mb // self.m] += t - start
         self.held[a.stage] -= 1
         self.deferred[a.stage] -= 1
         self._gradients_done(g, a.stage, a.mb, start, t)
@@ -349,6 +371,27 @@ class EventLoop:
         if self.weights_at_step and self._last_s(g, a):  # the GPU's new weights go now
             for s in self.stages_of[g]:
                 self._send_weights(g, s, (a.mb + 1) * self.m, t)
+        self.s_done[g, a.mb] += 1
+        if self.s_done[g, a.mb] == self.s_per_step[g]:  # the GPU is done with the step
+            self.steps_in[a.mb] += 1
+            if self.steps_in[a.mb] == len(self.stepping):  # every GPU is (in step order)
+                self._step_ended(a.mb)
+
+    def _step_ended(self, k: int) -> None:
+        """Step k ended on every GPU: `until_steady`, the run ends after the last step
+        measured (an asynchronous pipeline's drain after it changes no figure of an ended
+        step: each GPU's work, sends and S of a step are done when the step ends), or once the
+        last `SETTLED` steps took the same time."""
+        ends = self.ends
+        ends.append(max(self.step_end[g][k] for g in self.stepping))
+        if not self.until_steady:
+            return
+        self.done = k + 1 >= self.until_steady
+        if len(ends) <= SETTLED or self.done:
+            return
+        took = [ends[i] - ends[i - 1] for i in range(len(ends) - SETTLED, len(ends))]
+        if took[-1] > 0 and all(abs(x - took[-1]) <= 1e-9 * took[-1] for x in took):
+            self.settled_at, self.done = k + 1, True
 
     def _last_s(self, g: int, a) -> bool:
         """Is `a`, just finished, the GPU's last S of its step?"""

@@ -28,8 +28,10 @@ replica is timed, its links and the all-reduce of each stage's gradients modelle
 `network.Network`; samples/s count every replica.
 
 Figures (see SimResult): E_k is the time the slowest GPU finishes step k (its last S);
-the step time is the mean of E_k - E_{k-1} over the last half of the steps, and busy and
-bubble fractions are measured over that same window. An asynchronous pipeline never
+the step time is the mean of E_k - E_{k-1} over the last half of the steps, and a GPU's busy
+fraction is the compute of those steps' actions over that same window (by step, not by the
+clock: a finite run lacks the next step's work that a steady one starts before E_k, so that
+a window of few steps measures what one of many does). An asynchronous pipeline never
 drains between steps, so it is simulated with enough extra micro-batches after the last
 measured step that no measured step includes the drain.
 """
@@ -51,7 +53,7 @@ from ftpipe_runtime.schedules import (
 from ..costs.host import host_memory
 from ..errors import FtpipeError, unknown
 from ..plan import Plan
-from .engine import EventLoop
+from .engine import SETTLED, EventLoop
 from .host import HostTraffic
 from .result import GpuResult, NodeResult, SimResult
 
@@ -69,12 +71,16 @@ def simulate(
     *,
     weights_once: bool = True,
     checked: bool = True,
+    steady: bool = False,
 ) -> SimResult:
     """`weights_once=False` sends a weight read by other stages with every micro-batch, as
     the runtime did before (benchmarks compare the bytes); the runtime itself never does.
     `checked=False` leaves out `validate` of the lists: a search simulating many plans
-    checks the one it keeps (the runtime checks its lists again when it starts)."""
-    return _result(*_run(plan, schedule, micro_batches, steps, weights_once, checked))
+    checks the one it keeps (the runtime checks its lists again when it starts).
+    `steady`: `steps` at most, as few as show the steady state (a search ranking many
+    plans): `steady_steps`, and the run ends early once `SETTLED` steps in a row took the
+    same time (`EventLoop`'s `until_steady`)."""
+    return _result(*_run(plan, schedule, micro_batches, steps, weights_once, checked, steady))
 
 
 STEADY_MICRO_BATCHES = 160  # what a few steps must hold to show the steady state
@@ -91,15 +97,18 @@ def steady_steps(micro_batches: int, steps: int) -> int:
     return min(steps, max(STEADY_STEPS, -(-STEADY_MICRO_BATCHES // max(micro_batches, 1))))
 
 
-def step_time(plan: Plan, steps: int = 10) -> float:
-    """`simulate(plan, steps=steps, checked=False).step_time_s` without the other figures
-    (each GPU's memory, busy fractions): what a search judging many candidates reads."""
-    run = _run(plan, None, None, steps, True, False)[1]
-    return _window(run, steps)[2]
+def step_time(plan: Plan, steps: int = 10, *, steady: bool = False) -> float:
+    """`simulate(plan, steps=steps, checked=False, steady=steady).step_time_s` without the
+    other figures (each GPU's memory, busy fractions): what a search judging many candidates
+    reads."""
+    got = _run(plan, None, None, steps, True, False, steady)
+    return _window(got[1], got[3])[2]
 
 
-def _run(plan: Plan, schedule, micro_batches, steps: int, weights_once: bool, checked: bool):
-    """The event loop run to its end, and what `_result` reads besides."""
+def _run(plan: Plan, schedule, micro_batches, steps: int, weights_once: bool, checked: bool,
+         steady: bool = False):  # fmt: skip
+    """The event loop run to its end, and what `_result` reads besides (`steady`: the steps
+    as `simulate` says)."""
     name = schedule or plan.schedule
     if name not in SCHEDULES and not name.lower().endswith(".csv"):
         raise unknown("schedule", name, SCHEDULES)
@@ -110,6 +119,8 @@ def _run(plan: Plan, schedule, micro_batches, steps: int, weights_once: bool, ch
     m = micro_batches or sched.micro_batches or plan.micro_batches
     if m < 1 or steps < 1:
         raise FtpipeError(f"micro-batches and steps must be at least 1, not {m} and {steps}")
+    if steady:
+        steps = steady_steps(m, steps)
     actions = 3 * steps * m * len(plan.stages)  # a forward, a backward, a weight pass at most
     if actions > MAX_ACTIONS:
         raise FtpipeError(
@@ -166,9 +177,10 @@ def _run(plan: Plan, schedule, micro_batches, steps: int, weights_once: bool, ch
         weights_once,
         synchronous=sched.synchronous,
         host=host,
+        until_steady=steps if steady else 0,
     )
     run.go()
-    return plan, run, name, steps, m, run_steps, host
+    return plan, run, name, run.settled_at or steps, m, run_steps, host
 
 
 _KEEP_LISTS = 64
@@ -193,12 +205,19 @@ def _action_lists(sched, name: str, recompute: bool, infos, m: int, steps: int) 
 
 def _window(run: EventLoop, steps: int) -> tuple[list[float], tuple[float, float], float]:
     """(when each step ends, the window measured: the second half of the steps, the first
-    half warming the pipeline up, the mean step time over it)."""
+    half warming the pipeline up, or the steps that settled where the run ended early; the
+    mean step time over it)."""
     lists = run.lists
     ends = [max(run.step_end[g].get(k, 0.0) for g in lists) for k in range(steps)]
-    n = steps // 2
-    window = (ends[-1 - n], ends[-1]) if n else (0.0, ends[0])
-    return ends, window, (window[1] - window[0]) / max(n, 1)
+    n = len(_measured(run, steps))
+    window = (ends[-1 - n], ends[-1]) if n < steps else (0.0, ends[0])
+    return ends, window, (window[1] - window[0]) / n
+
+
+def _measured(run: EventLoop, steps: int) -> range:
+    """The steps the window holds."""
+    n = SETTLED if run.settled_at else steps // 2
+    return range(steps - n, steps) if n else range(1)
 
 
 def _result(plan: Plan, run: EventLoop, name: str, steps: int, m: int, run_steps: int,
@@ -207,10 +226,9 @@ def _result(plan: Plan, run: EventLoop, name: str, steps: int, m: int, run_steps
     fractions and peak memory per GPU; with offloaded stages their host traffic and each
     node's host memory."""
     ends, window, step_time = _window(run, steps)
-    n = steps // 2
-    measured = range(steps - n, steps) if n else range(1)  # the steps the window holds
+    measured = _measured(run, steps)
     busy = {
-        g: _overlap(run.busy.get(g, ()), *window) / max(window[1] - window[0], 1e-30)
+        g: sum(run.busy.get((g, k), 0.0) for k in measured) / max(window[1] - window[0], 1e-30)
         for g in range(plan.gpus)
     }
     in_flight = {s.id: run.peak[s.id] for s in plan.stages}
@@ -252,10 +270,6 @@ def _result(plan: Plan, run: EventLoop, name: str, steps: int, m: int, run_steps
         replicas=plan.replicas,
         nodes=nodes,
     )
-
-
-def _overlap(intervals, lo: float, hi: float) -> float:
-    return sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in intervals)
 
 
 def cpu_step_hidden(plan: Plan, result: SimResult) -> float | None:

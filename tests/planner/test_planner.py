@@ -36,9 +36,10 @@ def test_every_bound_holds(planned):
 def test_pruning_loses_at_most_the_gap(planned):
     _, pruned, every = planned
     best = max(r.samples_per_s for r in every.rows)
-    assert every.sim.samples_per_s == best
+    assert every.sim.samples_per_s == pytest.approx(best, rel=1e-9)  # simulated again, in full
     assert pruned.sim.samples_per_s >= best / 1.05
-    assert any(r.status == "pruned" for r in pruned.rows) or pruned.sim.samples_per_s == best
+    if not any(r.status == "pruned" for r in pruned.rows):
+        assert pruned.sim.samples_per_s == pytest.approx(best, rel=1e-9)
 
 
 def test_shapes_and_placements():

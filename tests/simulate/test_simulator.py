@@ -10,7 +10,7 @@ import pytest
 from ftpipe_runtime.schedules import get_schedule
 
 from ftpipe_compiler.errors import FtpipeError
-from ftpipe_compiler.simulate import SimResult, simulate
+from ftpipe_compiler.simulate import SimResult, simulate, steady_steps
 
 
 @pytest.mark.parametrize("k", [2, 4, 8])
@@ -315,3 +315,26 @@ def test_steady_steps_hold_the_micro_batches_and_give_the_step_time(plan_factory
         plan = plan_factory(costs, micro_batches=48, schedule=schedule, tied=[(0, 5)])
         few, many = (simulate(plan, steps=n) for n in (steady_steps(48, 20), 20))
         assert few.step_time_s == pytest.approx(many.step_time_s, rel=1e-9), schedule
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "ftpipe", "2bw", "zb1p", "zb2p"])
+def test_a_steady_run_ends_early_with_the_figures_of_a_full_one(plan_factory, seed, schedule):
+    """`steady=True` (a search's cells): the run ends once 3 steps in a row took the same
+    time, or after the last step measured (an asynchronous pipeline's drain left out); its
+    figures are the full run's."""
+    rng = random.Random(seed)
+    stopped = 0
+    for m in (3, 8, 40):
+        costs = [(rng.uniform(0.5, 2), rng.uniform(1, 4), rng.uniform(0.5, 2)) for _ in range(4)]
+        plan = plan_factory(costs, micro_batches=m, schedule=schedule, tied=[(0, 3)])
+        full = simulate(plan, steps=steady_steps(m, 12))
+        steady = simulate(plan, steps=12, steady=True)
+        assert steady.steps <= full.steps
+        stopped += steady.steps < full.steps
+        assert steady.step_time_s == pytest.approx(full.step_time_s, rel=1e-9)
+        assert steady.bubble_fraction == pytest.approx(full.bubble_fraction, rel=1e-9, abs=1e-12)
+        for a, b in zip(steady.gpus, full.gpus):
+            assert a.busy_fraction == pytest.approx(b.busy_fraction, rel=1e-9)
+            assert a.peak_memory_bytes == b.peak_memory_bytes
+        assert steady.in_flight == full.in_flight
+    assert stopped  # settled before 12 steps at least once
