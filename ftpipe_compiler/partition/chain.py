@@ -26,7 +26,7 @@ from collections import Counter
 import numpy as np
 from tqdm import tqdm
 
-from ..costs.formulas import period_s, stage_memory
+from ..costs.formulas import stage_memory
 from ..plan import Plan
 from . import fit
 from .build import build_plan
@@ -35,68 +35,139 @@ from .indexed import NodeCosts
 
 class _Tables:
     """Segment k..j's figures for every k <= j (read-only arrays, shared by the chains made
-    of the same figures)."""
+    of the same figures). Row k at once in numpy, each figure summed in the order a loop
+    over the segment's nodes would add it (a cumulative sum adds left to right), so the
+    floats are that loop's to the bit and the DP's ties fall as they did."""
 
     def __init__(self, costs: NodeCosts, units: list[list[int]], progress: bool = False):
-        U = len(units)
-        cons, prod_out, ends, out_unit, first_use, last_use_p = _unit_tables(costs, units)
-        bw = costs.problem.bandwidth
-        inf = float("inf")
-        self.period = np.full((U, U), inf)
-        self.static = np.full((U, U), inf)
+        c, U = costs, len(units)
+        r = _Readers(c, units)
+        self.period = np.full((U, U), np.inf)
+        self.static = np.full((U, U), np.inf)
         # What the memory of segment k..j depends on; the cost model turns it into bytes.
         self.trainable, self.frozen, self.state = (np.zeros((U, U)) for _ in range(3))
         self.inb, self.act = np.zeros((U, U)), np.zeros((U, U))
         self.has_out = np.zeros((U, U), dtype=bool)
-        rng = tqdm(range(U), desc="chain segments", leave=False, disable=None if progress else True)
-        for k in rng:
-            rec = last = 0.0
-            act = inb = bwd = send = static = trainable = frozen = state = 0
-            seen, seen_in, params = set(), set(), set()
-            weights_out: dict[int, int] = {}  # unit -> bytes of owned weights last read there
-            has_out = False
-            for j in range(k, U):
-                for i in units[j]:
-                    rec += costs.rec[i]
-                    last += costs.last[i]
-                    act += costs.act[i]
-                    for p in costs.params[i]:
-                        if p in params:
-                            continue
-                        params.add(p)
-                        if first_use[p] < k:  # an earlier segment owns it and sends it here
-                            inb += costs.pbytes[p]
-                            bwd += costs.pbytes[p] if costs.ptrain[p] else 0
-                            continue
-                        static += costs.pstatic[p]
-                        trainable += costs.ptrainable[p]
-                        frozen += costs.pfrozen[p]
-                        state += costs.pstate[p]
-                        if last_use_p[p] > j:
-                            send += costs.pbytes[p]
-                            weights_out[last_use_p[p]] = (
-                                weights_out.get(last_use_p[p], 0) + costs.pbytes[p]
-                            )
-                    for x in costs.inputs[i]:
-                        if x not in seen_in:
-                            seen_in.add(x)
-                            inb += costs.input_bytes[x]
-                has_out = has_out or j == out_unit
-                for p, pu, b, g in cons[j]:
-                    if pu < k and p not in seen:
-                        seen.add(p)
-                        inb += b
-                        bwd += b if g else 0
-                send += sum(prod_out[j])
-                send -= sum(b for pu, b in ends[j] if k <= pu < j) + weights_out.pop(j, 0)
-                self.period[k, j] = period_s(last if has_out else rec, send / bw, bwd / bw)
-                self.static[k, j] = static
-                self.trainable[k, j], self.frozen[k, j], self.state[k, j] = trainable, frozen, state
-                self.inb[k, j], self.act[k, j], self.has_out[k, j] = inb, act, has_out
+        bw = c.problem.bandwidth
+        rows = range(U - 1, -1, -1)  # last first: a reader's first unit from k on, kept
+        for k in tqdm(rows, desc="chain segments", leave=False, disable=None if progress else True):
+            r.reading(k)
+            cols = np.arange(k, U)
+            at = r.end[k:] - r.start[k]  # each unit's last node, counted from unit k's first
+            rec, last, act = (np.cumsum(x[r.start[k] :])[at] for x in (r.rec, r.last, r.act))
+            # Parameters first read in the segment: owned (static bytes, sent on while read
+            # later), in the order they are first met; the others come in (`r.borrowed`).
+            a = int(np.searchsorted(r.first, k))
+            upto = np.searchsorted(r.first, cols, side="right") - 1 - a
+            owned = [np.where(upto >= 0, np.cumsum(v[a:])[np.maximum(upto, 0)], 0) if len(v) > a
+                     else np.zeros(len(cols)) for v in r.owned]  # fmt: skip
+            send = _spans(U - k, r.spans, k)
+            inb, bwd = r.incoming(k)
+            has = (cols >= r.out_unit) & (k <= r.out_unit)
+            compute = np.where(has, last, rec)
+            self.period[k, k:] = _period(compute, send / bw, bwd / bw)
+            self.static[k, k:], self.trainable[k, k:], self.frozen[k, k:], self.state[k, k:] = owned
+            self.inb[k, k:], self.act[k, k:], self.has_out[k, k:] = inb, act, has
         for a in (self.period, self.static, self.trainable, self.frozen, self.state):
             a.flags.writeable = False
         for a in (self.inb, self.act, self.has_out):
             a.flags.writeable = False
+
+
+def _period(compute, send_s, recv_s):
+    """`period_s` of arrays, its sums in its order."""
+    return compute + np.maximum(0.0, send_s - compute) + np.maximum(0.0, recv_s - compute)
+
+
+def _spans(n: int, spans: tuple, k: int) -> np.ndarray:
+    """Bytes a segment from unit k sends on, per last unit j: each (first, end, bytes) span,
+    sorted by first, counts from first to end - 1 where first >= k."""
+    first, end, nbytes = spans
+    b = int(np.searchsorted(first, k))
+    d = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(d, first[b:] - k, nbytes[b:])
+    np.add.at(d, end[b:] - k, -nbytes[b:])
+    return np.cumsum(d)[:n]
+
+
+class _Readers:
+    """What `_Tables` reads of the graph, by unit: node figures in unit order, parameters in
+    the order they are first read, spans of bytes sent on, and (`reading`, unit by unit from
+    the last) each reader's first unit from k on."""
+
+    def __init__(self, c: NodeCosts, units: list[list[int]]):
+        U = len(units)
+        self.units, self.c = units, c
+        uo = [0] * c.n
+        for k, nodes in enumerate(units):
+            for i in nodes:
+                uo[i] = k
+        self.uo, self.out_unit = uo, uo[c.output]
+        order = [i for nodes in units for i in nodes]
+        sizes = np.array([len(u) for u in units], dtype=np.int64)
+        self.end = np.cumsum(sizes) - 1
+        self.start = self.end - sizes + 1
+        self.rec = np.array([c.rec[i] for i in order], dtype=float)
+        self.last = np.array([c.last[i] for i in order], dtype=float)
+        self.act = np.array([c.act[i] for i in order])
+        first, lastp, met = {}, {}, []  # parameter -> first and last unit reading it
+        for k, nodes in enumerate(units):
+            for i in nodes:
+                for p in c.params[i]:
+                    if p not in first:
+                        first[p] = k
+                        met.append(p)
+                    lastp[p] = k
+        self.first = np.array([first[p] for p in met], dtype=np.int64)
+        self.owned = [np.array([getattr(c, f)[p] for p in met])
+                      for f in ("pstatic", "ptrainable", "pfrozen", "pstate")]  # fmt: skip
+        # Sent on: an owned weight while later units read it, a tensor until its last reader.
+        last_use = [max((uo[s] for s in c.succs[i]), default=-1) for i in range(c.n)]
+        spans = [(first[p], lastp[p], c.pbytes[p]) for p in met if lastp[p] > first[p]]
+        spans += [(uo[i], last_use[i], c.out[i]) for i in range(c.n) if last_use[i] > uo[i]]
+        spans.sort(key=lambda x: x[0])
+        self.spans = tuple(np.array([x[i] for x in spans], dtype=np.int64) for i in range(3))
+        P = len(c.pstatic)
+        self.pfirst = np.array([first.get(p, U) for p in range(P)], dtype=np.int64)
+        self.pbytes = np.array(c.pbytes, dtype=np.int64)
+        self.pgrad = np.array([b if t else 0 for b, t in zip(c.pbytes, c.ptrain)], dtype=np.int64)
+        self.producer = np.array(uo, dtype=np.int64)
+        self.obytes = np.array(c.out, dtype=np.int64)
+        self.ograd = np.array([b if g else 0 for b, g in zip(c.out, c.grad)], dtype=np.int64)
+        self.xbytes = np.array(c.input_bytes, dtype=np.int64)
+        # The first unit from k on reading each parameter, tensor of another unit, input.
+        self.p_at = np.full(P, U, dtype=np.int64)
+        self.t_at = np.full(c.n, U, dtype=np.int64)
+        self.x_at = np.full(len(c.input_bytes), U, dtype=np.int64)
+        self.U = U
+
+    def reading(self, k: int) -> None:
+        c, uo = self.c, self.uo
+        for i in self.units[k]:
+            for p in c.params[i]:
+                self.p_at[p] = k
+            for q in c.preds[i]:
+                if uo[q] != k:
+                    self.t_at[q] = k
+            for x in c.inputs[i]:
+                self.x_at[x] = k
+
+    def incoming(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(bytes a segment from unit k receives, bytes of gradient it sends back), per last
+        unit: weights owned before k, tensors made before k, model inputs, each from the
+        first unit reading it."""
+        n, U = self.U - k, self.U
+        inb, bwd = np.zeros(n + 1, dtype=np.int64), np.zeros(n + 1, dtype=np.int64)
+        for at, mask, nbytes, grad in (
+            (self.p_at, self.pfirst < k, self.pbytes, self.pgrad),
+            (self.t_at, self.producer < k, self.obytes, self.ograd),
+        ):
+            m = mask & (at < U)
+            np.add.at(inb, at[m] - k, nbytes[m])
+            np.add.at(bwd, at[m] - k, grad[m])
+        m = self.x_at < U
+        np.add.at(inb, self.x_at[m] - k, self.xbytes[m])
+        return np.cumsum(inb)[:n], np.cumsum(bwd)[:n]
 
 
 _KEEP_TABLES = 4
@@ -237,38 +308,6 @@ def fitted(
         return None if got is None else build(got)
 
     return fit.again(problem, build(segs), recut)[0]
-
-
-def _unit_tables(costs: NodeCosts, units: list[list[int]]):
-    """Per unit: the tensors it reads from other units (producer, its unit, bytes, grad),
-    the bytes it produces for later units, the tensors whose last reader it is; the loss's
-    unit; each parameter's first and last reading unit."""
-    U = len(units)
-    uo = [0] * costs.n
-    for k, nodes in enumerate(units):
-        for i in nodes:
-            uo[i] = k
-    last_use = [max((uo[s] for s in costs.succs[i]), default=-1) for i in range(costs.n)]
-    cons, prod_out, ends = (
-        [[] for _ in range(U)],
-        [[] for _ in range(U)],
-        [[] for _ in range(U)],
-    )
-    for j, nodes in enumerate(units):
-        ext = sorted({p for i in nodes for p in costs.preds[i] if uo[p] != j})
-        cons[j] = [(p, uo[p], costs.out[p], costs.grad[p]) for p in ext]
-        for i in nodes:
-            if last_use[i] > j:
-                prod_out[j].append(costs.out[i])
-                ends[last_use[i]].append((uo[i], costs.out[i]))
-    out_unit = uo[costs.output]
-    first_use, last_use_p = {}, {}  # parameter -> first and last unit reading it
-    for k, nodes in enumerate(units):
-        for i in nodes:
-            for p in costs.params[i]:
-                first_use.setdefault(p, k)
-                last_use_p[p] = k
-    return cons, prod_out, ends, out_unit, first_use, last_use_p
 
 
 def runs(costs: NodeCosts, key) -> list[list[int]]:
