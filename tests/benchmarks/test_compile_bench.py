@@ -32,3 +32,21 @@ def test_the_ceiling_takes_the_imbalance_off_each_micro_batch():
     (line, _) = _balance_markdown({**c, "effective_speedup": 30.0})
     assert "at most 36.0 effective speedup" in line  # 30 x 0.6 / (0.6 - 0.1)
     assert _balance_markdown({**c, "per_micro_batch_s": 0.0, "effective_speedup": 1.0}) == []
+
+
+def test_a_timed_compile_reports_the_median_of_its_runs(tmp_path, monkeypatch):
+    """`_median_compile`: the run of median total, every run's figures in the order run."""
+    import benchmarks.compile.bench as bench
+
+    totals = iter([(15.7, 19.7), (12.5, 16.3), (13.1, 17.0)])
+
+    def fake(argv, out):
+        total, wall = next(totals)
+        out.mkdir(parents=True)
+        return {"timings": {"total_s": total, "wall_s": wall}}
+
+    monkeypatch.setattr(bench, "_compile", fake)
+    got = bench._median_compile([], tmp_path / "out", 3)
+    assert got["timings"]["total_s"] == 13.1
+    assert got["runs"] == [(15.7, 19.7), (12.5, 16.3), (13.1, 17.0)]
+    assert "13.1 s (17.0 s)" in bench._runs(got) and "median of 3" in bench._runs(got)
