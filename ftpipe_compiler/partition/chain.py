@@ -56,7 +56,7 @@ class _Tables:
             at = r.end[k:] - r.start[k]  # each unit's last node, counted from unit k's first
             rec, last, act = (np.cumsum(x[r.start[k] :])[at] for x in (r.rec, r.last, r.act))
             # Parameters first read in the segment: owned (static bytes, sent on while read
-            # later), in the order they are first met; the others come in (`r.borrowed`).
+            # later), in the order they are first met; the others come in (`r.incoming`).
             a = int(np.searchsorted(r.first, k))
             upto = np.searchsorted(r.first, cols, side="right") - 1 - a
             owned = [np.where(upto >= 0, np.cumsum(v[a:])[np.maximum(upto, 0)], 0) if len(v) > a

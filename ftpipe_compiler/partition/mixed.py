@@ -141,11 +141,11 @@ def _judged(plans: list[Plan], known: dict[int, tuple]):
     """(judge's key, index) of the plans in the key's order, each simulated only when its
     turn may come (`known`: keys judged already, and those judged here added): no step is
     shorter than its busiest GPU's compute for every micro-batch (`_floor`), so a plan whose
-    floor is above a step already simulated cannot come next. The judge measures a window of a few steps, not yet quite
-    periodic: it can come out a little under the floor (0.8% at most on random graphs; 498
-    plans of T5, BERT and GPT-2 judged at most 0.983 of it), so floors are read
-    `FLOOR_SLACK` lower. On a 16-GPU replica of T5-3B (160 micro-batches) 8 of 16 plans were
-    simulated."""
+    floor is above a step already simulated cannot come next. The judge measures a window
+    of a few steps, not yet quite periodic: it can come out a little under the floor (0.8%
+    at most on random graphs; 498 plans of T5, BERT and GPT-2 judged at most 0.983 of it),
+    so floors are read `FLOOR_SLACK` lower. On a 16-GPU replica of T5-3B (160 micro-batches)
+    8 of 16 plans were simulated."""
     floors = sorted((_floor(plan), k) for k, plan in enumerate(plans))
     judged: list = []
     i = 0
