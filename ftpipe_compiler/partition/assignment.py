@@ -61,7 +61,8 @@ class Assignment:
         self._period: list[float | None] = [None] * G
         self._mem: list[int | None] = [None] * G
         self._stale: set[int] = set(range(G))  # GPUs whose period went (see periods)
-        self._mem_key = (-1, -1)  # (policy epoch, loss stage) the kept memory was made under
+        self._period_epoch = -1  # the policy epoch the loss GPU's period was counted under
+        self._mem_epoch = -1  # the policy epoch the kept memory was counted under
         # What each GPU's stages may hold: `problem.memory`, until the plan's own count of a
         # GPU says less is left beside them (partition/fit.py tightens it).
         self.budget = [costs.problem.memory] * G
@@ -85,34 +86,56 @@ class Assignment:
     def _policy(self, s: int):
         """What stage s keeps under the schedule, as `Plan` will see it (cached per stage
         until a depth, the loss stage or the set of non-empty stages changes)."""
+        epoch, loss = self._epoch_now(), self.loss
+        got = self._pols.get(s)
+        if got is not None and got[0] == epoch:
+            return got[1]
+        g = self.gpu[s]
+        chunk = sum(1 for t in self.on[g] if t < s and self.size[t])
+        policy = self.c.problem.policy(StageInfo(s, g, self.depth[s], s == loss, chunk))
+        self._pols[s] = (epoch, policy)
+        return policy
+
+    def _epoch_now(self) -> int:
+        """The policies' epoch, brought up to date: it moves on when a depth, the loss stage
+        or the set of non-empty stages changes."""
         if self._dirty:
             self._depths()
         loss = self.loss
         if loss != self._pols_loss:
             self._pols_loss, self._epoch = loss, self._epoch + 1
-        got = self._pols.get(s)
-        if got is not None and got[0] == self._epoch:
-            return got[1]
-        g = self.gpu[s]
-        chunk = sum(1 for t in self.on[g] if t < s and self.size[t])
-        policy = self.c.problem.policy(StageInfo(s, g, self.depth[s], s == loss, chunk))
-        self._pols[s] = (self._epoch, policy)
-        return policy
+        return self._epoch
 
     def gpu_period(self, g: int) -> float:
+        self._policies_settled()
+        return self._gpu_period(g)
+
+    def _gpu_period(self, g: int) -> float:
         got = self._period[g]
-        if got is None or self.gpu[self.loss] == g:  # the loss GPU's compute asks its policy
+        if got is None:
             bw = self.c.problem.bandwidth
             got = self._period[g] = period_s(self.compute(g), self.fwd[g] / bw, self.bwd[g] / bw)
         return got
 
+    def _policies_settled(self) -> None:
+        """The loss GPU's compute asks its stage's policy, which may change without a move
+        touching that GPU (a depth, a stage elsewhere emptied): its period is kept only while
+        the policies' epoch is the one it was counted under."""
+        if self.c.loss_keeps is not None:  # the schedule says what it keeps, wherever it is
+            return
+        epoch = self._epoch_now()
+        if epoch != self._period_epoch:
+            self._period[self.gpu[self.loss]] = None
+            self._period_epoch = epoch
+
     def periods(self) -> list[float]:
+        self._policies_settled()
         per = self._period
         for g in self._stale:
             if per[g] is None:
-                self.gpu_period(g)
+                self._gpu_period(g)
         self._stale.clear()
-        self.gpu_period(self.gpu[self.loss])
+        self._gpu_period(self.gpu[self.loss])
         return per.copy()
 
     def period(self) -> float:
@@ -122,10 +145,9 @@ class Assignment:
         return sum(self.fwd) + sum(self.bwd)
 
     def memory(self, g: int) -> int:
-        if self._dirty:
-            self._depths()
-        if self._mem_key != (self._epoch, self.loss):  # policies may have changed: all stale
-            self._mem_key, self._mem = (self._epoch, self.loss), [None] * self.gpus
+        epoch = self._epoch_now()
+        if self._mem_epoch != epoch:  # policies may have changed: all stale
+            self._mem_epoch, self._mem = epoch, [None] * self.gpus
         if self._mem[g] is None:
             self._mem[g] = self._memory(g)
         return self._mem[g]
@@ -133,10 +155,9 @@ class Assignment:
     def overflow(self) -> int:
         """Bytes over budget, all GPUs together: `memory` of each, the checks made once (a
         fit search asks after every trial move, and most GPUs' figures are kept)."""
-        if self._dirty:
-            self._depths()
-        if self._mem_key != (self._epoch, self.loss):
-            self._mem_key, self._mem = (self._epoch, self.loss), [None] * self.gpus
+        epoch = self._epoch_now()
+        if self._mem_epoch != epoch:
+            self._mem_epoch, self._mem = epoch, [None] * self.gpus
         mem, total = self._mem, 0
         for g, budget in enumerate(self.budget):
             got = mem[g]

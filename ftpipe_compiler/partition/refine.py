@@ -152,9 +152,13 @@ def _fit_move(lay, units, border, reach):
                     if lay.gpu[t] == g:
                         continue
                     before = lay.move(units[k], t)
-                    new = (lay.overflow(), lay.period())
-                    if new < cur and (best is None or new < best[0]):
-                        best = (new, k, t)
+                    over = lay.overflow()
+                    # The period decides only between equal overflows: most moves lose on
+                    # the overflow alone, and a period costs more to count.
+                    if over <= cur[0] and (best is None or over <= best[0][0]):
+                        new = (over, lay.period())
+                        if new < cur and (best is None or new < best[0]):
+                            best = (new, k, t)
                     lay.undo(units[k], before)
     return None if best is None else best[1:]
 

@@ -60,11 +60,12 @@ class EventLoop:
         synchronous: bool = False,
         host=None,
         until_steady: int = 0,
+        settle: bool = True,
     ):
         self.lists, self.cap_steps = lists, timeline_steps
         # Steps measured (0: run every list to its end): the run ends once they all ended, or
-        # earlier once the step times settle (`SETTLED`), with `settled_at` steps
-        self.until_steady = until_steady
+        # (`settle`) earlier once the step times settle (`SETTLED`), with `settled_at` steps
+        self.until_steady, self.settle = until_steady, settle
         self.settled_at = 0
         self.done = False
         self.ends: list[float] = []  # when each step ended on every GPU that steps (E_k)
@@ -387,7 +388,7 @@ class EventLoop:
         if not self.until_steady:
             return
         self.done = k + 1 >= self.until_steady
-        if len(ends) <= SETTLED or self.done:
+        if len(ends) <= SETTLED or self.done or not self.settle:
             return
         took = [ends[i] - ends[i - 1] for i in range(len(ends) - SETTLED, len(ends))]
         if took[-1] > 0 and all(abs(x - took[-1]) <= 1e-9 * took[-1] for x in took):

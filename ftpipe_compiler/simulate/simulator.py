@@ -72,6 +72,7 @@ def simulate(
     weights_once: bool = True,
     checked: bool = True,
     steady: bool = False,
+    drain: bool = True,
 ) -> SimResult:
     """`weights_once=False` sends a weight read by other stages with every micro-batch, as
     the runtime did before (benchmarks compare the bytes); the runtime itself never does.
@@ -79,8 +80,11 @@ def simulate(
     checks the one it keeps (the runtime checks its lists again when it starts).
     `steady`: `steps` at most, as few as show the steady state (a search ranking many
     plans): `steady_steps`, and the run ends early once `SETTLED` steps in a row took the
-    same time (`EventLoop`'s `until_steady`)."""
-    return _result(*_run(plan, schedule, micro_batches, steps, weights_once, checked, steady))
+    same time (`EventLoop`'s `until_steady`). `drain=False`: all `steps`, but the run ends
+    once the last of them ended on every GPU: an asynchronous pipeline's drain after it
+    changes no figure of those steps (the same result, without the drain's events)."""
+    got = _run(plan, schedule, micro_batches, steps, weights_once, checked, steady, drain)
+    return _result(*got)
 
 
 STEADY_MICRO_BATCHES = 160  # what a few steps must hold to show the steady state
@@ -106,7 +110,7 @@ def step_time(plan: Plan, steps: int = 10, *, steady: bool = False) -> float:
 
 
 def _run(plan: Plan, schedule, micro_batches, steps: int, weights_once: bool, checked: bool,
-         steady: bool = False):  # fmt: skip
+         steady: bool = False, drain: bool = True):  # fmt: skip
     """The event loop run to its end, and what `_result` reads besides (`steady`: the steps
     as `simulate` says)."""
     name = schedule or plan.schedule
@@ -177,7 +181,8 @@ def _run(plan: Plan, schedule, micro_batches, steps: int, weights_once: bool, ch
         weights_once,
         synchronous=sched.synchronous,
         host=host,
-        until_steady=steps if steady else 0,
+        until_steady=steps if steady or not drain else 0,
+        settle=steady,
     )
     run.go()
     return plan, run, name, run.settled_at or steps, m, run_steps, host

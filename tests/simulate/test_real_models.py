@@ -93,4 +93,5 @@ def test_steady_runs_of_deep_t5_tiny_plans_settle_late_and_measure_alike(
         late += 4 < steady.steps < 12
         assert steady.step_time_s == pytest.approx(full.step_time_s, rel=1e-9)
         assert steady.bubble_fraction == pytest.approx(full.bubble_fraction, rel=1e-9)
+        assert simulate(plan, name, steps=12, drain=False) == full  # the drain changes nothing
     assert late == 3

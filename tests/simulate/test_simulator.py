@@ -338,3 +338,15 @@ def test_a_steady_run_ends_early_with_the_figures_of_a_full_one(plan_factory, se
             assert a.peak_memory_bytes == b.peak_memory_bytes
         assert steady.in_flight == full.in_flight
     assert stopped  # settled before 12 steps at least once
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "ftpipe", "2bw", "zb1p", "zb2p"])
+def test_a_run_without_its_drain_is_the_full_run(plan_factory, seed, schedule):
+    """`drain=False` (the plan a search keeps): every step run, the asynchronous pipeline's
+    drain after the last left out; every figure, timeline included, is the full run's."""
+    rng = random.Random(seed)
+    for m in (3, 8, 40):
+        costs = [(rng.uniform(0.5, 2), rng.uniform(1, 4), rng.uniform(0.5, 2)) for _ in range(4)]
+        plan = plan_factory(costs, micro_batches=m, schedule=schedule, tied=[(0, 3)])
+        for steps in (2, 5):
+            assert simulate(plan, steps=steps, drain=False) == simulate(plan, steps=steps)
