@@ -54,7 +54,9 @@ class Assignment:
         self.fwd, self.bwd = [0] * G, [0] * G
         # Parameter bytes each stage owns: trainable weights (kept per version), frozen, state.
         self.trainable, self.frozen, self.state = [0] * S, [0] * S, [0] * S
-        self.stage_edges: dict[tuple[int, int], int] = defaultdict(int)  # tensor and weight edges
+        # Tensor and weight edges between stages: stage -> {later stage: how many}
+        self.out_edges: list[dict[int, int]] = [defaultdict(int) for _ in range(S)]
+        self._flipped: set[int] = set()  # stages that gained or lost a successor stage
         self._pols, self._pols_loss, self._epoch = {}, -1, 0  # stage policies, see _policy
         # Per-GPU period and memory, kept until a move changes what they read (see _touch):
         # a refinement tries thousands of moves, each touching two or three GPUs of many.
@@ -202,7 +204,7 @@ class Assignment:
         over nodes, tensors, model inputs and parameters: a search builds dozens of these."""
         c, stage, gpu = self.c, self.stage, self.gpu
         size, rec, last, act = self.size, self.rec, self.last, self.act
-        input_bytes, edges = self.input_bytes, self.stage_edges
+        input_bytes, edges = self.input_bytes, self.out_edges
         for i in range(c.n):  # in node order: float sums as moving them in one by one
             s = stage[i]
             size[s] += 1
@@ -214,7 +216,7 @@ class Assignment:
                 self.stage_readers[u][s] += 1
                 self.gpu_readers[u][gpu[s]] += 1
                 if su != s:
-                    edges[(su, s)] += 1
+                    edges[su][s] += 1
             for x in c.inputs[i]:
                 self.input_readers[s][x] += 1
             for p in c.params[i]:
@@ -374,19 +376,29 @@ class Assignment:
     def _edge(self, a: int, b: int, d: int) -> None:
         if a < 0 or a == b:
             return
-        k = self.stage_edges[(a, b)]
-        self.stage_edges[(a, b)] = k + d
+        out = self.out_edges[a]
+        k = out[b]
+        out[b] = k + d
         if k == 0 or k + d == 0:
             self._dirty = True
+            self._flipped.add(a)
 
     def _depths(self) -> None:
-        succ = defaultdict(list)
-        for (a, b), k in self.stage_edges.items():
-            if k:
-                succ[a].append(b)
+        """Each stage's depth: the longest path of stage edges from it. Edges go to higher
+        stages, so the depths are the one solution of depth[s] = max(depth[t] + 1 over its
+        successors t, or 0): where the depths known still solve it at every stage whose
+        successors changed, they are the depths (most trial moves leave them)."""
+        flipped, self._flipped = self._flipped, set()
+        depth, out = getattr(self, "depth", None), self.out_edges
+        if depth is not None and all(
+            max((depth[t] + 1 for t, k in out[s].items() if k), default=0) == depth[s]
+            for s in flipped
+        ):
+            self._dirty = False
+            return
         depth = [0] * self.nstages
-        for s in sorted(succ, reverse=True):  # edges go to higher stages: visit those first
-            depth[s] = max(depth[t] + 1 for t in succ[s])
+        for s in range(self.nstages - 1, -1, -1):  # edges go to higher stages: those first
+            depth[s] = max((depth[t] + 1 for t, k in out[s].items() if k), default=0)
         if depth != getattr(self, "depth", None):
             self._epoch += 1
         self.depth, self._dirty = depth, False

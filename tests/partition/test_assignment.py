@@ -100,7 +100,8 @@ def _books(lay: Assignment) -> dict:
         "input_bytes": list(lay.input_bytes),
         "owned": (list(lay.trainable), list(lay.frozen), list(lay.state)),
         "traffic": (list(lay.fwd), list(lay.bwd)),
-        "edges": {k: v for k, v in lay.stage_edges.items() if v},
+        "edges": nonzero(lay.out_edges),
+        "depth": (lay._epoch_now(), list(lay.depth))[1],  # where kept, as made afresh
         "readers": [
             nonzero(d)
             for d in (lay.stage_readers, lay.gpu_readers, lay.input_readers, lay.param_readers)
