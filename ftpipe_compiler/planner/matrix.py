@@ -175,9 +175,7 @@ def search_matrix(
 
     def result(pool: CellPool, s: str, p: str) -> Cell:
         keys = split_keys((s, p), problems[s], pool.parts)
-        if keys == [(s, p)]:
-            return pool.result((s, p))
-        return evaluate(problems[s], p, bound[s], steps, [pool.result(k) for k in keys])  # joined
+        return pool.joined((s, p), keys, lambda got: evaluate(problems[s], p, bound[s], steps, got))
 
     def settle(pool: CellPool, s: str, p: str) -> None:
         """The cell as the search in order makes it: pruned by the best step so far, or
@@ -310,6 +308,7 @@ class CellPool:
         self.done: dict[tuple[str, str], Cell] = {}
         self.executor = None
         self.seen: dict = {}  # pid -> worker, all started so far
+        self.parts_joined: dict = {}  # key -> its parts' results joined (`joined`)
 
     def __enter__(self) -> CellPool:
         # What exists now (the traced model, the graph, the problem: over a million objects
@@ -390,6 +389,15 @@ class CellPool:
                     del self.running[k]
             self._fill()
         return self.done[key]
+
+    def joined(self, key, keys: list, join: Callable):
+        """`key`'s result: the pool's where it was made whole (`keys == [key]`), else
+        `join(results of keys)`, its parts' (`split_keys`) joined here once and kept."""
+        if keys == [key]:
+            return self.result(key)
+        if key not in self.parts_joined:
+            self.parts_joined[key] = join([self.result(k) for k in keys])
+        return self.parts_joined[key]
 
     def _result(self, f: Future):
         """The cell's result; a worker's exception is raised here. A worker ended by SIGTERM

@@ -366,7 +366,6 @@ class _Search:
         self.shapes = list(shapes.values())  # in the order of their best bounds
         self.cheap = [n for n in names if n in CHEAP]
         self.costly = sorted((n for n in names if n not in CHEAP), key=_slowest_first)
-        self.joined: dict[tuple[int, str], tuple] = {}  # (k, partitioner) -> its joined cut
         self.best = None  # (plan, sim, candidate's position) of the fastest so far
         self.competitors: dict[int, tuple] = {}  # candidate's position -> its partitioners' rows
 
@@ -388,14 +387,9 @@ class _Search:
 
     def _result(self, pool: CellPool, k: int, p: str):
         """Candidate k's cut by p, its parts joined here where it was made in parts."""
-        keys = self._keys(pool, k, p)
-        if keys == [(k, p)]:
-            return pool.result((k, p))
-        if (k, p) not in self.joined:
-            _, c, problem = self.todo[k]
-            parts = [pool.result(key) for key in keys]
-            self.joined[(k, p)] = cut_candidate(problem, c, self.cluster, self.space, p, parts)
-        return self.joined[(k, p)]
+        _, c, problem = self.todo[k]
+        return pool.joined((k, p), self._keys(pool, k, p),
+                           lambda parts: cut_candidate(problem, c, self.cluster, self.space, p, parts))  # fmt: skip
 
     def _pruned(self, k: int) -> bool:
         bound = self.todo[k][0]
