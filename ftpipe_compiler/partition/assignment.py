@@ -273,15 +273,19 @@ class Assignment:
         edge = self._edge
         for j in c.succs[i]:
             sj = stage[j]
-            edge(a, sj, -1)
-            edge(t, sj, +1)
+            if sj != a:
+                edge(a, sj, -1)
+            if sj != t:
+                edge(t, sj, +1)
         consumer = self._consumer
         for u in c.preds[i]:
             su = stage[u]
             consumer(u, su, a, ga, -1)
-            edge(su, a, -1)
+            if su != a:
+                edge(su, a, -1)
             consumer(u, su, t, gt, +1)
-            edge(su, t, +1)
+            if su != t:
+                edge(su, t, +1)
         if c.inputs[i]:
             on_a, on_t = self.input_readers[a], self.input_readers[t]
             for x in c.inputs[i]:
@@ -316,8 +320,8 @@ class Assignment:
         self._stale.add(g)
 
     def _consumer(self, u: int, su: int, s: int, g: int, d: int) -> None:
-        """One more (d=+1) or one fewer (d=-1) consumer of tensor u in stage s on GPU g."""
-        self._touch(g)
+        """One more (d=+1) or one fewer (d=-1) consumer of tensor u in stage s on GPU g (the
+        caller, `_move_node`, has touched g: a node of s moves)."""
         readers = self.stage_readers[u]
         if d < 0:
             readers[s] -= 1
@@ -346,11 +350,14 @@ class Assignment:
         """Tensor u sent from GPU src to GPU dst (sign=+1) or no longer (-1), its gradient
         coming back if it carries one."""
         b = self.c.out[u]
+        period, mem, stale = self._period, self._mem, self._stale  # _touch, inline: hot
         self.fwd[src] += sign * b
-        self._touch(src)
+        period[src] = mem[src] = None
+        stale.add(src)
         if self.c.grad[u]:
             self.bwd[dst] += sign * b
-            self._touch(dst)
+            period[dst] = mem[dst] = None
+            stale.add(dst)
 
     def _param(self, p: int, sign: int) -> None:
         """Add or remove parameter p's state and traffic: static bytes on its owner's GPU (the
