@@ -24,7 +24,7 @@ Sections:
 
 Parts of sections that only compute (planning, simulating: one thread each) run first, two at
 a time, one per core of this 2-core machine; then every part that times processes on the
-machine (torchrun ranks, startup, all-reduce, compile) runs alone, one after the other.
+machine (ranks started as torchrun starts them, startup, all-reduce, compile) runs alone, one after the other.
 """
 
 from __future__ import annotations

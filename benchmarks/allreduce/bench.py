@@ -41,7 +41,7 @@ def ring_factor(ranks: int) -> float:
 
 
 def run_ranks(work: Path, d: int, sizes, tag: str = "") -> list[float]:
-    """Seconds per size of a 2- or 4-rank torchrun of the worker."""
+    """Seconds per size of a run of the worker on 2 or 4 ranks (`torchrun`)."""
     result = work / f"allreduce-{d}{tag}.json"
     args = ["-m", "benchmarks.allreduce.worker", "--result", result, "--sizes"]
     args.append(",".join(map(str, sizes)))

@@ -66,8 +66,8 @@ def _busy_s() -> float | None:
 
 
 def _ours_s() -> float:
-    """CPU seconds of this process and of its children that have ended (torchrun's ranks
-    count: torchrun waits for them, and we wait for torchrun)."""
+    """CPU seconds of this process and of its children that have ended (the ranks
+    `launch.torchrun` starts count: it waits for them)."""
     total = 0.0
     for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
         r = resource.getrusage(who)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -151,6 +153,26 @@ def test_pipelining_runs_start_at_the_single_process_loss(tmp_path, seed):
         assert piped["losses"][0] == pytest.approx(single["losses"][0], rel=1e-6)
         assert abs(piped["losses"][1] - single["losses"][1]) > 1e-5
         assert len(piped["step_ends_s"]) == 2
+
+
+def test_torchrun_gives_each_rank_torchruns_environment(tmp_path):
+    show = "import os; print(*(os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', "
+    show += "'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT', 'OMP_NUM_THREADS')))"
+    out = torchrun(["-c", show], tmp_path / "env.log", nproc=3)
+    rows = sorted(line.split() for line in out.splitlines())
+    assert [r[:4] for r in rows] == [[str(r), str(r), "3", "3"] for r in range(3)]
+    assert {tuple(r[4:]) for r in rows} == {("127.0.0.1", rows[0][5], "1")}
+
+
+def test_torchrun_stops_the_others_when_a_rank_fails_and_shows_its_tail(tmp_path):
+    fail = "import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit('rank one broke')\n"
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="(?s)rank 1 .*failed \\(1\\).*rank one broke"):
+        torchrun(["-c", fail + "time.sleep(120)"], tmp_path / "fail.log")
+    assert time.monotonic() - t0 < 60  # rank 0 was stopped, not waited for
+    assert "rank one broke" in (tmp_path / "fail.log").read_text()
+    with pytest.raises(subprocess.TimeoutExpired):
+        torchrun(["-c", "import time; time.sleep(120)"], tmp_path / "slow.log", timeout=1)
 
 
 def test_step_batch_stacks_the_runtimes_micro_batches():
