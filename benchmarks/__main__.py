@@ -22,9 +22,10 @@ Sections:
   offload   host offload chosen per stage: Llama-3.1-8B, Qwen2.5-14B-shaped and T5-11B on
             RTX 4090s, simulated; the offload path's cost on 2 CPU ranks, measured
 
-Parts of sections that only compute (planning, simulating: one thread each) run first, two at
-a time, one per core of this 2-core machine; then every part that times processes on the
-machine (ranks started as torchrun starts them, startup, all-reduce, compile) runs alone, one after the other.
+Parts of sections that only compute (planning, simulating, and the timed parts' set-up:
+analytic compiles, models and weights written; one thread each) run first, two at a time, one
+per core of this 2-core machine; then every part that times processes on the machine (ranks
+started as torchrun starts them, startup, all-reduce, compile) runs alone, one after the other.
 """
 
 from __future__ import annotations

@@ -25,11 +25,13 @@ summary.
 from __future__ import annotations
 
 import json
-import tempfile
+import shutil
 import time
+from functools import partial
 from pathlib import Path
 
-from benchmarks.harness.launch import compile_plan, run_package
+from benchmarks.harness.launch import ROOT, compile_plan, run_package
+from benchmarks.harness.set_up import prepare, take
 from ftpipe_compiler.costs.cluster import get_cluster
 from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.planner.elastic import FreezeRun, simulate_freezing
@@ -47,6 +49,7 @@ CASES = [
     (1 / 2, 1, CHAIN, "alpha 1/2 (aggressive)"),
     (1 / 3, 4, CHAIN, "paper's alpha, 4 decisions per epoch"),
 ]
+WORK = ROOT / "out" / "bench" / "freeze"  # the real switch's model, package and runs
 # The real switch, small: (steps, switch after, warm-up steps left out of each rate)
 RUN_STEPS, RUN_SWITCH, WARM, RUN_BATCH = 40, 20, 3, 8
 RUN_LAYERS = 4  # one per rank of the 4-GPU plan (the zoo's bert-tiny has 2)
@@ -68,18 +71,27 @@ def _rates(summary: dict) -> list[dict]:
     return out
 
 
-def measure_switch(work: Path | None = None) -> dict:
+def switch_package(work: Path) -> dict:
+    """The tiny BERT written and compiled (analytic costs: nothing timed) for 4 GPUs with
+    its shorter plans: the output folder and the package's name."""
     import torch
     import transformers
 
-    work = Path(work or tempfile.mkdtemp(prefix="ftpipe-bench-freeze-"))
+    for old in ("bert", "out"):
+        shutil.rmtree(work / old, ignore_errors=True)
     tiny = load_config("models", "bert-tiny")["config"]  # dropout off
     config = transformers.BertConfig(**{**tiny, "num_hidden_layers": RUN_LAYERS})
     torch.manual_seed(0)
     transformers.BertForQuestionAnswering(config).save_pretrained(work / "bert")
     compiled = compile_plan(work / "out", str(work / "bert"), 4, seq_len=16, micro_batch=2,
                             batch=RUN_BATCH, schedule="gpipe", partitioners="even-layers", freeze_training=0.5)  # fmt: skip
-    out, package = Path(compiled["output"]), Path(compiled["package"]).name
+    return {"output": compiled["output"], "package": Path(compiled["package"]).name}
+
+
+def measure_switch(work: Path | None = None) -> dict:
+    work = Path(work or WORK)
+    made = take(work, switch_package)
+    out, package = Path(made["output"]), made["package"]
     argv = ["--steps", str(RUN_STEPS), "--freeze-at", f"{RUN_SWITCH}:2", "--optimizer", "sgd"]
     elastic = out / package / "elastic"
     switching = run_package(out, package, argv, work / "switch.json", gpus=4)
@@ -191,7 +203,11 @@ def _switch_markdown(sw: dict) -> list[str]:
     return lines + [""]
 
 
-PARTS = {"simulated": (simulated, False), "switch": (measure_switch, True)}  # (run, alone)
+PARTS = {  # (run, alone)
+    "simulated": (simulated, False),
+    "switch-compile": (partial(prepare, WORK, switch_package), False),
+    "switch": (measure_switch, True),
+}
 
 
 def combine(parts: dict) -> dict:

@@ -24,13 +24,15 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from benchmarks.harness.launch import ROOT, compile_plan, run_package
+from benchmarks.harness.set_up import prepare, take, timed_only
 from ftpipe_compiler.costs.gpu_memory import gpu_memory
 from ftpipe_compiler.plan import Plan
 
-ALONE = True  # the machine's memory to itself (benchmarks.sections)
+WORK = ROOT / "out" / "bench" / "memory"
 
 SHAPE = {  # Qwen/Qwen2.5-0.5B's config.json, less its weights
     "vocab_size": 151_936,
@@ -53,18 +55,25 @@ NEED_GB = 17
 TIMEOUT_S = 3600  # a run: loading 0.5 B parameters and 6 steps on 2 cores
 
 
-def measure(work: Path | None = None, shape: dict = SHAPE, shard: str = SHARD) -> dict:
-    work = Path(work or ROOT / "out" / "bench" / "memory")
-    work.mkdir(parents=True, exist_ok=True)
-    if shape is SHAPE:
-        _check_free_memory()
+def set_up(work: Path, shape: dict = SHAPE, shard: str = SHARD) -> dict:
+    """The model written, its package compiled (analytic costs: nothing timed), the
+    evaluation set: paths."""
     folder = _write_model(work / "model", shape, shard)
     info = compile_plan(work / "pkg", str(folder), GPUS, hardware="cpu", schedule="gpipe",
                         partitioners="even-layers", task="wikitext2", seq_len=SEQ,
                         micro_batch=1, batch=MICRO_BATCHES)  # fmt: skip
-    plan = Plan.load(Path(info["output"]) / "plan.json")
-    package = Path(info["package"])
     val = _eval_set(work / "val.pt", shape["vocab_size"])
+    return {"model": str(folder), "output": info["output"], "package": info["package"],
+            "val": str(val)}  # fmt: skip
+
+
+def measure(work: Path | None = None, shape: dict = SHAPE, shard: str = SHARD) -> dict:
+    work = Path(work or WORK)
+    if shape is SHAPE:
+        _check_free_memory()
+    made = take(work, partial(set_up, shape=shape, shard=shard))
+    folder, package, val = Path(made["model"]), Path(made["package"]), made["val"]
+    plan = Plan.load(Path(made["output"]) / "plan.json")
     rows = []
     for schedule in SCHEDULES:
         argv = ["--steps", str(STEPS), "--schedule", schedule, "--eval-data", str(val)]
@@ -100,6 +109,12 @@ def measure(work: Path | None = None, shape: dict = SHAPE, shard: str = SHARD) -
         "rows": rows,
         "met": all(abs(r["ratio"] - 1) <= TARGET for r in rows),
     }
+
+
+# (run, alone): the set-up beside other compute-only parts, the runs with the machine's
+# memory to themselves
+PARTS = {"set-up": (partial(prepare, WORK, set_up), False), "": (measure, True)}
+combine = timed_only
 
 
 def _check_free_memory() -> None:

@@ -36,6 +36,7 @@ from functools import partial
 from pathlib import Path
 
 from benchmarks.harness.launch import ROOT, compile_plan, run_package
+from benchmarks.harness.set_up import prepare, take
 from benchmarks.harness.stats import run_rounds, step_times, summarise_steps
 from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.partition import problem_from_graph
@@ -57,6 +58,7 @@ CASES = {  # part -> (model, hardware, GPUs, rows: (label, --dtype, --lora))
     "t5": ("t5-11b", "rtx4090", 4, [(f"{FULL}, Adafactor (its task's)", "bf16", None)]),
 }  # fmt: skip
 MODEL, SEQ, STEPS, WARMUP, ROUNDS = "gpt2-bench", 32, 5, 2, 2
+WORK = ROOT / "out" / "bench" / "offload"
 
 
 def _graph(model: str, hardware: str, dtype: str, lora, traced: dict):
@@ -129,12 +131,11 @@ def plan_case(part: str) -> dict:
     return {"model": model, "hardware": hardware, "gpus": gpus, "task": task, "rows": out}
 
 
-def overhead(work: Path | None = None, rounds: int = ROUNDS) -> dict:
-    """The same plan trained with and without every stage's optimizer offloaded (2 CPU ranks),
-    in alternating rounds (`run_rounds`: a disturbance from the shared machine spreads)."""
-    work = Path(work or ROOT / "out" / "bench" / "offload")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+def compile_both(work: Path) -> dict:
+    """The plan compiled (analytic costs: nothing timed) into plain/, and a copy with every
+    stage's optimizer offloaded into offloaded/: the package's name."""
+    for old in ("plain", "offloaded"):
+        shutil.rmtree(work / old, ignore_errors=True)
     info = compile_plan(work / "plain", MODEL, 2, hardware="cpu", schedule="1f1b",
                         partitioners="even-layers", offload="none", seq_len=SEQ)  # fmt: skip
     package = Path(info["package"]).name
@@ -144,6 +145,15 @@ def overhead(work: Path | None = None, rounds: int = ROUNDS) -> dict:
     for s in plan["stages"]:
         s["offload"] = {"optimizer": True, "activations": False}
     plan_file.write_text(json.dumps(plan, indent=1))
+    return {"package": package}
+
+
+def overhead(work: Path | None = None, rounds: int = ROUNDS) -> dict:
+    """The same plan trained with and without every stage's optimizer offloaded (2 CPU ranks),
+    in alternating rounds (`run_rounds`: a disturbance from the shared machine spreads)."""
+    work = Path(work or WORK)
+    package = take(work, compile_both)["package"]
+    plan = json.loads((work / "offloaded" / package / "plan.json").read_text())
 
     def run(name: str):
         def go(tag: str, _round: int) -> dict:
@@ -179,6 +189,7 @@ def overhead(work: Path | None = None, rounds: int = ROUNDS) -> dict:
 
 
 PARTS = {part: (partial(plan_case, part), False) for part in CASES}
+PARTS["overhead-compile"] = (partial(prepare, WORK, compile_both), False)
 PARTS["overhead"] = (overhead, True)  # (run, alone): it times 2 ranks on the 2 cores
 
 

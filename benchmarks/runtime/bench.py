@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,12 +38,12 @@ from ftpipe_runtime.job.cpu_allocator import VARIABLE
 from benchmarks.harness.actions import load_actions, summarise
 from benchmarks.harness.launch import ROOT, compile_plan, flags, run_child, run_package, torchrun
 from benchmarks.harness.reference import build_model
+from benchmarks.harness.set_up import prepare, take, timed_only
 from benchmarks.harness.stats import run_rounds, step_times, summarise_steps
 from benchmarks.runtime.report import markdown  # noqa: F401 - the section's renderer
 
-ALONE = True  # it times processes: the machine to itself (benchmarks.sections)
-
 MODEL = "gpt2-bench"
+WORK = ROOT / "out" / "bench" / "runtime"
 TIMED, ROUNDS = 3, 2  # steady steps per run; rounds in alternating order
 WINDOWS = {"ftpipe": (2, 1), "pipelining": (2, 1), "single": (2, 1)}  # untimed: first, last
 UNTIMED = 3  # steps of a run besides the timed ones: every window's
@@ -164,8 +165,15 @@ class Bench:
         }
 
 
+def write_weights(work: Path, model: str = MODEL) -> dict:
+    """Every run's initial weights (SEED's), in work/weights.pt (`Bench.weights`)."""
+    with atomic_open(work / "weights.pt", "wb") as f:
+        torch.save(build_model(model, SEED).state_dict(), f)
+    return {"weights": str(work / "weights.pt")}
+
+
 def measure(work: Path | None = None, timed: int = TIMED, rounds: int = ROUNDS) -> dict:
-    work = Path(work or ROOT / "out" / "bench" / "runtime")
+    work = Path(work or WORK)
     work.mkdir(parents=True, exist_ok=True)
     common = dict(hardware="cpu", profile="measured", schedule="1f1b")
     even = compile_plan(work / "even", MODEL, 2, partitioners="even-layers", **common)
@@ -176,8 +184,7 @@ def measure(work: Path | None = None, timed: int = TIMED, rounds: int = ROUNDS) 
     blocks = blocks_on_first_stage(even_plan)
     m, size = int(even_plan["micro_batches"]), int(even_plan["model"]["micro_batch"])
     bench = Bench(work, m, size, timed)
-    with atomic_open(bench.weights, "wb") as f:
-        torch.save(build_model(MODEL, SEED).state_dict(), f)
+    take(work, write_weights)  # bench.weights
 
     todo = _configurations(bench, even, best, even_path, blocks)
     raw = ungroup(run_rounds(todo, rounds, "runtime"))
@@ -197,6 +204,11 @@ def measure(work: Path | None = None, timed: int = TIMED, rounds: int = ROUNDS) 
         "plans": _plans(even, even_plan, best, best_plan),
         "runs": runs,
     }
+
+
+# (run, alone): the weights written beside other compute-only parts, the runs timed alone
+PARTS = {"weights": (partial(prepare, WORK, write_weights), False), "": (measure, True)}
+combine = timed_only
 
 
 def _configurations(bench: Bench, even: dict, best: dict, even_path: Path, blocks: int) -> dict:

@@ -23,20 +23,20 @@ import json
 import re
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
-import torch
-from ftpipe_runtime.atomic import atomic_open
-
 from benchmarks.harness.launch import ROOT, compile_plan
-from benchmarks.harness.reference import build_model
+from benchmarks.harness.set_up import prepare, take
 from benchmarks.harness.stats import run_rounds
-from benchmarks.runtime.bench import SEED, Bench, ungroup
+from benchmarks.runtime.bench import Bench, ungroup, write_weights
 from ftpipe_compiler.costs.profilers import costed_graph
 from ftpipe_compiler.partition import problem_from_graph
 from ftpipe_compiler.planner.matrix import schedule_names, search_matrix
 
 MODEL = "gpt2-bench"
+WORK = ROOT / "out" / "bench" / "zero_bubble"
+WEIGHTS = partial(write_weights, model=MODEL)  # every run's initial weights, in WORK
 RUNTIME = ("zb1p", "interleaved", "zbv")  # pipelining has each; gpipe and 1f1b: section runtime
 
 # (model, hardware): the paper's GPU for T5-3B and GPT2-XL; Llama-3.1-8B's fp32 weights,
@@ -63,7 +63,7 @@ def stage_blocks(plan: dict) -> list[int]:
 
 
 def runtime(work: Path | None = None, rounds: int = ROUNDS) -> dict:
-    work = Path(work or ROOT / "out" / "bench" / "zero_bubble")
+    work = Path(work or WORK)
     work.mkdir(parents=True, exist_ok=True)
     compiled = {
         s: compile_plan(
@@ -82,8 +82,7 @@ def runtime(work: Path | None = None, rounds: int = ROUNDS) -> dict:
     }
     first = plans[RUNTIME[0]]
     bench = Bench(work, int(first["micro_batches"]), int(first["model"]["micro_batch"]), TIMED)
-    with atomic_open(bench.weights, "wb") as f:
-        torch.save(build_model(MODEL, SEED).state_dict(), f)
+    take(work, WEIGHTS)  # bench.weights
     todo, splits, piped = {}, {}, {}
     for s, plan in plans.items():
         blocks = ",".join(map(str, stage_blocks(plan)))
@@ -138,7 +137,15 @@ def simulated() -> dict:
     return {"cases": cases}
 
 
-PARTS = {"simulated": (simulated, False), "runtime": (runtime, True)}  # (run, alone)
+PARTS = {  # (run, alone): the weights written beside the simulations, the runs timed alone
+    "simulated": (simulated, False),
+    "weights": (partial(prepare, WORK, WEIGHTS), False),
+    "runtime": (runtime, True),
+}
+
+
+def combine(parts: dict) -> dict:
+    return {"simulated": parts["simulated"], "runtime": parts["runtime"]}
 
 
 def measure() -> dict:

@@ -329,6 +329,22 @@ def test_16_bit_peaks_are_fp32_peak_scaled_by_the_measured_matmul_times():
     assert all("16" in flag for flag in sixteen_bit_flags())
 
 
+def test_a_timed_parts_set_up_is_made_once_and_taken_once(tmp_path):
+    from benchmarks.harness.set_up import prepare, take
+
+    calls = []
+
+    def make(work):
+        calls.append(work)
+        (work / "pkg").write_text("compiled")
+        return {"package": str(work / "pkg")}
+
+    work = tmp_path / "section"
+    assert prepare(work, make) == {"package": str(work / "pkg")}
+    assert take(work, make) == {"package": str(work / "pkg")} and len(calls) == 1
+    assert take(work, make) == {"package": str(work / "pkg")} and len(calls) == 2  # no note
+
+
 def test_sections_run_compute_parts_two_at_a_time_and_timed_parts_alone():
     from functools import partial
 
