@@ -37,7 +37,7 @@ from ..plan import Plan
 from .network import Network
 from .result import Event
 
-# Steps in a row that took the same time (to 1e-9): a run `until_steady` ends after them. A
+# Steps in a row that took the same time (to 1e-9): a run that `settle`s ends after them. A
 # GPipe or 1F1B step drains, so the first ones repeat; the asynchronous schedules of T5-3B's
 # 36 plans on 8 GPUs took the same time every step from the first (WPipe's from the fourth),
 # their step times and busy fractions then equal to 1e-12 those of 20 steps.
@@ -59,13 +59,13 @@ class EventLoop:
         weights_once: bool = True,
         synchronous: bool = False,
         host=None,
-        until_steady: int = 0,
+        stop_after: int = 0,
         settle: bool = True,
     ):
         self.lists, self.cap_steps = lists, timeline_steps
         # Steps measured (0: run every list to its end): the run ends once they all ended, or
         # (`settle`) earlier once the step times settle (`SETTLED`), with `settled_at` steps
-        self.until_steady, self.settle = until_steady, settle
+        self.stop_after, self.settle = stop_after, settle
         self.settled_at = 0
         self.done = False
         self.ends: list[float] = []  # when each step ended on every GPU that steps (E_k)
@@ -379,15 +379,15 @@ class EventLoop:
                 self._step_ended(a.mb)
 
     def _step_ended(self, k: int) -> None:
-        """Step k ended on every GPU: `until_steady`, the run ends after the last step
+        """Step k ended on every GPU: with `stop_after`, the run ends after the last step
         measured (an asynchronous pipeline's drain after it changes no figure of an ended
-        step: each GPU's work, sends and S of a step are done when the step ends), or once the
-        last `SETTLED` steps took the same time."""
+        step: each GPU's work, sends and S of a step are done when the step ends), or, where it
+        may `settle`, once the last `SETTLED` steps took the same time."""
         ends = self.ends
         ends.append(max(self.step_end[g][k] for g in self.stepping))
-        if not self.until_steady:
+        if not self.stop_after:
             return
-        self.done = k + 1 >= self.until_steady
+        self.done = k + 1 >= self.stop_after
         if len(ends) <= SETTLED or self.done or not self.settle:
             return
         took = [ends[i] - ends[i - 1] for i in range(len(ends) - SETTLED, len(ends))]

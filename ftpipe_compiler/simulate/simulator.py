@@ -80,7 +80,7 @@ def simulate(
     checks the one it keeps (the runtime checks its lists again when it starts).
     `steady`: `steps` at most, as few as show the steady state (a search ranking many
     plans): `steady_steps`, and the run ends early once `SETTLED` steps in a row took the
-    same time (`EventLoop`'s `until_steady`). `drain=False`: all `steps`, but the run ends
+    same time (`EventLoop`'s `settle`). `drain=False`: all `steps`, but the run ends
     once the last of them ended on every GPU: an asynchronous pipeline's drain after it
     changes no figure of those steps (the same result, without the drain's events)."""
     got = _run(plan, schedule, micro_batches, steps, weights_once, checked, steady, drain)
@@ -181,7 +181,7 @@ def _run(plan: Plan, schedule, micro_batches, steps: int, weights_once: bool, ch
         weights_once,
         synchronous=sched.synchronous,
         host=host,
-        until_steady=steps if steady or not drain else 0,
+        stop_after=steps if steady or not drain else 0,
         settle=steady,
     )
     run.go()
