@@ -41,6 +41,10 @@ KEEP = 4  # layers exported per stack: the first may differ, the last two are co
 MIN_LAYERS = KEEP + 2  # fewer and the copying saves too little to be worth its checks
 _PLAIN = (bool, int, float, str, type(None))
 _PREFIX = {InputKind.PARAMETER: "p_", InputKind.BUFFER: "b_"}
+try:  # a GraphModule that makes its code when first run, where the trace asks (trace.py)
+    from torch.fx._lazy_graph_module import _make_graph_module
+except ImportError:  # an older torch: the code is made at once
+    _make_graph_module = fx.GraphModule
 
 
 @dataclass(frozen=True)
@@ -322,7 +326,7 @@ class _Expansion:
             for o in self.program.graph_signature.output_specs
         ]
         new.lint()
-        gm = fx.GraphModule(self.program.graph_module, new)
+        gm = _make_graph_module(self.program.graph_module, new)  # lazy where the trace says so
         tensors = {
             **dict(self.model.named_parameters(remove_duplicate=False)),
             **dict(self.model.named_buffers(remove_duplicate=False)),
