@@ -72,6 +72,27 @@ class _Tables:
             a.flags.writeable = False
         for a in (self.inb, self.act, self.has_out):
             a.flags.writeable = False
+        self._memory: dict[tuple, np.ndarray] = {}
+
+    def memory(self, policies: tuple) -> np.ndarray:
+        """Peak bytes of every segment under (the policy of a stage without the loss, with
+        it): a DP asks at each depth, and a matrix asks again under each schedule."""
+        got = self._memory.get(policies)
+        if got is None:
+            out = []
+            for policy in policies:
+                held, transient = stage_memory(
+                    trainable_bytes=self.trainable,
+                    frozen_bytes=self.frozen,
+                    state_bytes=self.state,
+                    input_bytes=self.inb,
+                    act_bytes=self.act,
+                    policy=policy,
+                )
+                out.append(held + transient)
+            got = self._memory[policies] = np.where(self.has_out, out[1], out[0])
+            got.flags.writeable = False
+        return got
 
 
 def _period(compute, send_s, recv_s):
@@ -196,7 +217,7 @@ class Chain:
             got = _TABLES[key] = (costs.problem.graph, _Tables(costs, units, progress))
             while len(_TABLES) > _KEEP_TABLES:
                 _TABLES.pop(next(iter(_TABLES)))
-        t = got[1]
+        t = self.tables = got[1]
         self.period, self.static = t.period, t.static
         self.trainable, self.frozen, self.state = t.trainable, t.frozen, t.state
         self.inb, self.act, self.has_out = t.inb, t.act, t.has_out
@@ -205,19 +226,10 @@ class Chain:
         return len(self.units)
 
     def memory(self, depth: int, length: int) -> np.ndarray:
-        """Peak bytes of every segment as stage `depth` from the end of a chain of `length`."""
-        out = []
-        for is_last in (False, True):
-            held, transient = stage_memory(
-                trainable_bytes=self.trainable,
-                frozen_bytes=self.frozen,
-                state_bytes=self.state,
-                input_bytes=self.inb,
-                act_bytes=self.act,
-                policy=self.c.chain_policy(depth, is_last, length),
-            )
-            out.append(held + transient)
-        return np.where(self.has_out, out[1], out[0])
+        """Peak bytes of every segment as stage `depth` from the end of a chain of `length`
+        (read-only: the tables keep it for the next chain whose policies there are alike)."""
+        policies = tuple(self.c.chain_policy(depth, last, length) for last in (False, True))
+        return self.tables.memory(policies)
 
     def split(
         self,
@@ -238,6 +250,8 @@ class Chain:
         inf = float("inf")
         B = np.full((stages, U + 1), inf)
         choice = np.zeros((stages, U), dtype=int)
+        before = np.tri(U - 1, k=-1, dtype=bool)  # [k, j]: j < k, no segment
+        ks = np.arange(U - 1)
         for d in range(stages):
             ok = self.memory(d, stages) <= (mem if budget is None else budget[d])
             if allowed is not None:
@@ -246,10 +260,12 @@ class Chain:
             if d == 0:
                 B[0, :U] = obj[:, U - 1]
                 continue
-            for k in range(U - 1):
-                row = np.maximum(obj[k, k : U - 1], B[d - 1, k + 1 : U])
-                j = int(np.argmin(row))
-                B[d, k], choice[d, k] = row[j], k + j
+            # Row k: the first j >= k of least max(segment k..j, the best rest from j + 1).
+            # Where no j is finite, j = k (as the row's own argmin would say).
+            rows = np.where(before, inf, np.maximum(obj[: U - 1, : U - 1], B[d - 1, 1:U]))
+            j = np.argmin(rows, axis=1)
+            B[d, : U - 1] = rows[ks, j]
+            choice[d, : U - 1] = np.where(np.isfinite(B[d, : U - 1]), j, ks)
         ds = [stages - 1] if exact else range(stages)
         d = min(ds, key=lambda d: (B[d, 0], d))
         if not np.isfinite(B[d, 0]):
