@@ -133,6 +133,14 @@ class OpGraph:
             out[a].append(b)
         return {k: tuple(v) for k, v in out.items()}
 
+    def derived(self, key: str, make):
+        """`make(self)`, made once per graph and key (the graph never changes): what a search
+        derives from the graph alone, asked again for each of its problems."""
+        kept = self.__dict__.setdefault("_derived", {})
+        if key not in kept:
+            kept[key] = make(self)
+        return kept[key]
+
     @functools.cached_property
     def owner(self) -> dict[str, str]:
         """Parameter name -> the node that holds it: the first reader in execution order."""

@@ -45,29 +45,15 @@ class NodeCosts:
     @classmethod
     def of(cls, problem: Problem) -> NodeCosts:
         g = problem.graph
-        idx = g.index
-        pidx = {p.name: k for k, p in enumerate(g.params)}
-        iidx = {x.name: k for k, x in enumerate(g.inputs)}
         return cls(
             problem=problem,
-            ids=[n.id for n in g.nodes],
             rec=[problem.work_recompute[n.id] for n in g.nodes],
             last=[problem.work_last[n.id] for n in g.nodes],
-            act=[n.act_bytes for n in g.nodes],
-            out=[n.out_bytes for n in g.nodes],
-            grad=[n.requires_grad for n in g.nodes],
-            preds=[tuple(sorted({idx[p] for p in g.preds[n.id]})) for n in g.nodes],
-            succs=[tuple(sorted({idx[s] for s in g.succs[n.id]})) for n in g.nodes],
-            params=[tuple(dict.fromkeys(pidx[p] for p in n.params)) for n in g.nodes],
             pstatic=[sum(problem.gpu_param_split[p.name]) for p in g.params],
             ptrainable=[problem.param_split[p.name][0] if p.trainable else 0 for p in g.params],
             pfrozen=[0 if p.trainable else problem.param_split[p.name][0] for p in g.params],
             pstate=[problem.gpu_param_split[p.name][1] for p in g.params],
-            pbytes=[p.bytes for p in g.params],
-            ptrain=[p.trainable for p in g.params],
-            inputs=[tuple(dict.fromkeys(iidx[x] for x in n.inputs)) for n in g.nodes],
-            input_bytes=[x.bytes for x in g.inputs],
-            output=idx[g.output],
+            **g.derived("node_costs", _structure),
         )
 
     @property
@@ -89,6 +75,29 @@ class NodeCosts:
     def chain_policy(self, depth: int, is_last: bool, length: int):
         """The policy of stage `depth` from the end of a chain of `length` stages."""
         return self.problem.policy(self.problem.chain_stage(depth, is_last, length))
+
+
+def _structure(g) -> dict:
+    """The lists of `NodeCosts` that the graph alone makes (edges, parameters and inputs by
+    index, sizes): every problem of a search is the same graph under another schedule, and
+    these are two thirds of the work. Shared, so never changed."""
+    idx = g.index
+    pidx = {p.name: k for k, p in enumerate(g.params)}
+    iidx = {x.name: k for k, x in enumerate(g.inputs)}
+    return dict(
+        ids=[n.id for n in g.nodes],
+        act=[n.act_bytes for n in g.nodes],
+        out=[n.out_bytes for n in g.nodes],
+        grad=[n.requires_grad for n in g.nodes],
+        preds=[tuple(sorted({idx[p] for p in g.preds[n.id]})) for n in g.nodes],
+        succs=[tuple(sorted({idx[s] for s in g.succs[n.id]})) for n in g.nodes],
+        params=[tuple(dict.fromkeys(pidx[p] for p in n.params)) for n in g.nodes],
+        pbytes=[p.bytes for p in g.params],
+        ptrain=[p.trainable for p in g.params],
+        inputs=[tuple(dict.fromkeys(iidx[x] for x in n.inputs)) for n in g.nodes],
+        input_bytes=[x.bytes for x in g.inputs],
+        output=idx[g.output],
+    )
 
 
 def topological_stages(costs: NodeCosts, stage_of: list[int]) -> list[int]:

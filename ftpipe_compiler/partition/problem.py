@@ -213,18 +213,11 @@ class Problem:
         saves at most saved(T), a fractional knapsack of the nodes with the best saving/work
         ratio filling T. Without that saving this is the classic max(W / P, w_max).
         """
-        g = self.graph
         total = sum(self.work_recompute.values())
         w_max = max(self.work_last.values(), default=0.0)
         if self.loss_recomputes or not self.recompute:
             return max(total / self.gpus, w_max)
-        pairs = ((g.work(n, True) - g.work(n, False), g.work(n, False)) for n in g.nodes)
-        items = sorted(
-            ((gain, work) for gain, work in pairs if gain > 0),
-            key=lambda x: -x[0] / x[1] if x[1] > 0 else -math.inf,
-        )
-        cost = list(itertools.accumulate(c for _, c in items))
-        gain = list(itertools.accumulate(r for r, _ in items))
+        items, cost, gain = self.graph.derived("recompute_savings", _savings)
 
         def saved(t: float) -> float:
             k = bisect.bisect_right(cost, t)
@@ -238,3 +231,17 @@ class Problem:
             mid = (lo + hi) / 2
             lo, hi = (lo, mid) if self.gpus * mid + saved(mid) >= total else (mid, hi)
         return max(hi, w_max)
+
+
+def _savings(g: OpGraph) -> tuple[list, list, list]:
+    """(saving, work) of the nodes that save by not recomputing, best ratio first, and the
+    running sums of their work and savings: `Problem.lower_bound`'s knapsack, the same under
+    every schedule."""
+    pairs = ((g.work(n, True) - g.work(n, False), g.work(n, False)) for n in g.nodes)
+    items = sorted(
+        ((gain, work) for gain, work in pairs if gain > 0),
+        key=lambda x: -x[0] / x[1] if x[1] > 0 else -math.inf,
+    )
+    cost = list(itertools.accumulate(c for _, c in items))
+    gain = list(itertools.accumulate(r for r, _ in items))
+    return items, cost, gain

@@ -29,3 +29,19 @@ def test_truncated_and_missing_files(tiny_t5_costed, tmp_path):
         OpGraph.load(path)
     with pytest.raises(PlanFormatError, match="does not exist"):
         OpGraph.load(tmp_path / "nope.json")
+
+
+def test_derived_is_made_once_per_graph(tiny_t5_costed):
+    g = tiny_t5_costed
+    made = []
+
+    def make(graph):
+        made.append(graph)
+        return len(graph.nodes)
+
+    assert g.derived("count", make) == g.derived("count", make) == len(g.nodes)
+    assert made == [g]  # once, then kept
+    other = g.with_nodes(g.nodes[:-1])  # another graph: its own
+    assert other.derived("count", make) == len(g.nodes) - 1
+    assert made == [g, other]
+    assert g.derived("count", make) == len(g.nodes) and len(made) == 2
