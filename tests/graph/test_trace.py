@@ -96,3 +96,22 @@ def test_no_grad_regions_are_spliced_in_detached(seed):
     assert len(cut) == 2 and not any(n.requires_grad for n in cut)  # cos and sin
     loss = run_graph(traced, traced.graph, dict(model.named_parameters()), inputs)
     torch.testing.assert_close(loss, model(*inputs.values()), rtol=1e-6, atol=0)
+
+
+def test_traced_code_is_made_on_demand_and_runs(tiny_gpt2):
+    """The trace defers fx's code generation (`code_on_demand`): torch's own constructor is
+    back afterwards, and the program's module still makes its code, and runs to the eager
+    loss, when asked."""
+    import torch.export.exported_program as ep
+
+    from ftpipe_compiler.graph.trace import code_on_demand
+
+    made = ep._create_graph_module_for_export
+    with code_on_demand():
+        assert ep._create_graph_module_for_export is not made
+    assert ep._create_graph_module_for_export is made
+    spec, task, model, traced = tiny_gpt2
+    assert "def forward" in traced.program.graph_module.code
+    inputs = spec.example_inputs(task, task.micro_batch, "cpu", seed=3)
+    got = traced.program.module()(*inputs.values())
+    torch.testing.assert_close(got, model(*inputs.values()), rtol=1e-6, atol=0)
