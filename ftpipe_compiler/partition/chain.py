@@ -217,10 +217,8 @@ class Chain:
             got = _TABLES[key] = (costs.problem.graph, _Tables(costs, units, progress))
             while len(_TABLES) > _KEEP_TABLES:
                 _TABLES.pop(next(iter(_TABLES)))
-        t = self.tables = got[1]
-        self.period, self.static = t.period, t.static
-        self.trainable, self.frozen, self.state = t.trainable, t.frozen, t.state
-        self.inb, self.act, self.has_out = t.inb, t.act, t.has_out
+        self.tables = got[1]
+        self.period, self.static = self.tables.period, self.tables.static
 
     def __len__(self) -> int:
         return len(self.units)
