@@ -397,15 +397,16 @@ class Assignment:
         successors changed, they are the depths (most trial moves leave them)."""
         flipped, self._flipped = self._flipped, set()
         depth, out = getattr(self, "depth", None), self.out_edges
-        if depth is not None and all(
-            max((depth[t] + 1 for t, k in out[s].items() if k), default=0) == depth[s]
-            for s in flipped
-        ):
+
+        def solved(s: int) -> int:  # the equation's right-hand side at stage s
+            return max((depth[t] + 1 for t, k in out[s].items() if k), default=0)
+
+        if depth is not None and all(solved(s) == depth[s] for s in flipped):
             self._dirty = False
             return
         depth = [0] * self.nstages
         for s in range(self.nstages - 1, -1, -1):  # edges go to higher stages: those first
-            depth[s] = max((depth[t] + 1 for t, k in out[s].items() if k), default=0)
+            depth[s] = solved(s)
         if depth != getattr(self, "depth", None):
             self._epoch += 1
         self.depth, self._dirty = depth, False
