@@ -239,6 +239,7 @@ def optimizer_step_s(held_bytes, hardware) -> float:
     return sum(2 * b / hardware.step_bandwidth(b) for b in held_bytes if b > 0)
 
 
-def period_s(compute_s: float, send_s: float, recv_s: float) -> float:
-    """FTPipe eq. 1 for a GPU: its compute plus the transfer time compute does not hide."""
-    return compute_s + max(0.0, send_s - compute_s) + max(0.0, recv_s - compute_s)
+def period_s(compute_s: float, send_s: float, recv_s: float, *, maximum=max) -> float:
+    """FTPipe eq. 1 for a GPU: its compute plus the transfer time compute does not hide.
+    `maximum=np.maximum` counts arrays of them (partition/chain.py's segment tables)."""
+    return compute_s + maximum(0.0, send_s - compute_s) + maximum(0.0, recv_s - compute_s)

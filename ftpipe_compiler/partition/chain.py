@@ -26,7 +26,7 @@ from collections import Counter
 import numpy as np
 from tqdm import tqdm
 
-from ..costs.formulas import stage_memory
+from ..costs.formulas import period_s, stage_memory
 from ..plan import Plan
 from . import fit
 from .build import build_plan
@@ -65,7 +65,7 @@ class _Tables:
             inb, bwd = r.incoming(k)
             has = (cols >= r.out_unit) & (k <= r.out_unit)
             compute = np.where(has, last, rec)
-            self.period[k, k:] = _period(compute, send / bw, bwd / bw)
+            self.period[k, k:] = period_s(compute, send / bw, bwd / bw, maximum=np.maximum)
             self.static[k, k:], self.trainable[k, k:], self.frozen[k, k:], self.state[k, k:] = owned
             self.inb[k, k:], self.act[k, k:], self.has_out[k, k:] = inb, act, has
         for a in (self.period, self.static, self.trainable, self.frozen, self.state):
@@ -93,11 +93,6 @@ class _Tables:
             got = self._memory[policies] = np.where(self.has_out, out[1], out[0])
             got.flags.writeable = False
         return got
-
-
-def _period(compute, send_s, recv_s):
-    """`period_s` of arrays, its sums in its order."""
-    return compute + np.maximum(0.0, send_s - compute) + np.maximum(0.0, recv_s - compute)
 
 
 def _spans(n: int, spans: tuple, k: int) -> np.ndarray:

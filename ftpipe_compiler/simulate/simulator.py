@@ -212,8 +212,7 @@ def _window(run: EventLoop, steps: int) -> tuple[list[float], tuple[float, float
     """(when each step ends, the window measured: the second half of the steps, the first
     half warming the pipeline up, or the steps that settled where the run ended early; the
     mean step time over it)."""
-    lists = run.lists
-    ends = [max(run.step_end[g].get(k, 0.0) for g in lists) for k in range(steps)]
+    ends = run.ends[:steps]  # E_k, as the loop counted them
     n = len(_measured(run, steps))
     window = (ends[-1 - n], ends[-1]) if n < steps else (0.0, ends[0])
     return ends, window, (window[1] - window[0]) / n
