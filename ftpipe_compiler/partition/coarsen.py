@@ -173,8 +173,10 @@ def grow_centers(c: Coarse, blocks: int, fits, offset: float = 0.5) -> Coarse:
     """Grow `blocks` centres, spread evenly by work, by absorbing neighbours, lightest first.
 
     The lightest centre takes its lightest non-centre neighbour (a balanced form of the
-    paper's round-robin), if the merge is safe and `fits(nodes)` holds, until no
-    non-centre group is left or none can be absorbed.
+    paper's round-robin), if the merge is safe and `fits(centre's nodes, neighbour's)` holds
+    for the two together, until no non-centre group is left or none can be absorbed. A
+    centre's node list only grows at its end while it stays one (`Coarse.merge` extends the
+    earlier group's), so `fits` may keep what it counted of it.
     """
     total = sum(c.work.values()) or 1.0
     centres: list[int] = []
@@ -193,7 +195,7 @@ def grow_centers(c: Coarse, blocks: int, fits, offset: float = 0.5) -> Coarse:
         for nb in sorted(
             (g for g in c.neighbours(ctr) if g not in cset), key=lambda g: (c.work[g], c.pos[g])
         ):
-            if fits(c.members[ctr] + c.members[nb]):
+            if fits(c.members[ctr], c.members[nb]):
                 kept = c.merge(ctr, nb)
                 if kept is not None:
                     if kept != ctr:

@@ -62,11 +62,7 @@ def part(problem, i: int, n: int) -> tuple[list[Cut], float]:
     mem = problem.memory
     policy = costs.chain_policy(P - 1, False, P)  # how many weight versions a stage keeps
 
-    def fits(nodes) -> bool:
-        params = {p for i in nodes for p in costs.params[i]}
-        peak = (0, max((costs.act[i] for i in nodes), default=0))
-        return gpu_memory_bytes([_params_memory(costs, params, policy), peak]) <= mem
-
+    fits = _Fits(costs, policy, mem)
     scoped = {key: by_scope(base.copy(), key) for key in (layer_key, sublayer_key)}
     cuts = []
     for v, (key, blocks_wanted, offset) in enumerate(_variants(problem, scoped)):
@@ -228,22 +224,25 @@ def lpt(costs: NodeCosts, blocks: list[list[int]], loss_blocks=frozenset()) -> l
     first = costs.chain_policy(L - 1, False, L)  # how many weight versions a stage keeps
     load = [0.0] * P
     params: list[set[int]] = [set() for _ in range(P)]
+    sums = [(0, 0, 0)] * P  # each GPU's parameter bytes so far (`_add`)
     placed: list[list[tuple]] = [[] for _ in range(P)]
     gpu = [0] * L
 
+    def need(g: int, k: int, bp: set[int]) -> int:
+        trainable, frozen, state = _add(costs, sums[g], bp - params[g])
+        held = stage_memory(trainable_bytes=trainable, frozen_bytes=frozen, state_bytes=state,
+                            input_bytes=0, act_bytes=0, policy=first)  # fmt: skip
+        return gpu_memory_bytes([held, *placed[g], parts[k]])
+
     for k in sorted(range(L), key=lambda k: (-work[k], k)):
         bp = {p for i in blocks[k] for p in costs.params[i]}
-        need = {
-            g: gpu_memory_bytes(
-                [_params_memory(costs, params[g] | bp, first), *placed[g], parts[k]]
-            )
-            for g in range(P)
-        }
+        needs = {g: need(g, k, bp) for g in range(P)}
         order = sorted(range(P), key=lambda g: (load[g], g))
-        fitting = [g for g in order if need[g] <= mem]
-        g = fitting[0] if fitting else min(order, key=lambda g: (need[g], g))
+        fitting = [g for g in order if needs[g] <= mem]
+        g = fitting[0] if fitting else min(order, key=lambda g: (needs[g], g))
         gpu[k] = g
         load[g] += work[k]
+        sums[g] = _add(costs, sums[g], bp - params[g])
         params[g] |= bp
         placed[g].append(parts[k])
     return gpu
@@ -277,16 +276,50 @@ def stages(
     return stage_of, gpu_of
 
 
-def _params_memory(costs: NodeCosts, params, policy) -> tuple[int, int]:
-    """The cost model's (held, transient) of these parameters alone."""
-    return stage_memory(
-        trainable_bytes=sum(costs.ptrainable[p] for p in params),
-        frozen_bytes=sum(costs.pfrozen[p] for p in params),
-        state_bytes=sum(costs.pstate[p] for p in params),
-        input_bytes=0,
-        act_bytes=0,
-        policy=policy,
-    )
+class _Fits:
+    """`grow_centers`' test: whether a centre and a neighbour together fit one GPU by their
+    parameters (under the versions a stage keeps) and their largest activation. What it
+    counted of a centre is kept: the centre's node list only grows at its end (Mixed-pipe
+    asks thousands of times as the centres grow; counting each one again took a tenth of
+    its search). Byte counts are integers, so the sums do not depend on their order."""
+
+    def __init__(self, costs: NodeCosts, policy, memory: int):
+        self.c, self.policy, self.memory = costs, policy, memory
+        self.kept: dict[int, tuple] = {}  # id(nodes) -> (nodes, counted, params, sums, act)
+
+    def _centre(self, nodes: list[int]) -> tuple:
+        c = self.c
+        got = self.kept.get(id(nodes))
+        if got is None or got[0] is not nodes:  # the list is held, so its id is not reused
+            got = (nodes, 0, set(), (0, 0, 0), 0)
+        _, n, params, sums, act = got
+        if n < len(nodes):
+            new = {p for i in nodes[n:] for p in c.params[i]} - params
+            params |= new
+            sums = _add(c, sums, new)
+            act = max(act, max(c.act[i] for i in nodes[n:]))
+            got = self.kept[id(nodes)] = (nodes, len(nodes), params, sums, act)
+        return got
+
+    def __call__(self, centre: list[int], other: list[int]) -> bool:
+        c = self.c
+        _, _, params, sums, act = self._centre(centre)
+        new = {p for i in other for p in c.params[i]} - params
+        trainable, frozen, state = _add(c, sums, new)
+        held = stage_memory(trainable_bytes=trainable, frozen_bytes=frozen, state_bytes=state,
+                            input_bytes=0, act_bytes=0, policy=self.policy)  # fmt: skip
+        peak = (0, max(act, max((c.act[i] for i in other), default=0)))
+        return gpu_memory_bytes([held, peak]) <= self.memory
+
+
+def _add(c: NodeCosts, sums: tuple[int, int, int], params) -> tuple[int, int, int]:
+    """(trainable, frozen, state) bytes with these parameters added."""
+    t, f, s = sums
+    for p in params:
+        t += c.ptrainable[p]
+        f += c.pfrozen[p]
+        s += c.pstate[p]
+    return t, f, s
 
 
 def _input_bytes(costs: NodeCosts, nodes) -> int:

@@ -59,7 +59,7 @@ def test_atoms_and_centres_keep_every_node_once_and_acyclic(seed):
     costs = NodeCosts.of(make_problem(make_graph(60, seed), gpus=3))
     base = atoms(costs)
     scoped = by_scope(base.copy(), lambda scope: scope.split(".")[1][:1])  # group by first digit
-    blocks = grow_centers(scoped.copy(), 6, lambda nodes: True).groups()
+    blocks = grow_centers(scoped.copy(), 6, lambda centre, other: True).groups()
     for groups in (base.groups(), scoped.groups(), blocks):
         assert sorted(i for g in groups for i in g) == list(range(costs.n))
         assert nx.is_directed_acyclic_graph(quotient(costs, groups))
