@@ -72,6 +72,7 @@ class StageEmitter:
         self.compute = compute if compute != torch.float32 else None
         self.uses_operator = False
         self.uses_device = False
+        self.op_modules: set[str] = set()  # where the custom ops the body calls are defined
 
     def body(self) -> list[str]:
         lines = [f"{name} = tensors[{literal(name)}]" for name in self.st.model_inputs]
@@ -123,6 +124,9 @@ class StageEmitter:
             if mutated is not None and mutated < len(args) and self._is_received(args[mutated]):
                 parts[mutated] += ".clone()"
                 self.names[args[mutated].name] = name  # later reads see the changed copy
+            module = op_module(target)
+            if module is not None:
+                self.op_modules.add(module)
             return _wrap(f"{name} = ", _op_path(target), parts)
         if target in _OPERATORS:
             self.uses_operator = True
@@ -202,6 +206,25 @@ def constant(a) -> str:
     if a is None or isinstance(a, (bool, int, slice)) or a is Ellipsis:
         return repr(a)
     raise FtpipeError(f"cannot write the traced constant {a!r} ({type(a).__name__}) as code")
+
+
+_BUILT_IN = ("aten", "prims", "ftpipe")  # namespaces torch, or the runtime, registers
+
+
+def op_module(target: torch._ops.OpOverload) -> str | None:
+    """The module that defines a custom op (`torch.library.custom_op`), which the package must
+    import before calling it (transformers' `torch.ops.transformers.grouped_mm_fallback`, in
+    `transformers.integrations.moe`): None for torch's own ops, or where torch does not say."""
+    ns = target._schema.name.split("::")[0]
+    if ns in _BUILT_IN:
+        return None
+    try:
+        from torch._library.custom_ops import OPDEFS
+    except ImportError:  # another torch: the op must be registered by what the run imports
+        return None
+    made = OPDEFS.get(target._schema.name)
+    module = getattr(getattr(made, "_init_fn", None), "__module__", None)
+    return module if isinstance(module, str) and module != "__main__" else None
 
 
 def _op_path(target: torch._ops.OpOverload) -> str:

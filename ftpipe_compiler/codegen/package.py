@@ -75,7 +75,7 @@ def generate_package(
     compute = getattr(torch, graph.meta.get("compute_dtype", "float32"))
     command = portable_command(command, out_dir)
     generated_by = f"ftpipe {__version__}: {command}"
-    stages, uses_operator = _stage_contexts(traced, wiring, names, info, compute)
+    stages, uses_operator, op_modules = _stage_contexts(traced, wiring, names, info, compute)
     buffers = _buffer_values(
         traced,
         spec,
@@ -105,6 +105,7 @@ def generate_package(
         "plan": pplan,
         "stages": stages,
         "uses_operator": uses_operator,
+        "op_modules": op_modules,
         "has_buffers": bool(buffers),
         "weights_dir": model_dir if _has_safetensors(spec.path) else "",
         "traced_dtype": str(compute).removeprefix("torch."),
@@ -118,11 +119,13 @@ def generate_package(
     return final
 
 
-def _stage_contexts(traced: Traced, wiring, names, info, compute) -> tuple[list[dict], bool]:
+def _stage_contexts(traced: Traced, wiring, names, info, compute) -> tuple[list[dict], bool, list]:
     """What the templates need of each stage (its straight-line body, what it holds,
-    receives and sends), and whether any body uses the `operator` module."""
+    receives and sends), whether any body uses the `operator` module, and the modules that
+    define the custom ops the bodies call."""
     stages = []
     uses_operator = False
+    op_modules: set[str] = set()
     summaries = describe(wiring.stages)
     for st in wiring.stages:
         emitter = StageEmitter(
@@ -135,6 +138,7 @@ def _stage_contexts(traced: Traced, wiring, names, info, compute) -> tuple[list[
         )
         body = emitter.body()
         uses_operator |= emitter.uses_operator
+        op_modules |= emitter.op_modules
         stages.append(
             {
                 "id": st.id,
@@ -152,7 +156,7 @@ def _stage_contexts(traced: Traced, wiring, names, info, compute) -> tuple[list[
                 "sends": [(w, wiring.wires[w].consumers) for w in st.outputs],
             }
         )
-    return stages, uses_operator
+    return stages, uses_operator, sorted(op_modules)
 
 
 def _render(context: dict) -> dict[str, str]:

@@ -19,11 +19,12 @@ has no backward and keeps no activation.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
 from torch import fx
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
 
 from ..graph.exported import VIEW_OPS, map_tensors, retarget
 from ..graph.fuse import FUSED_OP, logits_bytes, register
@@ -41,6 +42,7 @@ def count_flops(traced: Traced) -> dict[str, float]:
     were traced, under FlopCounterMode, once per distinct op and input shapes (a stack of
     alike layers repeats the same few dozen)."""
     register()  # the fused head's FLOPs formula
+    _register_grouped_mm(n.target for n in traced.program.graph.nodes if n.op == "call_function")
     counter = FlopCounterMode(display=False)
     meta = torch.device("meta")
     flops: dict[str, float] = {}
@@ -59,6 +61,32 @@ def count_flops(traced: Traced) -> dict[str, float]:
                 seen[key] = float(counter.get_total_flops() - before)
             flops[n.name] = seen[key]
     return flops
+
+
+# Grouped matrix products (a mixture of experts: each token's rows times its expert's matrix)
+# that torch's FLOP counter does not know: torch's own, and transformers' fallback for where
+# torch's has no kernel (traced in fp32), which computes the same.
+GROUPED_MM = ("aten::_grouped_mm", "transformers::grouped_mm_fallback")
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """2 x the multiply-adds: rows of `a` (S x K, split into groups) times their group's
+    K x N matrix of `b` (G x K x N) make S x N; batched (a: G x M x K), every output element
+    is a K-long dot product; two 2-d operands split along K make G x M x N from M x K by K x N."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+    if len(a_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * out_shape[-1]
+    return 2 * math.prod(out_shape) * a_shape[-1]
+
+
+def _register_grouped_mm(targets) -> None:
+    """`_grouped_mm_flops` for the grouped products among these ops, once per process."""
+    for t in set(targets):
+        schema = getattr(t, "_schema", None)
+        if schema is not None and schema.name in GROUPED_MM:
+            if t.overloadpacket not in flop_registry:
+                register_flop_formula(t.overloadpacket)(_grouped_mm_flops)
 
 
 def _described(n: fx.Node):

@@ -70,17 +70,21 @@ def to_graph(spec: ModelSpec, task: Task, micro_batch: int, model, inputs, progr
     out_node = next(n for n in program.graph.nodes if n.op == "output")
     loss = out_node.args[0][0]
     nodes, edges, used = _nodes_and_edges(program.graph, loss, placeholders, tensors)
+    stored = spec.checkpoint_aliases(model)  # the folder's own names for the parameters
+    converted = {n: list(keys) for n, keys in stored.items() if isinstance(keys, tuple)}
     g = OpGraph(
         model=spec.spec,
         nodes=tuple(nodes),
         edges=tuple(edges),
-        params=tuple(_params(spec, model, alias, tensors, used)),
+        params=tuple(_params(alias, tensors, used, stored)),
         inputs=tuple(
             ModelInput(k, tuple(v.shape), str(v.dtype).removeprefix("torch."))
             for k, v in inputs.items()
         ),
         output=loss.name,
-        meta=_meta(spec, task, micro_batch),
+        # Keys the checkpoint holds a parameter as, that transformers converts into it
+        # (MoE experts one by one): the folder's check reads them, the stages convert them.
+        meta={**_meta(spec, task, micro_batch), **({"converted": converted} if converted else {})},
     )
     g.validate()
     return g, placeholders
@@ -155,13 +159,15 @@ def _nodes_and_edges(graph: fx.Graph, loss: fx.Node, placeholders, tensors):
     return nodes, edges, list(params_used)
 
 
-def _params(spec: ModelSpec, model, alias, tensors, used: list[str]) -> list[Param]:
-    """The parameters the graph reads, in first-use order, with every name they go by."""
+def _params(alias, tensors, used: list[str], stored: dict) -> list[Param]:
+    """The parameters the graph reads, in first-use order, with every name they go by
+    (`stored`: the checkpoint's names, `ModelSpec.checkpoint_aliases`)."""
     by_canon: dict[str, list[str]] = {}
     for a, c in alias.items():
         by_canon.setdefault(c, []).append(a)
-    for name, stored in spec.checkpoint_aliases(model).items():  # the folder's own names
-        by_canon.setdefault(alias.get(name, name), []).append(stored)
+    for name, key in stored.items():
+        if isinstance(key, str):  # a tuple: keys converted into it, not another name
+            by_canon.setdefault(alias.get(name, name), []).append(key)
     params = []
     for name in used:
         t = tensors[name]

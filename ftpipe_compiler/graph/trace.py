@@ -56,7 +56,8 @@ def trace_model(
     if model is None:
         model = spec.build(device, dtype=None if compute == torch.float32 else compute)
     inputs = spec.example_inputs(task, micro_batch, device)
-    with noting() as stops, _held_output() as said, _ConstantsOnCpu(), code_on_demand():
+    with noting() as stops, _held_output() as said, _ConstantsOnCpu(), _HistcAnywhere(), \
+            code_on_demand():  # fmt: skip
         try:
             program = _exported(spec, model, tuple(inputs.values()))
         except TraceError:  # ours (a region that cannot be inlined): already one sentence
@@ -76,7 +77,8 @@ def trace_model(
         fuse_linear_cross_entropy(program.graph_module)  # the LM head and its loss: one op
     graph, placeholders = to_graph(spec, task, micro_batch, model, inputs, program)
     if spec.path:  # the folder's weights are those of the traced parameters, or one sentence
-        check_weights(spec.spec, read_headers(Path(spec.path)), graph.params)
+        check_weights(spec.spec, read_headers(Path(spec.path)), graph.params,
+                      graph.meta.get("converted"))  # fmt: skip
     meta = {**graph.meta, "precision": precision, "compute_dtype": str(compute)[6:]}
     return Traced(replace(graph, meta=meta), program, placeholders)
 
@@ -161,6 +163,20 @@ class _ConstantsOnCpu(TorchFunctionMode):
         elif func in (torch.tensor, torch.as_tensor) and _is_meta(kwargs.get("device")):
             device = kwargs.pop("device")
             return func(*args, **kwargs).to(device)
+        return func(*args, **kwargs)
+
+
+class _HistcAnywhere(TorchFunctionMode):
+    """`torch.histc` of integers counted on their float values and cast back: the same counts
+    on every device. Models choose its input's dtype by device (transformers' grouped MoE
+    experts: integers on a GPU, floats where the CPU kernel lacks integers), and a trace on
+    `meta` takes the GPU's branch, which a CPU run of the package cannot execute."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.histc and args and not args[0].dtype.is_floating_point:
+            x = args[0]
+            return torch.histc(x.float(), *args[1:], **kwargs).to(x.dtype)
         return func(*args, **kwargs)
 
 

@@ -175,16 +175,24 @@ def _check_index(folder: Path, headers: dict[str, Header]) -> None:
         )
 
 
-def check_weights(where: str, headers: dict[str, Header], params) -> None:
+def check_weights(where: str, headers: dict[str, Header], params, converted=None) -> None:
     """The traced parameters (`Param`s: name, aliases, shape, dtype, trainable, frozen)
     against the folder's tensors: each weight found under one of the names the runtime looks
     for, with its shape and a dtype of its kind (a floating-point checkpoint of any width
-    loads into any floating-point weight), buffers only checked when present, and no layer
-    in the weights beyond the model's. One sentence listing the mismatches."""
+    loads into any floating-point weight), or every key transformers converts into it
+    (`converted`: name -> keys, shapes left to the conversion), buffers only checked when
+    present, and no layer in the weights beyond the model's. One sentence listing the
+    mismatches."""
     if not headers:
         return
     wrong, used = [], set()
+    converted = converted or {}
     for p in params:
+        if p.name in converted:
+            absent = [k for k in converted[p.name] if k not in headers]
+            wrong += [f"{absent[0]} missing from the folder (part of {p.name})"] if absent else []
+            used.update(converted[p.name])
+            continue
         key = next((k for k in checkpoint_keys(p.name, p.aliases) if k in headers), None)
         if key is None:
             if (p.trainable or p.frozen) and not is_adapter(p.name):

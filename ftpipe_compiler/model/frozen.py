@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from ftpipe_runtime.models.lora import LoraSpec, is_adapter, wrap
+from ftpipe_runtime.models.lora import LoraSpec, base_name, is_adapter, wrap
 from ftpipe_runtime.spec.weights import WRAPPER_PREFIX
 
 from ..errors import FtpipeError
@@ -79,7 +79,7 @@ def base_names(net) -> dict[str, str]:
     out = {}
     for name, _ in net.named_parameters(remove_duplicate=False):
         if not is_adapter(name):
-            out[name] = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            out[name] = base_name(name)
     return out
 
 

@@ -123,21 +123,16 @@ class ModelSpec:
             ) from None
         return replace(self, inputs=inputs, packed=True)
 
-    def checkpoint_aliases(self, model: nn.Module) -> dict[str, str]:
-        """Parameter -> the other name the folder's checkpoint holds it under (if any)."""
+    def checkpoint_aliases(self, model: nn.Module) -> dict[str, str | tuple[str, ...]]:
+        """Parameter -> the other name the folder's checkpoint holds it under (if any), or the
+        keys transformers converts into it (a tuple: MoE experts stored one by one, which
+        the stages convert as they load, `ftpipe_runtime.models.hf.converted_weights`)."""
         if self.kind == "function" or not any(Path(self.path or "-").glob("*.safetensors")):
             return {}
         from ftpipe_runtime.models.hf import checkpoint_names
 
         net = model.m.get_base_model() if self.lora else model.m
         names = checkpoint_names(net)
-        fused = [n for n, key in names.items() if key is None]
-        if fused:
-            raise FtpipeError(
-                f"{self.spec}: its checkpoint stores {fused[0]} in another form than the model "
-                "(transformers converts it when loading), which ftpipe cannot load yet; compile "
-                "a folder holding only its config.json (random weights) instead"
-            )
         if self.lora:  # the base model's weights, under its own names in the folder
             wrapped = frozen.base_names(model.m).items()
             return {n: names.get(b, b) for n, b in wrapped if names.get(b, b) != n}

@@ -5,7 +5,8 @@
     net = build_model(config, "LlamaForCausalLM", dropout=0.0, seed=0)
     loss = loss_of(net, inputs)
 
-Only the compiler and a package's `--check` come here: transformers is imported inside the
+Only the compiler, a package's `--check`, and stages loading weights that transformers
+converts (MoE experts stored one by one) come here: transformers is imported inside the
 functions, never when the runtime is imported.
 """
 
@@ -17,6 +18,7 @@ import re
 import torch
 
 from .heads import HEADS, IGNORE, Vocab, get_head, input_names, with_dropout
+from .lora import base_name
 from .synthetic import decoder_inputs
 
 
@@ -167,10 +169,11 @@ def shift_agrees(net: torch.nn.Module, vocab: Vocab, model_type: str) -> bool:
     return own is None or torch.equal(own.cpu(), decoder_inputs(labels, vocab, model_type))
 
 
-def checkpoint_names(net: torch.nn.Module) -> dict[str, str | None]:
+def checkpoint_names(net: torch.nn.Module) -> dict[str, str | tuple[str, ...]]:
     """Parameter -> the key a checkpoint stores it under, where transformers renames it when
-    loading (GPT-NeoX's `embed_out.weight` is the model's `lm_head.weight`); None where it
-    converts the tensor itself (MoE experts stored one by one, fused in the model)."""
+    loading (GPT-NeoX's `embed_out.weight` is the model's `lm_head.weight`); the keys it is
+    made of, as a tuple, where transformers converts them into it (MoE experts stored one by
+    one, fused in the model: `converted_weights`)."""
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # transformers 4: checkpoints hold the model's own names
@@ -180,5 +183,78 @@ def checkpoint_names(net: torch.nn.Module) -> dict[str, str | None]:
         stored = revert_weight_conversion(net, {name: param})
         if list(stored) != [name]:
             (key, value), *more = stored.items()
-            out[name] = key if not more and value.shape == param.shape else None
+            out[name] = key if not more and value.shape == param.shape else tuple(stored)
+    return out
+
+
+def converted_from_folder(folder, names: list[str], files):
+    """(name, tensor) of the model's tensors `names` that transformers makes of other keys of
+    the checkpoint in `folder` (its *.safetensors `files`), made as it makes them, one at a
+    time (host memory holds one tensor's parts at once); those it does not make are left
+    out. The model is built on `meta` from the folder's config.json (its class from
+    `architectures`); only the keys these tensors are made of are read."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4, or none: checkpoints hold the model's own names
+        return
+    config = json.loads((Path(folder) / "config.json").read_text())
+    classes = config.get("architectures") or []
+    if not classes:
+        return
+    with torch.random.fork_rng(devices=[]):  # building seeds: the run's own RNG untouched
+        net = build_model(config, classes[0], "meta")
+    params = dict(net.named_parameters(remove_duplicate=False))
+    held = {}  # key -> the file holding it
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            held.update(dict.fromkeys(f.keys(), path))
+    for name in names:
+        base = name if name in params else base_name(name)  # a LoRA model's: the base's
+        keys = list(revert_weight_conversion(net, {base: params[base]})) if base in params else []
+        if keys in ([], [base]) or any(k not in held for k in keys):
+            continue
+        stored = {}
+        for k in keys:
+            with safe_open(str(held[k]), framework="pt", device="cpu") as f:
+                stored[k] = f.get_tensor(k)
+        made = converted_weights(net, stored).get(base)
+        if made is not None:
+            yield name, made
+
+
+def converted_weights(net: torch.nn.Module, stored: dict) -> dict[str, torch.Tensor]:
+    """The model's tensors that transformers makes of these checkpoint tensors when it loads
+    them (`stored`: key -> tensor, every key a converted tensor is made of): its own
+    conversion rules for the model (`get_model_conversion_mapping`), applied as
+    `from_pretrained` applies them. `net` may be on `meta`."""
+    from copy import deepcopy
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        apply_converters,
+        apply_renamings,
+        dot_natural_key,
+    )
+
+    rules = get_model_conversion_mapping(net)
+    renamings = [r for r in rules if isinstance(r, WeightRenaming)]
+    converters = [r for r in rules if isinstance(r, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    pending: dict[str, WeightConverter] = {}
+    for key, tensor in sorted(stored.items(), key=lambda kv: dot_natural_key(kv[0])):
+        target, pattern = apply_converters(apply_renamings(key, renamings), converters)
+        if pattern is not None:
+            pending.setdefault(target, deepcopy(by_pattern[pattern]))
+            pending[target].add_tensor(target, key, pattern, tensor)
+    out = {}
+    for target, converter in pending.items():
+        for name, value in converter.convert(target, model=net, config=net.config).items():
+            out[name] = value[0] if isinstance(value, list) else value
     return out

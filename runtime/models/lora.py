@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["LoraSpec", "is_adapter", "wrap"]
+__all__ = ["LoraSpec", "base_name", "is_adapter", "wrap"]
 
 ADAPTER = re.compile(r"\.lora_(A|B|embedding_A|embedding_B|magnitude_vector)\.")
 _KEYS = ("r", "alpha", "targets", "dropout")
@@ -114,3 +114,9 @@ def _linear(m) -> bool:
 def is_adapter(name: str) -> bool:
     """Is `name` (a parameter of a wrapped model) a LoRA adapter weight?"""
     return bool(ADAPTER.search(name))
+
+
+def base_name(name: str) -> str:
+    """A peft-wrapped model's parameter as the base model names it
+    (`base_model.model.x.q_proj.base_layer.weight` -> `x.q_proj.weight`)."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")

@@ -8,6 +8,7 @@ creates them in a tree of plain modules, so `stage.state_dict()` keys are the mo
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 from pathlib import Path
@@ -21,7 +22,7 @@ from ..models.lora import is_adapter
 from ..spec.weights import WEIGHTS_ENV, checkpoint_keys, initial_value
 from . import fused_loss
 
-__all__ = ["STAGE_API", "Param", "StageModule", "run_in_one_process"]
+__all__ = ["STAGE_API", "Param", "StageModule", "import_ops", "run_in_one_process"]
 
 # The interface generated stages.py is written against: this module's `StageModule` class
 # attributes, `Param`, and the package entry `ftpipe_runtime.job.cli.main(argv, stages,
@@ -185,12 +186,48 @@ class StageModule(nn.Module):
                 ) from None
         # LoRA adapters are new: a base model's folder does not hold them.
         missing = [n for n in self.weight_names() if n not in found and not is_adapter(n)]
+        if missing and (Path(folder) / "config.json").is_file():
+            found.update(_copy_converted(self, folder, files, missing))
+            missing = [n for n in missing if n not in found]
         if missing:
             raise PipelineConfigError(
                 f"stage {self.STAGE}: {len(missing)} weights are not in {folder} "
                 f"(e.g. {missing[0]}); is it the checkpoint of the compiled model?"
             )
         return sorted(found)
+
+
+def _copy_converted(stage: StageModule, folder, files, names: list[str]) -> dict[str, str]:
+    """Weights the checkpoint holds in another form (MoE experts one by one, fused in the
+    model), made as transformers makes them when it loads (`models.hf.converted_from_folder`):
+    name -> where they came from, for those it makes."""
+    from ..models.hf import converted_from_folder
+
+    tensors, found = stage.named_tensors(), {}
+    for name, value in converted_from_folder(folder, names, files):
+        if tuple(value.shape) != tuple(tensors[name].shape):
+            raise PipelineConfigError(
+                f"{folder}: {name} converted from the checkpoint has shape {tuple(value.shape)}, "
+                f"stage {stage.STAGE} expects {tuple(tensors[name].shape)}"
+            )
+        tensors[name].copy_(value)
+        found[name] = "converted"
+    return found
+
+
+def import_ops(modules) -> None:
+    """Import the modules that define the custom ops a generated stage calls (`torch.ops.ns`
+    registers them as they are imported): a package traced from a model whose code calls
+    transformers' own ops runs without the model's code being imported otherwise."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as e:
+            raise PipelineConfigError(
+                f"the stages call custom ops defined in {name}, which cannot be imported here "
+                f"({e}); install what the model was compiled with (transformers: pip install "
+                "'ftpipe[hf]')"
+            ) from None
 
 
 def weights_folder(stage) -> str:

@@ -41,6 +41,29 @@ def test_roofline_time_and_backward_factor(linear_graph):
     assert lin.recompute_s == lin.fwd_s
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_experts_cost_what_the_tokens_routed_to_them_compute(tmp_path, precision):
+    """A mixture of experts multiplies each token by its top-k experts' matrices (grouped
+    products: transformers' fallback op in fp32, torch's `_grouped_mm` in bf16), which
+    torch's FLOP counter does not know: counted, they are 2 x tokens x k x the expert MLP's
+    weights per layer, what the same tokens through k dense MLPs would cost."""
+    transformers = pytest.importorskip("transformers")
+    hidden, inner, k, tokens, layers = 32, 64, 2, 16, 2
+    config = transformers.MixtralConfig(vocab_size=128, hidden_size=hidden, num_hidden_layers=layers,
+                                        num_attention_heads=4, num_key_value_heads=2,
+                                        intermediate_size=inner, num_local_experts=4,
+                                        num_experts_per_tok=k, max_position_embeddings=64)  # fmt: skip
+    config.architectures = ["MixtralForCausalLM"]
+    config.save_pretrained(tmp_path)
+    spec = resolve_model(str(tmp_path))
+    task = resolve_task(spec, None, seq_len=tokens)
+    graph = analytic_costs(trace_model(spec, task, 1, precision=precision), HW)
+    grouped = [n for n in graph.nodes if "grouped_mm" in n.op]
+    assert len(grouped) == 2 * layers  # gate and up together, then down
+    per_layer = 2 * tokens * k * (hidden * 2 * inner + inner * hidden)
+    assert sum(n.flops for n in grouped) == layers * per_layer
+
+
 def test_views_cost_nothing(tiny_t5_costed):
     views = [n for n in tiny_t5_costed.nodes if n.op in ("aten.view.default", "aten.transpose.int")]
     assert views and all(n.fwd_s == 0 and n.act_bytes == 0 for n in views)

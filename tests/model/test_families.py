@@ -1,8 +1,10 @@
 """Families that once needed code of their own compile with none: a constant the forward
-makes from Python data (Falcon's multi-query attention indexes with a list), and a sequence
+makes from Python data (Falcon's multi-query attention indexes with a list), a sequence
 classifier whose config names no problem_type (DeBERTa-v2 then branches on the labels'
-values). Each tiny model is written with save_pretrained, compiled, and its package checked
-against the model."""
+values), and a mixture of experts whose checkpoint stores its experts apart and whose routing
+counts tokens with `torch.histc` on integers on a GPU, on floats on the CPU (Mixtral). Each
+tiny model is written with save_pretrained, compiled, and its package checked against the
+model."""
 
 from __future__ import annotations
 
@@ -79,3 +81,23 @@ def test_a_classifier_without_problem_type_gets_its_heads(tmp_path, labels, impl
     transformers.DebertaV2ForSequenceClassification(config).save_pretrained(tmp_path / "deberta")
     plan = _compile_and_check(tmp_path / "deberta", tmp_path)
     assert plan.model["config"]["problem_type"] == implied
+
+
+def test_mixture_of_experts_loads_its_experts_and_runs_where_it_was_not_traced(tmp_path):
+    """Mixtral's checkpoint stores each expert's matrices apart, which transformers fuses as
+    it loads: the stages fuse them the same way (`converted_from_folder`). Traced on meta,
+    transformers' grouped experts take the GPU's branch (`histc` of integers, which the CPU
+    kernel refuses); the trace counts on floats, so the package runs on the CPU too, its
+    loss and gradients the model's (the reference loaded by `from_pretrained`)."""
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2,
+                                        intermediate_size=64, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=64)  # fmt: skip
+    config.architectures = ["MixtralForCausalLM"]
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path / "mixtral")
+    plan = _compile_and_check(tmp_path / "mixtral", tmp_path)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in {p.name for p in plan.params}
+    stages = (tmp_path / "out" / "mixtral_pipeline" / "stages.py").read_text()
+    assert "aten.histc.default" in stages  # the routing counts are in the graph, portable
+    assert 'import_ops(["transformers.integrations.moe"])' in stages  # its custom op's home

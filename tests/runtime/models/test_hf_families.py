@@ -1,9 +1,11 @@
 """Any HuggingFace model of a known head, given as nothing but a folder (save_pretrained).
 
-Nine families, tiny configs that keep what makes each one itself (grouped-query attention
+Ten families, tiny configs that keep what makes each one itself (grouped-query attention
 and rotary embeddings; Mistral's and Gemma 2's sliding windows; Gemma 2's embedding scaling
 and soft-capping; Qwen 2's attention biases; Phi-3's fused projections; tied and untied
-heads; BART's learned positions; T5's relative ones; BERT's token types), random weights
+heads; BART's learned positions; T5's relative ones; BERT's token types; Mixtral's experts,
+stored one by one and fused as transformers loads them, and routed through transformers'
+own custom op), random weights
 written with `save_pretrained`. For each: `ftpipe compile --gpus 2` succeeds, the package's
 `--check` gives the original model's loss and every gradient (rtol 1e-5), and the package
 trains 3 steps on 2 processes under gpipe (losses equal to training the HuggingFace model in
@@ -12,7 +14,7 @@ more families are compiled and checked. ftpipe's code names none of them but mBA
 decoder start is the one family rule (`ftpipe_runtime.models.FAMILY_RULES`).
 
 Cost (2 cores): the compiles run in this process; the checks run in one interpreter, each as
-`python -m <pkg> --check` runs it (runpy); the eighteen trainings run in one
+`python -m <pkg> --check` runs it (runpy); the twenty trainings run in one
 `torchrun --nproc_per_node 2`, each as `-m <pkg>` runs it, with its own rendezvous.
 """
 
@@ -68,6 +70,9 @@ FAMILIES = {  # model_type -> (class, config): compiled, checked and trained
         dict(n_embd=32, n_layer=2, n_head=4, vocab_size=128, n_positions=64),
     ),
     "bert": ("BertForQuestionAnswering", BERT),
+    # A mixture of experts: its checkpoint stores the experts one by one, which transformers
+    # (and the stages, as they load) fuses; its routing counts tokens with a custom op
+    "mixtral": ("MixtralForCausalLM", dict(DECODER, num_local_experts=4, num_experts_per_tok=2)),
 }
 MORE = {  # compiled and checked: QK norms, GPT-NeoX's checkpoint names (`embed_out`), OPT,
     # mBART's decoder start (its family rule), Pegasus's frozen sinusoidal positions
