@@ -88,7 +88,8 @@ def test_mixture_of_experts_loads_its_experts_and_runs_where_it_was_not_traced(t
     it loads: the stages fuse them the same way (`converted_from_folder`). Traced on meta,
     transformers' grouped experts take the GPU's branch (`histc` of integers, which the CPU
     kernel refuses); the trace counts on floats, so the package runs on the CPU too, its
-    loss and gradients the model's (the reference loaded by `from_pretrained`)."""
+    loss and gradients the model's (the reference loaded by `from_pretrained`). Exported,
+    the stages' tensors load back into the model as the checkpoint's did."""
     torch.manual_seed(0)
     config = transformers.MixtralConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2,
@@ -101,3 +102,14 @@ def test_mixture_of_experts_loads_its_experts_and_runs_where_it_was_not_traced(t
     stages = (tmp_path / "out" / "mixtral_pipeline" / "stages.py").read_text()
     assert "aten.histc.default" in stages  # the routing counts are in the graph, portable
     assert 'import_ops(["transformers.integrations.moe"])' in stages  # its custom op's home
+    # The stages' tensors back as a HuggingFace folder: the experts stored apart again.
+    from ftpipe_runtime.checkpoint.hf import write_hf_folder
+    from ftpipe_runtime.stage.package import import_package
+
+    module = import_package(tmp_path / "out" / "mixtral_pipeline")
+    tensors = {n: t for cls in module.STAGES.values() for n, t in cls().named_tensors().items()}
+    write_hf_folder(tmp_path / "export", module.load_plan(), tensors, say=lambda *a: None)
+    again = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "export")
+    first = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "mixtral")
+    mine, theirs = dict(again.named_parameters()), dict(first.named_parameters())
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[n], theirs[n]) for n in mine)
