@@ -3,5 +3,5 @@ the rates a calibration needs, then the checks from the cheapest up; the child p
 cuda-marked tests last."""
 
 # fmt: off
-from . import environment, rates, fused_loss, schedules, resume, llama, offload, eager, measured  # noqa: F401, I001
+from . import environment, rates, fused_loss, schedules, resume, llama, offload, eager, measured, moe  # noqa: F401, I001
 from . import cuda_tests  # noqa: F401, E402
