@@ -198,8 +198,13 @@ def converted_from_folder(folder, names: list[str], files):
 
     from safetensors import safe_open
 
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
+    try:  # what converted_weights uses too: transformers' loading internals, 5.x
+        from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: F401
+        from transformers.core_model_loading import (  # noqa: F401
+            WeightConverter,
+            apply_converters,
+            revert_weight_conversion,
+        )
     except ImportError:  # transformers 4, or none: checkpoints hold the model's own names
         return
     config = json.loads((Path(folder) / "config.json").read_text())
