@@ -202,7 +202,7 @@ def converted_from_folder(folder, names: list[str], files):
         from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: F401
         from transformers.core_model_loading import (  # noqa: F401
             WeightConverter,
-            apply_converters,
+            rename_source_key,
             revert_weight_conversion,
         )
     except ImportError:  # transformers 4, or none: checkpoints hold the model's own names
@@ -243,9 +243,8 @@ def converted_weights(net: torch.nn.Module, stored: dict) -> dict[str, torch.Ten
     from transformers.core_model_loading import (
         WeightConverter,
         WeightRenaming,
-        apply_converters,
-        apply_renamings,
         dot_natural_key,
+        rename_source_key,
     )
 
     rules = get_model_conversion_mapping(net)
@@ -254,7 +253,7 @@ def converted_weights(net: torch.nn.Module, stored: dict) -> dict[str, torch.Ten
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     pending: dict[str, WeightConverter] = {}
     for key, tensor in sorted(stored.items(), key=lambda kv: dot_natural_key(kv[0])):
-        target, pattern = apply_converters(apply_renamings(key, renamings), converters)
+        target, pattern = rename_source_key(key, renamings, converters)  # as loading renames
         if pattern is not None:
             pending.setdefault(target, deepcopy(by_pattern[pattern]))
             pending[target].add_tensor(target, key, pattern, tensor)
