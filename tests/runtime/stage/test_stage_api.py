@@ -27,3 +27,16 @@ def test_a_stage_from_another_interface_is_refused_in_one_sentence():
 
         class Old(StageModule):
             API = STAGE_API + 1
+
+
+def test_custom_ops_come_from_their_module_or_one_sentence():
+    """A package whose stages call a custom op imports the module that defines it; where that
+    module is missing, one sentence says which and what to install."""
+    from ftpipe_runtime.stage.api import import_ops
+
+    import_ops(["json"])  # importable: nothing said
+    with pytest.raises(PipelineConfigError) as e:
+        import_ops(["ftpipe_no_such_module.ops"])
+    said = str(e.value)
+    assert "custom ops defined in ftpipe_no_such_module.ops" in said
+    assert "pip install 'ftpipe[hf]'" in said and "\n" not in said
