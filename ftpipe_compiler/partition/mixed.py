@@ -228,21 +228,17 @@ def lpt(costs: NodeCosts, blocks: list[list[int]], loss_blocks=frozenset()) -> l
     placed: list[list[tuple]] = [[] for _ in range(P)]
     gpu = [0] * L
 
-    def need(g: int, k: int, bp: set[int]) -> int:
-        trainable, frozen, state = _add(costs, sums[g], bp - params[g])
-        held = stage_memory(trainable_bytes=trainable, frozen_bytes=frozen, state_bytes=state,
-                            input_bytes=0, act_bytes=0, policy=first)  # fmt: skip
-        return gpu_memory_bytes([held, *placed[g], parts[k]])
-
     for k in sorted(range(L), key=lambda k: (-work[k], k)):
         bp = {p for i in blocks[k] for p in costs.params[i]}
-        needs = {g: need(g, k, bp) for g in range(P)}
+        added = [_add(costs, sums[g], bp - params[g]) for g in range(P)]
+        needs = {g: gpu_memory_bytes([_held(added[g], first), *placed[g], parts[k]])
+                 for g in range(P)}  # fmt: skip
         order = sorted(range(P), key=lambda g: (load[g], g))
         fitting = [g for g in order if needs[g] <= mem]
         g = fitting[0] if fitting else min(order, key=lambda g: (needs[g], g))
         gpu[k] = g
         load[g] += work[k]
-        sums[g] = _add(costs, sums[g], bp - params[g])
+        sums[g] = added[g]
         params[g] |= bp
         placed[g].append(parts[k])
     return gpu
@@ -305,11 +301,16 @@ class _Fits:
         c = self.c
         _, _, params, sums, act = self._centre(centre)
         new = {p for i in other for p in c.params[i]} - params
-        trainable, frozen, state = _add(c, sums, new)
-        held = stage_memory(trainable_bytes=trainable, frozen_bytes=frozen, state_bytes=state,
-                            input_bytes=0, act_bytes=0, policy=self.policy)  # fmt: skip
         peak = (0, max(act, max((c.act[i] for i in other), default=0)))
-        return gpu_memory_bytes([held, peak]) <= self.memory
+        return gpu_memory_bytes([_held(_add(c, sums, new), self.policy), peak]) <= self.memory
+
+
+def _held(sums: tuple[int, int, int], policy) -> tuple[int, int]:
+    """The cost model's (held, transient) of parameters alone, by their (trainable, frozen,
+    state) bytes."""
+    trainable, frozen, state = sums
+    return stage_memory(trainable_bytes=trainable, frozen_bytes=frozen, state_bytes=state,
+                        input_bytes=0, act_bytes=0, policy=policy)  # fmt: skip
 
 
 def _add(c: NodeCosts, sums: tuple[int, int, int], params) -> tuple[int, int, int]:

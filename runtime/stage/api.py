@@ -168,13 +168,7 @@ class StageModule(nn.Module):
                         key = next((k for k in names if k in keys), None)
                         if name in found or key is None:
                             continue
-                        value = f.get_tensor(key)
-                        if tuple(value.shape) != tuple(tensors[name].shape):
-                            raise PipelineConfigError(
-                                f"{path.name}: {key} has shape {tuple(value.shape)}, stage "
-                                f"{self.STAGE} expects {tuple(tensors[name].shape)} for {name}"
-                            )
-                        tensors[name].copy_(value)
+                        _copy_checked(self, tensors, name, f.get_tensor(key), f"{path.name}: {key}")
                         found[name] = key
             except PipelineConfigError:
                 raise
@@ -205,14 +199,20 @@ def _copy_converted(stage: StageModule, folder, files, names: list[str]) -> dict
 
     tensors, found = stage.named_tensors(), {}
     for name, value in converted_from_folder(folder, names, files):
-        if tuple(value.shape) != tuple(tensors[name].shape):
-            raise PipelineConfigError(
-                f"{folder}: {name} converted from the checkpoint has shape {tuple(value.shape)}, "
-                f"stage {stage.STAGE} expects {tuple(tensors[name].shape)}"
-            )
-        tensors[name].copy_(value)
+        _copy_checked(stage, tensors, name, value, f"{folder}: {name} as converted")
         found[name] = "converted"
     return found
+
+
+def _copy_checked(stage: StageModule, tensors: dict, name: str, value, source: str) -> None:
+    """`value` (read from `source`) into the stage's tensor `name`, or one sentence on why its
+    shape cannot go there."""
+    if tuple(value.shape) != tuple(tensors[name].shape):
+        raise PipelineConfigError(
+            f"{source} has shape {tuple(value.shape)}, stage {stage.STAGE} expects "
+            f"{tuple(tensors[name].shape)} for {name}"
+        )
+    tensors[name].copy_(value)
 
 
 def import_ops(modules) -> None:
