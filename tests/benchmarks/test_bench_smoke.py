@@ -156,8 +156,11 @@ def test_pipelining_runs_start_at_the_single_process_loss(tmp_path, seed):
 
 
 def test_torchrun_gives_each_rank_torchruns_environment(tmp_path):
-    show = "import os; print(*(os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', "
-    show += "'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT', 'OMP_NUM_THREADS')))"
+    # One write per rank: the ranks share one stdout file, and print(*values) unbuffered
+    # writes each value and space apart, which a busy machine interleaves between ranks.
+    show = "import os, sys; sys.stdout.write(' '.join(os.environ[k] for k in ('RANK', "
+    show += "'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT', "
+    show += "'OMP_NUM_THREADS')) + '\\n')"
     out = torchrun(["-c", show], tmp_path / "env.log", nproc=3)
     rows = sorted(line.split() for line in out.splitlines())
     assert [r[:4] for r in rows] == [[str(r), str(r), "3", "3"] for r in range(3)]
