@@ -198,16 +198,25 @@ class _Slice:
         last = self.last + a.last
         act = self.act + a.act
         has_out = self.has_out or a.has_out
-        mine = a.nodes
-        inb = self.inb - sum(a.out[i] for i in mine & self.counted)
-        ext = a.ext - self.counted
-        inb += sum(c.out[p] for p in ext)
-        new_in = a.inputs - self.inputs
-        inb += sum(c.input_bytes[x] for x in new_in)
-        new_p = a.params - self.params
-        trainable = self.trainable + sum(c.ptrainable[p] for p in new_p)
-        frozen = self.frozen + sum(c.pfrozen[p] for p in new_p)
-        state = self.state + sum(c.pstate[p] for p in new_p)
+        counted = self.counted
+        # Byte counts are integers: the order of these sums cannot change them. Most sets
+        # here are empty (an atom rarely brings a new input or parameter): a walk adds
+        # thousands of atoms per period tried, so the empty cases cost no generator.
+        taken = a.nodes & counted
+        inb = self.inb - sum(a.out[i] for i in taken) if taken else self.inb
+        ext = a.ext - counted
+        if ext:
+            out = c.out
+            inb += sum(out[p] for p in ext)
+        new_in = a.inputs - self.inputs if a.inputs else a.inputs
+        if new_in:
+            inb += sum(c.input_bytes[x] for x in new_in)
+        new_p = a.params - self.params if a.params else a.params
+        trainable, frozen, state = self.trainable, self.frozen, self.state
+        if new_p:
+            trainable += sum(c.ptrainable[p] for p in new_p)
+            frozen += sum(c.pfrozen[p] for p in new_p)
+            state += sum(c.pstate[p] for p in new_p)
         held, transient = stage_memory(
             trainable_bytes=trainable,
             frozen_bytes=frozen,
@@ -221,7 +230,11 @@ class _Slice:
         self.rec, self.last, self.act, self.inb = rec, last, act, inb
         self.trainable, self.frozen, self.state = trainable, frozen, state
         self.has_out = has_out
-        self.counted = (self.counted - mine) | ext
-        self.params |= new_p
-        self.inputs |= new_in
+        if taken:
+            counted -= taken
+        counted |= ext
+        if new_p:
+            self.params |= new_p
+        if new_in:
+            self.inputs |= new_in
         return True

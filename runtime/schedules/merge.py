@@ -57,7 +57,11 @@ def assumed_edges(stages: list[StageInfo]) -> tuple[dict[int, list[int]], dict[i
 
 def duration(a: Action, split: bool = False) -> int:
     """Idealised duration of an action, for ordering only (`split`: its B is input-only)."""
-    return _UNIT[a.kind] - (split and a.kind == "B") + a.recompute
+    return _unit(a.kind, split) + a.recompute
+
+
+def _unit(kind: str, split: bool) -> int:
+    return _UNIT[kind] - (split and kind == "B")
 
 
 def interleave(
@@ -104,6 +108,8 @@ class _Ideal:
         self.info = {s.id: s for s in stages}
         self.per_stage, self.priority = per_stage, priority
         self.split = {s for s, acts in per_stage.items() if any(a.kind == "W" for a in acts)}
+        # `duration` of each kind on each stage, without its recompute
+        self.units = {s: {k: _unit(k, s in self.split) for k in _UNIT} for s in per_stage}
         self.producers, self.consumers = assumed_edges(stages)
         self.on_gpu: dict[int, list[int]] = {}
         for s in stages:
@@ -124,6 +130,17 @@ class _Ideal:
         self.now: dict[int, set[int]] = {g: set() for g in self.on_gpu}  # heads that may start
         self.blocked: dict[tuple, list[int]] = {}  # (kind, stage, mb) -> heads waiting on it
         self.rank: dict[int, tuple] = {}  # stage -> (its armed head's priority, stage)
+        # What a head of each kind waits for, per stage: (kind, stage) of each input and the
+        # dict its end lands in (made once: a run arms a head for every action it takes).
+        end = self.end
+        self.needs = {
+            "F": {s: [(("F", d), end["F"][d]) for d in self.producers[s]] for s in self.info},
+            "B": {
+                s: [*((("B", d), end["B"][d]) for d in self.consumers[s]), (("F", s), end["F"][s])]
+                for s in self.info
+            },
+            "W": {s: [(("B", s), end["B"][s])] for s in self.info},
+        }
         for s in self.info:
             self._arm(s)
 
@@ -150,17 +167,9 @@ class _Ideal:
         kind, mb = a.kind, a.mb
         if kind == "S":
             return
-        if kind == "W":
-            inputs = (("B", s),)
-        elif kind == "F":
-            inputs = [("F", d) for d in self.producers[s]]
-        else:
-            inputs = [("B", d) for d in self.consumers[s]]
-            inputs.append(("F", s))
         at = 0
-        end = self.end
-        for k, d in inputs:
-            x = end[k][d].get(mb)
+        for (k, d), ends in self.needs[kind][s]:
+            x = ends.get(mb)
             if x is None:
                 self.blocked.setdefault((k, d, mb), []).append(s)
                 return
@@ -189,26 +198,28 @@ class _Ideal:
 
     def dispatch(self) -> None:
         """Every idle GPU starts the ready head action its priority ranks first."""
-        t, heads, rank = self.t, self.heads, self.rank
+        t, heads, rank, free, end = self.t, self.heads, self.rank, self.gpu_free, self.end
+        pop, push = heapq.heappop, heapq.heappush
         for g in self.on_gpu:
-            if self.gpu_free[g] > t:
+            if free[g] > t:
                 continue
             soon, now = self.soon[g], self.now[g]
             while soon and soon[0][0] <= t:
-                now.add(heapq.heappop(soon)[1])
+                now.add(pop(soon)[1])
             if not now:
                 continue
             s = min(map(rank.__getitem__, now))[1]
             now.discard(s)
             a = heads[s]
-            done = t + duration(a, s in self.split)
-            self.gpu_free[g] = self.end[a.kind][s][a.mb] = done
-            for waiting in self.blocked.pop((a.kind, s, a.mb), ()):
+            kind, mb = a.kind, a.mb
+            done = t + self.units[s][kind] + a.recompute  # `duration`, per stage made once
+            free[g] = end[kind][s][mb] = done
+            for waiting in self.blocked.pop((kind, s, mb), ()):
                 self._arm(waiting)
-            self.keyed[g].append((t, 1, s, a.mb, s, a))
+            self.keyed[g].append((t, 1, s, mb, s, a))
             self._next(s)
             self.left -= 1
-            heapq.heappush(self.times, done)
+            push(self.times, done)
 
     def advance(self) -> None:
         """To the next time an action ends; nothing running with actions left: a deadlock."""
