@@ -9,7 +9,8 @@ and the offload path's cost on this machine (measured).
    among `SCHEDULES` x the quick partitioners, simulated: Llama-3.1-8B full fine-tuning in
    bf16 with fp32 masters on 4 x rtx4090, against bf16-pure and LoRA r=16 (q_proj, v_proj)
    on the same GPUs; a Qwen2.5-14B-shaped full fine-tuning on 8 x rtx4090; T5-11B on 4 x
-   rtx4090 (bf16 with fp32 masters). For each: the fastest plan that fits, what each stage
+   rtx4090 (bf16 with fp32 masters); the mixture of experts Qwen1.5-MoE-A2.7B (14.3 B
+   parameters) on 4 x rtx4090, full fine-tuning in bf16 with fp32 masters. For each: the fastest plan that fits, what each stage
    offloads, every GPU's peak memory, each node's host memory, host traffic per step, the
    CPU step and the share of it the schedule hides (`simulate.host.cpu_step_hidden`). The
    host figures are the hardware file's (rtx4090.json's `host`: an assumed 8-GPU PCIe 4.0
@@ -56,6 +57,7 @@ CASES = {  # part -> (model, hardware, GPUs, rows: (label, --dtype, --lora))
                                               ("LoRA r=16 q_proj,v_proj, bf16 base", "bf16", LORA)]),
     "qwen": ("qwen2.5-14b", "rtx4090", 8, [(FULL, "bf16", None)]),
     "t5": ("t5-11b", "rtx4090", 4, [(f"{FULL}, Adafactor (its task's)", "bf16", None)]),
+    "moe": ("qwen1.5-moe-a2.7b", "rtx4090", 4, [(FULL, "bf16", None)]),
 }  # fmt: skip
 MODEL, SEQ, STEPS, WARMUP, ROUNDS = "gpt2-bench", 32, 5, 2, 2
 WORK = ROOT / "out" / "bench" / "offload"

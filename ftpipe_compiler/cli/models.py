@@ -24,10 +24,11 @@ def models(as_json):
         "Models (--model NAME or its hub id; also any local HuggingFace folder, a hub id in the "
         "local HuggingFace cache, or package.module:function):"
     )
+    width = max(len(m["name"]) for m in rows["models"])
     for m in rows["models"]:
         hub = f" ({m['hub_id']})" if m.get("hub_id") else ""
         click.echo(
-            f"  {m['name']:<13} {m['parameters'] / 1e6:>10,.1f} M params  "
+            f"  {m['name']:<{width}} {m['parameters'] / 1e6:>10,.1f} M params  "
             f"task {m['default_task']:<12} {m['description']}{hub}"
         )
     click.echo("\nHeads (--head NAME; by default the config's architectures decide):")
