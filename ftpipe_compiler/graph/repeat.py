@@ -314,7 +314,7 @@ class _Expansion:
             env[n] = self._node(new, n, args, name, n.meta)
             lay = lasts.get(id(n))
             if lay is not None:
-                last = self._copies(new, lay, env, holders, shifts)
+                last = self._copies(new, lay, env, holders, shifts, redirect)
                 redirect.update(zip(lay["b"], last))
                 extra = lay["stack"].layers - KEEP
                 for base, step in lay["stride"].items():
@@ -368,8 +368,10 @@ class _Expansion:
                 return InputSpec(kind, arg, target, template.persistent)
         raise _Mismatch
 
-    def _copies(self, new: fx.Graph, lay: dict, env, holders, shifts) -> list[fx.Node]:
-        """Layers KEEP .. of the stack after its last kept one; the last copy's nodes."""
+    def _copies(self, new: fx.Graph, lay: dict, env, holders, shifts, redirect) -> list[fx.Node]:
+        """Layers KEEP .. of the stack after its last kept one; the last copy's nodes. What
+        they read of an earlier stack's last kept layer is that stack's last copy's
+        (`redirect`: BART's decoder reads its encoder's last layer, no norm after it)."""
         s, lb = lay["stack"], lay["b"]
         b = KEEP - 1
         mine = {n: x for x, n in enumerate(lb)}  # the kept layer's ops: the copy's own
@@ -387,7 +389,7 @@ class _Expansion:
                 moved = _moved(spec.target, s.path, b, k) if spec is not None else None
                 if moved is not None:  # the kept layer's weight: the copy's
                     return holders[placeholder_name(spec.kind, moved)]
-                return env[n]
+                return redirect.get(n) or env[n]
 
             for n in lb:
                 base, count = _base(n.name)
