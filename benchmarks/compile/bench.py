@@ -33,8 +33,8 @@ CLUSTER = ("t5-11b", 64, 8, "v100-32gb")  # model, GPUs, GPUs per node, hardware
 CLUSTER_BATCH = 40 * 64
 # Compiles of a timed target, each in a fresh process; the median run is reported. One plain
 # Python loop's time varies by +-30% from run to run on this shared VM, so one compile can
-# neither meet nor miss a target of 12 or 60 s by itself. T5-3B's, 10-15 s each: 5 (two
-# medians of 3 of the same code an hour apart read 10.8 and 12.5 s); the cluster's 3.
+# neither meet nor miss a target of 12 or 60 s by itself. T5-3B's compile runs 5 times: two
+# medians of 3 of the same code, an hour apart, read 10.8 and 12.5 s. The cluster's, 3.
 REPEATS = 3
 T5_REPEATS = 5
 

@@ -10,12 +10,13 @@ and the offload path's cost on this machine (measured).
    bf16 with fp32 masters on 4 x rtx4090, against bf16-pure and LoRA r=16 (q_proj, v_proj)
    on the same GPUs; a Qwen2.5-14B-shaped full fine-tuning on 8 x rtx4090; T5-11B on 4 x
    rtx4090 (bf16 with fp32 masters); the mixture of experts Qwen1.5-MoE-A2.7B (14.3 B
-   parameters) on 4 x rtx4090, full fine-tuning in bf16 with fp32 masters. For each: the fastest plan that fits, what each stage
-   offloads, every GPU's peak memory, each node's host memory, host traffic per step, the
-   CPU step and the share of it the schedule hides (`simulate.host.cpu_step_hidden`). The
-   host figures are the hardware file's (rtx4090.json's `host`: an assumed 8-GPU PCIe 4.0
-   server, its sources there). bf16-pure traces the same program as bf16 (both compute in
-   bf16): its graph is the bf16 one with its precision set, not a second trace.
+   parameters) on 4 x rtx4090, full fine-tuning in bf16 with fp32 masters. For each: the
+   fastest plan that fits, what each stage offloads, every GPU's peak memory, each node's
+   host memory, host traffic per step, the CPU step and the share of it the schedule hides
+   (`simulate.host.cpu_step_hidden`). The host figures are the hardware file's
+   (rtx4090.json's `host`: an assumed 8-GPU PCIe 4.0 server, its sources there). bf16-pure
+   traces the same program as bf16 (both compute in bf16): its graph is the bf16 one with
+   its precision set, not a second trace.
 2. Overhead. GPT-2 bench (19.4 M parameters, `SEQ`-token sequences) in 2 stages on 2 CPU
    ranks under 1F1B, trained `STEPS` steps by its generated package as compiled (--offload
    none) and by the same package with every stage's `offload.optimizer` set in its plan.json
