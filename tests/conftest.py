@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import signal
 
 import pytest
 import torch
@@ -13,6 +14,11 @@ from ftpipe_compiler.costs.hardware import get_hardware
 from ftpipe_compiler.graph.trace import trace_model
 from ftpipe_compiler.model.tasks import resolve_task
 from ftpipe_compiler.model.zoo import resolve_model
+
+# A shell starts a background job (`make test &`) with SIGINT ignored, and Python then leaves
+# Ctrl-C ignored too: the tests that send it would see nothing arrive.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """BENCHMARKS.md section 3: the generated package at run time, on 2 CPU processes (gloo).
 
-    data = measure()            # ~5 min on 2 cores: compiles 2 plans, 10 runs
+    data = measure()            # ~4 min on 2 cores: compiles 2 plans, 10 configurations twice
     print(markdown(data))
 
 GPT-2 bench model (8 blocks, d_model 256, 50,257-token vocabulary, tied embeddings), batch
@@ -17,10 +17,10 @@ Every configuration runs once per round, the rounds one after the other, the sec
 reverse order of the first (pipelining's configurations too, which share one launch): a
 disturbance from outside, or an order effect (the first configuration of a launch ran up to
 25 % faster than the later ones), spreads over all configurations instead of favouring one;
-each run says how much CPU others used meanwhile. Each run trains TIMED + 3 steps and times
-TIMED of them, every contender in the same window (WINDOWS): after two warm-up steps (the
-package's second step and pipelining's are still 10-40 % slower than later ones), the last
-one untimed (an asynchronous schedule's last overlaps nothing).
+each run says how much CPU others used meanwhile. Each run times TIMED steps, every contender
+the same ones (WINDOWS): after two warm-up steps (the package's second step and pipelining's
+are still 10-40 % slower than later ones); an asynchronous schedule's run trains one more,
+untimed (its last step overlaps nothing), a flushed one's last step is like the others.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from ftpipe_runtime.atomic import atomic_open
 from ftpipe_runtime.job.cpu_allocator import VARIABLE
+from ftpipe_runtime.schedules import get_schedule
 
 from benchmarks.harness.actions import load_actions, summarise
 from benchmarks.harness.launch import ROOT, compile_plan, flags, run_child, run_package, torchrun
@@ -44,9 +45,13 @@ from benchmarks.runtime.report import markdown  # noqa: F401 - the section's ren
 
 MODEL = "gpt2-bench"
 WORK = ROOT / "out" / "bench" / "runtime"
-TIMED, ROUNDS = 3, 2  # steady steps per run; rounds in alternating order
-WINDOWS = {"ftpipe": (2, 1), "pipelining": (2, 1), "single": (2, 1)}  # untimed: first, last
-UNTIMED = 3  # steps of a run besides the timed ones: every window's
+# Steady steps per run; rounds in alternating order. 2 x 2 timed steps a configuration (3 x 2
+# until make bench ran 31 minutes, against its ~20).
+TIMED, ROUNDS = 2, 2
+WARMUP = 2  # untimed first steps of every run
+# (untimed first, untimed last) steps: pipelining's schedules and the single process flush
+WINDOWS = {"ftpipe": (WARMUP, 0), "ftpipe, asynchronous": (WARMUP, 1), "pipelining": (WARMUP, 0),
+           "single": (WARMUP, 0)}  # fmt: skip
 LR, SEED = 1e-4, 0
 TRAINING = ["--lr", str(LR), "--decay", "constant", "--clip", "0", "--seed", str(SEED)]
 
@@ -100,14 +105,17 @@ class Bench:
     def __init__(self, work: Path, micro_batches: int, micro_batch: int, timed: int):
         self.work, self.micro_batches = work, micro_batches
         self.batch = micro_batches * micro_batch
-        first = WINDOWS["ftpipe"][0]
-        self.timed = range(first, first + timed)  # the package's timed steps
-        self.steps = timed + UNTIMED
+        self.timed = range(WARMUP, WARMUP + timed)  # every run's timed steps
         self.weights = work / "weights.pt"
+
+    def steps(self, window: tuple[int, int]) -> int:
+        return window[0] + len(self.timed) + window[1]
 
     def ftpipe(self, compiled: dict, schedule: str, name: str) -> dict:
         """A run of the package, with how long its actions took (`bench_actions`)."""
-        argv = ["--steps", str(self.steps), "--schedule", schedule, "--init", str(self.weights)]
+        window = WINDOWS["ftpipe" if get_schedule(schedule).synchronous else "ftpipe, asynchronous"]
+        argv = ["--steps", str(self.steps(window)), "--schedule", schedule]
+        argv += ["--init", str(self.weights)]
         out, package = Path(compiled["output"]), Path(compiled["package"]).name
         result = run_package(
             out, package, argv + TRAINING, self.work / f"{name}.json", actions=True
@@ -115,7 +123,7 @@ class Bench:
         if "action_files" in result:
             rows = load_actions(result["action_files"])
             result["actions"] = summarise(rows, self.micro_batches, self.timed)
-        return {**result, "window": WINDOWS["ftpipe"]}
+        return {**result, "window": window}
 
     def pipelining(
         self, configs: dict, tag: str, reverse: bool = False, tuned: bool = False
@@ -135,7 +143,8 @@ class Bench:
         with atomic_open(listed, "w") as f:
             json.dump(runs, f)
         args = ["-m", "benchmarks.harness.pipelining_worker", "--runs", listed]
-        args += flags(weights=self.weights, steps=self.steps, lr=LR, seed=SEED)
+        steps = self.steps(WINDOWS["pipelining"])
+        args += flags(weights=self.weights, steps=steps, lr=LR, seed=SEED)
         torchrun(args, listed.with_suffix(".log"), extra={VARIABLE: "1" if tuned else "0"})
         window = {"window": WINDOWS["pipelining"]}
         group = {n: {**json.loads(Path(r["result"]).read_text()), **window}
@@ -147,7 +156,8 @@ class Bench:
     def single(self, plan: Path, name: str) -> dict:
         result = self.work / f"{name}.json"
         cmd = [sys.executable, "-m", "benchmarks.harness.reference"] + flags(
-            plan=plan, weights=self.weights, steps=self.steps, lr=LR, seed=SEED, threads=2,
+            plan=plan, weights=self.weights, steps=self.steps(WINDOWS["single"]), lr=LR, seed=SEED,
+            threads=2,
             result=result,
         )  # fmt: skip
         run_child(cmd, result.with_suffix(".log"), threads=2, extra={VARIABLE: "1"})

@@ -44,7 +44,9 @@ RUNTIME = ("zb1p", "interleaved", "zbv")  # pipelining has each; gpipe and 1f1b:
 SIM_CASES = [("t5-3b", "rtx2080ti"), ("gpt2-xl", "rtx2080ti"), ("llama-3.1-8b", "a100-40gb")]
 SIM_GPUS = 8
 SEQUENTIAL = ("pipedream", "acyclic", "even-layers", "params")
-TIMED, ROUNDS = 5, 1  # one round (six runs): the runtime section's two would cost 4 min more
+# One round of 3 timed steps (6 steps a run): the runtime section's two rounds, or the 5 timed
+# steps this ran until make bench took 31 minutes, would cost 1-4 minutes more.
+TIMED, ROUNDS = 3, 1
 
 
 def stage_blocks(plan: dict) -> list[int]:
