@@ -101,6 +101,28 @@ def test_blocks_on_first_stage():
         blocks_on_first_stage({"stages": [stage(0, [0, 2]), stage(1, [1, 3])]})
 
 
+def test_every_runtime_run_times_the_same_steps_and_only_an_async_one_trains_a_tail(
+    tmp_path, monkeypatch
+):
+    from benchmarks.runtime import bench as runtime_bench
+
+    bench = runtime_bench.Bench(tmp_path, micro_batches=4, micro_batch=2, timed=3)
+    assert bench.timed == range(runtime_bench.WARMUP, runtime_bench.WARMUP + 3)
+    steps = {who: bench.steps(w) for who, w in runtime_bench.WINDOWS.items()}
+    assert steps == {"ftpipe": 5, "ftpipe, asynchronous": 6, "pipelining": 5, "single": 5}
+    argvs = []
+
+    def run_package(out, package, argv, result, actions):
+        argvs.append(argv)
+        return {"segments": []}
+
+    monkeypatch.setattr(runtime_bench, "run_package", run_package)
+    compiled = {"output": str(tmp_path), "package": "p"}
+    for schedule in ("gpipe", "1f1b", "zbv", "ftpipe"):
+        bench.ftpipe(compiled, schedule, schedule)
+    assert [int(a[a.index("--steps") + 1]) for a in argvs] == [5, 5, 5, 6]
+
+
 def test_summarise_excludes_warmup_and_waits():
     rows = [  # kind, stage, mb, start, end, waited; 2 micro-batches a step
         ("F", 0, 0, 0.0, 1.0, 0.0),  # step 0: warm-up
