@@ -11,14 +11,17 @@ the lines `compile` prints.
 
 from __future__ import annotations
 
+import math
+
 import click
 
 from ..costs.cluster import Cluster, get_cluster, load_cluster
 from ..costs.profilers import costed_graph
 from ..planner import Space, orientation_of, plan_shape
 from ..planner.search import Found
+from ..planner.shapes import depths
 
-__all__ = ["cluster_of", "describe_shapes", "plan_on_cluster"]
+__all__ = ["batch_note", "cluster_of", "describe_shapes", "plan_on_cluster"]
 
 
 def cluster_of(hardware: str, gpus: int, gpus_per_node, cluster_file, replicas=None) -> Cluster:
@@ -67,8 +70,8 @@ def plan_on_cluster(first, cluster: Cluster, cost_args: dict, options: dict) -> 
     return found, traces
 
 
-def describe_shapes(found: Found, cluster: Cluster) -> list[str]:
-    """The candidates table and where the chosen plan puts its ranks."""
+def describe_shapes(found: Found, cluster: Cluster, note: str | None = None) -> list[str]:
+    """The candidates table (and `note` below it) and where the chosen plan puts its ranks."""
     lines = [
         f"{cluster.describe()}: {len(found.rows)} shapes, planned in {found.seconds:.1f} s",
         f"  {'replicas x GPUs':<16} {'m x b':>9} {'schedule':<16} {'status':<11} "
@@ -82,6 +85,8 @@ def describe_shapes(found: Found, cluster: Cluster) -> list[str]:
             f"{sched:<16} {r.status:<11} {r.bound:9.2f} {r.samples_per_s:10.2f} "
             f"{r.effective_speedup:8.1f}"
         )
+    if note:
+        lines.append(note)
     plan = found.plan
     placed = plan.placed()
     lines.append(
@@ -97,3 +102,31 @@ def describe_shapes(found: Found, cluster: Cluster) -> list[str]:
     for node, ranks in sorted(per_node.items()):
         lines.append(f"  node {node}: " + "; ".join(ranks))
     return lines
+
+
+def batch_note(cluster: Cluster, batch: int, micro_batch: int, chosen: int) -> str | None:
+    """A line for a batch that held the planner back: it chose `chosen` replicas, the most
+    the batch splits into whole micro-batches, and wider shapes were not tried (a 64-GPU
+    cluster at the task's 40 sequences a step tries 1 and 2 replicas only); with the least
+    batch that splits for every width.
+
+    >>> batch_note(get_cluster("v100-32gb", 64, 8), 40, 4, chosen=2)  # doctest: +ELLIPSIS
+    'note: a batch of 40 sequences ... --batch 256 ...'
+    """
+    widths = [cluster.gpus // p for p in depths(cluster)]
+    left = [d for d in widths if batch % (d * micro_batch)]
+    tried = [d for d in widths if d not in left]
+    if not left or chosen < max(tried, default=0) or max(left) < chosen:
+        return None
+    need = math.lcm(*(d * micro_batch for d in widths))
+    return (
+        f"note: a batch of {batch} sequences makes whole micro-batches of {micro_batch} for "
+        f"{_counts(tried) or 'no'} replicas, so {_counts(left)} replicas were not tried; "
+        f"--batch {-(-batch // need) * need} lets the planner weigh every shape (it also "
+        "changes what a step trains on)"
+    )
+
+
+def _counts(values: list[int]) -> str:
+    words = [str(v) for v in sorted(values)]
+    return " and ".join(words) if len(words) < 3 else ", ".join(words[:-1]) + " and " + words[-1]

@@ -41,7 +41,7 @@ from ..simulate import write_report
 from ..simulate.host import offload_lines
 from ..simulate.network import shard_lines
 from ..simulate.simulator import cpu_step_hidden
-from .cluster import describe_shapes, plan_on_cluster
+from .cluster import batch_note, describe_shapes, plan_on_cluster
 from .driver import Phase, Pipeline, Progress
 from .tables import matrix_table
 
@@ -333,13 +333,21 @@ def cluster_lines(job: Job, timings: dict) -> list[str]:
     hint = launch_hint(job.plan.to_dict())
     return [
         *_data_lines(job),
-        *describe_shapes(job.found, job.cluster),
+        *describe_shapes(job.found, job.cluster, _batch_note(job)),
         *(f"  {line}" for line in shard_lines(job.plan)),
         f"schedule {job.plan.schedule}: " + _update_words(job.plan.schedule),
         _wrote(job, timings),
         *_shrink_lines(job),
         f"run it on every node: cd {_quoted(job.out)} && torchrun {hint} -m {job.package.name}",
     ]
+
+
+def _batch_note(job: Job) -> str | None:
+    """The batch's note when it held the planner back (`cluster.batch_note`); none when
+    --replicas or --micro-batches fixed the shapes."""
+    if job.replicas or job.micro_batches:
+        return None
+    return batch_note(job.cluster, job.task.batch, job.task.micro_batch, job.plan.replicas)
 
 
 def _data_lines(job: Job) -> list[str]:

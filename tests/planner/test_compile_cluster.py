@@ -57,3 +57,35 @@ def test_one_replica_is_the_single_pipeline(tmp_path):
     alone = Plan.load(tmp_path / "single" / "plan.json")
     assert (plan.replicas, plan.gpus, plan.placed()) == (1, 2, ((0, 0), (0, 1)))
     assert plan.period_s <= alone.period_s * 1.0001  # the planner also tries keeping activations
+
+
+def test_a_batch_that_leaves_shapes_out_says_which_and_the_batch_that_does_not():
+    from ftpipe_compiler.cli.cluster import batch_note
+    from ftpipe_compiler.costs.cluster import get_cluster
+    from ftpipe_compiler.planner.search import Space, candidates
+
+    cluster = get_cluster("v100-32gb", 64, 8)
+    note = batch_note(cluster, 40, 4, chosen=2)
+    assert "for 1 and 2 replicas, so 4, 8, 16, 32 and 64 replicas were not tried" in note
+    assert "--batch 256 " in note
+    # what the note says is what the planner's candidates are, before and after
+    widths = {c.replicas for c in candidates(cluster, Space(batch=40), (4,))}
+    assert widths == {1, 2}
+    widths = {c.replicas for c in candidates(cluster, Space(batch=256), (4,))}
+    assert widths == {1, 2, 4, 8, 16, 32, 64}
+    assert batch_note(cluster, 256, 4, chosen=4) is None  # every width tried
+    # 640 leaves out 64 replicas of 1 GPU, but the planner chose 4 of the 32 it could have
+    assert batch_note(cluster, 640, 4, chosen=4) is None
+    assert batch_note(cluster, 40, 4, chosen=1) is None
+
+
+def test_the_note_is_printed_under_the_shapes_unless_the_shapes_are_fixed(tmp_path):
+    args = ["compile", "--model", "t5-tiny", "--hardware", "cpu", "--gpus", "4",
+            "--gpus-per-node", "2", "--batch", "8", "--micro-batch", "4"]  # fmt: skip
+    r = CliRunner().invoke(cli, [*args, "-o", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    assert "for 1 and 2 replicas, so 4 replicas were not tried; --batch 16 " in r.output
+    assert r.output.index("note: ") < r.output.index("chosen: ")
+    r = CliRunner().invoke(cli, [*args, "--replicas", "2", "-o", str(tmp_path / "b")])
+    assert r.exit_code == 0, r.output
+    assert "note: " not in r.output
