@@ -317,6 +317,7 @@ def cluster_json(job: Job, timings: dict) -> dict:
         "winner": plan.partitioner,
         "gpus": plan.world,
         "planner": job.found.to_json(),
+        "batch_note": _batch_note(job),
         "shard_optimizer": {
             "mode": job.plan.model.get("shard_optimizer", "none"),
             "stages": [s.id for s in job.plan.stages if s.shard_optimizer],

@@ -89,3 +89,5 @@ def test_the_note_is_printed_under_the_shapes_unless_the_shapes_are_fixed(tmp_pa
     r = CliRunner().invoke(cli, [*args, "--replicas", "2", "-o", str(tmp_path / "b")])
     assert r.exit_code == 0, r.output
     assert "note: " not in r.output
+    data, _ = _compile(tmp_path, "--gpus", "4", "--gpus-per-node", "2", "--micro-batch", "8")
+    assert data["batch_note"].startswith("note: a batch of 16 sequences")
