@@ -154,10 +154,9 @@ class Bench:
         return {"group": group}
 
     def single(self, plan: Path, name: str) -> dict:
-        result = self.work / f"{name}.json"
+        result, steps = self.work / f"{name}.json", self.steps(WINDOWS["single"])
         cmd = [sys.executable, "-m", "benchmarks.harness.reference"] + flags(
-            plan=plan, weights=self.weights, steps=self.steps(WINDOWS["single"]), lr=LR, seed=SEED,
-            threads=2,
+            plan=plan, weights=self.weights, steps=steps, lr=LR, seed=SEED, threads=2,
             result=result,
         )  # fmt: skip
         run_child(cmd, result.with_suffix(".log"), threads=2, extra={VARIABLE: "1"})
