@@ -35,7 +35,7 @@ CLUSTER_BATCH = 40 * 64
 # Python loop's time varies by +-30% from run to run on this shared VM, so one compile can
 # neither meet nor miss a target of 12 or 60 s by itself. T5-3B's compile runs 5 times: two
 # medians of 3 of the same code, an hour apart, read 10.8 and 12.5 s. The cluster's ran 3
-# times at 38-44 s against its 60 s: once now (46 s a run, and make bench's ~20 minutes).
+# times at 38-44 s against its 60 s: once now, for make bench's ~20 minutes.
 REPEATS = 1
 T5_REPEATS = 5
 

@@ -18,7 +18,7 @@ import click
 from ..costs.cluster import Cluster, get_cluster, load_cluster
 from ..costs.profilers import costed_graph
 from ..planner import Space, orientation_of, plan_shape
-from ..planner.search import Found
+from ..planner.search import Found, per_replica
 from ..planner.shapes import depths
 
 __all__ = ["batch_note", "cluster_of", "describe_shapes", "plan_on_cluster"]
@@ -114,7 +114,7 @@ def batch_note(cluster: Cluster, batch: int, micro_batch: int, chosen: int) -> s
     'note: a batch of 40 sequences ... --batch 256 ...'
     """
     widths = [cluster.gpus // p for p in depths(cluster)]
-    left = [d for d in widths if batch % (d * micro_batch)]
+    left = [d for d in widths if per_replica(batch, d, micro_batch) is None]
     tried = [d for d in widths if d not in left]
     if not left or chosen < max(tried, default=0) or max(left) < chosen:
         return None

@@ -57,6 +57,7 @@ __all__ = [
     "Space",
     "best_for_candidate",
     "effective_speedup",
+    "per_replica",
     "plan_shape",
 ]
 
@@ -244,16 +245,21 @@ def _partitioners(space: Space) -> list[str]:
     return names
 
 
+def per_replica(batch: int, replicas: int, micro_batch: int) -> int | None:
+    """Micro-batches of `micro_batch` sequences each of `replicas` runs a step to train
+    `batch` together; None when the batch does not split into whole ones (that width is
+    not a candidate)."""
+    m, rest = divmod(batch, replicas * micro_batch)
+    return None if rest else m
+
+
 def candidates(cluster: Cluster, space: Space, sizes: tuple[int, ...]) -> list[Candidate]:
     out = []
     for p in depths(cluster, space.replicas):
         d = cluster.gpus // p
         for b in sizes:
-            if space.micro_batches:
-                m = space.micro_batches
-            elif space.batch % (d * b) == 0:
-                m = space.batch // (d * b)
-            else:
+            m = space.micro_batches or per_replica(space.batch, d, b)
+            if m is None:
                 continue
             for sched in space.schedules:
                 for rec in space.recompute:
