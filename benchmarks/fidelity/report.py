@@ -60,11 +60,34 @@ def _table(cases: list[dict]) -> list[str]:
         lines.append(
             f"| {c['label']} | {stages} | {c['simulated_step_s']:.3f} | "
             f"{c['simulated_step_s_link_now']:.3f} | {c.get('simulated_step_s_stages', 0):.3f} | "
-            f"{m['step_s']:.3f} ± "
-            f"{m['step_std_s']:.3f} | {c['error']:+.1%}{mark} | {_cores(m.get('other_cores'))} | "
+            f"{m['step_s']:.3f} ± {m['step_std_s']:.3f}{_range(m)} | "
+            f"{c['error']:+.1%}{mark} | {_cores(m.get('other_cores'))} | "
             f"{_slower(c)} |"
         )
     return lines + [""]
+
+
+def _range(m: dict) -> str:
+    """The fastest and slowest run's mean step, when the package ran more than once."""
+    runs = m.get("runs_step_s") or []
+    return f" ({min(runs):.3f}–{max(runs):.3f})" if len(runs) > 1 else ""
+
+
+def _spread(cases: list[dict]) -> list[str]:
+    """How far the same package's runs were apart: the noise the errors sit in."""
+    spans = [
+        (max(r) / min(r) - 1, c)
+        for c in cases
+        if len(r := c["measured"].get("runs_step_s") or []) > 1
+    ]
+    if not spans:
+        return []
+    span, c = max(spans, key=lambda x: x[0])
+    return [
+        f"The same package's runs, back to back, differed by up to {span:.0%} in mean step "
+        f"({c['label']}): nothing in a plan or a profile can predict that part.",
+        "",
+    ]
 
 
 def _slower(c: dict) -> str:
@@ -202,6 +225,16 @@ _PARTS = {
 }
 
 
+def _runs(n: int) -> str:
+    if n < 2:
+        return ""
+    return (
+        f"Each package ran {n} times back to back; *measured* is the median run's mean step "
+        "± the spread of its steps, in brackets the fastest and the slowest run's mean, and "
+        "the action timings below are the median run's. "
+    )
+
+
 def markdown(d: dict) -> str:
     cases = d["cases"]
     worst = max(cases, key=lambda c: abs(c["error"]))
@@ -216,11 +249,14 @@ def markdown(d: dict) -> str:
         "`benchmarks/fidelity/stage_times.py`), "
         "then trained on 2 one-thread ranks (gloo) with the package's defaults: "
         f"{d['warmup_steps']} set-up steps (a run's second step is still up to 40% slower than "
-        f"later ones), {d['timed_steps']} timed steps and a final untimed one. *Other load*: CPU that processes other than the benchmark's used during the "
+        f"later ones), {d['timed_steps']} timed steps and a final untimed one. "
+        + _runs(d.get("runs", 1))
+        + "*Other load*: CPU that processes other than the benchmark's used during the "
         "run (this machine is shared).",
         "",
         *_link(d["link"], cases[0]),
         *_table(cases),
+        *_spread(cases),
         *_machine(cases),
     ]
     shown = [c for c in cases if c.get("timelines")]

@@ -278,6 +278,12 @@ def test_fidelity_markdown_flags_errors_beyond_the_target():
                      "cases": [case]})  # fmt: skip
     assert "| 0 | 0 | 100 | 100 | 200 | 100 (30) | 100 | 100 |" in text
     assert "rank 0's thread spent 120 ms of each step in the kernel" in text  # 4 B x 30 ms
+    assert "back to back" not in text  # one run: no range
+    case["measured"]["runs_step_s"] = [1.5, 1.2, 1.65]  # three runs: the median one above
+    text = markdown({"model": "m", "warmup_steps": 1, "timed_steps": 2, "link": link,
+                     "cases": [case], "runs": 3})  # fmt: skip
+    assert "| 1.500 ± 0.000 (1.200–1.650) | -33.3% ✗ |" in text
+    assert "ran 3 times back to back" in text and "differed by up to 38% in mean step (p)" in text
 
 
 def test_schedules_section_on_a_tiny_model():

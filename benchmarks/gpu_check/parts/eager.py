@@ -20,8 +20,11 @@ def eager(check: Check, found: Findings) -> None:
     from ftpipe_runtime.models.hf import build_model
     from ftpipe_runtime.spec.topology import Topology
     from ftpipe_runtime.stage.package import build_stages
+    from ftpipe_runtime.train.precision import get_precision
 
-    dev, dtype = torch.device(check.device), torch.bfloat16
+    # the package's compute dtype (bf16 in both sizes; fp32 where a CPU run compares speed)
+    dev = torch.device(check.device)
+    dtype = getattr(torch, get_precision(check.sizes.llama_dtype).compute)
     pkg = llama_package(check)
     plan = pkg.one_rank()
     topo = Topology(plan)
