@@ -14,7 +14,8 @@ their gradient (their softmax, computed again, minus the one-hot target, over th
 tokens) and computes from it the input's and the weight's gradients, each only where
 the running backward wants it (a split backward's B and W each get the one they ask for).
 Forward and backward cost what the unfused ones cost, less their passes over the big
-tensors, and split the same way (a profile's forward, timed without gradients, stays the
+tensors (in bf16 about as many: torch upcasts a bf16 chunk by a copy; on an H200 the
+fused loss took 1.24x the unfused one's time, GPU_CHECK.md), and split the same way (a profile's forward, timed without gradients, stays the
 forward a run times). The compiler puts it in place of linear -> [to] -> view ->
 cross_entropy_loss in the traced graph (`ftpipe_compiler.graph.fuse`), so a profile times
 what the run runs.
@@ -126,7 +127,9 @@ def _cross_entropy(z, t, ignore_index, logits_dtype):
     buf = _chunk_buffer(z, dtype)
     for i, j in _chunks(z.shape[0], z.shape[1], dtype.itemsize, z.device):
         zc = z[i:j]
-        # Upcast inside the kernel: one pass over the chunk, no upcast copy of it first.
+        # The upcast rides in the softmax kernel only for fp16 on a GPU; torch converts
+        # bf16 (and anything on a CPU) to a float copy of the chunk first (aten's
+        # SoftMax.cpp), one more pass over it.
         logp = torch.log_softmax(zc, dim=-1, dtype=dtype, out=_rows(buf, j - i))
         tc = t[i:j]
         keep = tc != ignore_index
@@ -158,9 +161,10 @@ def _into_gradient(ctx, upstream) -> tuple[torch.Tensor, list]:
         scale = upstream.to(dtype) / keep.sum().to(dtype)
         buf = _chunk_buffer(z, dtype)
         for i, j in _chunks(z.shape[0], z.shape[1], dtype.itemsize, z.device):
-            # Two passes over a chunk (on a GPU the loss's time is memory traffic): the
-            # softmax, upcast in its kernel; then scaled into the logits' own memory, cast
-            # back to their dtype on the way, as the unfused `to`'s backward.
+            # Two passes over a chunk (on a GPU the loss's time is memory traffic), three
+            # in bf16 (its upcast is a copy, as in the forward): the softmax; then scaled
+            # into the logits' own memory, cast back to their dtype on the way, as the
+            # unfused `to`'s backward.
             p = torch.softmax(z[i:j], dim=-1, dtype=dtype, out=_rows(buf, j - i))
             p[torch.arange(j - i, device=z.device), t[i:j].clamp(min=0)] -= 1.0
             torch.mul(p, (keep[i:j] * scale)[:, None], out=z[i:j])
