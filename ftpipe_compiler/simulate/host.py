@@ -232,4 +232,32 @@ def offload_lines(
             f"host traffic per step: {size(down)} to the host, {size(up)} back (all GPUs)"
             f"{step}{share}"
         )
+        lines += _slower_than_needed(plan, sim, cpu, hidden)
     return lines
+
+
+# An exposed CPU step under this share of the step is not worth a line.
+EXPOSED_SHARE = 0.2
+
+
+def _slower_than_needed(plan: Plan, sim: SimResult, cpu: float, hidden) -> list[str]:
+    """Where the planner offloaded because nothing else fit (`--offload auto`) and the CPU
+    step it could not hide is a large part of the step: what it costs, and the options that
+    train without offload, with other numerics (their memory: `--offload none`'s message)."""
+    if plan.model.get("offload", "auto") != "auto" or hidden is None or not cpu:
+        return []
+    exposed = cpu * (1 - hidden)
+    if exposed < EXPOSED_SHARE * sim.step_time_s:
+        return []
+    options = [] if plan.model.get("precision") == "bf16-pure" else ["--dtype bf16-pure"]
+    options += [] if plan.model.get("lora") else ["--lora"]
+    tail = (
+        f"; {' or '.join(options)} may train without offload, with other numerics "
+        "(`--offload none` says what they need)"
+        if options
+        else ""
+    )
+    return [
+        f"offload costs time: about {exposed:.3g} s of each {sim.step_time_s:.3g} s step is the "
+        f"CPU optimizer step, which no GPU's work hides{tail}"
+    ]

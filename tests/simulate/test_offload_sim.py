@@ -178,3 +178,24 @@ def test_the_report_draws_a_host_row_and_says_what_was_offloaded():
     assert "stage 1 gradients to the host, micro-batch 0" in html
     assert "stage 1 (GPU 1) offloads its optimizer state: --offload optimizer" in html
     assert "100% of it hidden by the schedule" in html  # the last stage, behind stage 0
+
+
+def test_an_exposed_cpu_step_is_priced_with_what_trains_without_offload():
+    """A planner's offload (`auto`) whose CPU step is most of the step says so, and names
+    the options that need no offload; not when the user forced it, nor when it is small."""
+    tiny = _plan([(0.01, 0.02, 0.0)], "gpipe", offload={0})  # a 0.12 s step of compute
+    sim = simulate(tiny)
+    line = offload_lines(tiny, sim, cpu_step_hidden(tiny, sim))[-1]
+    exposed = sim.gpus[0].cpu_step_s  # one GPU: none of it hidden
+    assert line == (
+        f"offload costs time: about {exposed:.3g} s of each {sim.step_time_s:.3g} s step is "
+        "the CPU optimizer step, which no GPU's work hides; --dtype bf16-pure or --lora may "
+        "train without offload, with other numerics (`--offload none` says what they need)"
+    )
+    lora = tiny.with_(model={**tiny.model, "lora": {"r": 16}})
+    assert "; --dtype bf16-pure may train" in offload_lines(lora, sim, 0.0)[-1]
+    forced = tiny.with_(model={**tiny.model, "offload": "optimizer"})
+    assert offload_lines(forced, sim, 0.0)[-1].startswith("host traffic per step")
+    big = _plan([(1.0, 2.0, 0.0)], "gpipe", offload={0})  # 0.2 s of a ~12.5 s step
+    big_sim = simulate(big)
+    assert offload_lines(big, big_sim, 0.0)[-1].startswith("host traffic per step")
