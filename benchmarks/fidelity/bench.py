@@ -104,6 +104,7 @@ def measure_case(
     warmup: int,
     timed: int,
     reports: Path,
+    *,
     runs_per_case: int = RUNS,
 ) -> dict:
     info = case.compile(work / name)
@@ -213,7 +214,9 @@ def measure(
     )
     rows = []
     for name in tqdm(cases, desc="fidelity", file=sys.stderr, disable=None):
-        rows.append(measure_case(name, CASES[name], work, link, warmup, timed, reports, runs))
+        rows.append(
+            measure_case(name, CASES[name], work, link, warmup, timed, reports, runs_per_case=runs)
+        )
         tqdm.write(
             f"  {name}: simulated {rows[-1]['simulated_step_s']:.3f} s, measured "
             f"{rows[-1]['measured']['step_s']:.3f} s",

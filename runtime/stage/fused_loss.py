@@ -14,9 +14,9 @@ their gradient (their softmax, computed again, minus the one-hot target, over th
 tokens) and computes from it the input's and the weight's gradients, each only where
 the running backward wants it (a split backward's B and W each get the one they ask for).
 Forward and backward cost what the unfused ones cost, less their passes over the big
-tensors (in bf16 about as many: torch upcasts a bf16 chunk by a copy; on an H200 the
-fused loss took 1.24x the unfused one's time, GPU_CHECK.md), and split the same way (a profile's forward, timed without gradients, stays the
-forward a run times). The compiler puts it in place of linear -> [to] -> view ->
+tensors (in bf16 about as many: torch upcasts a bf16 chunk by a copy; on an H200 the fused
+loss took 1.24x the unfused one's time, GPU_CHECK.md), and split the same way (a profile's
+forward, timed without gradients, stays the forward a run times). The compiler puts it in place of linear -> [to] -> view ->
 cross_entropy_loss in the traced graph (`ftpipe_compiler.graph.fuse`), so a profile times
 what the run runs.
 

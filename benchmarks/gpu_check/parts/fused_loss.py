@@ -48,16 +48,15 @@ def _case(device: str, tokens: int, width: int, vocab: int, dtype) -> dict:
 
 
 def top_ops(device: str, fn, n: int = 6) -> list[list]:
-    """[name, calls, ms] of the `n` ops that took longest in one `fn()` (by their own time on
-    the device: kernels on a GPU, operators on a CPU): where the fused loss spends what the
-    unfused one does not (on the H200 it took 1.24x the unfused one's time)."""
+    """[name, calls, ms] of the `n` ops that took longest in one `fn()`, already warm (by
+    their own time on the device: kernels on a GPU, operators on a CPU): where the fused loss
+    spends what the unfused one does not (on the H200 it took 1.24x the unfused one's time)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    fn()  # warm: the first call's allocations would show
     with profile(activities=activities) as prof:
         fn()
         if device == "cuda":
