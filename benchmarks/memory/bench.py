@@ -5,7 +5,10 @@
 A Qwen2.5-0.5B-shaped model (494 M parameters; its tied 151,936 x 896 embedding is 545 MB in
 fp32), random weights written in bf16 by `save_pretrained` as 5 safetensors shards, compiled
 for 2 CPU ranks (even layers: the embedding on rank 0, the LM head reading it on rank 1) and
-trained in fp32 for 4 steps with an evaluation after the 3rd, under GPipe and PipeDream-2BW.
+trained in fp32 for 4 steps with an evaluation after the 3rd, under GPipe and PipeDream-2BW,
+and PipeDream-2BW with every stage's optimizer offloaded (`--offload-optimizer`; on a CPU rank
+the host's masters, state, sums and buffers are the same memory: planned, the part `host` of
+`costs.gpu_memory`, `costs.host.stage_host_bytes` of the rank's stages).
 Planned: `ftpipe_compiler.costs.gpu_memory` of the plan under that schedule, by part (the
 stages' weights, gradients, optimizer state and activations; the tied weight's copy and its
 gradient on the reader; sends held; receive buffers posted ahead; a backward's largest
@@ -30,6 +33,7 @@ from pathlib import Path
 from benchmarks.harness.launch import ROOT, compile_plan, run_package
 from benchmarks.harness.set_up import prepare, take, timed_only
 from ftpipe_compiler.costs.gpu_memory import gpu_memory
+from ftpipe_compiler.costs.host import Offload
 from ftpipe_compiler.plan import Plan
 
 WORK = ROOT / "out" / "bench" / "memory"
@@ -47,7 +51,10 @@ SHAPE = {  # Qwen/Qwen2.5-0.5B's config.json, less its weights
     "tie_word_embeddings": True,
 }
 SHARD = "200MB"  # 988 MB of bf16 weights: 5 shards
-SCHEDULES = ("gpipe", "2bw")
+# (schedule, the run's options): the third keeps every stage's masters and AdamW state in
+# host memory, the CPU step beside the stage's actions on the older version (2BW), which on
+# a CPU rank is the same memory: planned, the GPU's part and the host's
+CASES = (("gpipe", ()), ("2bw", ()), ("2bw", ("--offload-optimizer",)))
 # 2bw's peak is step 4's (its second weight version beside the state the evaluation left)
 GPUS, STEPS, EVERY = 2, 4, 3
 SEQ, MICRO_BATCHES, EVAL_SAMPLES = 128, 2, 4
@@ -76,17 +83,24 @@ def measure(work: Path | None = None, shape: dict = SHAPE, shard: str = SHARD) -
     folder, package, val = Path(made["model"]), Path(made["package"]), made["val"]
     plan = Plan.load(Path(made["output"]) / "plan.json")
     rows = []
-    for schedule in SCHEDULES:
+    for schedule, extra in CASES:
+        name = schedule + "-offload" * bool(extra)
         argv = ["--steps", str(STEPS), "--schedule", schedule, "--eval-data", str(val)]
-        argv += ["--eval-every", str(EVERY), "--checkpoint-dir", str(work / "ckpt" / schedule)]
-        result = work / f"{schedule}.json"
-        summary = run_package(package.parent, package.name, argv, result, timeout=TIMEOUT_S)
+        argv += ["--eval-every", str(EVERY), "--checkpoint-dir", str(work / "ckpt" / name)]
+        result = work / f"{name}.json"
+        summary = run_package(package.parent, package.name, [*argv, *extra], result,
+                              timeout=TIMEOUT_S)  # fmt: skip
         planned = replace(plan, schedule=schedule)
+        if extra:
+            planned = planned.with_(stages=tuple(
+                replace(s, offload=Offload(optimizer=True)) for s in planned.stages
+            ))  # fmt: skip
         for rank in range(GPUS):
-            parts = gpu_memory(planned, rank)  # the runtime's default --post-ahead
+            # the runtime's default --post-ahead; on a CPU rank with what it offloads (`host`)
+            parts = gpu_memory(planned, rank)
             rows.append(
                 {
-                    "schedule": schedule,
+                    "schedule": name,
                     "rank": rank,
                     "planned_bytes": parts.total,
                     "parts": parts.to_json(),

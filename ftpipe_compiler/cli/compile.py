@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 from ftpipe_runtime.data.text import TextOptions
 from ftpipe_runtime.schedules import SCHEDULES
+from ftpipe_runtime.spec.plan import OFFLOAD_STEPS
 
 from ..errors import FtpipeError
 from ..model.data_shapes import SAMPLES, DataRequest
@@ -213,6 +214,16 @@ def _data_request(options: dict) -> DataRequest | None:
     "--gpus-per-node, --cluster or --replicas).",
 )
 @click.option(
+    "--offload-step",
+    type=click.Choice(list(OFFLOAD_STEPS)),
+    default="exact",
+    show_default=True,
+    help="Where an offloaded stage's CPU step, run beside its GPU's next actions, lands: exact "
+    "where the stage's weights are next read (the update without offload); lagged at the "
+    "stage's next step, under the ftpipe schedule only (its actions read weights one step "
+    "older; the whole CPU step hidden).",
+)
+@click.option(
     "--shard-optimizer",
     "shard",
     type=click.Choice(list(SHARD_MODES)),
@@ -228,7 +239,7 @@ def _data_request(options: dict) -> DataRequest | None:
 @json_option()
 def compile_command(*, model, hardware, gpus, schedule, search_width, jobs, partitioners, optimizer,
                     micro_batches, steps, seed, gpus_per_node, cluster_file, replicas,
-                    freeze_alpha, output, force, offload, shard, as_json,
+                    freeze_alpha, output, force, offload, offload_step, shard, as_json,
                     **cost_options):  # fmt: skip
     """Compile a model into a pipeline package: the plan, a report and the package to torchrun."""
     data = _data_request(cost_options)
@@ -275,6 +286,7 @@ def compile_command(*, model, hardware, gpus, schedule, search_width, jobs, part
         cluster=cluster,
         data=data,
         offload=offload,
+        offload_step=offload_step,
         shard=shard,
     )
     drive(pipeline_for(job), job, as_json=as_json)

@@ -38,9 +38,8 @@ from ..planner.nofit import check_floor, explain, floor_fits
 from ..planner.offload import searches, shard_refusal
 from ..planner.shrink import index_of, shrink_plans
 from ..simulate import write_report
-from ..simulate.host import offload_lines
 from ..simulate.network import shard_lines
-from ..simulate.simulator import cpu_step_hidden
+from ..simulate.simulator import offload_report
 from .cluster import batch_note, describe_shapes, plan_on_cluster
 from .driver import Phase, Pipeline, Progress
 from .tables import matrix_table
@@ -70,6 +69,7 @@ class Job:
     cluster: Cluster | None  # given: the planner chooses replicas x depth on it
     offload: str = "auto"  # --offload (planner/offload.py's MODES)
     shard: str = "auto"  # --shard-optimizer (planner/offload.py's SHARD_MODES)
+    offload_step: str = "exact"  # --offload-step (the plan's OFFLOAD_STEPS)
     # --- added by the phases ---
     spec: object = None
     task: object = None
@@ -150,7 +150,7 @@ def search_schedules(job: Job, progress: Progress) -> None:
     name = job.spec.name
     modes = searches(job.offload, base.hardware.host)
     for mode in modes:
-        job.problem = replace(base, offload=mode)
+        job.problem = replace(base, offload=mode, offload_step=job.offload_step)
         last = mode == modes[-1]
         if not floor_fits(job.problem):  # before minutes of search
             if last:
@@ -265,7 +265,7 @@ def one_lines(job: Job, timings: dict) -> list[str]:
         f"{sim.samples_per_s:.2f} samples/s simulated, bubble {sim.bubble_fraction:.1%}); "
         + _update_words(best.schedule),
         *_exact_line(job),
-        *(f"  {line}" for line in offload_lines(plan, sim, cpu_step_hidden(plan, sim))),
+        *(f"  {line}" for line in offload_report(plan, sim)),
         _wrote(job, timings),
     ]
     if plan.gpus < job.gpus:

@@ -15,11 +15,10 @@ from ftpipe_runtime.schedules import SCHEDULES
 
 from ..plan import Plan, describe_remat
 from ..simulate import compare, simulate, table
-from ..simulate.host import offload_lines
 from ..simulate.measured import load_measured
 from ..simulate.network import shard_lines
 from ..simulate.report import compare_line, write_report
-from ..simulate.simulator import cpu_step_hidden
+from ..simulate.simulator import offload_report
 from ..units import mib
 from .echo import echo_json, echo_lines
 from .options import json_option, micro_batches_option, steps_option
@@ -127,7 +126,7 @@ def _lines(plan: Plan, result, steps: int, run) -> list[str]:
     ]
     if describe_remat(plan):
         lines.append(f"  {describe_remat(plan)}")
-    lines += [f"  {line}" for line in offload_lines(plan, result, cpu_step_hidden(plan, result))]
+    lines += [f"  {line}" for line in offload_report(plan, result)]
     lines += [f"  {line}" for line in shard_lines(plan)]
     if run is not None:
         lines.append(f"  {compare_line(run, result)}")

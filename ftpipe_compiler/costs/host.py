@@ -51,7 +51,7 @@ What a stage offloads (`Offload`, the plan's per-stage `offload`):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 from ftpipe_runtime.spec.plan import Offload  # the plan's record; its costs here
@@ -146,8 +146,9 @@ def _size(dtype) -> int:
 
 
 def host_param_bytes(
-    shape, dtype: str, optimizer: str, precision: Precision, *, on_device: bool = False
-) -> int:
+    shape, dtype: str, optimizer: str, precision: Precision, *, on_device: bool = False,
+    overlapped: bool = False,
+) -> int:  # fmt: skip
     """Host bytes of one trainable parameter whose optimizer is offloaded, as
     `ftpipe_runtime.train.offload` keeps it: its master (fp32 under mixed precision for a
     tensor in the compute dtype, else the tensor's own dtype), the optimizer's state (made
@@ -155,13 +156,16 @@ def host_param_bytes(
     are summed `on_device`, the landing buffer (the gradient's dtype: the weight's), which
     also stages the new weight for its copy back; summed on the device, a staging buffer of
     its own where the master's dtype is not the weight's (`HostOffload._staged`).
+    `overlapped` (the CPU step beside the rank's next actions, `HostOffload.launch`), streamed:
+    the next step's sum beside the one the step reads, and a staging buffer of its own.
     `host_param_bytes((8, 8), "bfloat16", "adamw", bf16)` -> 64 x (4 + 8 + 4 + 2)."""
     numel = math.prod(shape)
     weight = _size(getattr(torch, dtype))
     master = _master_size(dtype, precision)
     state = optimizer_state_elements(tuple(shape), optimizer) * master
     landing = weight if not on_device or master != weight else 0
-    return numel * (master + master + landing) + state
+    apart = master + (weight if master != weight else 0) if overlapped and not on_device else 0
+    return numel * (master + master + landing + apart) + state
 
 
 def device_sum_bytes(shape, dtype: str, precision: Precision) -> int:
@@ -218,14 +222,18 @@ def stage_host_bytes(plan, stage, in_flight: int | None = None) -> int:
     `in_flight`: the simulator's peak, else the schedule's)."""
     off = stage.offload
     total = 0
+    # Overlapped wherever one replica steps it (`simulate.host.overlapped`; a GPU that sends
+    # its weights at a synchronous step does not, and is counted as if it did: a bound).
+    overlaps = plan.replicas == 1
     if off.optimizer:
         precision, params = _precision(plan), {p.name: p for p in plan.params}
         for name in stage.params:
             p = params[name]
             if p.trainable:
                 total += host_param_bytes(
-                    p.shape, p.dtype, plan.optimizer, precision, on_device=off.sums_on_device
-                )
+                    p.shape, p.dtype, plan.optimizer, precision, on_device=off.sums_on_device,
+                    overlapped=overlaps,
+                )  # fmt: skip
     if off.activations and not stage.forward_only:
         policy = plan.policies[stage.id]
         n = policy.in_flight if in_flight is None else in_flight
@@ -295,6 +303,21 @@ def stage_device_sum_bytes(plan, stage) -> int:
     precision, params = _precision(plan), {p.name: p for p in plan.params}
     owned = [params[n] for n in stage.params if params[n].trainable]
     return sum(device_sum_bytes(p.shape, p.dtype, precision) for p in owned)
+
+
+def lagged(plan):
+    """`plan` with each offloaded stage's step landing at its next S (`Offload.step`
+    "lagged") where its schedule's actions read the weights as they are (FTPipe's: policy
+    `weight_delay` None); every other stage as it is (`--offload-step lagged`)."""
+    policies = plan.policies
+    return plan.with_(
+        stages=tuple(
+            replace(s, offload=replace(s.offload, step="lagged"))
+            if s.offload.optimizer and policies[s.id].weight_delay is None
+            else s
+            for s in plan.stages
+        )
+    )
 
 
 def nodes_of(plan) -> dict[int, list[int]]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from ftpipe_runtime.engine.comm import POST_AHEAD_BYTES, POST_AHEAD_MESSAGES
 from ftpipe_runtime.errors import unknown_name
 from ftpipe_runtime.schedules import SCHEDULES, Schedule, ScheduleError, StageInfo, StagePolicy
+from ftpipe_runtime.spec.plan import OFFLOAD_STEPS
 from ftpipe_runtime.train.precision import get_precision
 
 from ..costs.formulas import ACTIVATIONS_ON_GPU, FP32, OPTIMIZERS, Precision, param_bytes
@@ -49,6 +50,9 @@ class Problem:
     # count a GPU's memory as if every stage offloaded what the mode allows
     # (`gpu_param_split`, `policy`); `planner.offload.choose_offload` then decides per stage.
     offload: str = "none"
+    # Where an offloaded stage's step lands (the plan's `OFFLOAD_STEPS`): set on the stages
+    # that offload their optimizer under FTPipe's schedule (`choose_offload`).
+    offload_step: str = "exact"
     # Replicas a stage's masters and optimizer state may be sharded across (ZeRO-1; 1:
     # none): the partitioners count 1/shard_over of them on a GPU (`gpu_param_split`);
     # `planner.offload.choose_offload` then shards per stage only where a GPU needs it.
@@ -80,6 +84,8 @@ class Problem:
             raise FtpipeError("the graph has no costs; profile it first (ftpipe profile)")
         if self.offload not in OFFLOAD_MODES:
             raise FtpipeError(unknown_name("offload", self.offload, OFFLOAD_MODES))
+        if self.offload_step not in OFFLOAD_STEPS:
+            raise FtpipeError(unknown_name("offload step", self.offload_step, OFFLOAD_STEPS))
 
     @property
     def capacity(self) -> int:

@@ -478,7 +478,7 @@ def evaluate(problem: Problem, partitioner: str, bound: float, steps: int,
         return Cell(
             s, partitioner, status, bound, search_s=result.search_seconds, note=result.error
         )
-    plan = choose_offload(result.plan, problem.offload)  # per stage (planner/offload.py)
+    plan = choose_offload(result.plan, problem.offload, step=problem.offload_step)
     sim = simulate(plan, steps=steps, checked=False, steady=True)
     status = "ok" if sim.fits else "does not fit"
     note = "" if sim.fits else _overflow(sim)

@@ -41,7 +41,7 @@ from dataclasses import replace
 
 from ftpipe_runtime.train.zero import SHARDABLE
 
-from ..costs.host import Host, Offload, optimizer_times
+from ..costs.host import Host, Offload, lagged, optimizer_times
 from ..plan import Plan
 
 __all__ = ["MODES", "SHARD_MODES", "choose_offload", "searches", "shard_refusal"]
@@ -85,9 +85,16 @@ def searches(mode: str, host: Host) -> tuple[str, ...]:
     return ("none",) if host.device_is_host else ("none", "auto")
 
 
-def choose_offload(plan: Plan, mode: str, shard: str = "auto") -> Plan:
+def choose_offload(plan: Plan, mode: str, shard: str = "auto", *, step: str = "exact") -> Plan:
     """`plan` with each stage's offload chosen by `mode`, and its sharding by `shard` where
-    the plan has replicas (see the module doc; the caller has checked `shard_refusal`)."""
+    the plan has replicas (see the module doc; the caller has checked `shard_refusal`);
+    `step` lagged: the offloaded steps of a schedule whose actions read the weights as they
+    are (FTPipe's) land at the stage's next step (`Offload.step`)."""
+    plan = _chosen(plan, mode, shard)
+    return lagged(plan) if step == "lagged" else plan
+
+
+def _chosen(plan: Plan, mode: str, shard: str) -> Plan:
     params = {p.name: p for p in plan.params}
     trains = {s.id: any(params[n].trainable for n in s.params) for s in plan.stages}
     shards = plan.replicas > 1 and shard != "none"

@@ -24,8 +24,10 @@ backward of the step of its readers on a GPU (behind their activations' gradient
 only the owner's last backward of the step waits for it.
 
 Offloaded stages (`host.HostTraffic`, `host`): their gradient copies and sums lengthen their
-B (or W) and the CPU's step their S; an offloaded backward also waits for its activations
-to be fetched back; the host's marks go on the timeline beside the actions.
+B (or W) and the CPU's step their S, or, overlapped, runs beside the GPU's next actions until
+the first that reads the weights it makes, which waits for it and for their upload; an
+offloaded backward also waits for its activations to be fetched back; the host's marks go
+on the timeline beside the actions.
 """
 
 from __future__ import annotations
@@ -218,6 +220,10 @@ class EventLoop:
         got = self.start_of[a.kind](g, a)
         if got is not None:
             ready, dur = got
+            if self.host is not None and self.host.pending:  # an overlapped CPU step lands
+                landed = self.host.landing(g, a)
+                if landed is not None:
+                    ready, dur = max(ready, landed[0]), dur + landed[1]
             start = max(self.free[g], ready)
             self._push(g, start, start + dur)
 

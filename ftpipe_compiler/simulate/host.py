@@ -4,6 +4,7 @@
     traffic.grad_s[s], traffic.step_s[s]        # seconds the engine adds to a B (or W) and an S
     traffic.fetched(gpu, stage, mb, now)        # when an offloaded backward's inputs are back
     traffic.finished(gpu, action, start, end)   # after each action: copies out, timeline marks
+    traffic.landing(gpu, action)                # an overlapped CPU step it waits for, and upload
     offload_lines(plan, result, hidden)         # what was offloaded and why, for people
     (the share of the CPU step the schedule hides: `simulator.cpu_step_hidden`)
 
@@ -12,16 +13,20 @@ copies each gradient to the host as its backward makes it, on the GPU's one stre
 with the compute: the backward is that much longer), and the rank's thread adds it into the
 fp32 sum on the host before it goes on (`grad_s`: the gradients' bytes over the GPU's share
 of the host link, plus the sum's bytes over its share of the CPUs' `sum_bandwidth`; a split
-backward's W makes them). Its S waits for the last copies, steps on the CPU (`step_bandwidth`)
-and copies the new weights back before the GPU's stream goes on (`step_s`). A stage that sums
-its gradients on the device (`Offload.sums_on_device`) adds nothing to its backwards: its S
-first copies the sums down once (4 bytes an element under mixed precision, on the link
-before the CPU step: not overlapped with any backward), then steps and copies back. Nothing else on
-the rank runs meanwhile, so the CPU step costs the GPU's list its time; what it costs the
-step is what the other GPUs do not hide: under FTPipe's asynchronous schedule no GPU waits
-for another's step, so a GPU with slack absorbs it; under a synchronous one every GPU waits
-for the flush, and only the next step's forwards of the stages before an offloaded one (which
-its own first forward waits for) hide its step.
+backward's W makes them). A stage that sums its gradients on the device
+(`Offload.sums_on_device`) adds nothing to its backwards: its S copies the sums down once (4
+bytes an element under mixed precision, on the link: not overlapped with any backward).
+The CPU step (`step_bandwidth`, and the new weights' conversion at `sum_bandwidth`) then runs
+on the rank's step thread, one stage's after another (`overlapped`: one replica; a GPU that
+sends weights at a synchronous step waits for it there, as `step_s` whole), beside the GPU's
+next actions, and lands before the first that reads the weights it makes, which waits for it
+and carries the upload (`landing`): the stage's next S, any action of a stage whose schedule
+reads the weights as they are (FTPipe's, a flush: its next forward), or under PipeDream-2BW
+and WPipe the first on the version it made (a step later); a lagged stage's
+(`Offload.lagged`) at its next S only. What the CPU step costs the step is then what neither
+the GPU's own next actions nor the other GPUs hide: under FTPipe no GPU waits for another's
+step, so a GPU with slack absorbs it; under a flush only the next step's forwards of the
+stages before an offloaded one (which its own first forward waits for) hide it.
 
 A stage whose activations are offloaded copies what it keeps for a backward (its inputs
 where it recomputes, else its activations) to the host after each forward, on a copy stream
@@ -45,7 +50,7 @@ from ..plan import Plan
 from ..units import size
 from .result import Event, SimResult
 
-__all__ = ["HOST_KINDS", "HostTraffic", "offload_lines", "offloaded"]
+__all__ = ["HOST_KINDS", "HostTraffic", "offload_lines", "offloaded", "overlapped"]
 
 HOST_KINDS = {
     "D": "gradients to the host",
@@ -60,7 +65,10 @@ class HostTraffic:
     """The host side of one simulation (see the module doc): what offloading adds to each
     stage's actions, its copies' times on each GPU's link, the timeline's host marks."""
 
-    def __init__(self, plan: Plan, lists, timeline_mbs: int, timeline_steps: int):
+    def __init__(
+        self, plan: Plan, lists, timeline_mbs: int, timeline_steps: int, *,
+        synchronous: bool = False,
+    ):  # fmt: skip
         self.cap_mbs, self.cap_steps = timeline_mbs, timeline_steps
         policies = plan.policies
         offloading = {s.gpu for s in plan.stages if s.offload.any}
@@ -79,6 +87,12 @@ class HostTraffic:
         self.sum_bytes: dict[int, int] = {}  # stage -> to the host once a step (on device)
         self.up_bytes: dict[int, int] = {}  # stage -> its new weights back, once a step
         self.kept: dict[int, int] = {}  # stage -> activations to the host per micro-batch
+        overlap = overlapped(plan, synchronous)
+        self.overlap: dict[int, tuple[float, float]] = {}  # stage -> (on the CPU, upload)
+        self.pending: dict[int, tuple[int, float]] = {}  # stage -> (its step, when done)
+        self.cpu_free: dict[int, float] = {}  # GPU -> when its rank's step thread is free
+        self.uploading: dict[int, tuple[int, int, float]] = {}  # GPU -> (stage, step, s)
+        self.m = plan.micro_batches
         for s in plan.stages:
             if s.offload.optimizer:
                 t = optimizer_times(plan, s, share[s.gpu])
@@ -89,9 +103,21 @@ class HostTraffic:
                     self.grad_s[s.id] = t.grad_s
                 self.cpu_s[s.id], self.up_bytes[s.id] = t.cpu_s, t.up_bytes
                 self.step_s[s.id] = t.step_s
+                if s.id in overlap:  # the S copies the sums down; the rest runs beside
+                    link_s = t.up_bytes / self.link[s.gpu]
+                    self.overlap[s.id] = (t.cpu_s + t.upload_s - link_s, link_s)
+                    self.step_s[s.id] = t.sum_s
             if s.offload.activations and not s.forward_only:
                 recompute = policies[s.id].recompute
                 self.kept[s.id] = s.input_bytes if recompute else s.act_bytes
+        self.policies = policies
+        # An offloaded step that lands at its stage's next S (`Offload.step`), where the
+        # stage's actions read the weights as they are (FTPipe's schedule; the runtime's
+        # `ftpipe_runtime.job.prepare._lagged`).
+        self.lagged = {
+            s.id for s in plan.stages
+            if s.offload.lagged and s.id in self.overlap and policies[s.id].weight_delay is None
+        }  # fmt: skip
         self.split = {a.stage for acts in lists.values() for a in acts if a.kind == "W"}
         # A forward whose stage's next backward is the same micro-batch's keeps its tensors
         # on the GPU, as the runtime does (`act_offload`: every forward of 1F1B's last stage,
@@ -150,9 +176,43 @@ class HostTraffic:
         self.b_start[(s, m)] = max(now, done)
         return done
 
+    def landing(self, g: int, a) -> tuple[float, float] | None:
+        """Before `a` starts on GPU g: (when the overlapped step it waits for is done, the
+        upload it then adds to `a`), or None. A stage's step lands where its weights are
+        next read (`ftpipe_runtime.engine.executor`): its next S, or an action on a version
+        the step made (every action of a stage whose policy pins no older version); a
+        lagged one's at its next S only."""
+        held = self.pending.get(a.stage)
+        if held is None:
+            return None
+        k, done = held
+        if a.kind != "S" and a.stage in self.lagged:
+            return None
+        if a.kind != "S":
+            v = self.policies[a.stage].version(a.mb, self.m)
+            if v is not None and v <= k:  # runs on a set-aside older version
+                return None
+        del self.pending[a.stage]
+        up = self.overlap[a.stage][1]
+        self.uploading[g] = (a.stage, k, up)
+        return done, up
+
     def finished(self, g: int, a, start: float, end: float) -> None:
         """Action `a` ran on GPU g from `start` to `end`: its copies out, its marks."""
         s = a.stage
+        landed = self.uploading.pop(g, None)
+        if landed is not None:
+            self._mark(g, landed[0], "U", landed[1], start, start + landed[2], step=True)
+        if a.kind == "S" and s in self.overlap:  # the step on the rank's thread, from now
+            down = start + self.sum_s.get(s, 0.0)
+            if s in self.sum_s:
+                self.d2h_free[g] = max(self.d2h_free.get(g, 0.0), down)
+                self._mark(g, s, "D", a.mb, start, down, step=True)
+            begin = max(end, self.cpu_free.get(g, 0.0))
+            done = self.cpu_free[g] = begin + self.overlap[s][0]
+            self.pending[s] = (a.mb, done)
+            self._mark(g, s, "C", a.mb, begin, done, step=True)
+            return
         if a.kind == "F" and s in self.kept:
             if (s, a.mb) in self.stays:
                 return
@@ -192,15 +252,31 @@ class HostTraffic:
         return out
 
 
+def overlapped(plan: Plan, synchronous: bool) -> set[int]:
+    """Stages whose CPU step runs beside their GPU's next actions, as the runtime's
+    (`ftpipe_runtime.train.stepping`): offloaded optimizer, one replica (replicas sum into
+    the masters' gradients as they arrive; a sharded stage has replicas and no offload),
+    and, under a synchronous schedule, on a GPU that sends none of its weights to other
+    stages at its step."""
+    if plan.replicas > 1:
+        return set()
+    owners = {t.producer for t in plan.transfers if t.tensor in {p.name for p in plan.params}}
+    sending = {s.gpu for s in plan.stages if s.id in owners} if synchronous else set()
+    return {s.id for s in plan.stages if s.offload.optimizer and s.gpu not in sending}
+
+
 def offloaded(plan: Plan) -> bool:
     return any(s.offload.any for s in plan.stages)
 
 
 def offload_lines(
-    plan: Plan, sim: SimResult | None = None, hidden: float | None = None
-) -> list[str]:
+    plan: Plan, sim: SimResult | None = None, hidden: float | None = None,
+    lagged_s: float | None = None,
+) -> list[str]:  # fmt: skip
     """What the plan offloads, per stage, and why; with its simulation, the host's traffic
-    per step (and `hidden`, `cpu_step_hidden`'s share). [] when it offloads nothing."""
+    per step (and `hidden`, `cpu_step_hidden`'s share; `lagged_s`, the step under
+    --offload-step lagged: `simulator.offload_report` gives both). [] when it offloads
+    nothing."""
     if not offloaded(plan):
         return []
     mode = plan.model.get("offload", "auto")
@@ -218,6 +294,7 @@ def offload_lines(
         else:
             why = f"--offload {mode}"
         summed = " (its gradients summed on the GPU, sent once a step)" * s.offload.sums_on_device
+        summed += " (each step landing at its next: --offload-step lagged)" * s.offload.lagged
         lines.append(f"stage {s.id} (GPU {s.gpu}) offloads its {s.offload.words()}{summed}: {why}")
     held = host_memory(plan)
     nodes = ", ".join(f"node {n}: {size(b)}" for n, b in sorted(held.items()) if b)
@@ -232,7 +309,7 @@ def offload_lines(
             f"host traffic per step: {size(down)} to the host, {size(up)} back (all GPUs)"
             f"{step}{share}"
         )
-        lines += _slower_than_needed(plan, sim, cpu, hidden)
+        lines += _slower_than_needed(plan, sim, cpu, hidden, lagged_s)
     return lines
 
 
@@ -240,7 +317,7 @@ def offload_lines(
 EXPOSED_SHARE = 0.2
 
 
-def _slower_than_needed(plan: Plan, sim: SimResult, cpu: float, hidden) -> list[str]:
+def _slower_than_needed(plan: Plan, sim: SimResult, cpu: float, hidden, lagged_s) -> list[str]:
     """Where the planner offloaded because nothing else fit (`--offload auto`) and the CPU
     step it could not hide is a large part of the step: what it costs, and the options that
     train without offload, with other numerics (their memory: `--offload none`'s message)."""
@@ -249,6 +326,12 @@ def _slower_than_needed(plan: Plan, sim: SimResult, cpu: float, hidden) -> list[
     exposed = cpu * (1 - hidden)
     if exposed < EXPOSED_SHARE * sim.step_time_s:
         return []
+    lag = (
+        f"; --offload-step lagged makes it {lagged_s:.3g} s (each offloaded stage's actions "
+        "read its weights one step older)"
+        if lagged_s is not None
+        else ""
+    )
     options = [] if plan.model.get("precision") == "bf16-pure" else ["--dtype bf16-pure"]
     options += [] if plan.model.get("lora") else ["--lora"]
     tail = (
@@ -259,5 +342,5 @@ def _slower_than_needed(plan: Plan, sim: SimResult, cpu: float, hidden) -> list[
     )
     return [
         f"offload costs time: about {exposed:.3g} s of each {sim.step_time_s:.3g} s step is the "
-        f"CPU optimizer step, which no GPU's work hides{tail}"
+        f"CPU optimizer step, which no GPU's work hides{lag}{tail}"
     ]

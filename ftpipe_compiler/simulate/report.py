@@ -23,10 +23,10 @@ from ..graph.granularity import layer_key, layer_runs
 from ..plan import Plan, describe_remat
 from ..units import duration, size
 from ..version import __version__
-from .host import HOST_KINDS, offload_lines
+from .host import HOST_KINDS
 from .network import shard_lines
 from .result import SimResult
-from .simulator import cpu_step_hidden
+from .simulator import offload_report
 
 LABEL_W, PLOT_W, ROW_H, AXIS_H = 64, 1100, 26, 24  # timeline, in px
 SLOT_W, BOX_W, BOX_H = 128, 112, 120  # memory chart: one slot per GPU
@@ -215,7 +215,7 @@ def render_report(plan: Plan, result: SimResult, command: str = "", measured=Non
         size=size,
         sent_bytes=sum(g.bytes_sent for g in result.gpus),
         remat=describe_remat(plan),
-        offload=offload_lines(plan, result, cpu_step_hidden(plan, result)),
+        offload=offload_report(plan, result),
         sharded=shard_lines(plan),
     )
 

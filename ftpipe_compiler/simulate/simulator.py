@@ -3,6 +3,7 @@
     result = simulate(plan)                                   # the plan's own schedule
     result = simulate(plan, "gpipe", micro_batches=8, steps=4)
     cpu_step_hidden(plan, result)       # offloaded: the share of the CPU step the schedule hides
+    offload_report(plan, result)        # what it offloads and what that costs, for people
 
 Each GPU runs the schedule's action list (the runtime's very lists, checked by the same
 `validate`; a CSV file of per-GPU actions works as well) strictly in order; an action
@@ -50,11 +51,11 @@ from ftpipe_runtime.schedules import (
     validate,
 )
 
-from ..costs.host import host_memory
+from ..costs.host import host_memory, lagged
 from ..errors import FtpipeError, unknown
 from ..plan import Plan
 from .engine import SETTLED, EventLoop
-from .host import HostTraffic
+from .host import HostTraffic, offload_lines, offloaded
 from .result import GpuResult, NodeResult, SimResult
 
 TIMELINE_STEPS = 3  # steps kept on the timeline for the report
@@ -166,7 +167,7 @@ def _run(plan: Plan, schedule, micro_batches, steps: int, weights_once: bool, ch
     versions = {s: ForwardVersions(lists[gpu[s]], s, policies[s], m) for s in owners}
     kept = min(steps, TIMELINE_STEPS)
     host = (
-        HostTraffic(plan, lists, kept * m, kept)
+        HostTraffic(plan, lists, kept * m, kept, synchronous=sched.synchronous)
         if any(s.offload.any for s in plan.stages)
         else None
     )
@@ -274,6 +275,26 @@ def _result(plan: Plan, run: EventLoop, name: str, steps: int, m: int, run_steps
         replicas=plan.replicas,
         nodes=nodes,
     )
+
+
+def lagged_step_s(plan: Plan, result: SimResult) -> float | None:
+    """The step time with --offload-step lagged (`costs.host.lagged`), where some offloaded
+    stage's step would then land later; None where none would (or replicas step it)."""
+    if plan.replicas > 1:
+        return None
+    lag = lagged(plan.with_(schedule=result.schedule))
+    if all(s.offload == t.offload for s, t in zip(lag.stages, plan.stages, strict=True)):
+        return None
+    return simulate(lag, result.schedule, result.micro_batches, result.steps).step_time_s
+
+
+def offload_report(plan: Plan, result: SimResult) -> list[str]:
+    """`host.offload_lines` with the simulated figures it quotes (what the schedule hides,
+    the lagged step's time)."""
+    if not offloaded(plan):
+        return []
+    hidden = cpu_step_hidden(plan, result)
+    return offload_lines(plan, result, hidden, lagged_step_s(plan, result))
 
 
 def cpu_step_hidden(plan: Plan, result: SimResult) -> float | None:

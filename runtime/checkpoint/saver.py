@@ -49,6 +49,8 @@ class Saver:
     def _save(self, event, done: int) -> None:
         for s in event.stages:
             mixed, module, optimizer = self.precision, self.modules[s], self.optimizers[s]
+            if mixed is not None:  # an overlapped CPU step: done before its state is read
+                mixed.finish(s)
             whole = optimizer.gather() if s in getattr(mixed, "shards", {}) else None
             if not self.stages:  # (a sharded stage's replicas took part in the gather)
                 continue

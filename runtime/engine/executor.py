@@ -26,6 +26,10 @@ of its stage's weights is needed after the stage steps past it runs on a copy se
 (`torch.func.functional_call`), so kept graphs never see the step's in-place update; the
 copy's gradients are the parameters': added by the same path (`MixedPrecision.add_grad`).
 A resumed run gets the copies its first steps need from the checkpoint (`restore_versions`).
+An offloaded stage's CPU step may run beside the actions after its S (`offload.HostOffload`):
+it lands wherever the stage's weights themselves are next read (a call on them, a copy set
+aside, the stage's next S, an evaluation, a weight sent at a step, the run's end), so under
+PipeDream-2BW or WPipe the stage's own actions on the older version overlap it.
 
 Frozen weights (`frozen`): a stage with nothing trainable and no gradient crossing its
 borders is forward-only: its forwards run without autograd and keep nothing, its B and W
@@ -121,10 +125,13 @@ class Executor:
             )
         for i, item in enumerate(self.offload.watch(items)):
             self.now = item
+            if item.action.kind == "E":  # evaluation reads the weights themselves
+                self.precision.land(item.action.stage, reading=True)
             with self.tracer.action(item.action):
                 self.handlers[item.action.kind](i, item.action)
             if after is not None:
                 after(i, item)
+        self.precision.land_all()  # what follows (a checkpoint, an export, a switch) reads them
 
     # --- forward ---
     def forward(self, i: int, a) -> None:
@@ -309,7 +316,10 @@ class Executor:
         for key in drop:
             self.stash.pop(key, None)
         next_mb = (a.mb + 1) * self.m
-        for t in dict.fromkeys(key[1] for _, key in self.now.sends):  # weights, new version
+        sends = dict.fromkeys(key[1] for _, key in self.now.sends)  # weights, new version
+        if sends:
+            self.precision.land_all()
+        for t in sends:
             self.acts.put(t, next_mb, self.made[t])
 
     # --- weight versions ---
@@ -321,17 +331,30 @@ class Executor:
         return None if key is None else self.stash[key]
 
     def kept_versions(self, stage: int, step: int) -> dict[int, dict[str, torch.Tensor]]:
-        """The set-aside versions a run resumed at `step` needs (a checkpoint saves them)."""
+        """The set-aside versions a run resumed at `step` needs (a checkpoint saves them); a
+        lagged stage whose step has not landed: its weights, one version older than its
+        masters (`offload.HostOffload`)."""
+        if self.precision.lags(stage) and self.precision.offload.stepping(stage):
+            return {step - 1: dict(self.precision.weights(stage))}
         return {v: self.stash[(stage, v)] for v in self.versions.needed_at(stage, step)}
 
+    @torch.no_grad()
     def restore_versions(self, kept: dict[tuple[int, int], dict[str, torch.Tensor]]) -> None:
-        """Set-aside versions from a checkpoint, before `run`."""
+        """Set-aside versions from a checkpoint, before `run` (a lagged stage's: its weights,
+        its masters' values landing at its first step)."""
         for key, params in kept.items():
+            s = key[0]
+            if self.precision.lags(s):
+                for name, weight in self.precision.weights(s):
+                    weight.copy_(params[name])
+                self.precision.defer(s)
+                continue
             self.stash[key] = {
                 n: t.detach().to(self.device).requires_grad_(True) for n, t in params.items()
             }
 
     def _copy(self, s: int) -> dict[str, torch.Tensor]:
+        self.precision.land(s, reading=True)
         return {
             n: p.detach().clone().requires_grad_(True)
             for n, p in self.modules[s].named_parameters()
@@ -339,7 +362,8 @@ class Executor:
         }
 
     def _call(self, s: int, params, inputs: dict):
-        if params is None:
+        if params is None:  # the weights themselves: an overlapped step of the stage lands
+            self.precision.land(s, reading=True)
             return self.modules[s](**inputs)
         return torch.func.functional_call(self.modules[s], params, args=(), kwargs=inputs)
 

@@ -46,6 +46,7 @@ class RunConfig:
     dtype: str = "fp32"
     optimizer: str = "adamw"
     offload_optimizer: bool = False
+    offload_step: str | None = None  # exact | lagged (`spec.plan.OFFLOAD_STEPS`); None: the plan's
     shard_optimizer: bool | None = None  # across replicas (ZeRO-1); None: as the plan says
     offload_activations: bool = False  # every stage of the rank; else as the plan says
     offload_activations_min: float = 1.0  # MiB: smaller saved tensors stay on the device

@@ -23,6 +23,7 @@ from ..engine.comm import POST_AHEAD_BYTES
 from ..errors import ScheduleError
 from ..freeze.layers import parse_freeze_at
 from ..schedules import SCHEDULES, get_schedule
+from ..spec.plan import OFFLOAD_STEPS
 from ..spec.weights import WEIGHTS_ENV
 from ..train.optim import DECAYS, OPTIMIZERS
 from ..train.precision import PRECISIONS
@@ -167,6 +168,15 @@ def _training(p, plan: dict) -> None:
         action="store_true",
         help="keep the master weights and optimizer state in host memory and step on the CPU "
         "(ftpipe_runtime.train.offload): less GPU memory, the same update",
+    )
+    p.add_argument(
+        "--offload-step",
+        choices=sorted(OFFLOAD_STEPS),
+        default=None,
+        help="where an offloaded stage's CPU step, run beside the rank's next actions, lands: "
+        "exact, where its weights are next read (the same update as without offload), or "
+        "lagged, at its next step (FTPipe's schedule only: one step more stale, the whole CPU "
+        "step hidden); default: the plan's",
     )
     p.add_argument(
         "--shard-optimizer",

@@ -64,6 +64,7 @@ def prepare_rank(settled: Settled) -> Prepared:
     offload = _offload(config, place, planned)
     if offload is not None:  # the plan's stages whose gradients sum on the GPU, sent once a step
         offload.on_device = topo.sums_on_device & planned
+        offload.lagged = _lagged(settled, set(modules) if config.offload_optimizer else planned)
     offloaded = None if config.offload_optimizer else planned  # the flag: every stage
     sharded = _sharded(
         plan, config, replicas=place.reps.count, shrinking=settled.mode.shrinks is not None, say=say
@@ -98,6 +99,27 @@ def prepare_rank(settled: Settled) -> Prepared:
         )  # fmt: skip
     torch.manual_seed(config.seed * 7919 + rank)  # the rank's own generator, repeats per run
     return Prepared(modules, optimizers, mixed, exporter, runlog)
+
+
+def _lagged(settled: Settled, offloaded: set[int]) -> frozenset[int]:
+    """The offloaded stages whose steps land at their next S: --offload-step, else the plan's
+    per-stage choice, where the schedule's actions read the weights as they are (FTPipe's);
+    under any other the step lands exactly (said once)."""
+    config, topo = settled.config, settled.topo
+    chosen = offloaded if config.offload_step == "lagged" else set()
+    if config.offload_step is None:
+        chosen = offloaded & topo.lagged
+    if not chosen:
+        return frozenset()
+    policies = settled.schedule.policies(topo.stage_infos(), settled.micro_batches)
+    asynchronous = {s for s in chosen if policies[s].weight_delay is None}
+    if asynchronous != chosen:
+        settled.say(
+            f"ftpipe: note: under {settled.schedule_name} an offloaded step lands where the "
+            "stage's weights are next read (--offload-step exact): lagged steps need the "
+            "ftpipe schedule"
+        )
+    return frozenset(asynchronous)
 
 
 def _offload(config, place, planned=frozenset()) -> HostOffload | None:

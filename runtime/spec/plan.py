@@ -38,6 +38,7 @@ __all__ = [
     "PLAN_KIND",
     "READABLE_FORMATS",
     "GRADIENT_SUMS",
+    "OFFLOAD_STEPS",
     "Offload",
     "Plan",
     "PlanParam",
@@ -76,10 +77,17 @@ class Offload:
     activations: bool = False  # what it keeps for its backward, fetched back one ahead
     # With `optimizer`: where its micro-batches' gradients are summed (`GRADIENT_SUMS`).
     gradients: str = "host"
+    # With `optimizer`: where its CPU step's new weights land (`OFFLOAD_STEPS`).
+    step: str = "exact"
 
     @property
     def any(self) -> bool:
         return self.optimizer or self.activations
+
+    @property
+    def lagged(self) -> bool:
+        """Its optimizer offloaded, each step's new weights landing at its next step."""
+        return self.optimizer and self.step == "lagged"
 
     @property
     def sums_on_device(self) -> bool:
@@ -97,6 +105,15 @@ class Offload:
 GRADIENT_SUMS = {
     "host": "each micro-batch's gradient copied to the host as it is made, summed there",
     "device": "summed on the GPU in fp32 (4 bytes an element), copied to the host once a step",
+}
+
+# Where an offloaded stage's CPU step lands (`ftpipe_runtime.train.offload`): both run the
+# step beside the rank's next actions; `lagged` only under a schedule whose actions read the
+# weights as they are (FTPipe's asynchronous one), elsewhere it is `exact`.
+OFFLOAD_STEPS = {
+    "exact": "where the stage's weights are next read: the update of the run without offload",
+    "lagged": "at the stage's next step: its actions meanwhile read the weights one step "
+    "older (FTPipe's rule one step more stale), so the whole CPU step overlaps them",
 }
 
 
@@ -374,6 +391,11 @@ def _check_stages(plan: Plan) -> None:
             raise PipelineConfigError(
                 f"stage {s.id} sums its offloaded gradients on {s.offload.gradients!r:.40}, "
                 f"not one of {', '.join(GRADIENT_SUMS)}; compile the plan again"
+            )
+        if s.offload.step not in OFFLOAD_STEPS:
+            raise PipelineConfigError(
+                f"stage {s.id} lands its offloaded step {s.offload.step!r:.40}, not one of "
+                f"{', '.join(OFFLOAD_STEPS)}; compile the plan again"
             )
         if s.shard_optimizer and s.offload.optimizer:  # the runtime runs one or the other
             raise PipelineConfigError(

@@ -6,6 +6,7 @@
     topo.transfers["shared.weight"].weight   # a parameter its owner stage sends along
     topo.offload_optimizer          # stages the plan offloads the optimizer of: {1, 3}
     topo.sums_on_device             # of those, the ones whose gradients sum on the GPU: {3}
+    topo.lagged                     # of those, the ones whose steps land a step late: {1}
 
 Pure bookkeeping over a checked plan (its checks are the plan's: `spec.plan.check_plan`):
 every rank builds the same Topology, so decisions taken from it (message order, process
@@ -82,6 +83,7 @@ class Topology:
         self.offload_optimizer = frozenset(s.id for s in plan.stages if s.offload.optimizer)
         self.offload_activations = frozenset(s.id for s in plan.stages if s.offload.activations)
         self.sums_on_device = frozenset(s.id for s in plan.stages if s.offload.sums_on_device)
+        self.lagged = frozenset(s.id for s in plan.stages if s.offload.lagged)
         params = {p.name for p in plan.params}
         self.transfers = {t.tensor: _transfer(t, params) for t in plan.transfers}
         self.stage_ids = tuple(self.rank_of)

@@ -7,6 +7,8 @@ host memory, its optimizer step on the CPU.
     host.arrive(stage, master, g)   # a gradient made on the device: to the host, summed there
     host.settle(stage)              # at the stage's S: every copy landed, its .grad complete
     host.upload(stage, pairs)       # after the CPU step: the new weights back to the device
+    host.launch(stage, opt.step, pairs)  # or: the CPU step on the host's thread, the rank goes on
+    host.land(stage)                # before the stage's weights are next read: waited for, uploaded
     HostOffload(device, on_device={1})   # stage 1's gradients summed on the device (below)
     host.clock.seconds                   # where the rank's time went, by phase (`PHASES`)
 
@@ -28,6 +30,23 @@ Host memory per trainable element: the master (4 bytes under mixed precision), t
 state (AdamW: 8), the summed gradient (4) and the landing buffer (the gradient's dtype: 2 in
 bf16); the device keeps the weight and, briefly, each gradient until its copy is issued.
 
+Overlapped (`launch`, `land`): the CPU step runs on one worker thread of the rank while its
+thread goes on with actions that do not read the stage's weights (other stages' actions, the
+wait for a micro-batch's inputs, and, under a schedule that runs on set-aside weight versions
+(PipeDream-2BW, WPipe), the stage's own actions on the older version: up to a whole step).
+The new weights go to the device when the stage's weights are next read (`land`: its next
+forward or backward on the weights themselves, a copy of them set aside, its next step, a
+checkpoint), which is where the step without overlap would have left them: the same weights
+reach the same actions, so the run is the same, bit for bit. A `lagged` stage's step lands at
+its next S instead (`--offload-step lagged`, FTPipe's schedule): its actions until then read
+the weights one step older, a rule of its own (the tests' reference: `train_stale` with
+`lag=1`), and the whole CPU step overlaps them; its checkpoint keeps those older weights
+beside the masters (`defer` puts them back on resume). Meanwhile the stage's next
+gradients are summed apart (the step reads the masters' `.grad`) and become the `.grad` at
+`land`: the same additions in the same order. The thread converts the new weights into
+staging buffers of their own (the landing buffers are busy with the next gradients): host
+memory per element, streamed, +4 (the second sum) and +2 in bf16 (`costs.host`).
+
 A stage in `on_device` (the plan's `offload.gradients == "device"`) streams nothing during its
 backwards: its gradients sum on the device, in the master's dtype, into an accumulator per
 weight (allocated once, reused every step) — the first copied in, the next added, the same
@@ -43,7 +62,9 @@ element), the host the masters, the optimizer state and the landed sums (no 16-b
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -60,7 +81,8 @@ PHASES = {
     "host_sums": "gradients added into the fp32 sums on the host",
     "backward_wait": "at the step, waits for the device's queued work (GPU sums)",
     "sum_copies": "the device's gradient sums copied to the host (GPU sums)",
-    "cpu_step": "the optimizer step on the CPU",
+    "cpu_step": "the optimizer step on the CPU (overlapped: on the host's thread)",
+    "step_wait": "waits for an overlapped CPU step, where the stage's weights are next read",
     "to_device": "new weights' copies issued to the device",
     "upload_wait": "waits for the previous step's weights to reach the device",
 }
@@ -74,6 +96,7 @@ class Clock:
 
     def __init__(self):
         self.seconds = dict.fromkeys(PHASES, 0.0)
+        self._lock = threading.Lock()  # the rank's thread and the CPU step's both add
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -81,7 +104,8 @@ class Clock:
         try:
             yield
         finally:
-            self.seconds[name] += time.perf_counter() - t0
+            with self._lock:
+                self.seconds[name] += time.perf_counter() - t0
 
 
 class HostOffload:
@@ -97,6 +121,13 @@ class HostOffload:
         self._buffers: dict[int, torch.Tensor] = {}  # id(master) -> its gradient's landing
         self._pending: dict[int, dict[int, tuple]] = {}  # stage -> id(master) -> copy in flight
         self._uploads: dict[int, torch.cuda.Event] = {}  # stage -> its weights' copy back
+        self._staging: dict[int, torch.Tensor] = {}  # id(master) -> new weight, overlapped
+        self._inflight: dict[int, object] = {}  # stage -> its overlapped step's Future
+        self._ready: dict[int, list] = {}  # stage -> its stepped weights, staged, not landed
+        # stages whose steps land at their next S, not where their weights are next read
+        self.lagged: frozenset[int] = frozenset()
+        self._next: dict[int, dict[int, tuple]] = {}  # stage -> id -> (master, sum) meanwhile
+        self._worker: ThreadPoolExecutor | None = None
         self.clock = Clock()
 
     def master_of(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -113,7 +144,7 @@ class HostOffload:
             return
         pending = self._pending.setdefault(stage, {})
         if key in pending:  # its buffer is about to be reused: sum what it holds first
-            self._land(*pending.pop(key))
+            self._land(stage, *pending.pop(key))
         buf = self._buffers.get(key)
         if buf is None or buf.dtype != g.dtype:
             buf = torch.empty(g.shape, dtype=g.dtype, device="cpu", pin_memory=self.pinned)
@@ -122,7 +153,7 @@ class HostOffload:
             with self.clock.phase("to_host"):
                 buf.copy_(g)
             with self.clock.phase("host_sums"):
-                add_grad(master, buf)
+                self._add(stage, master, buf)
             return
         with self.clock.phase("to_host"):
             buf.copy_(g, non_blocking=True)
@@ -135,7 +166,7 @@ class HostOffload:
         copy back to the device done (the step changes the masters it reads). Summed on the
         device: each sum copied once into its master's `.grad`, waited for."""
         for master, buf, done in self._pending.pop(stage, {}).values():
-            self._land(master, buf, done)
+            self._land(stage, master, buf, done)
         summing = self._summing.pop(stage, {})
         if summing:
             self._copy_sums(summing)
@@ -196,9 +227,99 @@ class HostOffload:
         buf.copy_(master)  # the conversion, on the CPU's threads
         return buf
 
+    def launch(self, stage: int, step, pairs) -> None:
+        """`step()` (the optimizer's, reading the masters' `.grad`) on the host's thread, then
+        the (weight, master) `pairs`' new weights staged for the device; the rank goes on
+        until `land`. The gradients are spent there (`.grad` None after the step)."""
+
+        def work():
+            with self.clock.phase("cpu_step"):
+                step()
+            with self.clock.phase("to_device"):
+                staged = [(w, self._staged_apart(w, master)) for w, master in pairs]
+            for _, master in pairs:
+                master.grad = None
+            return staged
+
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="ftpipe-cpu-step")
+        self._inflight[stage] = self._worker.submit(work)
+
+    def stepping(self, stage: int) -> bool:
+        """Is an overlapped step of the stage not landed yet?"""
+        return stage in self._inflight or stage in self._ready
+
+    def finish(self, stage: int) -> None:
+        """The stage's overlapped step, if any, done (its masters and state may be read),
+        the gradients summed meanwhile made the masters' `.grad`; its new weights wait for
+        `land`. An error on the thread is raised here."""
+        job = self._inflight.pop(stage, None)
+        if job is None:
+            return
+        with self.clock.phase("step_wait"):
+            self._ready[stage] = job.result()
+        for master, total in self._next.pop(stage, {}).values():
+            master.grad = total
+
+    def defer(self, stage: int, pairs) -> None:
+        """A resumed lagged stage: its weights the older version the checkpoint kept, the
+        (weight, master) `pairs`' masters staged to land at its first step."""
+        self._ready[stage] = [(w, self._staged_apart(w, master)) for w, master in pairs]
+
+    @torch.no_grad()
+    def land(self, stage: int, *, reading: bool = False) -> None:
+        """The stage's overlapped step, if any: finished, its new weights copied to the device
+        (asynchronously on CUDA: `settle` waits). `reading`: the stage's weights are about
+        to be read, which a lagged stage's step does not wait for (it lands at its S)."""
+        if reading and stage in self.lagged:
+            return
+        self.finish(stage)
+        staged = self._ready.pop(stage, None)
+        if staged is None:
+            return
+        with self.clock.phase("to_device"):
+            for weight, new in staged:
+                weight.copy_(new, non_blocking=self.pinned)
+            if self.pinned:
+                done = torch.cuda.Event()
+                done.record()
+                self._uploads[stage] = done
+
+    def land_all(self) -> None:
+        for stage in {*self._inflight, *self._ready}:
+            self.land(stage)
+
+    def _staged_apart(self, weight: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        """`_staged`'s conversion into a buffer of its own: an overlapped stage's landing
+        buffers take the next step's gradients while this one waits to be copied."""
+        if master.dtype == weight.dtype:
+            return master
+        key = id(master)
+        buf = self._staging.get(key)
+        if buf is None:
+            buf = torch.empty(
+                weight.shape, dtype=weight.dtype, device="cpu", pin_memory=self.pinned
+            )
+            self._staging[key] = buf
+        buf.copy_(master)
+        return buf
+
+    def _add(self, stage: int, master: torch.Tensor, g: torch.Tensor) -> None:
+        """`g` into the master's sum; while the stage's step is in flight (it reads `.grad`),
+        into a sum apart, the same additions (`add_grad`), which `land` makes the `.grad`."""
+        if stage not in self._inflight:
+            add_grad(master, g)
+            return
+        apart = self._next.setdefault(stage, {})
+        have = apart.get(id(master))
+        if have is None:
+            apart[id(master)] = (master, g.to(master.dtype, copy=True))
+        else:
+            have[1].add_(g)
+
     def forget(self, master: torch.Tensor) -> None:
         """A master that trains no more (freeze training): its buffers let go."""
-        for held in (self._buffers, self._sums, self._landed):
+        for held in (self._buffers, self._sums, self._landed, self._staging):
             held.pop(id(master), None)
 
     @torch.no_grad()
@@ -216,8 +337,8 @@ class HostOffload:
         acc.copy_(g)
         summing[key] = master
 
-    def _land(self, master: torch.Tensor, buf: torch.Tensor, done) -> None:
+    def _land(self, stage: int, master: torch.Tensor, buf: torch.Tensor, done) -> None:
         with self.clock.phase("copy_wait"):
             done.synchronize()
         with self.clock.phase("host_sums"):
-            add_grad(master, buf)
+            self._add(stage, master, buf)

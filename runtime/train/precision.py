@@ -230,6 +230,46 @@ class MixedPrecision:
         """Are this stage's masters and optimizer state on the host?"""
         return self._host.get(stage) is not None
 
+    def overlaps(self, stage: int) -> bool:
+        """May the stage's step run beside the rank's next actions (`HostOffload.launch`)?
+        Offloaded and not sharded (a sharded stage's step ends in an all-gather)."""
+        return self._host.get(stage) is not None and stage not in self.shards
+
+    def launch(self, stage: int, step) -> None:
+        """The stage's optimizer step `step()` on the host's thread; its weights are updated
+        at `land`."""
+        pairs = [(p, master) for _, p, master in self._pairs.get(stage, ())]
+        self._host[stage].launch(stage, step, pairs)
+
+    def land(self, stage: int, *, reading: bool = False) -> None:
+        """Before the stage's weights, masters or optimizer state are read: its overlapped
+        step done and its new weights on the device (nothing to do otherwise). `reading`:
+        only its weights are (a lagged stage's step lands at its S: `HostOffload.land`)."""
+        host = self._host.get(stage)
+        if host is not None:
+            host.land(stage, reading=reading)
+
+    def finish(self, stage: int) -> None:
+        """Before the stage's masters or optimizer state are read (a checkpoint): its
+        overlapped step done; its weights stay as they are until it lands."""
+        host = self._host.get(stage)
+        if host is not None:
+            host.finish(stage)
+
+    def lags(self, stage: int) -> bool:
+        """Does the stage's offloaded step land at its next S (`--offload-step lagged`)?"""
+        host = self._host.get(stage)
+        return host is not None and stage in host.lagged
+
+    def defer(self, stage: int) -> None:
+        """A resumed lagged stage: its masters' values land at its first step."""
+        pairs = [(p, master) for _, p, master in self._pairs.get(stage, ())]
+        self._host[stage].defer(stage, pairs)
+
+    def land_all(self) -> None:
+        if self.offload is not None:
+            self.offload.land_all()
+
     def stepping(self, stage: int):
         """Around the stage's optimizer step: offloaded, it is timed as the CPU's step."""
         host = self._host.get(stage)
@@ -264,6 +304,7 @@ class MixedPrecision:
     def freeze(self, stage: int, names) -> list[torch.Tensor]:
         """Stop training the weights `names` of a stage (freeze training): they keep no
         gradient; returns the tensors the optimizer held for them (masters or weights)."""
+        self.land(stage)
         kept, gone = [], []
         for n, p, master in self._pairs.get(stage, ()):
             if n in names:

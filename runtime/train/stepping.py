@@ -9,8 +9,10 @@ everything stepped together (all of the pipeline's ranks when synchronous, the o
 when not), set the learning rate, step, clear the gradients. Under mixed
 precision (`precision.MixedPrecision`) the optimizer steps the fp32 masters and the stages'
 16-bit weights are copied from them (with --offload-optimizer the masters are on the host:
-their gradients' copies are waited for at the stage's S, the step runs on the CPU, and the
-weights are copied back: `offload.HostOffload`); under fp16 the same norm, summed over every
+their gradients' copies are waited for at the stage's S, the step runs on the CPU, on a
+thread of the rank beside its next actions, and the weights are copied back where the
+stage's weights are next read: `offload.HostOffload.launch`, not with replicas, whose
+all-reduce sums into the masters' gradients as they arrive); under fp16 the same norm, summed over every
 rank, is the overflow check: not finite anywhere, and every rank skips the step. A weight read by
 several stages has one owner, whose gradient already sums every use (the readers sent theirs
 back), so nothing is summed here. A stage puts its gradients aside at its own S, so
@@ -48,6 +50,8 @@ class Stepper:
         self.on_stepped = on_stepped
         self.precision = precision  # a MixedPrecision: masters, loss scale; None: fp32
         self.grad_sync = None  # with replicas: the stage's gradients summed before its step
+        # An offloaded stage's CPU step beside the rank's next actions (`offload.launch`).
+        self.overlap = True
         self.on_grads = None  # called with the event once its gradients are in, before clipping
         # called with (step, squared gradient norm) where that norm covers the whole pipeline
         # (a synchronous step that clips or checks fp16 overflow computes it anyway): the log's
@@ -56,7 +60,8 @@ class Stepper:
 
     def on_step(self, action, event=None) -> None:
         """A stage's S: put its gradients aside; apply `event` (a Dataflow StepEvent) if any."""
-        if self.precision is not None:  # offloaded: the gradients' copies to the host landed
+        if self.precision is not None:  # offloaded: the last step done, the gradients' copies
+            self.precision.land(action.stage)  # to the host landed
             self.precision.settle(action.stage)
         if self.grad_sync is not None:  # the replicas' mean gradient, into the masters' .grad
             self.grad_sync.wait(action.stage, action.mb)
@@ -76,6 +81,7 @@ class Stepper:
         if self.on_grads is not None:
             self.on_grads(ev)
         step = ev.step
+        launched: set[int] = set()
         if self._checked_and_clipped(ev, step):
             lr = self.lr_of(step)
             for s in ev.stages:
@@ -84,15 +90,29 @@ class Stepper:
                     continue
                 for group in opt.param_groups:
                     group["lr"] = lr
+                if self._overlapped(s):  # the gradients are spent on the host's thread
+                    self.precision.launch(s, opt.step)
+                    launched.add(s)
+                    continue
                 with self._stepping(s):
                     opt.step()
                 if self.precision is not None:
                     self.precision.after_step(s)
-        for s in ev.stages:  # stepped, or skipped for an overflow: the gradients are spent
+        for s in set(ev.stages) - launched:  # stepped, or skipped: the gradients are spent
             for _, p in self._trainable(s):
                 p.grad = None
         if self.on_stepped is not None:
             self.on_stepped(ev, ev.step)
+
+    def _overlapped(self, stage: int) -> bool:
+        """Does the stage's offloaded step run beside the rank's next actions? Not with
+        replicas: their all-reduce sums into the masters' `.grad` as gradients arrive."""
+        return (
+            self.overlap
+            and self.precision is not None
+            and self.grad_sync is None
+            and self.precision.overlaps(stage)
+        )
 
     def _stepping(self, stage: int):
         """Around a stage's optimizer step (offloaded: the CPU step, timed)."""

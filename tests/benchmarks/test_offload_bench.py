@@ -28,6 +28,12 @@ def test_a_row_that_fits_only_offloaded_says_what_and_how_much(wide):
     assert row["host_memory_bytes"][0] <= row["host_capacity_bytes"]
     assert row["host_bytes_down_per_step"] >= row["host_bytes_up_per_step"] > 0  # grads, weights
     assert row["cpu_step_s"] > 0 and 0.0 <= row["cpu_step_hidden"] <= 1.0
+    # The same search with --offload-step lagged: its own plan, never slower than exact
+    # under the same schedule (its steps land later, the actions before them never wait).
+    lag = row["lagged"]
+    assert 0.0 <= lag["cpu_step_hidden"] <= 1.0 and lag["samples_per_s"] > 0
+    if lag["schedule"] == row["schedule"] == "ftpipe":
+        assert lag["cpu_step_hidden"] >= row["cpu_step_hidden"]
     case = {"model": "wide", "task": "t", "gpus": 2, "hardware": "rtx2080ti",
             "rows": [{"label": "full", **row},
                      {"label": "none", "feasible": False, "static_floor_bytes_per_gpu": 2**34}]}  # fmt: skip
@@ -39,4 +45,6 @@ def test_a_row_that_fits_only_offloaded_says_what_and_how_much(wide):
     assert "| wide (t), 2 x rtx2080ti | full | yes |" in text
     assert "0@0: optimizer" in text and "1@1: optimizer" in text
     assert "| none | no (floor 16.0 GiB per GPU)" in text
+    hidden = f"({lag['cpu_step_hidden']:.0%})"
+    assert f"| {lag['samples_per_s']:.3f} {hidden}" in text
     assert "+10%" in text and "the same bit for bit" in text

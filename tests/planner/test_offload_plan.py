@@ -82,7 +82,7 @@ def test_the_plan_file_keeps_each_stage_s_offload(plan, tmp_path):
     assert back == chosen
     assert back.to_dict() == chosen.to_dict()
     d = json.loads(path.read_text())
-    assert set(d["stages"][0]["offload"]) == {"optimizer", "activations", "gradients"}
+    assert set(d["stages"][0]["offload"]) == {"optimizer", "activations", "gradients", "step"}
     assert d["host"]["memory_bytes"] == plan.host.memory_bytes > 0
     # A plan written before offload (no per-stage field, no host): nothing offloaded.
     for s in d["stages"]:
@@ -118,7 +118,7 @@ def test_compile_without_need_writes_the_plan_of_offload_none(tmp_path):
         r = CliRunner().invoke(cli, args)
         assert r.exit_code == 0, r.output
         d = json.loads((out / "plan.json").read_text())
-        off = {"optimizer": False, "activations": False, "gradients": "host"}
+        off = {"optimizer": False, "activations": False, "gradients": "host", "step": "exact"}
         assert all(s["offload"] == off for s in d["stages"])
         d.pop("command")
         d.pop("generated_by")  # the command line again, in the package's plan
@@ -127,6 +127,24 @@ def test_compile_without_need_writes_the_plan_of_offload_none(tmp_path):
                             for c in d["competitors"]]  # fmt: skip
         files[mode] = d
     assert files["none"] == files["auto"]
+
+
+@pytest.mark.parametrize(("schedule", "step"), [("ftpipe", "lagged"), ("1f1b", "exact")])
+def test_compile_lags_offloaded_steps_only_where_actions_read_the_weights_as_they_are(
+    tmp_path, schedule, step
+):
+    """--offload-step lagged: under FTPipe's schedule each offloaded stage's step lands at its
+    next S (the plan says so per stage, the compile's line too); under 1F1B, whose next
+    forward needs the newest weights, it stays exact."""
+    out = tmp_path / schedule
+    args = ["compile", "-m", "t5-tiny", "-g", "2", "--hardware", "rtx2080ti", "--offload",
+            "optimizer", "--offload-step", "lagged", "--schedule", schedule, "-p", "pipedream",
+            "-j", "1", "-o", str(out)]  # fmt: skip
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    d = json.loads((out / "plan.json").read_text())
+    assert [s["offload"]["step"] for s in d["stages"]] == [step] * len(d["stages"])
+    assert ("--offload-step lagged)" in r.output) == (step == "lagged")
 
 
 def test_a_plan_whose_host_overflows_does_not_fit(plan):

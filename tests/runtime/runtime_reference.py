@@ -84,8 +84,9 @@ def train_plain(
 
 
 def train_stale(
-    plan, lists, steps, optimizer="adamw", lr=0.01, seed=0, data=None, stages=None, init=None
-):
+    plan, lists, steps, optimizer="adamw", lr=0.01, seed=0, data=None, stages=None, init=None,
+    lag=0,
+):  # fmt: skip
     """FTPipe's rule, evaluated lazily: the forward of (stage, mb) uses the stage's weights
     after the steps that precede it in its GPU's action list (stale); a backward recomputes
     with the weights current at that backward from the stale forward's inputs; the loss
@@ -94,6 +95,9 @@ def train_stale(
     at the owner's forward of the micro-batch (and keeps it when it recomputes), and the
     readers' gradients reach the owner's parameter through the owner's backward.
     `stages`: the stage classes (the toy's by default); `init`: a state dict to start from.
+    `lag`: each step's new weights reach the actions only `lag` steps of the stage later (an
+    offloaded step that lands at the stage's next S: `--offload-step lagged`), so an action
+    after n of its stage's steps reads version max(n - lag, 0) (a dict: per stage).
     Returns per-step losses and each stage's final weights."""
     classes = stages or STAGES
     m = plan["micro_batches"]
@@ -108,7 +112,9 @@ def train_stale(
             if a.kind == "S":
                 done[a.stage] = done.get(a.stage, 0) + 1
             else:
-                (v_f if a.kind == "F" else v_b)[(a.stage, a.mb)] = done.get(a.stage, 0)
+                behind = lag.get(a.stage, 0) if isinstance(lag, dict) else lag
+                v = max(done.get(a.stage, 0) - behind, 0)
+                (v_f if a.kind == "F" else v_b)[(a.stage, a.mb)] = v
     modules = {s: classes[s]() for s in stages}
     for module in modules.values():
         if init is not None:

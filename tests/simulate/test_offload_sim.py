@@ -11,9 +11,10 @@ from sim_plans import make_plan
 
 from ftpipe_compiler.costs.host import Host, Offload
 from ftpipe_compiler.plan import PlanParam
+from ftpipe_compiler.planner.offload import choose_offload
 from ftpipe_compiler.simulate import render_report, simulate
 from ftpipe_compiler.simulate.host import offload_lines
-from ftpipe_compiler.simulate.simulator import cpu_step_hidden
+from ftpipe_compiler.simulate.simulator import cpu_step_hidden, offload_report
 
 NUMEL = 2_000_000  # each stage's one fp32 weight: 8 MB
 HOST = Host(memory_bytes=10**12, link_bandwidth=1e9, node_bandwidth=4e9, step_bandwidth=2e8,
@@ -109,6 +110,51 @@ def test_ftpipe_hides_the_step_of_a_gpu_with_slack_and_not_of_the_bottleneck():
     assert sim.step_time_s - plain >= (1 - cpu_step_hidden(heavy, sim)) * CPU_S - 1e-9
 
 
+def test_2bw_overlaps_the_cpu_step_with_the_stage_actions_on_the_older_version():
+    """PipeDream-2BW runs step k + 1's micro-batches on the weights before step k: the CPU
+    step runs beside them (`HostOffload.launch`), and lands (uploaded) at the first forward
+    on the version it made, step k + 2's. Every GPU offloads and the whole step is hidden;
+    FTPipe's next forward reads the newest weights, so it waits for it there."""
+    costs, m = [(1.0, 2.0, 0.0), (1.0, 2.0, 0.0)], 4
+    plain = simulate(_plan(costs, "2bw", m=m)).step_time_s
+    plan = _plan(costs, "2bw", offload={0, 1}, m=m)
+    sim = simulate(plan)
+    assert cpu_step_hidden(plan, sim) == pytest.approx(1.0)
+    assert sim.step_time_s < plain + CPU_S  # less than one GPU's step alone (0.4 s: shared)
+    c = next(e for e in sim.timeline if (e.gpu, e.kind, e.mb) == (0, "C", 0))
+    s0 = next(e for e in sim.timeline if (e.gpu, e.kind, e.mb) == (0, "S", 0))
+    u = next(e for e in sim.timeline if (e.gpu, e.kind, e.mb) == (0, "U", 0))
+    f = next(e for e in sim.timeline if (e.gpu, e.kind, e.mb) == (0, "F", 2 * m))
+    assert c.start == s0.end and u.start == f.start > c.end
+    ftpipe = _plan(costs, "ftpipe", offload={0, 1}, m=m)
+    assert cpu_step_hidden(ftpipe, simulate(ftpipe)) == pytest.approx(0.0)
+
+
+def _lagged(plan):
+    return choose_offload(plan, "none", step="lagged")
+
+
+def test_a_lagged_step_lands_at_the_next_s_and_ftpipe_hides_it():
+    """--offload-step lagged under FTPipe: the CPU step runs beside the stage's next actions,
+    which read the older weights, and lands (uploaded) at the stage's next S. The bottleneck
+    GPU's step, exposed landing exactly, is then hidden."""
+    costs, m = [(0.3, 0.6, 0.3), (1.0, 2.0, 1.0)], 4
+    plain = simulate(_plan(costs, "ftpipe", m=m)).step_time_s
+    exact = _plan(costs, "ftpipe", offload={1}, m=m)
+    assert cpu_step_hidden(exact, simulate(exact)) < 0.5
+    lagged = _lagged(exact)
+    assert [s.offload.step for s in lagged.stages] == ["exact", "lagged"]
+    sim = simulate(lagged)
+    assert cpu_step_hidden(lagged, sim) == pytest.approx(1.0)
+    assert sim.step_time_s < plain + m * GRAD_S + UPLOAD_S + 1e-9
+    c = next(e for e in sim.timeline if (e.gpu, e.kind, e.mb) == (1, "C", 0))
+    u = next(e for e in sim.timeline if (e.gpu, e.kind, e.mb) == (1, "U", 0))
+    s1 = next(e for e in sim.timeline if (e.gpu, e.kind, e.mb) == (1, "S", 1))
+    assert u.start == s1.start > c.end
+    # Under 1F1B the next forward needs the newest weights: nothing lags.
+    assert _lagged(_plan(costs, "1f1b", offload={1})).stages[1].offload.step == "exact"
+
+
 def test_offloaded_activations_wait_only_for_what_the_prefetch_did_not_hide():
     """A backward waits for what its stage kept (gpipe recomputes: the stage's 100 B of
     inputs) to come back over the host link: with a fast link the fetch, issued one backward
@@ -149,9 +195,11 @@ def test_a_forward_followed_by_its_own_backward_parks_nothing():
 def test_host_memory_per_node_is_checked():
     plan = _plan([(1.0, 2.0, 0.0)], "gpipe", offload={0})
     assert simulate(plan).fits
-    small = plan.with_(host=replace(HOST, memory_bytes=10 * NUMEL))  # needs 12 B an element
+    # needs 16 B an element: master, sum and landing buffer, and the next step's sum beside
+    # the one the overlapped step reads
+    small = plan.with_(host=replace(HOST, memory_bytes=10 * NUMEL))
     sim = simulate(small)
-    assert not sim.fits and not sim.nodes[0].fits and sim.nodes[0].host_bytes == 12 * NUMEL
+    assert not sim.fits and not sim.nodes[0].fits and sim.nodes[0].host_bytes == 16 * NUMEL
     lines = offload_lines(small.with_(model={**small.model, "offload": "optimizer"}), sim)
     assert lines[0] == "stage 0 (GPU 0) offloads its optimizer state: --offload optimizer"
     assert "host traffic per step" in lines[-1]
@@ -164,8 +212,11 @@ def test_the_timeline_marks_copies_and_the_cpu_step():
     assert steps == {0, 1, 2}  # the report's first three steps
     c = next(e for e in marks if e.kind == "C" and e.mb == 0)
     assert c.end - c.start == pytest.approx(CPU_S)
+    # Overlapped: the new weights go up where the stage's next forward (step 1's first)
+    # starts, once its input is there, after the CPU step ended.
     u = next(e for e in marks if e.kind == "U" and e.mb == 0)
-    assert (u.start, u.end - u.start) == (pytest.approx(c.end), pytest.approx(UPLOAD_S))
+    f = next(e for e in sim.timeline if (e.gpu, e.stage, e.kind, e.mb) == (1, 1, "F", 4))
+    assert u.start == f.start >= c.end and u.end - u.start == pytest.approx(UPLOAD_S)
     assert sum(1 for e in marks if e.kind == "D" and e.mb < 4) == 4  # one per backward
 
 
@@ -192,6 +243,17 @@ def test_an_exposed_cpu_step_is_priced_with_what_trains_without_offload():
         "the CPU optimizer step, which no GPU's work hides; --dtype bf16-pure or --lora may "
         "train without offload, with other numerics (`--offload none` says what they need)"
     )
+    # Under FTPipe's schedule the line also prices the lagged step, simulated.
+    heavy = _plan([(0.01, 0.02, 0.01), (0.01, 0.02, 0.01)], "ftpipe", offload={0, 1})
+    heavy_sim = simulate(heavy)
+    line = offload_report(heavy, heavy_sim)[-1]
+    lagged = simulate(_lagged(heavy)).step_time_s
+    assert lagged < heavy_sim.step_time_s
+    assert (
+        f"no GPU's work hides; --offload-step lagged makes it {lagged:.3g} s (each offloaded "
+        "stage's actions read its weights one step older); --dtype bf16-pure" in line
+    )
+    assert "--offload-step lagged makes" not in offload_report(_lagged(heavy), heavy_sim)[-1]
     lora = tiny.with_(model={**tiny.model, "lora": {"r": 16}})
     assert "; --dtype bf16-pure may train" in offload_lines(lora, sim, 0.0)[-1]
     forced = tiny.with_(model={**tiny.model, "offload": "optimizer"})

@@ -56,6 +56,51 @@ def test_ftpipe_matches_stale_update_rule(run_pipeline, tmp_path, layout):
         assert "weight" not in sent[0] and "wgrad" not in sent.get(1, {})
 
 
+@pytest.mark.parametrize("layout", ["two-ranks", "folded"])
+def test_a_lagged_offloaded_step_follows_the_rule_one_step_more_stale(
+    run_pipeline, tmp_path, layout
+):
+    """--offload-optimizer --offload-step lagged: each stage's CPU step runs beside its next
+    actions and lands at its next S, so they read its weights one step older than FTPipe's
+    rule would (`train_stale(lag=1)`); the final masters are the last step's."""
+    plan, steps = toy_plan(layout, "ftpipe"), 4
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.json"
+    argv = ["--steps", str(steps), "--optimizer", "adam", "--lr", "0.05", "--clip", "0"]
+    argv += ["--save-every", str(steps), "--checkpoint-dir", str(ckpt), "--log-json", str(log)]
+    argv += ["--offload-optimizer", "--offload-step", "lagged"]
+    codes, ranks = run_pipeline(plan, argv)
+    assert codes == [0, 0], ranks.stderr()
+    lists = _lists(plan, steps)
+    losses, weights = train_stale(plan, lists, steps, "adam", lr=0.05, lag=1)
+    got_losses = json.loads(log.read_text())["losses"]
+    assert got_losses == pytest.approx(losses, rel=1e-4)
+    got = checkpoint_params(ckpt, steps, range(4))
+    for params in weights.values():
+        for name, value in params.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    exact, _ = train_stale(plan, lists, steps, "adam", lr=0.05)  # the rule without the lag
+    assert abs(exact[-1] - got_losses[-1]) > 1e-3
+
+
+def test_the_plan_lags_the_stages_it_says(run_pipeline, tmp_path):
+    """The plan's per-stage choice (`offload.step`, no flag): stages 1 and 3 offloaded with
+    lagged steps, 0 and 2 kept beside their weights; each follows its own rule."""
+    plan, steps = toy_plan("two-ranks", "ftpipe"), 4
+    for s in (1, 3):
+        plan["stages"][s]["offload"] = {"optimizer": True, "step": "lagged"}
+    log = tmp_path / "log.json"
+    argv = ["--steps", str(steps), "--optimizer", "adam", "--lr", "0.05", "--clip", "0"]
+    codes, ranks = run_pipeline(plan, argv + ["--log-json", str(log)])
+    assert codes == [0, 0], ranks.stderr()
+    lists = _lists(plan, steps)
+    losses, _ = train_stale(plan, lists, steps, "adam", lr=0.05, lag={1: 1, 3: 1})
+    got = json.loads(log.read_text())["losses"]
+    assert got == pytest.approx(losses, rel=1e-4)
+    for lag in (0, 1):  # neither every stage nor none
+        other, _ = train_stale(plan, lists, steps, "adam", lr=0.05, lag=lag)
+        assert abs(other[-1] - got[-1]) > 1e-3
+
+
 def test_ftpipe_is_stale_not_synchronous(tmp_path):
     """The rule differs from plain training here, so matching it is not matching that."""
     from runtime_reference import train_plain

@@ -98,8 +98,13 @@ def _sums_on_disk(d):
     d["stages"][0]["offload"] = {"optimizer": True, "activations": False, "gradients": "disk"}
 
 
+def _step_tomorrow(d):
+    d["stages"][0]["offload"] = {"optimizer": True, "step": "tomorrow"}
+
+
 DAMAGE = [
     (_sums_on_disk, r"stage 0 sums its offloaded gradients on 'disk', not one of host, device"),
+    (_step_tomorrow, r"stage 0 lands its offloaded step 'tomorrow', not one of exact, lagged"),
     (_drop_stages, r"incomplete or damaged \(KeyError: 'stages'\)"),
     (_gpu_as_text, r"Stage field 'gpu' cannot be 'one'"),
     (_future_format, r"plan format 99 was written by"),
