@@ -82,7 +82,7 @@ def measure(work: Path | None = None, shape: dict = SHAPE, shard: str = SHARD) -
     made = take(work, partial(set_up, shape=shape, shard=shard))
     folder, package, val = Path(made["model"]), Path(made["package"]), made["val"]
     plan = Plan.load(Path(made["output"]) / "plan.json")
-    rows = []
+    rows, losses, offloaded = [], {}, {}
     for schedule, extra in CASES:
         name = schedule + "-offload" * bool(extra)
         argv = ["--steps", str(STEPS), "--schedule", schedule, "--eval-data", str(val)]
@@ -90,6 +90,16 @@ def measure(work: Path | None = None, shape: dict = SHAPE, shard: str = SHARD) -
         result = work / f"{name}.json"
         summary = run_package(package.parent, package.name, [*argv, *extra], result,
                               timeout=TIMEOUT_S)  # fmt: skip
+        losses[name] = summary["losses"]
+        if extra:  # where the ranks' offloaded steps spent their time (`offload.PHASES`)
+            offloaded = {
+                "same_losses_as": schedule,
+                "same_losses": summary["losses"] == losses.get(schedule),
+                "per_step_s": [
+                    {k: v / STEPS for k, v in (seconds or {}).items()}
+                    for seconds in summary.get("offload_seconds") or []
+                ],
+            }
         planned = replace(plan, schedule=schedule)
         if extra:
             planned = planned.with_(stages=tuple(
@@ -123,6 +133,7 @@ def measure(work: Path | None = None, shape: dict = SHAPE, shard: str = SHARD) -
         "target": TARGET,
         "rows": rows,
         "met": all(abs(r["ratio"] - 1) <= TARGET for r in rows),
+        "offloaded": offloaded,
     }
 
 
@@ -208,4 +219,19 @@ def markdown(data: dict) -> str:
         )
     verdict = "met on every rank" if data["met"] else "NOT met"
     lines += ["", f"Target {verdict}.", ""]
+    off = data.get("offloaded")
+    if off:
+        ranks = "; ".join(
+            f"rank {r}: the CPU step {s['cpu_step']:.2f} s a step on the step thread, the rank "
+            f"waited {s['step_wait']:.2f} s for it ({1 - s['step_wait'] / s['cpu_step']:.0%} "
+            "overlapped)"
+            for r, s in enumerate(off["per_step_s"])
+            if s.get("cpu_step")
+        )
+        same = "the same bit for bit" if off["same_losses"] else "DIFFERENT"
+        lines += [
+            f"With the optimizer offloaded ({off['same_losses_as']}-offload): losses {same} as "
+            f"{off['same_losses_as']}'s without; {ranks}.",
+            "",
+        ]
     return "\n".join(lines)

@@ -70,7 +70,8 @@ def _phases(plan: dict, summary: dict, steps: int) -> dict | None:
         "gradients_streamed": got["to_host"] + got["copy_wait"] + got["host_sums"],
         "backward_wait": got["backward_wait"],  # the GPU's queued backwards, not the model's
         "sum_copies": got["sum_copies"],
-        "cpu_step": got["cpu_step"],
+        "cpu_step": got["cpu_step"],  # on the rank's step thread, beside its next actions
+        "cpu_step_waited": got.get("step_wait", 0.0),  # of it, what the rank waited for
         "upload": got["to_device"] + got["upload_wait"],
     }
     return {"measured_per_step_s": measured, "modelled_per_step_s": model, "raw_per_step_s": got}
