@@ -341,13 +341,16 @@ class Executor:
     @torch.no_grad()
     def restore_versions(self, kept: dict[tuple[int, int], dict[str, torch.Tensor]]) -> None:
         """Set-aside versions from a checkpoint, before `run` (a lagged stage's: its weights,
-        its masters' values landing at its first step)."""
+        its masters' values landing at its first step). One this run does not use (a lagged
+        run's, resumed with exact steps) is left out: its weights are then its masters'."""
         for key, params in kept.items():
             s = key[0]
             if self.precision.lags(s):
                 for name, weight in self.precision.weights(s):
                     weight.copy_(params[name])
                 self.precision.defer(s)
+                continue
+            if key not in self.versions.aside:
                 continue
             self.stash[key] = {
                 n: t.detach().to(self.device).requires_grad_(True) for n, t in params.items()

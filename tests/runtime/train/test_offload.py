@@ -6,6 +6,7 @@ optimizer kernel, so the weights are expected bit for bit, in fp32 and in bf16."
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from types import SimpleNamespace
 
@@ -275,6 +276,33 @@ def test_resume_from_an_offloaded_checkpoint_is_exact(run_pipeline, tmp_path, sc
     first = resumed["first_step"]
     assert first in (2, 4)
     assert resumed["losses"] == whole["losses"][first:]
+
+
+@pytest.mark.multiproc
+def test_a_lagged_checkpoint_resumes_with_either_step(run_pipeline, tmp_path):
+    """A checkpoint of lagged steps keeps the older weights its stages' next actions read
+    beside the masters. Resumed lagged, the first step reads those; resumed with
+    --offload-step exact, the masters (the kept weights left out): the first losses differ."""
+    plan = toy_plan("two-ranks", "ftpipe")
+    argv = ["--steps", "4", "--save-every", "2", "--data", "copy", "--optimizer", "adamw",
+            "--lr", "0.05", "--offload-optimizer"]  # fmt: skip
+    first = tmp_path / "lagged"
+    codes, ranks = run_pipeline(
+        plan, [*argv, "--offload-step", "lagged", "--checkpoint-dir", str(first)], name="first"
+    )
+    assert codes == [0, 0], ranks.stderr()
+    losses = {}
+    for step in ("lagged", "exact"):
+        folder, log = tmp_path / f"resumed-{step}", tmp_path / f"{step}.json"
+        shutil.copytree(first, folder)
+        more = ["--steps", "6", "--offload-step", step, "--resume", "--checkpoint-dir", str(folder),
+                "--log-json", str(log)]  # fmt: skip
+        codes, ranks = run_pipeline(plan, [*argv, *more], name=step)
+        assert codes == [0, 0], ranks.stderr()
+        summary = json.loads(log.read_text())
+        assert summary["first_step"] == 4
+        losses[step] = summary["losses"]
+    assert losses["lagged"][0] != losses["exact"][0]
 
 
 def _args(**given) -> SimpleNamespace:
