@@ -46,6 +46,7 @@ LAYOUTS = {
     "two-ranks": {0: 0, 1: 1, 2: 0, 3: 1},
     "three-ranks": {0: 0, 1: 1, 2: 0, 3: 2},
     "folded": {0: 0, 1: 1, 2: 1, 3: 0},  # the weight's owner and reader share rank 0
+    "four-ranks": {0: 0, 1: 1, 2: 2, 3: 3},
 }
 
 

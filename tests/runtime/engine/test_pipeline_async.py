@@ -56,7 +56,7 @@ def test_ftpipe_matches_stale_update_rule(run_pipeline, tmp_path, layout):
         assert "weight" not in sent[0] and "wgrad" not in sent.get(1, {})
 
 
-@pytest.mark.parametrize("layout", ["two-ranks", "folded"])
+@pytest.mark.parametrize("layout", ["two-ranks", "folded", "four-ranks"])
 def test_a_lagged_offloaded_step_follows_the_rule_one_step_more_stale(
     run_pipeline, tmp_path, layout
 ):
@@ -69,7 +69,7 @@ def test_a_lagged_offloaded_step_follows_the_rule_one_step_more_stale(
     argv += ["--save-every", str(steps), "--checkpoint-dir", str(ckpt), "--log-json", str(log)]
     argv += ["--offload-optimizer", "--offload-step", "lagged"]
     codes, ranks = run_pipeline(plan, argv)
-    assert codes == [0, 0], ranks.stderr()
+    assert codes == [0] * len(codes), ranks.stderr()
     lists = _lists(plan, steps)
     losses, weights = train_stale(plan, lists, steps, "adam", lr=0.05, lag=1)
     got_losses = json.loads(log.read_text())["losses"]
