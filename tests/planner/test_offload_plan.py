@@ -145,6 +145,8 @@ def test_compile_lags_offloaded_steps_only_where_actions_read_the_weights_as_the
     d = json.loads((out / "plan.json").read_text())
     assert [s["offload"]["step"] for s in d["stages"]] == [step] * len(d["stages"])
     assert ("--offload-step lagged)" in r.output) == (step == "lagged")
+    readme = next(out.glob("*/README.md")).read_text()  # the package's
+    assert ("lagged (`offload.step`)" in readme) == (step == "lagged")
 
 
 def test_a_plan_whose_host_overflows_does_not_fit(plan):
