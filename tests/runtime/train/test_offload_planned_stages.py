@@ -6,6 +6,7 @@ it ends, bit for bit in fp32."""
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -103,6 +104,43 @@ def test_a_package_offloading_some_stages_trains_as_the_one_without(
     assert off_weights.keys() == weights.keys()
     for name, value in weights.items():
         assert torch.equal(off_weights[name], value), name
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_a_package_whose_plan_lags_its_offloaded_steps_trains_as_the_flag_says(
+    run_pipeline, packages, tmp_path
+):
+    """The generated package whose plan.json lags stages 0 and 1 (`offload.step`, as
+    `compile --offload-step lagged` writes it) trains under ftpipe as the same package without
+    that field run with `--offload-step lagged`, bit for bit; not as with exact steps."""
+    (_, (pkg, plan)), init = packages
+    lagged = tmp_path / "lagged"
+    shutil.copytree(pkg.parent, lagged)
+    lagged_plan = json.loads((lagged / pkg.name / "plan.json").read_text())
+    for st in lagged_plan["stages"]:
+        if st["offload"]["optimizer"]:
+            st["offload"]["step"] = "lagged"
+    (lagged / pkg.name / "plan.json").write_text(json.dumps(lagged_plan))
+    got = {}
+    for name, folder, the_plan, extra in (
+        ("plan", lagged, lagged_plan, []),
+        ("flag", pkg.parent, plan, ["--offload-step", "lagged"]),
+        ("exact", pkg.parent, plan, []),
+    ):
+        ckpt, log = tmp_path / name, tmp_path / f"{name}.json"
+        argv = ["--steps", str(STEPS), "--schedule", "ftpipe", "--init", str(init),
+                "--optimizer", "adamw", "--lr", "0.01", "--save-every", str(STEPS),
+                "--checkpoint-dir", str(ckpt), "--log-json", str(log), *extra]  # fmt: skip
+        codes, ranks = run_pipeline(the_plan, argv, name=name, module=pkg.name, cwd=folder)
+        assert codes == [0, 0], ranks.stderr()
+        got[name] = (
+            json.loads(log.read_text())["losses"],
+            checkpoint_params(ckpt, STEPS, range(3)),
+        )
+    assert got["plan"][0] == got["flag"][0] != got["exact"][0]
+    for name, value in got["flag"][1].items():
+        assert torch.equal(got["plan"][1][name], value), name
 
 
 # --- gradients summed on the device (`offload.gradients == "device"`), copied once a step ---
