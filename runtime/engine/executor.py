@@ -29,7 +29,9 @@ A resumed run gets the copies its first steps need from the checkpoint (`restore
 An offloaded stage's CPU step may run beside the actions after its S (`offload.HostOffload`):
 it lands wherever the stage's weights themselves are next read (a call on them, a copy set
 aside, the stage's next S, an evaluation, a weight sent at a step, the run's end), so under
-PipeDream-2BW or WPipe the stage's own actions on the older version overlap it.
+PipeDream-2BW or WPipe the stage's own actions on the older version overlap it; a lagged
+stage's (`--offload-step lagged`) at its next S only, its actions meanwhile on the older
+weights, which its checkpoint keeps (`kept_versions`, `restore_versions`).
 
 Frozen weights (`frozen`): a stage with nothing trainable and no gradient crossing its
 borders is forward-only: its forwards run without autograd and keep nothing, its B and W

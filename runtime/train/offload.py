@@ -144,7 +144,7 @@ class HostOffload:
             return
         pending = self._pending.setdefault(stage, {})
         if key in pending:  # its buffer is about to be reused: sum what it holds first
-            self._land(stage, *pending.pop(key))
+            self._sum_landed(stage, *pending.pop(key))
         buf = self._buffers.get(key)
         if buf is None or buf.dtype != g.dtype:
             buf = torch.empty(g.shape, dtype=g.dtype, device="cpu", pin_memory=self.pinned)
@@ -166,7 +166,7 @@ class HostOffload:
         copy back to the device done (the step changes the masters it reads). Summed on the
         device: each sum copied once into its master's `.grad`, waited for."""
         for master, buf, done in self._pending.pop(stage, {}).values():
-            self._land(stage, master, buf, done)
+            self._sum_landed(stage, master, buf, done)
         summing = self._summing.pop(stage, {})
         if summing:
             self._copy_sums(summing)
@@ -306,7 +306,7 @@ class HostOffload:
 
     def _add(self, stage: int, master: torch.Tensor, g: torch.Tensor) -> None:
         """`g` into the master's sum; while the stage's step is in flight (it reads `.grad`),
-        into a sum apart, the same additions (`add_grad`), which `land` makes the `.grad`."""
+        into a sum apart, the same additions (`add_grad`), which `finish` makes the `.grad`."""
         if stage not in self._inflight:
             add_grad(master, g)
             return
@@ -337,7 +337,7 @@ class HostOffload:
         acc.copy_(g)
         summing[key] = master
 
-    def _land(self, stage: int, master: torch.Tensor, buf: torch.Tensor, done) -> None:
+    def _sum_landed(self, stage: int, master: torch.Tensor, buf: torch.Tensor, done) -> None:
         with self.clock.phase("copy_wait"):
             done.synchronize()
         with self.clock.phase("host_sums"):

@@ -50,8 +50,6 @@ class Stepper:
         self.on_stepped = on_stepped
         self.precision = precision  # a MixedPrecision: masters, loss scale; None: fp32
         self.grad_sync = None  # with replicas: the stage's gradients summed before its step
-        # An offloaded stage's CPU step beside the rank's next actions (`offload.launch`).
-        self.overlap = True
         self.on_grads = None  # called with the event once its gradients are in, before clipping
         # called with (step, squared gradient norm) where that norm covers the whole pipeline
         # (a synchronous step that clips or checks fp16 overflow computes it anyway): the log's
@@ -108,10 +106,7 @@ class Stepper:
         """Does the stage's offloaded step run beside the rank's next actions? Not with
         replicas: their all-reduce sums into the masters' `.grad` as gradients arrive."""
         return (
-            self.overlap
-            and self.precision is not None
-            and self.grad_sync is None
-            and self.precision.overlaps(stage)
+            self.precision is not None and self.grad_sync is None and self.precision.overlaps(stage)
         )
 
     def _stepping(self, stage: int):
