@@ -14,10 +14,12 @@ times. Each plan's simulated and measured timelines are drawn one above the othe
 time scale, in an HTML report (`ftpipe simulate PLAN --compare TRACE --report`) written to
 `REPORTS` (docs/fidelity/, which BENCHMARKS.md links to).
 
-Each package is trained `RUNS` times back to back and compared by its median run: on this
-shared VM the same package's mean step moved 1.19-1.34 s from one run to the next (the
-critical rank's forward 123 ms in one run, 139 ms in the next), as large as the errors the
-section looks for. The runs' range is reported beside it.
+Each package is trained `RUNS` times and compared by its median run: on this shared VM the
+same package's mean step moved 1.19-1.34 s from one run to the next (the critical rank's
+forward 123 ms in one run, 139 ms in the next), as large as the errors the section looks for.
+The runs go in rounds, each round every package once, so a stretch of minutes when the
+machine is slower falls on every package alike instead of on one package's runs (a bias
+then shows in every round, noise in one). The runs' range is reported beside it.
 
 Beside each prediction, to show where a gap comes from: how long every action of the median
 run took, waits for messages apart (`bench_actions`), against the profile's stage times.
@@ -29,7 +31,7 @@ import json
 import os
 import shutil
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ftpipe_runtime.engine.trace import read_trace
@@ -52,7 +54,7 @@ ALONE = True  # it times processes: the machine to itself (benchmarks.sections)
 
 MODEL = "gpt2-bench"
 WARMUP, TIMED, COOLDOWN = 2, 3, 1  # steps: set-up (the 2nd is still slow), timed, shutdown
-RUNS = 3  # of each package, back to back: the median one is compared
+RUNS = 3  # of each package, one a round: the median one is compared
 SIM_STEPS = 10
 REPORTS = ROOT / "docs" / "fidelity"  # each plan's simulated and measured timelines
 
@@ -96,17 +98,23 @@ CASES = {
 }
 
 
-def measure_case(
-    name: str,
-    case: Case,
-    work: Path,
-    link: dict,
-    warmup: int,
-    timed: int,
-    reports: Path,
-    *,
-    runs_per_case: int = RUNS,
-) -> dict:
+@dataclass
+class PreparedCase:
+    """A case compiled and simulated, its runs to come (`run_once`, one a round)."""
+
+    name: str
+    case: Case
+    info: dict
+    plan: Plan
+    staged: Plan
+    at_profile: float
+    argv: list
+    samples: int
+    runs: list = field(default_factory=list)  # (stats, the run's summary)
+    probes: list = field(default_factory=list)  # machine_seconds() after each run
+
+
+def prepare_case(name: str, case: Case, work: Path, warmup: int, timed: int) -> PreparedCase:
     info = case.compile(work / name)
     at_profile = machine_seconds()  # the compile just profiled the plan's ops
     out = Path(info["output"])
@@ -114,23 +122,33 @@ def measure_case(
     # simulates to choose plans. Beside it, each stage timed as one block (stage_times.py).
     plan = Plan.load(out / "plan.json")
     staged = with_stage_times(plan, out / "plan.json", work / f"{name}.stages.log")
+    argv = ["--steps", str(warmup + timed + COOLDOWN), "--schedule", case.schedule]
+    samples = plan.micro_batches * int(plan.model.get("micro_batch", 1))
+    return PreparedCase(name, case, info, plan, staged, at_profile, argv, samples)
+
+
+def run_once(p: PreparedCase, work: Path, warmup: int) -> None:
+    """One training run of the case's package (`p.runs` grows by one)."""
+    out, k = Path(p.info["output"]), len(p.runs)
+    with OtherLoad() as load:
+        result = run_package(
+            out, Path(p.info["package"]).name, p.argv, work / f"{p.name}.run{k}.json",
+            actions=True,
+        )  # fmt: skip
+    stats = summarise_steps(step_times(result["step_ends_s"], warmup, COOLDOWN), p.samples)
+    p.runs.append(({**stats, "other_cores": load.cores}, result))
+    p.probes.append(machine_seconds())
+
+
+def finish_case(p: PreparedCase, link: dict, warmup: int, timed: int, reports: Path) -> dict:
+    """The case's row: its simulations against its median run."""
+    name, case, plan, staged, runs = p.name, p.case, p.plan, p.staged, p.runs
     policies = get_schedule(case.schedule).policies(plan.stage_infos(), plan.micro_batches)
     sim = simulate(plan, case.schedule, steps=SIM_STEPS)
     sim_staged = simulate(staged, case.schedule, steps=SIM_STEPS)
     now = plan.with_(bandwidth=link["link_bandwidth"], latency_s=link["link_latency_s"])
     sim_now = simulate(now, case.schedule, steps=SIM_STEPS)
-    argv = ["--steps", str(warmup + timed + COOLDOWN), "--schedule", case.schedule]
-    samples = plan.micro_batches * int(plan.model.get("micro_batch", 1))
-    before = machine_seconds()
-    runs = []  # (stats, the run's summary)
-    for k in range(runs_per_case):
-        with OtherLoad() as load:
-            result = run_package(
-                out, Path(info["package"]).name, argv, work / f"{name}.run{k}.json", actions=True
-            )
-        stats = summarise_steps(step_times(result["step_ends_s"], warmup, COOLDOWN), samples)
-        runs.append(({**stats, "other_cores": load.cores}, result))
-    at_run = (before + machine_seconds()) / 2
+    at_profile, at_run = p.at_profile, sum(p.probes) / len(p.probes)
     stats, result = sorted(runs, key=lambda r: r[0]["step_s"])[len(runs) // 2]
     stats["runs_step_s"] = [r[0]["step_s"] for r in runs]
     actions, report = None, None
@@ -212,14 +230,16 @@ def measure(
     link["link_latency_s"], link["link_bandwidth"] = fit(
         [(1, n) for n in link["sizes"]], link["one_way_s"]
     )
+    prepared = [prepare_case(n, CASES[n], work, warmup, timed) for n in cases]
+    for _ in tqdm(range(runs), desc="fidelity rounds", file=sys.stderr, disable=None):
+        for p in prepared:  # every package once a round
+            run_once(p, work, warmup)
     rows = []
-    for name in tqdm(cases, desc="fidelity", file=sys.stderr, disable=None):
-        rows.append(
-            measure_case(name, CASES[name], work, link, warmup, timed, reports, runs_per_case=runs)
-        )
+    for p in prepared:
+        rows.append(finish_case(p, link, warmup, timed, reports))
         tqdm.write(
-            f"  {name}: simulated {rows[-1]['simulated_step_s']:.3f} s, measured "
-            f"{rows[-1]['measured']['step_s']:.3f} s",
+            f"  {p.name}: simulated {rows[-1]['simulated_step_s']:.3f} s, measured "
+            f"{rows[-1]['measured']['step_s']:.3f} s (runs {rows[-1]['measured']['runs_step_s']})",
             file=sys.stderr,
         )
     return {

@@ -84,7 +84,7 @@ def _spread(cases: list[dict]) -> list[str]:
         return []
     span, c = max(spans, key=lambda x: x[0])
     return [
-        f"The same package's runs, back to back, differed by up to {span:.0%} in mean step "
+        f"The same package's runs differed by up to {span:.0%} in mean step "
         f"({c['label']}): nothing in a plan or a profile can predict that part.",
         "",
     ]
@@ -229,7 +229,8 @@ def _runs(n: int) -> str:
     if n < 2:
         return ""
     return (
-        f"Each package ran {n} times back to back; *measured* is the median run's mean step "
+        f"Each package ran {n} times, in {n} rounds of every package once (a slower stretch "
+        "of the machine falls on all alike); *measured* is the median run's mean step "
         "± the spread of its steps, in brackets the fastest and the slowest run's mean, and "
         "the action timings below are the median run's. "
     )

@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -248,6 +249,23 @@ def test_runtime_markdown_computes_its_ratios_and_drift():
     assert "simulated plan / even" in text and "| 2.00 |" in text  # 2.0 s / 1.0 s simulated
 
 
+def test_fidelity_runs_every_package_once_a_round(monkeypatch, tmp_path):
+    """The runs go in rounds (a, b, c, a, b, c...), each case's row made after its last."""
+    from benchmarks.fidelity import bench as fidelity
+
+    order = []
+    monkeypatch.setattr(fidelity, "measure_link", lambda work: {"sizes": [1], "one_way_s": [1]})
+    monkeypatch.setattr(fidelity, "fit", lambda points, times: (0.0, 1.0))
+    monkeypatch.setattr(fidelity, "CASES", {"a": None, "b": None})
+    monkeypatch.setattr(fidelity, "prepare_case", lambda name, *a: SimpleNamespace(name=name))
+    monkeypatch.setattr(fidelity, "run_once", lambda p, work, warmup: order.append(p.name))
+    monkeypatch.setattr(fidelity, "finish_case", lambda p, *a: {
+        "name": p.name, "simulated_step_s": 1.0, "measured": {"step_s": 1.0, "runs_step_s": []}})  # fmt: skip
+    data = fidelity.measure(tmp_path, cases=("a", "b"), reports=tmp_path, runs=3)
+    assert order == ["a", "b"] * 3
+    assert [c["name"] for c in data["cases"]] == ["a", "b"] and data["runs"] == 3
+
+
 def test_fidelity_markdown_flags_errors_beyond_the_target():
     from benchmarks.fidelity.report import markdown
 
@@ -278,12 +296,13 @@ def test_fidelity_markdown_flags_errors_beyond_the_target():
                      "cases": [case]})  # fmt: skip
     assert "| 0 | 0 | 100 | 100 | 200 | 100 (30) | 100 | 100 |" in text
     assert "rank 0's thread spent 120 ms of each step in the kernel" in text  # 4 B x 30 ms
-    assert "back to back" not in text  # one run: no range
+    assert "rounds" not in text  # one run: no range
     case["measured"]["runs_step_s"] = [1.5, 1.2, 1.65]  # three runs: the median one above
     text = markdown({"model": "m", "warmup_steps": 1, "timed_steps": 2, "link": link,
                      "cases": [case], "runs": 3})  # fmt: skip
     assert "| 1.500 ± 0.000 (1.200–1.650) | -33.3% ✗ |" in text
-    assert "ran 3 times back to back" in text and "differed by up to 38% in mean step (p)" in text
+    assert "ran 3 times, in 3 rounds of every package once" in text
+    assert "differed by up to 38% in mean step (p)" in text
 
 
 def test_schedules_section_on_a_tiny_model():
