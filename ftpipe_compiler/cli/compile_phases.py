@@ -133,6 +133,19 @@ def trace(job: Job, progress: Progress) -> None:
             )
 
 
+def _unlagged(job: Job) -> list[str]:
+    """--offload-step lagged where no stage of the plan lags: one line saying why."""
+    if job.offload_step != "lagged" or any(s.offload.lagged for s in job.plan.stages):
+        return []
+    why = (
+        f"its schedule ({job.plan.schedule}) runs each step on the newest weights or on set-aside "
+        "versions"
+        if any(s.offload.optimizer for s in job.plan.stages)
+        else "no stage offloads its optimizer"
+    )
+    return [f"note: --offload-step lagged changes nothing here: {why}"]
+
+
 def search_schedules(job: Job, progress: Progress) -> None:
     """Every partitioner under every schedule asked for, simulated (planner/matrix.py); with
     --offload auto, again with every stage free to offload only when nothing fits without
@@ -266,6 +279,7 @@ def one_lines(job: Job, timings: dict) -> list[str]:
         + _update_words(best.schedule),
         *_exact_line(job),
         *(f"  {line}" for line in offload_report(plan, sim)),
+        *_unlagged(job),
         _wrote(job, timings),
     ]
     if plan.gpus < job.gpus:

@@ -147,6 +147,8 @@ def test_compile_lags_offloaded_steps_only_where_actions_read_the_weights_as_the
     assert ("--offload-step lagged)" in r.output) == (step == "lagged")
     readme = next(out.glob("*/README.md")).read_text()  # the package's
     assert ("lagged (`offload.step`)" in readme) == (step == "lagged")
+    said = "note: --offload-step lagged changes nothing here: its schedule (1f1b) runs each step"
+    assert (said in r.output) == (schedule == "1f1b")
 
 
 def test_a_plan_whose_host_overflows_does_not_fit(plan):
