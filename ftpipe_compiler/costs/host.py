@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 from ftpipe_runtime.spec.plan import Offload  # the plan's record; its costs here
+from ftpipe_runtime.train.offload import may_lag
 
 from .formulas import ACTIVATIONS_ON_GPU, PRECISIONS, Precision, optimizer_state_elements
 
@@ -307,13 +308,13 @@ def stage_device_sum_bytes(plan, stage) -> int:
 
 def lagged(plan):
     """`plan` with each offloaded stage's step landing at its next S (`Offload.step`
-    "lagged") where its schedule's actions read the weights as they are (FTPipe's: policy
-    `weight_delay` None); every other stage as it is (`--offload-step lagged`)."""
+    "lagged") where its schedule allows it (`may_lag`: FTPipe's); every other stage as it is
+    (`--offload-step lagged`)."""
     policies = plan.policies
     return plan.with_(
         stages=tuple(
             replace(s, offload=replace(s.offload, step="lagged"))
-            if s.offload.optimizer and policies[s.id].weight_delay is None
+            if s.offload.optimizer and may_lag(policies[s.id])
             else s
             for s in plan.stages
         )

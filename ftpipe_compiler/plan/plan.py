@@ -102,6 +102,11 @@ class Plan(spec.Plan):
             total += t.bytes * dests * (2 if t.requires_grad else 1)
         return total
 
+    def weight_owners(self) -> set[int]:
+        """Stages that send one of their parameters to other stages (a tied weight's owner)."""
+        params = {p.name for p in self.params}
+        return {t.producer for t in self.transfers if t.tensor in params}
+
     @functools.cached_property
     def policies(self) -> dict[int, StagePolicy]:
         """What every stage keeps under the plan's schedule."""

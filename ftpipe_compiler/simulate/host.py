@@ -45,6 +45,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ftpipe_runtime.train.offload import may_lag
+
 from ..costs.host import Offload, host_memory, nodes_of, optimizer_times
 from ..plan import Plan
 from ..units import size
@@ -112,11 +114,10 @@ class HostTraffic:
                 self.kept[s.id] = s.input_bytes if recompute else s.act_bytes
         self.policies = policies
         # An offloaded step that lands at its stage's next S (`Offload.step`), where the
-        # stage's actions read the weights as they are (FTPipe's schedule; the runtime's
-        # `ftpipe_runtime.job.prepare._lagged`).
+        # schedule allows it (`may_lag`, as the runtime's `job.prepare._lagged` decides).
         self.lagged = {
             s.id for s in plan.stages
-            if s.offload.lagged and s.id in self.overlap and policies[s.id].weight_delay is None
+            if s.offload.lagged and s.id in self.overlap and may_lag(policies[s.id])
         }  # fmt: skip
         self.split = {a.stage for acts in lists.values() for a in acts if a.kind == "W"}
         # A forward whose stage's next backward is the same micro-batch's keeps its tensors
@@ -186,9 +187,9 @@ class HostTraffic:
         if held is None:
             return None
         k, done = held
-        if a.kind != "S" and a.stage in self.lagged:
-            return None
         if a.kind != "S":
+            if a.stage in self.lagged:
+                return None
             v = self.policies[a.stage].version(a.mb, self.m)
             if v is not None and v <= k:  # runs on a set-aside older version
                 return None
@@ -260,7 +261,7 @@ def overlapped(plan: Plan, synchronous: bool) -> set[int]:
     stages at its step."""
     if plan.replicas > 1:
         return set()
-    owners = {t.producer for t in plan.transfers if t.tensor in {p.name for p in plan.params}}
+    owners = plan.weight_owners()
     sending = {s.gpu for s in plan.stages if s.id in owners} if synchronous else set()
     return {s.id for s in plan.stages if s.offload.optimizer and s.gpu not in sending}
 

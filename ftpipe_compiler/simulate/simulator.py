@@ -162,7 +162,7 @@ def _run(plan: Plan, schedule, micro_batches, steps: int, weights_once: bool, ch
         raise FtpipeError(f"schedule {name}: {e}") from None
     # A weight read by other stages goes once per version of its owner's weights, the
     # micro-batches reading each version counted by the runtime's own ForwardVersions.
-    owners = {t.producer for t in plan.transfers if t.tensor in {p.name for p in plan.params}}
+    owners = plan.weight_owners()
     gpu = {s.id: s.gpu for s in plan.stages}
     versions = {s: ForwardVersions(lists[gpu[s]], s, policies[s], m) for s in owners}
     kept = min(steps, TIMELINE_STEPS)

@@ -336,7 +336,7 @@ class Executor:
         """The set-aside versions a run resumed at `step` needs (a checkpoint saves them); a
         lagged stage whose step has not landed: its weights, one version older than its
         masters (`offload.HostOffload`)."""
-        if self.precision.lags(stage) and self.precision.offload.stepping(stage):
+        if self.precision.lags(stage) and self.precision.offload.pending(stage):
             return {step - 1: dict(self.precision.weights(stage))}
         return {v: self.stash[(stage, v)] for v in self.versions.needed_at(stage, step)}
 

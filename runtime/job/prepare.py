@@ -19,7 +19,7 @@ from ..data.sources import HFExporter
 from ..errors import PipelineConfigError
 from ..freeze.mode import TrainingMode
 from ..stage.package import build_stages, load_init
-from ..train.offload import HostOffload
+from ..train.offload import HostOffload, may_lag
 from ..train.optim import make_optimizer
 from ..train.precision import MixedPrecision
 from ..train.zero import SHARDABLE, ShardedOptimizer
@@ -112,7 +112,7 @@ def _lagged(settled: Settled, offloaded: set[int]) -> frozenset[int]:
     if not chosen:
         return frozenset()
     policies = settled.schedule.policies(topo.stage_infos(), settled.micro_batches)
-    asynchronous = {s for s in chosen if policies[s].weight_delay is None}
+    asynchronous = {s for s in chosen if may_lag(policies[s])}
     if asynchronous != chosen:
         settled.say(
             f"ftpipe: note: under {settled.schedule_name} an offloaded step lands where the "

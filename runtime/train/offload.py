@@ -70,7 +70,7 @@ import torch
 
 from .precision import add_grad
 
-__all__ = ["PHASES", "Clock", "HostOffload"]
+__all__ = ["PHASES", "Clock", "HostOffload", "may_lag"]
 
 # The rank thread's seconds by phase, which the simulator's host model predicts one by one
 # (`ftpipe_compiler.costs.host.optimizer_times`); on CUDA a wait is the time until the copy
@@ -86,6 +86,14 @@ PHASES = {
     "to_device": "new weights' copies issued to the device",
     "upload_wait": "waits for the previous step's weights to reach the device",
 }
+
+
+def may_lag(policy) -> bool:
+    """Can a stage under this schedule policy (`schedules.StagePolicy`) take lagged steps?
+    Only where its actions read the weights as they are (FTPipe's: no pinned version); a
+    flush needs the newest weights at its next forward, and a versioned schedule (2BW,
+    WPipe) already overlaps a whole step exactly."""
+    return policy.weight_delay is None
 
 
 class Clock:
@@ -200,13 +208,14 @@ class HostOffload:
         """(weight, master) pairs: the stepped masters into the device's weights."""
         with self.clock.phase("to_device"):
             for weight, master in pairs:
-                weight.copy_(self._staged(weight, master), non_blocking=self.pinned)
+                new = self._staged(weight, master, self._buffers)
+                weight.copy_(new, non_blocking=self.pinned)
             if self.pinned:
                 done = torch.cuda.Event()
                 done.record()
                 self._uploads[stage] = done
 
-    def _staged(self, weight: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    def _staged(self, weight: torch.Tensor, master: torch.Tensor, held: dict) -> torch.Tensor:
         """The master to copy into `weight`, converted to the weight's dtype here into a host
         buffer (pinned on CUDA), so that the copy back is the link's alone and asynchronous.
         Copied as it is, a pinned fp32 master into a bf16 weight is converted by torch on the
@@ -214,16 +223,18 @@ class HostOffload:
         `copy_kernel_cuda`): the weights' bytes allocated, faulted in and waited for every
         step. A streamed stage's landing buffer (the weight's dtype and shape, idle after
         `settle`) is reused; a stage summing on the device gets one of its own (2 bytes an
-        element in bf16: `costs.host.host_param_bytes`). CPU ranks take the same path."""
+        element in bf16: `costs.host.host_param_bytes`). CPU ranks take the same path.
+        `held`: the buffers to reuse (`_buffers`; an overlapped step's `_staging`, its own:
+        the landing buffers take the next step's gradients while it waits to be copied)."""
         if master.dtype == weight.dtype:
             return master
         key = id(master)
-        buf = self._buffers.get(key)
+        buf = held.get(key)
         if buf is None or buf.dtype != weight.dtype:
             buf = torch.empty(
                 weight.shape, dtype=weight.dtype, device="cpu", pin_memory=self.pinned
             )
-            self._buffers[key] = buf
+            held[key] = buf
         buf.copy_(master)  # the conversion, on the CPU's threads
         return buf
 
@@ -236,7 +247,7 @@ class HostOffload:
             with self.clock.phase("cpu_step"):
                 step()
             with self.clock.phase("to_device"):
-                staged = [(w, self._staged_apart(w, master)) for w, master in pairs]
+                staged = [(w, self._staged(w, master, self._staging)) for w, master in pairs]
             for _, master in pairs:
                 master.grad = None
             return staged
@@ -245,7 +256,7 @@ class HostOffload:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="ftpipe-cpu-step")
         self._inflight[stage] = self._worker.submit(work)
 
-    def stepping(self, stage: int) -> bool:
+    def pending(self, stage: int) -> bool:
         """Is an overlapped step of the stage not landed yet?"""
         return stage in self._inflight or stage in self._ready
 
@@ -264,7 +275,7 @@ class HostOffload:
     def defer(self, stage: int, pairs) -> None:
         """A resumed lagged stage: its weights the older version the checkpoint kept, the
         (weight, master) `pairs`' masters staged to land at its first step."""
-        self._ready[stage] = [(w, self._staged_apart(w, master)) for w, master in pairs]
+        self._ready[stage] = [(w, self._staged(w, master, self._staging)) for w, master in pairs]
 
     @torch.no_grad()
     def land(self, stage: int, *, reading: bool = False) -> None:
@@ -288,21 +299,6 @@ class HostOffload:
     def land_all(self) -> None:
         for stage in {*self._inflight, *self._ready}:
             self.land(stage)
-
-    def _staged_apart(self, weight: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
-        """`_staged`'s conversion into a buffer of its own: an overlapped stage's landing
-        buffers take the next step's gradients while this one waits to be copied."""
-        if master.dtype == weight.dtype:
-            return master
-        key = id(master)
-        buf = self._staging.get(key)
-        if buf is None:
-            buf = torch.empty(
-                weight.shape, dtype=weight.dtype, device="cpu", pin_memory=self.pinned
-            )
-            self._staging[key] = buf
-        buf.copy_(master)
-        return buf
 
     def _add(self, stage: int, master: torch.Tensor, g: torch.Tensor) -> None:
         """`g` into the master's sum; while the stage's step is in flight (it reads `.grad`),

@@ -238,8 +238,7 @@ class MixedPrecision:
     def launch(self, stage: int, step) -> None:
         """The stage's optimizer step `step()` on the host's thread; its weights are updated
         at `land`."""
-        pairs = [(p, master) for _, p, master in self._pairs.get(stage, ())]
-        self._host[stage].launch(stage, step, pairs)
+        self._host[stage].launch(stage, step, self._weights_and_masters(stage))
 
     def land(self, stage: int, *, reading: bool = False) -> None:
         """Before the stage's weights, masters or optimizer state are read: its overlapped
@@ -263,12 +262,14 @@ class MixedPrecision:
 
     def defer(self, stage: int) -> None:
         """A resumed lagged stage: its masters' values land at its first step."""
-        pairs = [(p, master) for _, p, master in self._pairs.get(stage, ())]
-        self._host[stage].defer(stage, pairs)
+        self._host[stage].defer(stage, self._weights_and_masters(stage))
 
     def land_all(self) -> None:
         if self.offload is not None:
             self.offload.land_all()
+
+    def _weights_and_masters(self, stage: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(p, master) for _, p, master in self._pairs.get(stage, ())]
 
     def stepping(self, stage: int):
         """Around the stage's optimizer step: offloaded, it is timed as the CPU's step."""
@@ -403,8 +404,7 @@ class MixedPrecision:
             self.shards[stage].publish()
             return
         if self._host.get(stage) is not None:
-            pairs = [(p, master) for _, p, master in self._pairs.get(stage, ())]
-            self._host[stage].upload(stage, pairs)
+            self._host[stage].upload(stage, self._weights_and_masters(stage))
             return
         for _, p, master in self._pairs.get(stage, ()):
             if master is not p:

@@ -100,7 +100,7 @@ def _overlapped(overlap: bool):
     gate, in_flight = threading.Event(), []
     if overlap:
         mixed.launch(0, lambda: (gate.wait(10), opt.step()))
-        in_flight.append(host.stepping(0))
+        in_flight.append(host.pending(0))
     else:
         opt.step()
         mixed.after_step(0)
@@ -113,7 +113,7 @@ def _overlapped(overlap: bool):
         assert all(torch.equal(a, b) for a, b in zip(untouched, first, strict=True))
         gate.set()
         mixed.land(0)
-        in_flight.append(host.stepping(0))
+        in_flight.append(host.pending(0))
     mixed.settle(0)
     opt.step()
     mixed.after_step(0)
@@ -145,7 +145,7 @@ def test_an_error_on_the_step_thread_is_raised_where_the_step_lands():
     mixed.launch(0, broken)
     with pytest.raises(RuntimeError, match="CPU step failed"):
         mixed.land(0)
-    assert not host.stepping(0)
+    assert not host.pending(0)
 
 
 def test_device_sums_are_made_once_and_land_once_a_step():
