@@ -91,8 +91,12 @@ def measure(work: Path | None = None, shape: dict = SHAPE, shard: str = SHARD) -
         summary = run_package(package.parent, package.name, [*argv, *extra], result,
                               timeout=TIMEOUT_S)  # fmt: skip
         losses[name] = summary["losses"]
-        if extra:  # where the ranks' offloaded steps spent their time (`offload.PHASES`)
-            offloaded = {
+        planned = replace(plan, schedule=schedule)
+        if extra:
+            planned = planned.with_(stages=tuple(
+                replace(s, offload=Offload(optimizer=True)) for s in planned.stages
+            ))  # fmt: skip
+            offloaded = {  # where the ranks' offloaded steps spent their time (`PHASES`)
                 "same_losses_as": schedule,
                 "same_losses": summary["losses"] == losses.get(schedule),
                 "per_step_s": [
@@ -100,11 +104,6 @@ def measure(work: Path | None = None, shape: dict = SHAPE, shard: str = SHARD) -
                     for seconds in summary.get("offload_seconds") or []
                 ],
             }
-        planned = replace(plan, schedule=schedule)
-        if extra:
-            planned = planned.with_(stages=tuple(
-                replace(s, offload=Offload(optimizer=True)) for s in planned.stages
-            ))  # fmt: skip
         for rank in range(GPUS):
             # the runtime's default --post-ahead; on a CPU rank with what it offloads (`host`)
             parts = gpu_memory(planned, rank)
