@@ -76,7 +76,8 @@ def make_executor(
     evals = settled.sources.eval
     if evals is not None:  # its results tagged after every step's loss
         evaluator = Evaluator(topo, place.gpu, modules, comm, evals, place.device, config.steps,
-                              on_eval, synchronous=settled.schedule.synchronous)  # fmt: skip
+                              on_eval, synchronous=settled.schedule.synchronous,
+                              flow=connected.flow, training=executor.acts)  # fmt: skip
         executor.handlers["E"] = evaluator.forward
     if place.reps.count > 1:
         sync = GradSync(mixed, comm, place.reps.stage_group(place.gpu), m)

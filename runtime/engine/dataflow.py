@@ -126,6 +126,22 @@ class Dataflow:
         """The message carrying the version of weight `tensor` that micro-batch `mb` reads."""
         return ("weight", tensor, self.version(tensor, mb))
 
+    def eval_reads(self, tensor: str, j: int) -> int | None:
+        """The training micro-batch whose version of weight `tensor` evaluation batch j's
+        readers on other ranks read, or None: the round sends its own copy. The round's value
+        is the owner's weights just before its forward of the next micro-batch (its round
+        sits there), which is the version that forward sends. Where the readers' last forward
+        read that version too (FTPipe's versions straddle the step a round follows), they
+        hold it through the round, so they read it and no copy crosses: the copy would be one
+        more weight-sized buffer on the owner and on each reader, which the plan's memory
+        does not count. Never at the last round, after everything."""
+        if self.evaluation is None or not self.shared(tensor):
+            return None
+        mb = self.evaluation.after(j)
+        if mb is None or mb - 1 < self.timeline.first * self.micro_batches:
+            return None
+        return mb if self.version(tensor, mb) == self.version(tensor, mb - 1) else None
+
     def slot(self, tensor: str, mb: int) -> tuple[str, int]:
         """What the value of `tensor` micro-batch `mb` reads is kept under: (tensor, mb), or for
         a weight (tensor, -1 - version) (never a micro-batch's number)."""
@@ -170,11 +186,12 @@ class Dataflow:
         steps: dict[int, int] = {}  # step -> this rank's S actions of it so far
         sent: dict[str, int] = {}  # weight -> the last version sent
         for a in self.listed(rank):
-            if a.kind == "E":  # a weight once per round (`evaluate.Rounds.key`)
+            if a.kind == "E":  # a weight once per round (`evaluate.Rounds.key`), or none
                 out = [
                     (dst, key)
                     for t in topo.outputs[a.stage]
                     if (key := self.evaluation.key(t, a.mb)) is not None
+                    and self.eval_reads(t, a.mb) is None
                     for dst in topo.remote_ranks(t)
                 ]
                 yield Planned(a, tuple(out))

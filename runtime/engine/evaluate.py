@@ -17,12 +17,13 @@ An evaluation round is one `E` action (`schedules.KINDS`) per stage and evaluati
 a forward in eval mode (dropout off), under no_grad, that keeps nothing and sends its
 outputs on as ("eval", tensor, batch) messages; a weight read by other stages (a tied
 embedding) goes once per round, as training sends it once per version: the message of the
-round's first batch, kept by its readers for all of the round's batches. On every GPU the
-round after step k sits just before the stage's first forward of step k + 1, so an evaluation needs exactly what that
-forward needs and the lists stay deadlock-free (the validator checks them all the same); under
-a synchronous schedule every stage has then taken step k, under an asynchronous one each stage
-evaluates the weights it holds at that point (a stage that forwards ahead may not have applied
-step k yet), as it trains. The last round comes after everything. The loss stage adds up each
+round's first batch, kept by its readers for all of the round's batches; or not at all where
+its readers hold that value already, for their next forward (`Dataflow.eval_reads`). On
+every GPU the round after step k sits just before the stage's first forward of step k + 1,
+so an evaluation needs exactly what that forward needs and the lists stay deadlock-free (the
+validator checks them all the same); under a synchronous schedule every stage has then taken
+step k, under an asynchronous one each stage evaluates the weights it holds at that point (a
+stage that forwards ahead may not have applied step k yet), as it trains. The last round comes after everything. The loss stage adds up each
 batch's loss weighted by its label tokens (`train.loss_weights.loss_items`: samples for a
 per-sample head) and sends rank 0 [sum, tokens, samples, seconds]: the token-weighted mean
 loss of the evaluation set, whatever its batch size (as the training loss).
@@ -108,10 +109,19 @@ class Rounds:
         return with_evaluation(acts, stages, self.m, self.points, self.batches, self.first)
 
     def key(self, t: str, j: int) -> tuple | None:
-        """An activation every batch; a weight once per round, with its first batch."""
+        """An activation every batch; a weight once per round, with its first batch (none
+        where its readers hold its value already: `Dataflow.eval_reads`)."""
         if self.topo.transfers[t].weight and _round_start(j, self.batches) != j:
             return None
         return ("eval", t, j)
+
+    def after(self, j: int) -> int | None:
+        """The first training micro-batch after evaluation batch j's round (None: the last
+        round, after everything)."""
+        r = j // self.batches
+        if r >= len(self.points) - 1:
+            return None
+        return (self.first + self.points[r] + 1) * self.m
 
 
 class RoundWeights:
@@ -122,8 +132,9 @@ class RoundWeights:
     owner's next step waits for every reader's round (it needs their gradients of the step
     after it), so the parameter itself goes; otherwise a copy (`Outputs._settled`)."""
 
-    def __init__(self, topo, batches: int, synchronous: bool):
+    def __init__(self, topo, batches: int, synchronous: bool, flow=None):
         self.topo, self.batches, self.synchronous = topo, batches, synchronous
+        self.flow = flow  # the run's `Dataflow`: where the readers hold the value already
 
     def shared(self, t: str) -> bool:
         return self.topo.transfers[t].weight
@@ -131,7 +142,11 @@ class RoundWeights:
     def slot(self, t: str, j: int) -> tuple[str, int]:
         return (t, -1 - j // self.batches)
 
-    def weight_key(self, t: str, j: int) -> tuple:
+    def weight_key(self, t: str, j: int) -> tuple | None:
+        """The round's message of weight t; None where its readers on other ranks hold its
+        value already, for their next forward (`Dataflow.eval_reads`): nothing is sent."""
+        if self.flow is not None and self.flow.eval_reads(t, j) is not None:
+            return None
         return ("eval", t, _round_start(j, self.batches))
 
     def uses(self, t: str, rank: int, j: int) -> int:
@@ -229,13 +244,19 @@ class Evaluator:
         tag_base: int,
         on_result=None,
         synchronous: bool = False,
+        flow=None,
+        training: Outputs | None = None,
     ):
         self.topo, self.rank, self.modules, self.comm = topo, rank, modules, comm
         self.data, self.device = data, torch.device(device)
         self.batches = data.micro_batches
         self.tag_base, self.on_result = tag_base, on_result
-        weights = RoundWeights(topo, self.batches, synchronous)
+        weights = RoundWeights(topo, self.batches, synchronous, flow)
         self.outputs = Outputs(topo, rank, comm, "eval", weights)
+        # the run's `Dataflow` and the training forwards' outputs (the executor's `acts`):
+        # a weight version this rank holds for its next forward, read by a round instead of
+        # a copy sent for it (`Dataflow.eval_reads`)
+        self.flow, self.training = flow, training
         # round -> [loss weighted by tokens, tokens, samples, batches]
         self.sums: dict[int, list[float]] = {}
         self.start = time.perf_counter()
@@ -246,7 +267,7 @@ class Evaluator:
         index = j % self.batches
         inputs = {n: self.data.get(n, index).to(self.device) for n in self.topo.model_inputs[s]}
         for t in self.topo.inputs[s]:
-            inputs[t] = self.outputs.take(t, j)
+            inputs[t] = self._input(t, j)
         module = self.modules[s]
         training = module.training
         module.eval()  # dropout off; the RNG stream of training is left as it was
@@ -258,6 +279,14 @@ class Evaluator:
             self.outputs.put(t, j, out[t])
         if s == self.topo.loss_stage:
             self._add(j, out["loss"], loss_items(self.data, index), self.data.weight(index))
+
+    def _input(self, t: str, j: int) -> torch.Tensor:
+        """Input t of evaluation batch j: the round's, or, for a weight of another rank whose
+        version this rank holds for its next forward, that version (nothing was sent)."""
+        mb = self.flow.eval_reads(t, j) if self.flow is not None else None
+        if mb is None or self.topo.rank_of[self.topo.transfers[t].producer] == self.rank:
+            return self.outputs.take(t, j)
+        return self.training.peek(t, mb)
 
     def _add(self, j: int, loss: torch.Tensor, tokens: int, samples: int) -> None:
         r = j // self.batches

@@ -38,12 +38,15 @@ class Outputs:
         if self.put_last.get(t) == slot:  # a weight already sent in this version
             return
         self.put_last[t] = slot
+        remote = self.topo.remote_ranks(t) if key is not None else ()  # None: nothing sent
+        if not (uses or remote):
+            return
         value = value.detach()
         if self.topo.transfers[t].weight and not self._settled():
             value = value.clone()  # the parameter itself: a step could change it meanwhile
         if uses:
             self.held[slot] = [value, uses]
-        for dst in self.topo.remote_ranks(t):
+        for dst in remote:
             self.comm.send(dst, key, value)
 
     def _settled(self) -> bool:
@@ -55,13 +58,22 @@ class Outputs:
         return self.flow is not None and self.flow.synchronous
 
     def take(self, t: str, m: int) -> torch.Tensor:
+        slot, entry = self._entry(t, m)
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.held[slot]
+        return entry[0]
+
+    def peek(self, t: str, m: int) -> torch.Tensor:
+        """The value of t micro-batch m reads, as `take` gives it, its uses left as they are
+        (an evaluation reading the weight version the next forward reads)."""
+        return self._entry(t, m)[1][0]
+
+    def _entry(self, t: str, m: int) -> tuple[tuple, list]:
         slot, key, uses = self._slot(t, m)
         entry = self.held.get(slot)
         if entry is None:
             src = self.topo.rank_of[self.topo.transfers[t].producer]
             value = self.comm.recv(src, key)
             entry = self.held[slot] = [value, uses]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self.held[slot]
-        return entry[0]
+        return slot, entry

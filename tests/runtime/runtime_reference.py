@@ -15,6 +15,7 @@ import torch
 from ftpipe_runtime.data.batches import make_data
 from ftpipe_runtime.models.hf import loss_of as hf_loss
 from ftpipe_runtime.stage.api import run_in_one_process
+from ftpipe_runtime.train.loss_weights import loss_items
 from runtime_toy import STAGES, ToyModel
 from safetensors.torch import load_file
 from torch.func import functional_call
@@ -85,7 +86,7 @@ def train_plain(
 
 def train_stale(
     plan, lists, steps, optimizer="adamw", lr=0.01, seed=0, data=None, stages=None, init=None,
-    lag=0,
+    lag=0, evaluate=None,
 ):  # fmt: skip
     """FTPipe's rule, evaluated lazily: the forward of (stage, mb) uses the stage's weights
     after the steps that precede it in its GPU's action list (stale); a backward recomputes
@@ -98,7 +99,10 @@ def train_stale(
     `lag`: each step's new weights reach the actions only `lag` steps of the stage later (an
     offloaded step that lands at the stage's next S: `--offload-step lagged`), so an action
     after n of its stage's steps reads version max(n - lag, 0) (a dict: per stage).
-    Returns per-step losses and each stage's final weights."""
+    `evaluate`: (an evaluation source, micro-batches): each one's evaluation loss, every
+    stage in eval mode with the weights the forward of that micro-batch reads on it (None:
+    every stage's final weights), the batches' losses weighted by their items.
+    Returns per-step losses and each stage's final weights (and those evaluation losses)."""
     classes = stages or STAGES
     m = plan["micro_batches"]
     source = make_data(plan["model"], data, seed)
@@ -170,7 +174,25 @@ def train_stale(
         sum(float(forward(loss_stage, mb)["loss"]) * w for mb, w in shares(k).items())
         for k in range(steps)
     ]
-    return losses, {s: weights(s, steps) for s in stages}
+    finals = {s: weights(s, steps) for s in stages}
+    if evaluate is None:
+        return losses, finals
+    evals, at = evaluate
+
+    def eval_forward(s, b, mb):
+        params = finals[s] if mb is None else weights(s, v_f[(s, mb)])
+        x = {n: evals.get(n, b) for n in stages[s]["model_inputs"]}
+        x |= {t: eval_forward(transfers[t]["producer"], b, mb)[t] for t in stages[s]["inputs"]}
+        modules[s].eval()
+        with torch.no_grad():
+            return functional_call(modules[s], params, kwargs=x)
+
+    def eval_loss(mb):
+        items = [loss_items(evals, b) for b in range(evals.micro_batches)]
+        total = sum(float(eval_forward(loss_stage, b, mb)["loss"]) * n for b, n in enumerate(items))
+        return total / sum(items)
+
+    return losses, finals, [eval_loss(mb) for mb in at]
 
 
 def _snapshot(module):

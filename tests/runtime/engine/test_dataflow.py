@@ -319,3 +319,21 @@ def test_evaluation_sends_a_tied_weight_once_per_round(schedule):
     ]
     assert [k[2] for k in sent if k[1] == "x0"] == list(range(2 * batches))
     assert _keys(flow, 0, 1).count(("eval", "emb.weight", 1)) == 0
+
+
+def test_an_asynchronous_round_sends_no_copy_of_what_its_readers_hold():
+    """Under FTPipe a version of stage 0's weights straddles the step a round follows: rank
+    1 holds the value the round would send (the version its next forward reads), so only
+    the last round, after everything, sends the embedding."""
+    from ftpipe_runtime.engine.evaluate import Rounds, eval_points
+
+    topo = Topology(toy_plan("two-ranks"))
+    m, steps, batches = 2, 6, 3
+    timeline = Timeline(get_schedule("ftpipe"), topo.stage_infos(), m, steps)
+    rounds = Rounds(topo, m, batches, eval_points(steps, 0, 2), 0)  # after steps 2, 4 and 6
+    flow = Dataflow(topo, timeline, rounds)
+    sent = [key for it in flow.actions(0) if it.action.kind == "E" for _, key in it.sends]
+    assert [k for k in sent if k[1] == "emb.weight"] == [("eval", "emb.weight", 6)]
+    assert [flow.eval_reads("emb.weight", r * batches) for r in range(3)] == [2 * m, 4 * m, None]
+    for mb in (2 * m, 4 * m):
+        assert flow.version("emb.weight", mb) == flow.version("emb.weight", mb - 1)

@@ -120,3 +120,37 @@ def test_ftpipe_loss_falls_on_copy_task(run_pipeline, tmp_path):
     assert codes == [0, 0, 0], ranks.stderr()
     losses = json.loads(log.read_text())["losses"]
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
+
+
+def test_an_evaluation_reads_the_weights_the_next_forward_reads(run_pipeline, tmp_path):
+    """A round mid-run evaluates, on every stage, the weights the forward of the next
+    micro-batch reads there; the last round, after everything, the final weights. The tied
+    embedding's reader holds the version it reads through the round (FTPipe's versions
+    straddle the step the round follows), so no copy of it is sent for the round: a
+    duplicate of the same value, one more embedding-sized buffer on each rank."""
+    from ftpipe_runtime.data.batches import make_data
+    from runtime_toy import B, D, L, V
+
+    plan, steps = toy_plan("two-ranks", "ftpipe"), 4
+    val, log, trace = tmp_path / "val.pt", tmp_path / "log.json", tmp_path / "trace.json"
+    ids = torch.randint(0, V, (6, L), generator=torch.Generator().manual_seed(1))
+    torch.save({"input_ids": ids, "labels": ids}, val)
+    argv = ["--steps", str(steps), "--optimizer", "adam", "--lr", "0.05", "--clip", "0"]
+    argv += ["--eval-data", str(val), "--eval-every", "2", "--log-json", str(log)]
+    argv += ["--trace", str(trace)]
+    codes, ranks = run_pipeline(plan, argv)
+    assert codes == [0, 0], ranks.stderr()
+    evals = make_data(plan["model"], str(val), 0, evaluation=True)
+    m = plan["micro_batches"]
+    losses, _, want = train_stale(
+        plan, _lists(plan, steps), steps, "adam", lr=0.05, evaluate=(evals, [2 * m, None])
+    )
+    summary = json.loads(log.read_text())
+    assert summary["losses"] == pytest.approx(losses, rel=1e-4)
+    assert [e["step"] for e in summary["evals"]] == [2, 4]
+    assert [e["loss"] for e in summary["evals"]] == pytest.approx(want, rel=1e-4)
+    # Rank 0 sends rank 1 h0, x0, keep and h2 for each of the 2 rounds' 3 batches, and the
+    # embedding once: with the last round's first batch.
+    sent = {r["rank"]: r["sent"] for r in json.loads(trace.read_text())["ranks"]}
+    batch = 3 * B * L * D * 4 + B * L * 8  # three fp32 activations and an int64 mask
+    assert sent[0]["eval"] == [2 * 3 * 4 + 1, 2 * 3 * batch + V * D * 4]

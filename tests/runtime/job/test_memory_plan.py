@@ -1,7 +1,7 @@
 """The memory a run uses is what its plan says (issue 32): a Qwen2-shaped model whose tied
 embedding (32,000 x 320, 41 MB) dominates, cut in two (the embedding on rank 0, the LM head
 reading it on rank 1), trains 6 steps with an evaluation of 16 batches every 3 on 2 CPU ranks
-under GPipe and PipeDream-2BW. Each rank's peak, as the runtime reports it (the resident set
+under GPipe, PipeDream-2BW and FTPipe. Each rank's peak, as the runtime reports it (the resident set
 grown since before its stages were built: `ftpipe_runtime.job.report.Memory`), is within 15% of
 the plan's figure for that rank (`ftpipe_compiler.costs.gpu_memory`, with the run's
 --post-ahead), and the evaluation sends the embedding once per round.
@@ -14,6 +14,10 @@ embedding-sized buffers the plan counts, and beside them the fused loss's chunk 
 (a 4 MB log-softmax, a 4 MB softmax a micro-batch) that glibc's heap, kept whole till the
 step's end, did not reuse: 12-27 MB by chance of the layout. They go to a kept buffer now
 (`fused_loss._chunk_buffer`): 238.7-244.1 MiB in 12 runs.
+
+Under FTPipe rank 1 peaked at 270 MiB against 225.4 planned: the round after step 3 sent a
+copy of the embedding (a clone on rank 0, a receive on rank 1) that rank 1 already held, the
+version its next forward reads; now it reads that one (`Dataflow.eval_reads`).
 """
 
 from __future__ import annotations
@@ -86,10 +90,12 @@ def _offloaded(pkg, plan):
     return copy, plan.with_(stages=stages)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "2bw", "gpipe-offload"])
+@pytest.mark.parametrize("schedule", ["gpipe", "2bw", "ftpipe", "gpipe-offload", "ftpipe-offload"])
 def test_each_rank_peaks_within_15_percent_of_its_plan(run_pipeline, package, tmp_path, schedule):
-    """... and with stage 0's masters, AdamW state, gradient sums and landing buffers on the
-    host (`gpipe-offload`: 20 B an element there against 12 beside the weights)."""
+    """... under the default schedule (FTPipe's) too, and with stage 0's masters, AdamW state,
+    gradient sums and landing buffers on the host (`gpipe-offload`: 20 B an element there
+    against 12 beside the weights; `ftpipe-offload`: its CPU step beside the rank's actions,
+    the next step's gradients summed apart meanwhile, +4 B)."""
     pkg, plan, val = package
     if schedule.endswith("-offload"):
         schedule = schedule.removesuffix("-offload")
@@ -103,9 +109,12 @@ def test_each_rank_peaks_within_15_percent_of_its_plan(run_pipeline, package, tm
     assert codes == [0, 0], ranks.stderr()
     summary = json.loads(log.read_text())
     assert [e["step"] for e in summary["evals"]] == [3, 6]
-    # The embedding crosses once per evaluation round, beside the activations (they are small).
+    # The embedding crosses once per evaluation round, beside the activations (they are small);
+    # under FTPipe the round after step 3 reads the version rank 1 holds for its next forward
+    # (its versions straddle the step): only the last round sends it.
     sent = {r["rank"]: r["sent"] for r in json.loads(trace.read_text())["ranks"]}
-    assert EMBEDDING * 2 <= sent[0]["eval"][1] < EMBEDDING * 2.1
+    rounds = 1 if schedule == "ftpipe" else 2
+    assert EMBEDDING * rounds <= sent[0]["eval"][1] < EMBEDDING * (rounds + 0.1)
     planned = replace(plan, schedule=schedule)
     for rank, measured in enumerate(summary["memory_bytes"]):
         want = gpu_memory(planned, rank, post_ahead_bytes=POST_AHEAD_MB * 2**20)
