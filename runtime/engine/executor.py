@@ -211,9 +211,10 @@ class Executor:
         last = self._counted_backward(s)
         split = self.policies[s].split
         # Weights whose gradient, summed over the step, is taken after the rest of the
-        # backward ran; not when split (W runs it) nor with replicas (GradSync sends a
-        # parameter's gradient once it is in, so it must all be in at once).
-        late, alone = [], not split and self.grad_sync is None
+        # backward ran (split: after the rest of W), not beside it: it is weight-sized (a tied
+        # embedding's), and so is its own gradient from this stage. Not with replicas
+        # (GradSync sends a parameter's gradient once it is in, so it must all be in at once).
+        late, alone = [], self.grad_sync is None
         for t in self.topo.outputs[s]:
             if self.topo.transfers[t].grad:
                 if self.flow.shared(t):
@@ -231,7 +232,7 @@ class Executor:
             weights = params.values() if params is not None else self.modules[s].parameters()
             grad_inputs = [inputs[t] for t in self.topo.inputs[s] if self.topo.transfers[t].grad]
             later = backward_input(roots, grads, grad_inputs, list(weights))
-            self.deferred[(s, m)] = (later, params)
+            self.deferred[(s, m)] = (later, params, [(out[t], t) for t in late])
         else:
             if sync is not None:
                 sync.before_backward(s, m)
@@ -248,6 +249,7 @@ class Executor:
                 continue
             x = inputs[t]
             g = x.grad if x.grad is not None else torch.zeros_like(x)
+            x.grad = None  # in the sum now; a split backward's graph keeps x alive till its W
             slot = self.flow.grad_slot(t, m)
             have = self.grads.get(slot)  # ours alone (an earlier x.grad): added to in place
             self.grads[slot] = g if have is None else have.add_(g)
@@ -258,12 +260,14 @@ class Executor:
     def weight(self, i: int, a) -> None:
         if a.stage in self.forward_only:
             return
-        later, params = self.deferred.pop((a.stage, a.mb))
+        later, params, late = self.deferred.pop((a.stage, a.mb))
         sync = self.grad_sync
         if sync is not None:
             sync.before_backward(a.stage, a.mb)
         own = self._owners(a.stage, params)
         backward_weight(later, lambda t, g: self.precision.add_grad(own(t), g))
+        for leaf, t in late:  # a weight read by other stages: theirs, summed over the step
+            self.precision.add_grad(own(leaf), self._gather_grad(t, a.mb))
         if sync is not None:
             sync.after_backward(a.stage, a.mb)
 

@@ -341,9 +341,10 @@ class MixedPrecision:
         s, name, master = self._of[id(weight)]
         if self._host[s] is not None:
             self._host[s].arrive(s, master, g)
-        elif master is weight:  # its own master: out of place, `g` may be held elsewhere
-            weight.grad = g if weight.grad is None else weight.grad + g
         else:
+            # The first copied (`g` may be held elsewhere), the next added in place: out of
+            # place, a split W's or a set-aside version's sum was a third weight-sized tensor
+            # beside the old sum and `g`, which the plan's memory does not count.
             add_grad(master, g)
         self._arrived(s, name)
 
