@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Iterator
+from functools import partial
 
 import torch
 
@@ -200,20 +201,27 @@ def listen_for_losses(
     `executor.on_loss` gathers rank 0's own with the others'. `evals`: the evaluation data
     (None: none), `steps`: the run's."""
     m, loss_rank = micro_batches, topo.rank_of[topo.loss_stage]
+    n = evals.micro_batches if evals is not None else 1
     if reps.count > 1:  # every replica's losses, one step's together
         heads = [reps.rank(r, loss_rank) for r in range(reps.count)]
         gather = LossGather(heads, on_loss)
         executor.on_loss = lambda k, msg: gather.add(k, 0, msg)
+        # the evaluation's results: from rank 0's replica alone (`RunJob.settle`)
+        judge = reps.rank(reps.where(0)[0], loss_rank)
+
+        def expected(kind: str, k: int) -> list:
+            if kind == "eval":
+                return [] if judge == 0 else [(judge, steps + k, 4, partial(on_eval, k))]
+            return [(src, k, m + 1, partial(gather.add, k, src)) for src in heads if src != 0]
+
         messages = (  # made as the listener needs them, from the loss rank's actions
-            (src, k, m + 1, lambda msg, k=k, src=src: gather.add(k, src, msg))
-            for _, k in loss_messages(flow.listed(loss_rank), topo.loss_stage, m, 1)
-            for src in heads
-            if src != 0
+            message
+            for kind, k in loss_messages(flow.listed(loss_rank), topo.loss_stage, m, n)
+            for message in expected(kind, k)
         )
         return comm.listen_losses(messages)
     if loss_rank == 0:
         return None
-    n = evals.micro_batches if evals is not None else 1
     messages = (  # made as the listener needs them, from the loss rank's actions
         (loss_rank, k, m + 1, lambda msg, k=k: on_loss(k, msg))
         if kind == "loss"
@@ -301,7 +309,7 @@ class Evaluator:
         del self.sums[r]
         seconds = time.perf_counter() - self.start
         message = torch.tensor([total[0], total[1], total[2], seconds], dtype=torch.float64)
-        if self.rank != 0:
+        if self.comm.global_rank != 0:
             self.comm.send_loss(self.tag_base + r, message.double().to(self.device))
         elif self.on_result is not None:
             self.on_result(r, message.double())

@@ -30,6 +30,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch.distributed as dist
@@ -182,10 +183,11 @@ class _Run:
         topo = Topology(plan_in(plan, precision))  # messages in compute dtype
         sources = open_sources(plan, config, m, self.say)
         config = config.with_steps(sources.steps)  # --epochs counted on the data
-        if reps.count > 1 and (sources.eval is not None or config.save_hf):
+        if reps.count > 1 and config.save_hf:
             raise PipelineConfigError(
-                "evaluation and --save-hf do not run with data-parallel replicas yet; leave them "
-                "out, or compile the package with --replicas 1"
+                "--save-hf does not run with data-parallel replicas yet; leave it out (export "
+                "a checkpoint afterwards: python -m <package> export), or compile the package "
+                "with --replicas 1"
             )
         first = carried.first if carried else 0
         stop = self.mode.segment_end(first, config.steps, topo.world)
@@ -193,6 +195,8 @@ class _Run:
                         evaluating=sources.eval is not None)  # fmt: skip
         timeline = Timeline(sched, topo.stage_infos(), m, stop, drain_every=config.save_every)
         timeline.check(topo.stage_graph(), _every_step(topo, m, sources.eval))
+        if place.replica != reps.where(0)[0]:  # the replicas hold the same weights: rank 0's
+            sources = replace(sources, eval=None)  # alone evaluates
         root = Path(config.checkpoint_dir or checkpoint.default_dir(plan))
         root = root / carried.name if carried else root  # each plan's checkpoints its own
         identity = checkpoint.run_identity(plan, config, name, m)

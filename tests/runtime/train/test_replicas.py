@@ -69,6 +69,42 @@ def test_two_replicas_train_as_one_process(
     assert {f"rank-{r}.json" for r in range(4)} <= set(files), files
 
 
+@pytest.mark.parametrize("orientation", ["replica", "pipeline"])
+def test_two_replicas_evaluate_as_one_process(run_pipeline, tmp_path, orientation):
+    """With replicas, rank 0's replica evaluates (they hold the same weights): the loss stage
+    of that pipeline (rank 2 or 1) sends each round's result to rank 0, whose log has every
+    round, each the whole model's token-weighted loss on the evaluation set at that step's
+    weights."""
+    from ftpipe_runtime.data.batches import make_data
+    from ftpipe_runtime.train.loss_weights import loss_items
+    from runtime_toy import ToyModel
+
+    plan = replicated("gpipe", orientation)
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.json"
+    data = write_ragged(tmp_path / "ragged.jsonl")
+    val = write_ragged(tmp_path / "val.jsonl", samples=7)
+    run = [*argv("gpipe", "adamw", 1.0, ckpt, log), "--data", data]
+    codes, ranks = run_pipeline(plan, [*run, "--eval-data", val, "--eval-every", "1"])
+    assert codes == [0] * 4, ranks.stderr()
+    check_against_one_process(plan, log, ckpt, "adamw", 1.0, data)
+    whole = {**plan, "micro_batches": plan["replicas"] * plan["micro_batches"]}
+    _, params = train_plain(whole, STEPS, "adamw", lr=0.05, clip=1.0, data=data)
+    evals = make_data(plan["model"], val, 0, evaluation=True)
+    want = []
+    for step in range(STEPS):
+        net = ToyModel()
+        net.load_state_dict(params[step])
+        with torch.no_grad():
+            items = [loss_items(evals, b) for b in range(evals.micro_batches)]
+            losses = [net(**{n: evals.get(n, b) for n in plan["model"]["inputs"]})
+                      for b in range(evals.micro_batches)]  # fmt: skip
+        want.append(sum(float(x) * n for x, n in zip(losses, items)) / sum(items))
+    got = json.loads(log.read_text())["evals"]
+    assert [e["step"] for e in got] == [1, 2, 3]
+    assert [e["samples"] for e in got] == [7] * STEPS  # the set once, not once per replica
+    assert [e["loss"] for e in got] == pytest.approx(want, rel=1e-4)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
