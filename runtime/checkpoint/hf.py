@@ -1,7 +1,7 @@
 """The fine-tuned model as a HuggingFace folder: what `from_pretrained` loads.
 
     write_hf_folder("out", plan, tensors, tokenizer="path/to/model")   # tensors: name -> tensor
-    tensors = gather_tensors(plan, mine, rank, world, device)           # every rank's, on rank 0
+    tensors = gather_tensors(plan, mine, rank, ranks, device)           # every rank's, on rank 0
     export_checkpoint(plan, "checkpoints/t5", step=None, out="out")     # from a checkpoint
 
     python -m <package> export --checkpoint-dir D [--step N] -o DIR      # the command (`main`)
@@ -92,14 +92,16 @@ def owners(plan: dict) -> dict[str, int]:
     return {p["name"]: int(p["stages"][0]) for p in plan["params"] if p.get("stages")}
 
 
-def gather_tensors(plan: dict, mine: dict, rank: int, world: int, device, dtype_of) -> dict | None:
+def gather_tensors(plan: dict, mine: dict, rank: int, ranks, device, dtype_of) -> dict | None:
     """Every stage's tensors on rank 0 (CPU), sent in the plan's order; None elsewhere.
 
-    `mine`: this rank's tensors by name; `dtype_of(param)`: the dtype its owner sends (an
-    fp32 master copy under mixed precision), the same on every rank. All ranks call this."""
-    if world == 1:
+    `mine`: this rank's tensors by name; `ranks`: the job rank of each GPU of the pipeline
+    that sends them (rank 0's: with replicas, one pipeline of them); `dtype_of(param)`: the
+    dtype its owner sends (an fp32 master copy under mixed precision), the same on every
+    rank. Those ranks call this."""
+    if len(ranks) == 1:
         return {k: v.detach().cpu() for k, v in mine.items()}
-    rank_of = {s["id"]: int(s["gpu"]) for s in plan["stages"]}
+    rank_of = {s["id"]: ranks[int(s["gpu"])] for s in plan["stages"]}
     params = {p["name"]: p for p in plan["params"]}
     out: dict = {}
     try:

@@ -5,7 +5,7 @@ the trained model written as a HuggingFace folder.
     sources.train.get("input_ids", mb=3); sources.eval.micro_batches
     exporter = HFExporter(plan, config, ckpt, say)                    # --save-hf
     exporter.after_checkpoint()          # rank 0: export checkpoints every rank has finished
-    exporter.at_end(tensors, rank, world, device, dtype_of)         # gathers, rank 0 writes
+    exporter.at_end(tensors, rank, ranks, device, dtype_of)         # gathers, rank 0 writes
 
 Every rank opens the same files and derives the same order, so nothing is sent to share data.
 Bad data (a missing file or field, an empty file, a text longer than the compiled length) is
@@ -116,9 +116,10 @@ class HFExporter:
                 )  # fmt: skip
                 self.say(f"wrote {out}")
 
-    def at_end(self, tensors: dict, rank: int, world: int, device, dtype_of) -> None:
-        """Every rank: gather the stages' tensors; rank 0 writes the folder."""
-        everything = gather_tensors(self.plan, tensors, rank, world, device, dtype_of)
+    def at_end(self, tensors: dict, rank: int, ranks, device, dtype_of) -> None:
+        """The ranks of rank 0's pipeline (`ranks`: by GPU): gather the stages' tensors; rank
+        0 writes the folder."""
+        everything = gather_tensors(self.plan, tensors, rank, ranks, device, dtype_of)
         if rank == 0:
             self.after_checkpoint()
             write_hf_folder(

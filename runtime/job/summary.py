@@ -46,17 +46,25 @@ def gather_trace(settled: Settled, *, comm: Comm, tracer: Tracer, first: int) ->
 
 
 def save_hf(settled: Settled, prepared: Prepared) -> None:
-    """Every rank sends its tensors, rank 0 writes the HuggingFace folder (--save-hf)."""
+    """The ranks of rank 0's pipeline send their tensors, rank 0 writes the HuggingFace folder
+    (--save-hf). With replicas, which hold the same weights, the others send nothing; a
+    stage whose masters are sharded across them puts them together first, every replica
+    of it taking part (as a checkpoint does)."""
     place, mixed = settled.place, prepared.mixed
     barrier(place.world, "saving the HuggingFace folder")
-    mine = {  # frozen weights too (a checkpoint leaves them out)
-        k: v
-        for s, mod in prepared.modules.items()
-        for k, v in {**mod.state_dict(), **mixed.state_dict(s, mod)}.items()
-    }
+    mine = {}
+    for s, mod in prepared.modules.items():
+        mine.update(mod.state_dict())  # frozen weights too (a checkpoint leaves them out)
+        mine.update(mixed.state_dict(s, mod))
+        if s in mixed.shards:
+            mine.update(prepared.optimizers[s].gather().masters)
+    reps = place.reps
+    ranks = reps.pipeline(reps.where(0)[0])
+    if place.rank not in ranks:
+        return
     traced = settled.plan["model"].get("compute_dtype", "float32")
     prepared.exporter.at_end(
-        mine, place.rank, place.world, place.device, lambda p: mixed.saved_dtype(p, traced)
+        mine, place.rank, ranks, place.device, lambda p: mixed.saved_dtype(p, traced)
     )
 
 

@@ -183,12 +183,6 @@ class _Run:
         topo = Topology(plan_in(plan, precision))  # messages in compute dtype
         sources = open_sources(plan, config, m, self.say)
         config = config.with_steps(sources.steps)  # --epochs counted on the data
-        if reps.count > 1 and config.save_hf:
-            raise PipelineConfigError(
-                "--save-hf does not run with data-parallel replicas yet; leave it out (export "
-                "a checkpoint afterwards: python -m <package> export), or compile the package "
-                "with --replicas 1"
-            )
         first = carried.first if carried else 0
         stop = self.mode.segment_end(first, config.steps, topo.world)
         self.mode.check(sched, name, shrinking=stop < config.steps, config=config,

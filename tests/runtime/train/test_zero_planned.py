@@ -1,7 +1,8 @@
 """A plan whose stages the planner shards (`shard_optimizer` of each plan.json stage, chosen
 by `planner.offload.choose_offload`) in the runtime: the generated package, on 2 replicas x 2
 CPU ranks, keeps each sharded stage's optimizer state halved and ends where the same package
-run with --no-shard-optimizer ends, bit for bit in fp32."""
+run with --no-shard-optimizer ends, bit for bit in fp32, and writes the same HuggingFace
+folder (--save-hf)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def test_a_package_the_planner_sharded_trains_as_the_one_without(run_pipeline, p
         argv = ["--steps", str(STEPS), "--schedule", "1f1b", "--init", str(init),
                 "--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.01",
                 "--save-every", str(STEPS), "--checkpoint-dir", str(ckpt),
-                "--log-json", str(log), *flag]  # fmt: skip
+                "--log-json", str(log), "--save-hf", str(tmp_path / f"{name}-hf"),
+                *flag]  # fmt: skip
         codes, ranks = run_pipeline(plan, argv, name=name, module=pkg.name, cwd=pkg.parent)
         assert codes == [0] * 4, ranks.stderr()
         got[name] = (json.loads(log.read_text()), checkpoint_params(ckpt, STEPS, range(2)))
@@ -61,6 +63,17 @@ def test_a_package_the_planner_sharded_trains_as_the_one_without(run_pipeline, p
     assert weights.keys() == want.keys()
     for key, value in want.items():
         assert torch.equal(weights[key], value), key
+    # --save-hf with replicas: rank 0's pipeline sends, the sharded masters put together
+    # first; both folders hold the checkpoint's weights.
+    from safetensors.torch import load_file
+
+    folders = {n: load_file(tmp_path / f"{n}-hf" / "model.safetensors") for n in got}
+    assert folders["sharded"].keys() == folders["whole"].keys()
+    for key, value in folders["whole"].items():
+        assert torch.equal(folders["sharded"][key], value), key
+        if key in want:
+            assert torch.equal(value, want[key]), key
+    assert set(want) & set(folders["whole"])
     # The plan's choice ran: each rank keeps about half of its stage's AdamW state.
     for rank in range(4):
         ratio = sharded["optimizer_state_bytes"][rank] / whole["optimizer_state_bytes"][rank]
