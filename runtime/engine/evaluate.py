@@ -23,10 +23,12 @@ every GPU the round after step k sits just before the stage's first forward of s
 so an evaluation needs exactly what that forward needs and the lists stay deadlock-free (the
 validator checks them all the same); under a synchronous schedule every stage has then taken
 step k, under an asynchronous one each stage evaluates the weights it holds at that point (a
-stage that forwards ahead may not have applied step k yet), as it trains. The last round comes after everything. The loss stage adds up each
-batch's loss weighted by its label tokens (`train.loss_weights.loss_items`: samples for a
-per-sample head) and sends rank 0 [sum, tokens, samples, seconds]: the token-weighted mean
-loss of the evaluation set, whatever its batch size (as the training loss).
+stage that forwards ahead may not have applied step k yet), as it trains. The last round
+comes after everything. The loss stage adds up each batch's loss weighted by its label tokens
+(`train.loss_weights.loss_items`: samples for a per-sample head) and sends rank 0 [sum,
+tokens, samples, seconds]: the token-weighted mean loss of the evaluation set, whatever its
+batch size (as the training loss). With data-parallel replicas, rank 0's pipeline alone
+evaluates (they hold the same weights; `listen_for_losses` hears its loss stage).
 """
 
 from __future__ import annotations
