@@ -208,27 +208,24 @@ def listen_for_losses(
         heads = [reps.rank(r, loss_rank) for r in range(reps.count)]
         gather = LossGather(heads, on_loss)
         executor.on_loss = lambda k, msg: gather.add(k, 0, msg)
+        take_loss = gather.add  # (step, source, message)
         # the evaluation's results: from rank 0's replica alone (`RunJob.settle`)
         judge = reps.rank(reps.where(0)[0], loss_rank)
-
-        def expected(kind: str, k: int) -> list:
-            if kind == "eval":
-                return [] if judge == 0 else [(judge, steps + k, 4, partial(on_eval, k))]
-            return [(src, k, m + 1, partial(gather.add, k, src)) for src in heads if src != 0]
-
-        messages = (  # made as the listener needs them, from the loss rank's actions
-            message
-            for kind, k in loss_messages(flow.listed(loss_rank), topo.loss_stage, m, n)
-            for message in expected(kind, k)
-        )
-        return comm.listen_losses(messages)
-    if loss_rank == 0:
+    elif loss_rank == 0:
         return None
+    else:
+        heads, judge = [loss_rank], loss_rank
+        take_loss = lambda k, _, msg: on_loss(k, msg)  # noqa: E731
+
+    def expected(kind: str, k: int) -> list:
+        if kind == "eval":
+            return [] if judge == 0 else [(judge, steps + k, 4, partial(on_eval, k))]
+        return [(src, k, m + 1, partial(take_loss, k, src)) for src in heads if src != 0]
+
     messages = (  # made as the listener needs them, from the loss rank's actions
-        (loss_rank, k, m + 1, lambda msg, k=k: on_loss(k, msg))
-        if kind == "loss"
-        else (loss_rank, steps + k, 4, lambda msg, k=k: on_eval(k, msg))
+        message
         for kind, k in loss_messages(flow.listed(loss_rank), topo.loss_stage, m, n)
+        for message in expected(kind, k)
     )
     return comm.listen_losses(messages)
 

@@ -206,9 +206,13 @@ class HostOffload:
     @torch.no_grad()
     def upload(self, stage: int, pairs) -> None:
         """(weight, master) pairs: the stepped masters into the device's weights."""
+        self._copy_up(stage, ((w, self._staged(w, master, self._buffers)) for w, master in pairs))
+
+    def _copy_up(self, stage: int, staged) -> None:
+        """(weight, new value on the host) pairs into the device's weights, asynchronously
+        on CUDA (the copy's event kept: `settle` waits for it before the next step)."""
         with self.clock.phase("to_device"):
-            for weight, master in pairs:
-                new = self._staged(weight, master, self._buffers)
+            for weight, new in staged:
                 weight.copy_(new, non_blocking=self.pinned)
             if self.pinned:
                 done = torch.cuda.Event()
@@ -286,15 +290,8 @@ class HostOffload:
             return
         self.finish(stage)
         staged = self._ready.pop(stage, None)
-        if staged is None:
-            return
-        with self.clock.phase("to_device"):
-            for weight, new in staged:
-                weight.copy_(new, non_blocking=self.pinned)
-            if self.pinned:
-                done = torch.cuda.Event()
-                done.record()
-                self._uploads[stage] = done
+        if staged is not None:
+            self._copy_up(stage, staged)
 
     def land_all(self) -> None:
         for stage in {*self._inflight, *self._ready}:

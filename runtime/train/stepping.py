@@ -12,10 +12,10 @@ precision (`precision.MixedPrecision`) the optimizer steps the fp32 masters and 
 their gradients' copies are waited for at the stage's S, the step runs on the CPU, on a
 thread of the rank beside its next actions, and the weights are copied back where the
 stage's weights are next read: `offload.HostOffload.launch`, not with replicas, whose
-all-reduce sums into the masters' gradients as they arrive); under fp16 the same norm, summed over every
-rank, is the overflow check: not finite anywhere, and every rank skips the step. A weight read by
-several stages has one owner, whose gradient already sums every use (the readers sent theirs
-back), so nothing is summed here. A stage puts its gradients aside at its own S, so
+all-reduce sums into the masters' gradients as they arrive); under fp16 the same norm,
+summed over every rank, is the overflow check: not finite anywhere, and every rank skips the
+step. A weight read by several stages has one owner, whose gradient already sums every use
+(the readers sent theirs back), so nothing is summed here. A stage puts its gradients aside at its own S, so
 backwards of the next step cannot leak into them while the stages it steps with catch up.
 With sharded optimizer state (`zero`) a replica steps its slices of its stages, and the
 norm sums the slices' over the replicas too (`zero.replica_norms`).
