@@ -163,25 +163,28 @@ def gpu_memory_bytes(stages) -> int:
     return held + transient
 
 
-def posted_bytes(sizes, ahead_bytes: int, most: int) -> int:
+def posted_bytes(sizes, ahead_bytes: int, most: int, held=None) -> int:
     """Bytes of receive buffers one source's messages keep posted ahead of need, by the
     runtime's rule (`ftpipe_runtime.engine.comm.Comm.post_ahead`): after each receive the next
     messages are posted while fewer than `ahead_bytes` wait (so one message more than the
     window when it falls short), at most `most` of them. `sizes`: one step's messages in
-    sending order, repeating; the most that waits after any receive."""
+    sending order, repeating; the most that waits after any receive. `held`: what each
+    message's posted buffer holds meanwhile, where not its size (on a CPU a buffer's pages
+    are mapped as its message lands)."""
     n = len(sizes)
     if not n or most < 1:
         return 0
-    stream = [sizes[i % n] for i in range(n + most)]  # every window starting in one step
-    best = waiting = end = 0  # the window [start, end): its end only moves on as its start does
+    held = sizes if held is None else held
+    stream = [(sizes[i % n], held[i % n]) for i in range(n + most)]  # windows starting in a step
+    best = waiting = kept = end = 0  # the window [start, end): its end moves on as its start does
     for start in range(n):
         end = max(end, start)
         while end - start < most and waiting < ahead_bytes:
-            waiting += stream[end]
+            waiting, kept = waiting + stream[end][0], kept + stream[end][1]
             end += 1
-        best = max(best, waiting)
+        best = max(best, kept)
         if end > start:
-            waiting -= stream[start]
+            waiting, kept = waiting - stream[start][0], kept - stream[start][1]
     return best
 
 

@@ -19,14 +19,16 @@ it, each by the rule of the runtime code that holds it:
   runtime holds the activations and gradients a step sends until its step (`comm.Comm.settle`;
   two steps' under an asynchronous schedule, with the previous step's weight gradient);
 - receive buffers posted ahead of need, per source `formulas.posted_bytes` of one step's
-  messages (`comm.Comm.post_ahead`, `--post-ahead`);
+  messages (`comm.Comm.post_ahead`, `--post-ahead`); on a CPU rank a synchronous schedule's
+  next weights land only where the version they replace goes;
 - with replicas, a flat copy of every trainable gradient for their all-reduce
   (`replicas.GradSync`); where a stage shards its optimizer state (`zero`), the flat copy
   its reduce-scatter reads and the 1/replicas chunk it lands in (the all-gather of the new
   weights after the step, at most two buckets at once, comes after those are let go);
 - during a backward, autograd's gradient of the largest tensor before it is added into its sum
   (in the tensor's dtype; a stage on a set-aside version makes the new sum beside the old,
-  `executor._collect`), and under mixed precision its fp32 copy (the hook of `precision`);
+  `executor._collect`; a stage reading it twice holds both its gradients, `Stage.reread`),
+  and under mixed precision its fp32 copy (the hook of `precision`);
 - the device's reserve (`formulas.MemoryReserve`): context, a communicator per process group
   (one per directed pair of GPUs that exchange messages, and the job's own), fragmentation;
 - where the device is the host (a CPU rank: `Host.device_is_host`), what its stages offload
@@ -105,11 +107,18 @@ def gpu_memory(
     wgrads = [t.bytes for t in read if t.requires_grad]
     # Autograd's gradient of one tensor, in its own dtype, before it is added into its sum;
     # a stage running on a set-aside version adds it to the weights' gradient out of place
-    # (`executor._collect`): the sum is made beside the old one.
-    temps = [view.params[n].bytes for s in mine for n in s.params if view.params[n].trainable]
+    # (`executor._collect`): the sum is made beside the old one. A stage reading a weight
+    # twice holds both its gradients before adding one into the other.
+    reread = {n for s in mine for n in s.reread}
     aside = any(policies[s.id].weight_delay for s in mine)
-    largest = max(temps, default=0) * (2 if aside else 1)
-    largest = max([largest, *wgrads])
+    own = [
+        view.params[n].bytes * (2 if aside or n in reread else 1)
+        for s in mine
+        for n in s.params
+        if view.params[n].trainable
+    ]
+    got = [t.bytes * (2 if t.tensor in reread else 1) for t in read if t.requires_grad]
+    largest = max([*own, *got], default=0)
     tensors = GpuMemory(
         stages=int(stages),
         received_weights=copies,
@@ -233,32 +242,42 @@ class MemoryView:
         return 2 * (per_step + clones) + wgrads
 
     def posted(self, gpu: int, ahead_bytes: int) -> int:
-        """Receive buffers posted ahead on `gpu`, all its sources together (`posted_bytes`)."""
+        """Receive buffers posted ahead on `gpu`, all its sources together (`posted_bytes`).
+        Where the device is the host, a buffer holds memory once its message lands; under a
+        synchronous schedule the next step's weights land after the readers' last backward
+        of the step, where the version they replace is let go: never beside it at the peak."""
         key = (gpu, ahead_bytes)
         if key not in self._posted:
+            later = self.synchronous and self.plan.host.device_is_host
             self._posted[key] = sum(
-                posted_bytes(sizes, ahead_bytes, POST_AHEAD_MESSAGES)
+                posted_bytes(
+                    [size for size, _ in sizes],
+                    ahead_bytes,
+                    POST_AHEAD_MESSAGES,
+                    held=[0 if later and version else size for size, version in sizes],
+                )
                 for sizes in self.messages_to(gpu).values()
             )
         return self._posted[key]
 
-    def messages_to(self, gpu: int) -> dict[int, list[int]]:
-        """Per source GPU: the sizes of one step's messages to `gpu`, in sending order."""
-        one: dict[int, list[int]] = {}  # each micro-batch sends the same, in the same order
+    def messages_to(self, gpu: int) -> dict[int, list[tuple[int, bool]]]:
+        """Per source GPU: one step's messages to `gpu` in sending order, (bytes, is it a
+        weight version)."""
+        one: dict[int, list[tuple[int, bool]]] = {}  # each micro-batch sends the same
         for t in self.activations:  # activations down
             if gpu in self.dests(t):
-                one.setdefault(self.gpu_of[t.producer], []).append(t.bytes)
+                one.setdefault(self.gpu_of[t.producer], []).append((t.bytes, False))
         for t in self.activations:  # their gradients back
             if t.requires_grad and not self.remote(t, gpu):
                 for src in self.dests(t):
-                    one.setdefault(src, []).append(t.bytes)
+                    one.setdefault(src, []).append((t.bytes, False))
         out = {src: sizes * self.m for src, sizes in one.items()}
         for t in self.weights:  # a weight once per version, its gradient once per step
             if gpu in self.dests(t):
-                out.setdefault(self.gpu_of[t.producer], []).append(t.bytes)
+                out.setdefault(self.gpu_of[t.producer], []).append((t.bytes, True))
             if t.requires_grad and not self.remote(t, gpu):
                 for src in self.dests(t):
-                    out.setdefault(src, []).append(t.bytes)
+                    out.setdefault(src, []).append((t.bytes, False))
         return out
 
     def communicators(self, gpu: int) -> int:

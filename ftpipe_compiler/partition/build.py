@@ -7,6 +7,7 @@ Every partitioner ends here, so the figures of competing plans are computed one 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 
 from ftpipe_runtime.schedules import StageInfo, with_chunks
@@ -168,6 +169,7 @@ def _stages(problem: Problem, cut: _Cut) -> list[Stage]:
             p for p in dict.fromkeys(p for n in nodes for p in n.params) if readers[p][0] == s
         )
         owned = [p for p, r in readers.items() if r[0] == s]
+        reads = Counter(p for n in nodes for p in n.params)
         stages.append(
             Stage(
                 id=s,
@@ -191,6 +193,7 @@ def _stages(problem: Problem, cut: _Cut) -> list[Stage]:
                 + sum(input_bytes[x] for x in model_inputs),
                 act_bytes=sum(n.act_bytes for n in nodes),
                 copies=tuple(mine),
+                reread=tuple(p for p, k in reads.items() if k > 1),
                 step_s=optimizer_step_s(
                     (problem.static_bytes[p] for p in owned if trainable[p]), problem.hardware
                 ),

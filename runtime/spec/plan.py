@@ -147,6 +147,9 @@ class Stage:
     # train/zero.py; the compiler's planner/offload.py chooses it, never with
     # `offload.optimizer`); --shard-optimizer / --no-shard-optimizer override it.
     shard_optimizer: bool = False
+    # Weights (its own or received) its nodes read more than once (T5's decoder embeds and
+    # predicts with one): its backward holds two of their gradients before adding them.
+    reread: tuple[str, ...] = ()
 
     def sharded_over(self, replicas: int) -> int:
         """Replicas its masters and optimizer state are cut among (1: whole on each)."""

@@ -26,10 +26,10 @@ chunk costs ~10 kernel launches and a GPU streams 256 MB in well under a millise
 tokens of a 128k vocabulary in fp32 (4 GB of logits) are 16 chunks, not 512, for one 256 MB
 temporary at a time.
 
-On a CPU the logits, the weight's gradient and a chunk's (log-)softmax live in buffers kept
-from one micro-batch to the next (`_Buffers`): torch's CPU allocator maps each block above 32
-MB afresh, and zeroing fresh pages was a quarter of a 2-rank run's CPU time on the benchmark
-model (`perf`, clear_page_erms); with the buffers the head stage's actions spend ~1 ms in the
+On a CPU the logits, the weight's gradient (of a stage's own parameter: `_weight_gradient`)
+and a chunk's (log-)softmax live in buffers kept from one micro-batch to the next
+(`_Buffers`): torch's CPU allocator maps each block above 32 MB afresh, and zeroing fresh
+pages was a quarter of a 2-rank run's CPU time on the benchmark model (`perf`, clear_page_erms); with the buffers the head stage's actions spend ~1 ms in the
 kernel (were 20-50 ms). A chunk's temporary came from glibc's heap, which a run keeps whole
 between optimizer steps (`job.cpu_allocator.keep_heap`): the forward's and the backward's,
 freed among smaller blocks, were not always reused, so the heap grew within a step: a 2-rank
@@ -210,13 +210,14 @@ def _wanted(ctx, i: int) -> bool:
 
 class _HeadLoss(torch.autograd.Function):
     """Product and cross-entropy in one node (on a CPU), its big tensors in kept buffers: the
-    logits, and the weight's gradient (`_Buffers`). Each side's product runs only when the
+    logits, and an own parameter's gradient (`_Buffers`). Each side's product runs only when the
     running backward wants it (`_wanted`): a split backward's B computes the input's, W the
     weight's."""
 
     @staticmethod
     def forward(ctx, x2, weight, bias, t, ignore_index, logits_dtype):
         z = _logits(x2, weight, bias)
+        ctx.pooled = isinstance(weight, torch.nn.Parameter)
         return _keep_loss(ctx, z, t, ignore_index, logits_dtype, x2, weight)
 
     @staticmethod
@@ -226,11 +227,24 @@ class _HeadLoss(torch.autograd.Function):
         if ctx.needs_input_grad[0] and _wanted(ctx, 0):
             gx = torch.mm(g, weight.to(g.dtype))
         if ctx.needs_input_grad[1] and _wanted(ctx, 1):
-            gw = _buffers.take(weight.shape[0], weight.shape[1], g.dtype, g.device)
-            torch.mm(g.T, x2.to(g.dtype), out=gw)
+            gw = _weight_gradient(g, x2, ctx.pooled)
         if ctx.needs_input_grad[2] and _wanted(ctx, 2):
             gb = g.sum(0)
         return gx, gw, gb, None, None, None
+
+
+def _weight_gradient(g, x2, pooled: bool) -> torch.Tensor:
+    """g.T @ x2, into a kept buffer where the weight is a stage's own parameter (autograd
+    takes the product as its `.grad` or adds it there in place). Not for a weight received
+    from another stage (a tied embedding): its gradient is summed apart over the step, and
+    where the stage reads it twice (T5's decoder embeds and predicts with it) autograd adds
+    the two gradients in place only if nothing else holds their memory; a kept buffer is
+    held by the pool too, so the sum was made beside them: one more weight-sized tensor at the
+    stage's peak (1.29 x its plan on a 2-rank T5, 1.08 now)."""
+    if not pooled:
+        return torch.mm(g.T, x2.to(g.dtype))
+    gw = _buffers.take(g.shape[1], x2.shape[1], g.dtype, g.device)
+    return torch.mm(g.T, x2.to(g.dtype), out=gw)
 
 
 def _meta(x, weight, bias, target, ignore_index=-100, logits_dtype=None):

@@ -14,6 +14,7 @@ from ftpipe_runtime.engine.comm import POST_AHEAD_BYTES, POST_AHEAD_MESSAGES
 from ftpipe_compiler.cli import cli
 from ftpipe_compiler.costs.formulas import MemoryReserve, posted_bytes
 from ftpipe_compiler.costs.gpu_memory import gpu_memory
+from ftpipe_compiler.costs.host import Host
 from ftpipe_compiler.errors import FtpipeError
 from ftpipe_compiler.plan import Plan, PlanParam, Stage, Transfer
 from ftpipe_compiler.simulate import simulate
@@ -103,6 +104,38 @@ def test_replicas_mixed_precision_and_asynchronous_schedules_add_their_buffers()
     # NCCL lets each send go as it completes: only 2BW's copies of emb remain.
     nccl = replace(two, reserve=RESERVE)
     assert (gpu_memory(nccl, 0).sends, gpu_memory(nccl, 1).sends) == (E, 0)
+
+
+def test_a_stage_reading_a_weight_twice_holds_both_its_gradients():
+    """T5's decoder embeds and predicts with the tied weight: its backward holds the head's
+    gradient of it and the embedding's before adding them (measured: 1.29 x the plan on a
+    2-rank T5 counting one, tests/runtime/job/test_memory_plan.py)."""
+    plan = tied_plan()
+    once = gpu_memory(plan, 1).transient
+    twice = replace(plan, stages=(plan.stages[0], replace(plan.stages[1], reread=("emb",))))
+    assert (once, gpu_memory(twice, 1).transient) == (E, 2 * E)
+    assert gpu_memory(twice, 0).transient == E  # the owner reads it once
+    # On the owner's stage: its own parameter, read twice there.
+    own = replace(plan, stages=(replace(plan.stages[0], reread=("emb",)), plan.stages[1]))
+    assert gpu_memory(own, 0).transient == 2 * E
+
+
+def test_on_a_cpu_rank_the_next_weights_land_where_the_old_go():
+    """A posted receive on a CPU holds memory once its message lands. Under GPipe the next
+    step's `emb` lands after the reader's last backward, where the version it replaces is
+    let go: counted once (`received_weights`), not again as posted. Its gradient to the
+    owner, and 2BW's next version (sent while the reader's backwards run), still count."""
+    cpu = Host(device_is_host=True)
+    ahead = 1000
+    plan = tied_plan(host=cpu)
+    # The most waiting: three h (the window, 1000 bytes, full); before, two h and emb.
+    assert gpu_memory(plan, 1, post_ahead_bytes=ahead).posted == 3 * H
+    assert gpu_memory(plan, 0, post_ahead_bytes=ahead).posted == 2 * H + E  # emb's gradient
+    two = tied_plan(host=cpu, schedule="2bw")
+    assert gpu_memory(two, 1, post_ahead_bytes=ahead).posted == 2 * H + E
+    # What is posted is still the runtime's window: the same messages, by their sizes.
+    assert posted_bytes([H, E], 500, 64, held=[H, 0]) == H
+    assert posted_bytes([H, E], 500, 64) == H + E
 
 
 def test_a_plan_that_fit_before_has_less_headroom_and_may_not_fit():

@@ -43,6 +43,10 @@ def test_readers_on_two_gpus_one_owner_and_a_transfer_of_the_weight(seed):
     assert [(t.producer, t.consumers, t.bytes, t.requires_grad) for t in sent] == [
         (0, (1,), tied.bytes, True)
     ]
+    # Each stage reads it once: no stage holds two of its gradients (`Stage.reread`).
+    assert [s.reread for s in plan.stages] == [(), ()]
+    one = build_plan(make_problem(graph, gpus=1), dict.fromkeys(graph.node, 0), {0: 0}, "test")
+    assert one.stages[0].reread == ("tied",)
     # Every parameter in exactly one stage.
     owned = [p for s in plan.stages for p in s.params]
     assert sorted(owned) == sorted(p.name for p in plan.params if p.stages)
