@@ -55,8 +55,9 @@ SHARD = "200MB"  # 988 MB of bf16 weights: 5 shards
 # (schedule, the run's options): the last keeps every stage's masters and AdamW state in
 # host memory, the CPU step beside the stage's actions on the older version (2BW), which on
 # a CPU rank is the same memory: planned, the GPU's part and the host's
-# (GPipe, a flush: tests/runtime/job/test_memory_plan.py, and here until 2026-11-29: 0.963
-# and 0.869; a fourth case would take the bench past 19 minutes.)
+# (GPipe, a flush: tests/runtime/job/test_memory_plan.py, and here until 2026-11-29; a
+# fourth case would take the bench past 19 minutes. Run with this file's CASES set to gpipe,
+# 1f1b and zb1p on 2026-11-29: 0.961 / 0.964, 0.964 / 0.983, 1.048 / 0.920.)
 CASES = (("ftpipe", ()), ("2bw", ()), ("2bw", ("--offload-optimizer",)))
 # 2bw's peak is step 4's (its second weight version beside the state the evaluation left)
 GPUS, STEPS, EVERY = 2, 4, 3

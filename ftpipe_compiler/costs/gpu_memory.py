@@ -19,8 +19,8 @@ it, each by the rule of the runtime code that holds it:
   runtime holds the activations and gradients a step sends until its step (`comm.Comm.settle`;
   two steps' under an asynchronous schedule, with the previous step's weight gradient);
 - receive buffers posted ahead of need, per source `formulas.posted_bytes` of one step's
-  messages (`comm.Comm.post_ahead`, `--post-ahead`); on a CPU rank a synchronous schedule's
-  next weights land only where the version they replace goes;
+  messages (`comm.Comm.post_ahead`, `--post-ahead`); on a CPU rank the next weights land
+  where the version they replace goes, unless their owner runs ahead (`MemoryView.lands_late`);
 - with replicas, a flat copy of every trainable gradient for their all-reduce
   (`replicas.GradSync`); where a stage shards its optimizer state (`zero`), the flat copy
   its reduce-scatter reads and the 1/replicas chunk it lands in (the all-gather of the new
@@ -242,27 +242,23 @@ class MemoryView:
         return 2 * (per_step + clones) + wgrads
 
     def posted(self, gpu: int, ahead_bytes: int) -> int:
-        """Receive buffers posted ahead on `gpu`, all its sources together (`posted_bytes`).
-        Where the device is the host, a buffer holds memory once its message lands; under a
-        synchronous schedule the next step's weights land after the readers' last backward
-        of the step, where the version they replace is let go: never beside it at the peak."""
+        """Receive buffers posted ahead on `gpu`, all its sources together (`posted_bytes`)."""
         key = (gpu, ahead_bytes)
         if key not in self._posted:
-            later = self.synchronous and self.plan.host.device_is_host
             self._posted[key] = sum(
                 posted_bytes(
                     [size for size, _ in sizes],
                     ahead_bytes,
                     POST_AHEAD_MESSAGES,
-                    held=[0 if later and version else size for size, version in sizes],
+                    held=[0 if late else size for size, late in sizes],
                 )
                 for sizes in self.messages_to(gpu).values()
             )
         return self._posted[key]
 
     def messages_to(self, gpu: int) -> dict[int, list[tuple[int, bool]]]:
-        """Per source GPU: one step's messages to `gpu` in sending order, (bytes, is it a
-        weight version)."""
+        """Per source GPU: one step's messages to `gpu` in sending order, (bytes, does its
+        posted buffer stay empty through the peak: `lands_late`)."""
         one: dict[int, list[tuple[int, bool]]] = {}  # each micro-batch sends the same
         for t in self.activations:  # activations down
             if gpu in self.dests(t):
@@ -274,11 +270,21 @@ class MemoryView:
         out = {src: sizes * self.m for src, sizes in one.items()}
         for t in self.weights:  # a weight once per version, its gradient once per step
             if gpu in self.dests(t):
-                out.setdefault(self.gpu_of[t.producer], []).append((t.bytes, True))
+                out.setdefault(self.gpu_of[t.producer], []).append((t.bytes, self.lands_late(t)))
             if t.requires_grad and not self.remote(t, gpu):
                 for src in self.dests(t):
                     out.setdefault(src, []).append((t.bytes, False))
         return out
+
+    def lands_late(self, t) -> bool:
+        """Does weight t's next version, posted for on its readers' GPUs, hold no memory
+        there through their peak? Where the device is the host a buffer's pages are mapped
+        as its message lands, and unless its owner runs ahead on a pinned delay (2BW,
+        WPipe: the next version comes while the readers still work on the older), the owner
+        sends it after its step, after the readers' backward of the step's last micro-batch,
+        where the version it replaces is let go (measured: tests/runtime/job/
+        test_memory_plan.py). A GPU's caching allocator holds the buffer from the post."""
+        return self.plan.host.device_is_host and not self.plan.policies[t.producer].weight_delay
 
     def communicators(self, gpu: int) -> int:
         """Process groups this GPU is in: one per directed pair it exchanges messages in

@@ -1,5 +1,5 @@
 """The memory a run uses is what its plan says (issue 32): a Qwen2-shaped model whose tied
-embedding (32,000 x 320, 41 MB) dominates, cut in two (the embedding on rank 0, the LM head
+embedding (32,000 x 640, 82 MB) dominates, cut in two (the embedding on rank 0, the LM head
 reading it on rank 1), trains 6 steps with an evaluation of 16 batches every 3 on 2 CPU ranks
 under GPipe, PipeDream-2BW and FTPipe. Each rank's peak, as the runtime reports it (the resident set
 grown since before its stages were built: `ftpipe_runtime.job.report.Memory`), is within 15% of
@@ -28,7 +28,9 @@ peaked at 1.24-1.42 x on rank 1: the plan counted one gradient of it at a time, 
 holds two before adding them (`Stage.reread`), and the fused head's, in a pooled buffer,
 made autograd's sum out of place. Without the pool for a received weight the Qwen2 model's
 rank 1 fell to 0.85 x under GPipe: the plan counted the next step's embedding posted ahead,
-which on a CPU takes memory only when it lands, after the old one is let go (`posted`).
+which on a CPU takes memory only when it lands, after the old one is let go
+(`MemoryView.lands_late`). Those figures are of the model at 320 wide (41 MB embedding);
+at 640 every rank of these runs measured 0.955-1.061 x its plan.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from ftpipe_compiler.plan import Plan  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
-VOCAB, HIDDEN = 32_000, 320
+VOCAB, HIDDEN = 32_000, 640  # at 320 a rank's fixed ~20 MB (heap, libraries) was 14% of rank 1
 EMBEDDING = VOCAB * HIDDEN * 4
 POST_AHEAD_MB = 16  # one embedding-sized message posted ahead (the default would post several)
 EVAL_SAMPLES = 32  # 16 batches of tiny-lm's 2 sequences of 16 tokens
