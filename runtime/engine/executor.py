@@ -56,6 +56,7 @@ import torch
 from ..errors import PipelineConfigError
 from ..schedules import Versions
 from ..stage.frozen import forward_only_stages
+from ..stage.fused_loss import pooled_weight_gradients, release_idle_gradients
 from ..train.loss_weights import LossWeights
 from ..train.precision import MixedPrecision, get_precision
 from .act_offload import ActivationOffload
@@ -129,6 +130,7 @@ class Executor:
             self.now = item
             if item.action.kind == "E":  # evaluation reads the weights themselves
                 self.precision.land(item.action.stage, reading=True)
+                release_idle_gradients()  # idle beside the round's copy of the weights
             with self.tracer.action(item.action):
                 self.handlers[item.action.kind](i, item.action)
             if after is not None:
@@ -371,10 +373,11 @@ class Executor:
         }
 
     def _call(self, s: int, params, inputs: dict):
-        if params is None:  # the weights themselves: an overlapped step of the stage lands
-            self.precision.land(s, reading=True)
-            return self.modules[s](**inputs)
-        return torch.func.functional_call(self.modules[s], params, args=(), kwargs=inputs)
+        with pooled_weight_gradients(s not in self.topo.reread):
+            if params is None:  # the weights themselves: an overlapped step of the stage lands
+                self.precision.land(s, reading=True)
+                return self.modules[s](**inputs)
+            return torch.func.functional_call(self.modules[s], params, args=(), kwargs=inputs)
 
     @contextlib.contextmanager
     def _seeded(self, stage: int, mb: int):

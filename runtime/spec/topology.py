@@ -84,6 +84,7 @@ class Topology:
         self.offload_activations = frozenset(s.id for s in plan.stages if s.offload.activations)
         self.sums_on_device = frozenset(s.id for s in plan.stages if s.offload.sums_on_device)
         self.lagged = frozenset(s.id for s in plan.stages if s.offload.lagged)
+        self.reread = frozenset(s.id for s in plan.stages if s.reread)  # a weight read twice
         params = {p.name for p in plan.params}
         self.transfers = {t.tensor: _transfer(t, params) for t in plan.transfers}
         self.stage_ids = tuple(self.rank_of)

@@ -26,11 +26,11 @@ chunk costs ~10 kernel launches and a GPU streams 256 MB in well under a millise
 tokens of a 128k vocabulary in fp32 (4 GB of logits) are 16 chunks, not 512, for one 256 MB
 temporary at a time.
 
-On a CPU the logits, the weight's gradient (of a stage's own parameter: `_weight_gradient`)
-and a chunk's (log-)softmax live in buffers kept from one micro-batch to the next
-(`_Buffers`): torch's CPU allocator maps each block above 32 MB afresh, and zeroing fresh
-pages was a quarter of a 2-rank run's CPU time on the benchmark model (`perf`, clear_page_erms); with the buffers the head stage's actions spend ~1 ms in the
-kernel (were 20-50 ms). A chunk's temporary came from glibc's heap, which a run keeps whole
+On a CPU the logits, the weight's gradient (`_weight_gradient`) and a chunk's (log-)softmax
+live in buffers kept from one micro-batch to the next (`_Buffers`): torch's CPU allocator
+maps each block above 32 MB afresh, and zeroing fresh pages was a quarter of a 2-rank run's
+CPU time on the benchmark model (`perf`, clear_page_erms); with the buffers the head stage's
+actions spend ~1 ms in the kernel (were 20-50 ms). A chunk's temporary came from glibc's heap, which a run keeps whole
 between optimizer steps (`job.cpu_allocator.keep_heap`): the forward's and the backward's,
 freed among smaller blocks, were not always reused, so the heap grew within a step: a 2-rank
 PipeDream-2BW loss stage, at its peak (the step's last backward, the next weight version
@@ -41,9 +41,18 @@ already.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-__all__ = ["CHUNK_BYTES", "chunk_bytes", "linear_cross_entropy", "register"]
+__all__ = [
+    "CHUNK_BYTES",
+    "chunk_bytes",
+    "linear_cross_entropy",
+    "pooled_weight_gradients",
+    "register",
+    "release_idle_gradients",
+]
 
 # Bytes of logits the loss reads at a time, by device type; others take the GPU's.
 CHUNK_BYTES = {
@@ -91,6 +100,12 @@ class _Buffers:
                 return anchor.view(rows, cols)
         held.append(torch.empty(rows * cols, dtype=dtype))
         return held[-1].view(rows, cols)
+
+    def release_idle(self) -> None:
+        for held in self.held.values():
+            held[:] = [
+                a for a in held if torch._C._storage_Use_Count(a.untyped_storage()._cdata) > 2
+            ]
 
 
 _buffers = _Buffers()
@@ -210,14 +225,14 @@ def _wanted(ctx, i: int) -> bool:
 
 class _HeadLoss(torch.autograd.Function):
     """Product and cross-entropy in one node (on a CPU), its big tensors in kept buffers: the
-    logits, and an own parameter's gradient (`_Buffers`). Each side's product runs only when the
+    logits, and the weight's gradient (`_Buffers`). Each side's product runs only when the
     running backward wants it (`_wanted`): a split backward's B computes the input's, W the
     weight's."""
 
     @staticmethod
     def forward(ctx, x2, weight, bias, t, ignore_index, logits_dtype):
         z = _logits(x2, weight, bias)
-        ctx.pooled = isinstance(weight, torch.nn.Parameter)
+        ctx.pooled = _pooling[0]
         return _keep_loss(ctx, z, t, ignore_index, logits_dtype, x2, weight)
 
     @staticmethod
@@ -234,17 +249,42 @@ class _HeadLoss(torch.autograd.Function):
 
 
 def _weight_gradient(g, x2, pooled: bool) -> torch.Tensor:
-    """g.T @ x2, into a kept buffer where the weight is a stage's own parameter (autograd
-    takes the product as its `.grad` or adds it there in place). Not for a weight received
-    from another stage (a tied embedding): its gradient is summed apart over the step, and
-    where the stage reads it twice (T5's decoder embeds and predicts with it) autograd adds
-    the two gradients in place only if nothing else holds their memory; a kept buffer is
-    held by the pool too, so the sum was made beside them: one more weight-sized tensor at the
-    stage's peak (1.29 x its plan on a 2-rank T5, 1.08 now)."""
+    """g.T @ x2, on a CPU into a kept buffer (`_gradients`) unless the stage reads the weight
+    elsewhere too (`pooled_weight_gradients`)."""
     if not pooled:
         return torch.mm(g.T, x2.to(g.dtype))
-    gw = _buffers.take(g.shape[1], x2.shape[1], g.dtype, g.device)
+    gw = _gradients.take(g.shape[1], x2.shape[1], g.dtype, g.device)
     return torch.mm(g.T, x2.to(g.dtype), out=gw)
+
+
+# The weight's gradient in a kept buffer: a weight-sized block mapped afresh each backward
+# cost the head stage of the runtime benchmark's even split 32 ms of kernel time per
+# backward (zeroing its pages), 1 ms pooled. Apart from the logits' pool, so that an
+# evaluation can let its idle buffers go (`release_idle_gradients`).
+_gradients = _Buffers()
+_pooling = [True]
+
+
+@contextlib.contextmanager
+def pooled_weight_gradients(pooled: bool):
+    """Around a stage's forward (the executor's): may its LM head keep the weight's gradient
+    in a kept buffer? Not where the stage reads that weight twice (`Stage.reread`: T5's
+    decoder embeds and predicts with its tied embedding): autograd adds two gradients of one
+    tensor in place only if nothing else holds their memory, and the pool does, so their sum
+    was made beside them, one weight-sized tensor more at the stage's peak (a 2-rank T5's
+    rank 1 at 1.29 x its plan, 1.08 without)."""
+    before, _pooling[0] = _pooling[0], pooled
+    try:
+        yield
+    finally:
+        _pooling[0] = before
+
+
+def release_idle_gradients() -> None:
+    """Let the kept weight-gradient buffers that nothing uses go (the executor, before an
+    evaluation: idle, they would sit beside its copy of the weights and raise the rank's
+    peak; the next backward maps one afresh)."""
+    _gradients.release_idle()
 
 
 def _meta(x, weight, bias, target, ignore_index=-100, logits_dtype=None):

@@ -26,11 +26,14 @@ rank 1) after the B had added it into the sum; 1.03 and 1.08 now.
 A T5 whose decoder stage reads the tied embedding twice (it embeds and predicts with it)
 peaked at 1.24-1.42 x on rank 1: the plan counted one gradient of it at a time, the backward
 holds two before adding them (`Stage.reread`), and the fused head's, in a pooled buffer,
-made autograd's sum out of place. Without the pool for a received weight the Qwen2 model's
-rank 1 fell to 0.85 x under GPipe: the plan counted the next step's embedding posted ahead,
-which on a CPU takes memory only when it lands, after the old one is let go
-(`MemoryView.lands_late`). Those figures are of the model at 320 wide (41 MB embedding);
-at 640 every rank of these runs measured 0.955-1.061 x its plan.
+made autograd's sum out of place (not pooled there now: `fused_loss.pooled_weight_gradients`).
+Where the head's gradient was not pooled at all, the Qwen2 model's rank 1 fell to 0.85 x
+under GPipe: the plan counted the next step's embedding posted ahead, which on a CPU takes
+memory only when it lands, after the old one is let go (`MemoryView.lands_late`); the
+pool's idle buffers had filled that place, and beside an evaluation's copy of the weights
+raised the peak (let go before an evaluation now: `release_idle_gradients`). Those figures
+are of the model at 320 wide (41 MB embedding); at 640 every rank of these runs, Qwen2 and
+T5 under gpipe, 1f1b, zb1p, ftpipe and 2bw, measured 0.986-1.086 x its plan.
 """
 
 from __future__ import annotations
@@ -163,7 +166,7 @@ def test_a_stage_reading_the_weight_twice_keeps_the_promise(run_pipeline, t5, tm
     """It holds both the weight's gradients before adding them (`Stage.reread`). Rank 1
     peaked at 1.29 x its plan under GPipe, 1.24 under FTPipe and 1.42 under 2BW while the
     plan counted one, and the fused head kept its gradient of the received weight in a
-    pooled buffer, so autograd made their sum beside them (`fused_loss._weight_gradient`)."""
+    pooled buffer, so autograd made their sum beside them (`pooled_weight_gradients`)."""
     pkg, plan, val = t5
     summary, _ = _run(run_pipeline, pkg, val, tmp_path, schedule)
     _within_15_percent(summary, replace(plan, schedule=schedule))

@@ -169,9 +169,9 @@ def test_off_a_cpu_the_product_is_torchs_own_and_a_split_backward_runs_it_once()
 
 def test_buffers_are_reused_once_their_graph_and_gradient_are_gone():
     """The logits' buffer of one micro-batch serves the next once its backward ran and its
-    graph was dropped; a parameter's gradient buffer stays busy while it is the `.grad`."""
+    graph was dropped; the weight's gradient buffer stays busy while it is the `.grad`, and
+    once idle an evaluation lets it go (`release_idle_gradients`)."""
     x, w, _, t = _inputs(torch.float32, bias=False)
-    w = torch.nn.Parameter(w.detach())
     held = fused_loss._buffers.held
     logits = held.setdefault((x.numel() // WIDTH * VOCAB, torch.float32), [])
     first = linear_cross_entropy(x, w, None, t, -100, torch.float32)
@@ -183,35 +183,41 @@ def test_buffers_are_reused_once_their_graph_and_gradient_are_gone():
     del first, second
     third = linear_cross_entropy(x, w, None, t, -100, torch.float32)
     assert len(logits) == count  # an idle one reused
-    grads = held[(VOCAB * WIDTH, torch.float32)]
+    grads = fused_loss._gradients.held[(VOCAB * WIDTH, torch.float32)]
     assert any(g.data_ptr() == w.grad.data_ptr() for g in grads)  # .grad is one, kept busy
     before = w.grad.clone()
     third.backward()
     torch.testing.assert_close(w.grad, before * 1.5, rtol=1e-5, atol=1e-6)
+    del third
+    fused_loss.release_idle_gradients()
+    assert [g.data_ptr() for g in grads] == [w.grad.data_ptr()]  # the busy one stays
+    w.grad = None
+    fused_loss.release_idle_gradients()
+    assert grads == []
 
 
-def test_a_received_weight_read_twice_has_its_gradients_summed_in_place():
-    """A weight that is not the stage's parameter (a tied embedding received from its owner)
-    gets its gradient in memory of its own: where the stage reads it twice (T5's decoder
-    embeds with it too), autograd adds the other gradient into it in place, so no third
-    weight-sized tensor is made (a pooled buffer is held by the pool too: the sum went
-    beside it)."""
+def test_a_weight_read_twice_has_its_gradients_summed_in_place():
+    """Where the stage reads the weight elsewhere too (`Stage.reread`: T5's decoder embeds
+    with its tied embedding), the executor has the head make the weight's gradient outside
+    the pool (`pooled_weight_gradients(False)`), and autograd adds the embedding's into it in
+    place. In a kept buffer, held by the pool too, their sum was made beside them: one more
+    weight-sized tensor."""
     x, w, _, t = _inputs(torch.float32, bias=False)
     ids = torch.randint(0, VOCAB, TOKENS, generator=torch.Generator().manual_seed(3))
-    pooled = fused_loss._buffers.held.get((VOCAB * WIDTH, torch.float32), [])
-    count = len(pooled)
-    summed, head = [], []
-    w.register_hook(lambda g: summed.append(g.data_ptr()))
-    loss = linear_cross_entropy(x + F.embedding(ids, w), w, None, t, -100, torch.float32)
-    node = loss.grad_fn  # the op's own backward: (input, weight, bias, ...) gradients out
-    node.register_hook(lambda grads, _: head.append(grads[1].data_ptr()))
-    loss.backward()
-    assert len(pooled) == count  # nothing taken from the pool
-    assert summed == head  # the embedding's gradient added into the head's, in place
     x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    reference = _unfused(x2 + F.embedding(ids, w2), w2, None, t, torch.float32)
-    reference.backward()
-    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-5, atol=1e-6)
+    _unfused(x2 + F.embedding(ids, w2), w2, None, t, torch.float32).backward()
+    for pooled in (False, True):
+        w.grad = None
+        summed, head = [], []
+        hook = w.register_hook(lambda g: summed.append(g.data_ptr()))
+        with fused_loss.pooled_weight_gradients(pooled):
+            loss = linear_cross_entropy(x + F.embedding(ids, w), w, None, t, -100, torch.float32)
+        # The op's own backward node: its second output is the weight's gradient.
+        loss.grad_fn.register_hook(lambda grads, _: head.append(grads[1].data_ptr()))
+        loss.backward()
+        hook.remove()
+        assert (summed == head) is not pooled  # the head's gradient took the embedding's in
+        torch.testing.assert_close(w.grad, w2.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_a_backward_asking_for_one_side_runs_one_product():
