@@ -209,11 +209,11 @@ def test_a_weight_read_twice_has_its_gradients_summed_in_place():
     for pooled in (False, True):
         w.grad = None
         summed, head = [], []
-        hook = w.register_hook(lambda g: summed.append(g.data_ptr()))
+        hook = w.register_hook(lambda g, summed=summed: summed.append(g.data_ptr()))
         with fused_loss.pooled_weight_gradients(pooled):
             loss = linear_cross_entropy(x + F.embedding(ids, w), w, None, t, -100, torch.float32)
         # The op's own backward node: its second output is the weight's gradient.
-        loss.grad_fn.register_hook(lambda grads, _: head.append(grads[1].data_ptr()))
+        loss.grad_fn.register_hook(lambda grads, _, head=head: head.append(grads[1].data_ptr()))
         loss.backward()
         hook.remove()
         assert (summed == head) is not pooled  # the head's gradient took the embedding's in
