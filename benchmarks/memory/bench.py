@@ -57,7 +57,7 @@ SHARD = "200MB"  # 988 MB of bf16 weights: 5 shards
 # a CPU rank is the same memory: planned, the GPU's part and the host's
 # (GPipe, a flush: tests/runtime/job/test_memory_plan.py, and here until 2026-11-29; a
 # fourth case would take the bench past 19 minutes. Run with this file's CASES set to gpipe,
-# 1f1b and zb1p on 2026-11-29: 0.961 / 0.966, 0.962 / 0.981, 1.049 / 1.022.)
+# 1f1b and zb1p on 2026-11-29: 0.961 / 0.966, 0.962 / 0.981, 1.049 / 0.923.)
 CASES = (("ftpipe", ()), ("2bw", ()), ("2bw", ("--offload-optimizer",)))
 # 2bw's peak is step 4's (its second weight version beside the state the evaluation left)
 GPUS, STEPS, EVERY = 2, 4, 3

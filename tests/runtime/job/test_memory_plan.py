@@ -35,8 +35,8 @@ pool's idle buffers had filled that place, and beside an evaluation's copy of th
 raised the peak (let go before an evaluation now: `release_idle_gradients`). Those figures
 are of the model at 320 wide (41 MB embedding). At 480 wide one run measured 0.878-1.090
 x the plan on every rank of these cases (the least: gpipe-offload's rank 0, whose host part
-the plan over-counts: not yet found); at 640 wide, Qwen2 and T5 under gpipe, 1f1b, zb1p and
-2bw, 0.990-1.086.
+the plan over-counts: not yet found); at 640 wide, Qwen2 and T5 under gpipe, 1f1b and 2bw,
+0.990-1.060.
 """
 
 from __future__ import annotations
