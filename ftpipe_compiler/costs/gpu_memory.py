@@ -282,11 +282,11 @@ class MemoryView:
         as its message lands, and under a synchronous schedule the owner sends it after its
         step, which waits for the readers' gradient of the step's last micro-batch: after
         their last backward, where the version it replaces is let go (not where they split
-        it: zb1p's rank 1 measured 1.15 x a plan leaving it out, under load). Under an asynchronous
-        one it may land before the readers' peak, or after: timing (FTPipe's rank 1 of
-        tests/runtime/job/test_memory_plan.py measured 0.89 and 1.02 x a plan counting it,
-        1.07 and 1.22 x one that did not); counted. A GPU's caching allocator holds the
-        buffer from the post."""
+        it: zb1p's rank 1 measured 1.15 x a plan leaving it out, under load). Under an
+        asynchronous one it may land before the readers' peak, or after: timing (FTPipe's
+        rank 1 of tests/runtime/job/test_memory_plan.py measured 0.89 and 1.02 x a plan
+        counting it, 1.07 and 1.22 x one that did not); counted. A GPU's caching allocator
+        holds the buffer from the post."""
         if not (self.plan.host.device_is_host and self.synchronous):
             return False
         # A split backward sends the readers' gradient at their last B, and their W work

@@ -30,9 +30,10 @@ On a CPU the logits, the weight's gradient (`_weight_gradient`) and a chunk's (l
 live in buffers kept from one micro-batch to the next (`_Buffers`): torch's CPU allocator
 maps each block above 32 MB afresh, and zeroing fresh pages was a quarter of a 2-rank run's
 CPU time on the benchmark model (`perf`, clear_page_erms); with the buffers the head stage's
-actions spend ~1 ms in the kernel (were 20-50 ms). A chunk's temporary came from glibc's heap, which a run keeps whole
-between optimizer steps (`job.cpu_allocator.keep_heap`): the forward's and the backward's,
-freed among smaller blocks, were not always reused, so the heap grew within a step: a 2-rank
+actions spend ~1 ms in the kernel (were 20-50 ms). A chunk's temporary came from glibc's
+heap, which a run keeps whole between optimizer steps (`job.cpu_allocator.keep_heap`): the
+forward's and the backward's, freed among smaller blocks, were not always reused, so the
+heap grew within a step: a 2-rank
 PipeDream-2BW loss stage, at its peak (the step's last backward, the next weight version
 in), held 12-27 MB of free heap beside its tensors, by chance of the layout. Off a CPU
 (`_LogitsLoss`) the product is torch's own recorded op: a caching allocator reuses blocks
@@ -80,12 +81,12 @@ def _chunks(tokens: int, vocab: int, itemsize: int, device):
 class _Buffers:
     """Logits- and weight-sized CPU buffers kept for the next micro-batch. torch's CPU
     allocator hands large blocks back to the OS when freed (above 2 MB: job/cpu_allocator),
-    and each new one costs the kernel a page fault per page (on a VM whose host takes freed memory back, 20-60 ms per
-    51 MB). A buffer is free again when nothing but this pool holds its storage: its autograd
-    graph is gone, the gradient accumulated from it no longer a parameter's `.grad`. So the
-    pool holds as many per shape as were alive at once (a GPipe stage: one per micro-batch
-    in flight, what the step's peak held anyway). Other devices allocate as usual: their
-    caching allocators already reuse blocks."""
+    and each new one costs the kernel a page fault per page (on a VM whose host takes freed
+    memory back, 20-60 ms per 51 MB). A buffer is free again when nothing but this pool
+    holds its storage (`_idle`): its autograd graph is gone, the gradient accumulated from it
+    no longer a parameter's `.grad`. So the pool holds as many per shape as were alive at
+    once (a GPipe stage: one per micro-batch in flight, what the step's peak held anyway).
+    Other devices allocate as usual: their caching allocators already reuse blocks."""
 
     def __init__(self) -> None:
         self.held: dict[tuple, list[torch.Tensor]] = {}
@@ -95,17 +96,21 @@ class _Buffers:
             return torch.empty(rows, cols, dtype=dtype, device=device)
         held = self.held.setdefault((rows * cols, dtype), [])
         for anchor in held:
-            # The anchor and the storage object asked for: 2 references when idle.
-            if torch._C._storage_Use_Count(anchor.untyped_storage()._cdata) == 2:
+            if _idle(anchor):
                 return anchor.view(rows, cols)
         held.append(torch.empty(rows * cols, dtype=dtype))
         return held[-1].view(rows, cols)
 
     def release_idle(self) -> None:
+        """Drop the buffers nothing but the pool holds (the next `take` maps one afresh)."""
         for held in self.held.values():
-            held[:] = [
-                a for a in held if torch._C._storage_Use_Count(a.untyped_storage()._cdata) > 2
-            ]
+            held[:] = [a for a in held if not _idle(a)]
+
+
+def _idle(anchor: torch.Tensor) -> bool:
+    """Does nothing but the pool hold this buffer's storage? The anchor and the storage
+    object asked for: 2 references when idle."""
+    return torch._C._storage_Use_Count(anchor.untyped_storage()._cdata) == 2
 
 
 _buffers = _Buffers()
