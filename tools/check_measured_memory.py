@@ -26,7 +26,7 @@ MB = 1e6
 
 def child(args: list[str]) -> None:
     """Run the CLI in this process and print what its memory did, as JSON."""
-    from ftpipe_runtime.job.report import peak_resident_bytes
+    from ftpipe_runtime.job.memory import peak_resident_bytes
 
     from ftpipe_compiler.cli import cli
     from ftpipe_compiler.graph.opgraph import OpGraph

@@ -15,7 +15,7 @@ stages' weights, gradients, optimizer state and activations; the tied weight's c
 gradient on the reader; sends held; receive buffers posted ahead; a backward's largest
 gradient; the device's reserve). Measured: the runtime's own report (`--log-json`'s
 `memory_bytes`: the resident set grown since before the rank built its stages,
-`ftpipe_runtime.job.report.Memory`), with the whole resident set beside it. Target (issue 32):
+`ftpipe_runtime.job.memory.Memory`), with the whole resident set beside it. Target (issue 32):
 every rank within 15% of its plan.
 
 Sequences of 128 tokens, 2 micro-batches of 1 per step: the memory is the weights' (16 bytes a

@@ -44,7 +44,7 @@ from dataclasses import replace
 import torch
 from ftpipe_runtime.errors import WriteFailed
 from ftpipe_runtime.job.device import use_tf32
-from ftpipe_runtime.job.report import peak_resident_bytes, resident_bytes
+from ftpipe_runtime.job.memory import peak_resident_bytes, resident_bytes
 from tqdm import tqdm
 
 from ..errors import FtpipeError, unknown

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..job.cpu_allocator import release_free_heap
-from ..job.report import memory_meter
+from ..job.memory import memory_meter
 from ..train.replicas import GradSync
 from ..train.stepping import Stepper
 from .act_offload import of_run

@@ -26,7 +26,7 @@ from ..train.zero import SHARDABLE, ShardedOptimizer
 from .config import RunConfig
 from .context import Prepared, Settled
 from .device import use_tf32
-from .report import memory_meter
+from .memory import memory_meter
 from .runlog import RunLog
 
 __all__ = ["lr_changes", "prepare_rank", "sharded_stages"]
@@ -55,7 +55,7 @@ def prepare_rank(settled: Settled) -> Prepared:
             wandb=config.wandb, config=config.to_dict(),
         )  # fmt: skip
     runlog = carried.runlog if carried else runlog
-    memory_meter(str(place.device))  # started before any stage exists: what they add counts
+    memory_meter(str(place.device), dtype=precision.dtype)  # before any stage: what they add counts
     use_tf32(place.device, config.tf32)
     modules = build_stages(topo, settled.stage_classes, gpu, place.device, precision.dtype)
     if config.init:

@@ -4,7 +4,6 @@ progress = Progress(enabled=rank == 0, steps=100, first=0, samples_per_step=32)
 progress.loss(step, loss_shares)   # logs "step 3/100  loss 4.1234  lr ... eta ..."
 progress.grad_norm(step, squared_norm)        # where the run computed the global norm
 progress.close()
-memory_meter("cpu").peaks()                   # {"allocated": bytes, "reserved": bytes}
 
 A step's figures (`Progress.figures`): loss, learning rate, gradient norm (before clipping;
 only where the step computes the norm over the whole pipeline: a synchronous schedule
@@ -25,9 +24,7 @@ from __future__ import annotations
 
 import collections
 import datetime
-import functools
 import logging
-import resource
 import sys
 import threading
 from dataclasses import dataclass
@@ -38,13 +35,10 @@ from tqdm import tqdm
 from .logs import LOGGER
 
 __all__ = [
-    "Memory",
     "Progress",
     "Rates",
     "checksums",
     "human_bytes",
-    "memory_meter",
-    "resident_bytes",
 ]
 
 
@@ -232,84 +226,6 @@ def _to_host(t: torch.Tensor) -> tuple[torch.Tensor, object]:
         ready = torch.cuda.Event()
         ready.record()
     return host, ready
-
-
-class Memory:
-    """This rank's peak memory, as the plan counts it ("allocated") and as the device sees
-    it ("reserved"), in bytes:
-
-        memory = Memory(device)        # before any stage is built
-        memory.peaks()                 # {"allocated": ..., "reserved": ...}
-
-    On CUDA, torch's caching allocator says both: the peak of live tensors and of what it
-    holds from the driver (tensors plus its cache and fragmentation). On the CPU no
-    allocator counts tensors, so the process's resident set does: "reserved" is its peak
-    (the interpreter and libraries included), "allocated" that peak less the resident set
-    when this meter started, before any stage was built: what the run's stages, optimizer
-    state, activations and messages added, the figure a plan's memory model predicts. Torch
-    loads much of itself only when first asked (the first optimizer imports torch._dynamo:
-    ~70 MB resident; the first matrix product, backward and step ~15 MB more), so the meter
-    asks first and starts after: those are the process's, not the run's."""
-
-    def __init__(self, device):
-        self.device = torch.device(device)
-        if self.device.type == "cuda":
-            self.baseline = 0
-            return
-        _load_lazy_parts()
-        self.baseline = resident_bytes()
-
-    def peaks(self) -> dict[str, int]:
-        if self.device.type == "cuda":
-            return {
-                "allocated": int(torch.cuda.max_memory_allocated(self.device)),
-                "reserved": int(torch.cuda.max_memory_reserved(self.device)),
-            }
-        peak = peak_resident_bytes()
-        return {"allocated": max(0, peak - self.baseline), "reserved": peak}
-
-
-def _load_lazy_parts() -> None:
-    """One tiny training step: what torch loads on first use is loaded now."""
-    from ..train.optim import make_optimizer
-
-    w = torch.nn.Parameter(torch.zeros(8, 8))
-    optimizer = make_optimizer("adamw", [w], 1e-3)
-    x = torch.ones(2, 8)
-    torch.nn.functional.cross_entropy(x @ w, torch.zeros(2, dtype=torch.long)).backward()
-    optimizer.step()
-
-
-@functools.cache
-def memory_meter(device: str) -> Memory:
-    """This process's meter for `device`, started at the first call: a run makes it before
-    its first stage is built (`prepare.prepare_rank`); a later plan's stages (freeze
-    training) count from the same start."""
-    return Memory(device)
-
-
-def resident_bytes() -> int:
-    """The process's resident set now (Linux: /proc; elsewhere its peak so far)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
-    except (OSError, ValueError, IndexError):
-        return peak_resident_bytes()
-
-
-def peak_resident_bytes() -> int:
-    """The process's peak resident set. Linux: /proc's VmHWM, this program's own; getrusage's
-    ru_maxrss is not: a child started by fork or vfork and exec keeps its parent's peak at
-    that moment (torchrun's agent, or pytest holding a GB, made a rank "peak" at theirs)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB; bytes on macOS
-    return peak if sys.platform == "darwin" else peak * 1024
 
 
 CHECKSUM_CHUNK = 2**20  # elements: the float64 copy a checksum makes at a time (8 MiB)

@@ -11,7 +11,7 @@ Rank 0 writes the JSON lines (one object per line: kind, step, figures; `--log-j
 else `log.jsonl` in `--log-dir`), the scalars `train/*`, `eval/*` to TensorBoard
 (`--tensorboard DIR`, else `tensorboard/` in `--log-dir`) and to Weights & Biases
 (`--wandb PROJECT`; WANDB_MODE=offline keeps the run on disk for `wandb sync`); every rank
-writes its own peak memory (`report.Memory`: allocated and reserved) under
+writes its own peak memory (`memory.Memory`: allocated and reserved) under
 `<tensorboard>/rank-<r>`. The JSON-lines file is rewritten whole through the atomic writer,
 at most every `flush_s` seconds and at the end, so a crash leaves the previous complete
 file. TensorBoard and wandb are optional packages: asked for by name (`--tensorboard`,
@@ -130,7 +130,7 @@ class RunLog:
             self.flush()
 
     def memory(self, step: int, peaks: dict[str, int]) -> None:
-        """This rank's peak memory so far (`report.Memory.peaks`), as scalars of its own
+        """This rank's peak memory so far (`memory.Memory.peaks`), as scalars of its own
         TensorBoard run: memory/allocated_GiB, memory/reserved_GiB."""
         if self.board is not None:
             for what, n in peaks.items():

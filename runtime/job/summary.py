@@ -18,8 +18,9 @@ import torch.distributed as dist
 from ..atomic import write_atomic
 from ..engine.trace import write_trace
 from ..train.optim import state_bytes
+from .memory import memory_meter
 from .ranks import all_gather, barrier
-from .report import checksums, human_bytes, memory_meter
+from .report import checksums, human_bytes
 
 if TYPE_CHECKING:
     from ..engine.comm import Comm
@@ -96,7 +97,7 @@ def finish(
         "samples_per_s": progress.samples_per_s(),
         "steady_samples_per_s": progress.steady_samples_per_s(),
         # Per rank: the peak the plan predicts (CUDA: allocated; CPU: resident set grown
-        # since before the stages were built), and what the device held (report.Memory).
+        # since before the stages were built), and what the device held (memory.Memory).
         "memory_bytes": [e["memory"]["allocated"] for e in everyone],
         "memory_reserved_bytes": [e["memory"]["reserved"] for e in everyone],
         "dtype": config.dtype,

@@ -57,10 +57,11 @@ from .config import RunConfig
 from .context import Built, Connected, Prepared, Settled
 from .liveness import INTERRUPTED, TERMINATED, die
 from .logs import LOGGER, sayer, setup_logging
+from .memory import memory_meter
 from .options import parse_args
 from .prepare import lr_changes, prepare_rank
 from .ranks import Place, agree_to_start, all_gather, barrier, fault_of
-from .report import Progress, Rates, memory_meter
+from .report import Progress, Rates
 from .signals import Terminated, catch_sigterm
 from .summary import finish, gather_trace, save_hf
 

@@ -2,7 +2,7 @@
 embedding (32,000 x 480, 61 MB) dominates, cut in two (the embedding on rank 0, the LM head
 reading it on rank 1), trains 6 steps with an evaluation of 16 batches every 3 on 2 CPU ranks
 under GPipe, PipeDream-2BW and FTPipe. Each rank's peak, as the runtime reports it (the resident set
-grown since before its stages were built: `ftpipe_runtime.job.report.Memory`), is within 15% of
+grown since before its stages were built: `ftpipe_runtime.job.memory.Memory`), is within 15% of
 the plan's figure for that rank (`ftpipe_compiler.costs.gpu_memory`, with the run's
 --post-ahead), and the evaluation sends the embedding once per round.
 
