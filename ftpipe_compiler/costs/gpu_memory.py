@@ -27,14 +27,15 @@ it, each by the rule of the runtime code that holds it:
   weights after the step, at most two buckets at once, comes after those are let go);
 - during a backward, autograd's gradient of the largest tensor before it is added into its sum
   (in the tensor's dtype; a stage on a set-aside version makes the new sum beside the old,
-  `executor._collect`; a stage reading it twice holds both its gradients, `Stage.reread`),
-  and under mixed precision its fp32 copy (the hook of `precision`);
+  `executor._collect`; a stage reading it twice holds both its gradients, `Stage.reread`);
+  under mixed precision the hook adds it into its fp32 sum with no fp32 copy of it
+  (`precision.add_into`);
 - the device's reserve (`formulas.MemoryReserve`): context, a communicator per process group
   (one per directed pair of GPUs that exchange messages, and the job's own), fragmentation;
 - where the device is the host (a CPU rank: `Host.device_is_host`), what its stages offload
   (`host.stage_host_bytes`): the same memory. A stage that offloads its optimizer keeps no
   master or state here, no gradient sum unless it sums them on the device
-  (`Offload.sums_on_device`), and makes no fp32 copy of a gradient here.
+  (`Offload.sums_on_device`).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class GpuMemory:
     sends: int  # messages sent, held until delivered
     posted: int  # receive buffers posted ahead of need
     replicas: int  # flat gradient copies for the replicas' all-reduce
-    transient: int  # one backward's gradient of the largest tensor (and its fp32 copy)
+    transient: int  # one backward's gradient of the largest tensor, before it is summed
     reserve: int  # context, communicators, fragmentation
     host: int = 0  # offloaded, where the device is the host (a CPU rank): the same memory
 
@@ -126,7 +127,7 @@ def gpu_memory(
         sends=view.sends(gpu, held=plan.reserve.sends_held),
         posted=view.posted(gpu, post_ahead_bytes),
         replicas=view.replica_buffers(mine),
-        transient=largest + view.master_copy(mine),
+        transient=largest,
         reserve=0,
         host=sum(stage_host_bytes(plan, s, in_flight[s.id] if in_flight else None) for s in mine)
         if plan.host.device_is_host
@@ -199,22 +200,6 @@ class MemoryView:
 
     def grad_bytes(self, p) -> int:
         return grad_bytes(p, self.precision)
-
-    def master_copy(self, stages) -> int:
-        """Mixed precision: the fp32 copy of the largest 16-bit gradient the hook makes (on
-        the host where the stage offloads its optimizer)."""
-        if not self.precision.master:
-            return 0
-        return max(
-            (
-                p.bytes * 4 // self.precision.weight
-                for s in stages
-                if not s.offload.optimizer
-                for p in (self.params[n] for n in s.params)
-                if p.trainable and p.dtype == self.precision.compute
-            ),
-            default=0,
-        )
 
     def sends(self, gpu: int, held: bool) -> int:
         """Messages sent and not yet let go (`comm.Comm`): the copies of each weight version

@@ -96,18 +96,16 @@ class Problem:
     def memory(self) -> int:
         """What the partitioners may fill with their stages on one GPU: its capacity less the
         device's reserve (a GPU exchanging messages with two neighbours both ways), the largest
-        gradient a backward makes before adding it in (with its fp32 copy under mixed
-        precision), and the receive buffers two neighbours' messages keep posted (at most the
+        gradient a backward makes before adding it in, and the receive buffers two neighbours' messages keep posted (at most the
         runtime's window of the largest ones). The plan then counts its own communicators and
         buffers (`Plan.gpu_memory`); where a GPU is over, the partitioners cut again within
         the room the plan left it (partition/fit.py); what does not fit then is no plan."""
         pairs = min(4, 2 * (self.gpus - 1))
         usable = self.hardware.memory_reserve.usable(self.capacity, pairs + 1)
         largest = max((w for w, s in self.param_split.values() if s), default=0)
-        fp32_copy = 4 * largest // self.precision.weight if self.precision.master else 0
         message = max((n.out_bytes for n in self.graph.nodes), default=0)
         posted = min(2, self.gpus - 1) * min(POST_AHEAD_BYTES, POST_AHEAD_MESSAGES * message)
-        return max(0, usable - largest - fp32_copy - posted)
+        return max(0, usable - largest - posted)
 
     def memory_said(self) -> str:
         """`memory` as printed: '10.6 GiB (11.0 GiB less the device's reserve)'."""

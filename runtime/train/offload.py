@@ -68,7 +68,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .precision import add_grad
+from .precision import add_grad, add_into
 
 __all__ = ["PHASES", "Clock", "HostOffload", "may_lag"]
 
@@ -308,7 +308,7 @@ class HostOffload:
         if have is None:
             apart[id(master)] = (master, g.to(master.dtype, copy=True))
         else:
-            have[1].add_(g)
+            add_into(have[1], g)
 
     def forget(self, master: torch.Tensor) -> None:
         """A master that trains no more (freeze training): its buffers let go."""
@@ -322,7 +322,7 @@ class HostOffload:
         key = id(master)
         summing = self._summing.setdefault(stage, {})
         if key in summing:
-            self._sums[key].add_(g)
+            add_into(self._sums[key], g)
             return
         acc = self._sums.get(key)
         if acc is None:

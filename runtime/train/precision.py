@@ -64,6 +64,7 @@ __all__ = [
     "MixedPrecision",
     "Precision",
     "add_grad",
+    "add_into",
     "for_run",
     "get_precision",
     "plan_in",
@@ -458,11 +459,29 @@ class MixedPrecision:
 def add_grad(master: torch.Tensor, g: torch.Tensor) -> None:
     """Add a gradient into a master's: the first one copied (never `g` itself, which its
     maker may reuse: offload's landing buffer), the next added in place straight from its
-    dtype (no fp32 temporary of a 16-bit one)."""
+    dtype (`add_into`: no fp32 temporary of a 16-bit one)."""
     if master.grad is None:
         master.grad = g.to(master.dtype, copy=True)
     else:
-        master.grad.add_(g)
+        add_into(master.grad, g)
+
+
+CAST_CHUNK = 1 << 18  # elements: a 1 MiB fp32 temporary, small enough for glibc's heap to reuse
+
+
+@torch.no_grad()
+def add_into(total: torch.Tensor, g: torch.Tensor) -> None:
+    """`total += g` in place, with no temporary of `g`'s size. CUDA's kernels convert an
+    operand of another dtype as they read it; ATen on the CPU first copies all of it into the
+    result's dtype: a 16-bit gradient's fp32 copy, 4 bytes an element of the largest weight
+    (a 480-wide tied embedding's 59 MiB beside its sum on an offloading CPU rank, the
+    host's every micro-batch on a GPU machine). There it goes a chunk at a time."""
+    contiguous = total.is_contiguous() and g.is_contiguous()
+    if total.dtype == g.dtype or total.device.type != "cpu" or not contiguous:
+        total.add_(g)
+        return
+    for part, more in zip(total.view(-1).split(CAST_CHUNK), g.view(-1).split(CAST_CHUNK)):
+        part.add_(more)
 
 
 def _stand_in(weight: torch.Tensor) -> torch.Tensor:

@@ -71,11 +71,13 @@ def test_host_bytes_are_what_the_runtime_allocates(precision, optimizer):
         assert want == 18 * numel
 
 
+@pytest.mark.parametrize("meanwhile", [2, 0])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-pure"])
-def test_an_overlapped_step_holds_what_the_model_adds(precision):
-    """Overlapped (`HostOffload.launch`): while the step reads its gradients' sum, the next
-    micro-batches' sum apart, and the new weights staged in a buffer of their own (bf16
-    AdamW: 18 + 4 + 2 = 24 B an element; fp32: 20 + 4, no staging)."""
+def test_an_overlapped_step_holds_what_the_model_adds(precision, meanwhile):
+    """Overlapped (`HostOffload.launch`): the new weights staged in a buffer of their own, and
+    where the next micro-batches' backwards come while the step reads its gradients' sum (an
+    asynchronous schedule: `summed_apart`), their sum apart (bf16 AdamW: 18 + 2 + 4 = 24 B
+    an element; fp32: 20 + 4, no staging). Under a synchronous one none come: 20 B in both."""
     torch.manual_seed(0)
     p = get_precision(precision)
     net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3, bias=False)).to(p.dtype)
@@ -87,24 +89,26 @@ def test_an_overlapped_step_holds_what_the_model_adds(precision):
     stepped = [master.grad for _, master in mixed.trainable(0)]  # what the step reads
     gate = threading.Event()
     mixed.launch(0, lambda: (gate.wait(10), opt.step()))
-    for _ in range(2):  # the next step's micro-batches, while the step is held
+    for _ in range(meanwhile):  # the next step's micro-batches, while the step is held
         net(torch.randn(4, 6).to(p.dtype)).sum().backward()
     gate.set()
     host._inflight[0].result()  # stepped and staged, not landed
-    held = [*stepped, *(t for _, t in host._next[0].values())]
+    held = [*stepped, *(t for _, t in host._next.get(0, {}).values())]
     for _, master in mixed.trainable(0):
         held += [master, *(v for v in opt.state[master].values() if v.numel() == master.numel())]
     held += [*host._buffers.values(), *host._staging.values()]
     got = sum(t.untyped_storage().nbytes() for t in {t.data_ptr(): t for t in held}.values())
     compute = get_precision(precision).compute
     want = sum(
-        host_param_bytes(s, compute, "adamw", PRECISIONS[precision], overlapped=True)
+        host_param_bytes(
+            s, compute, "adamw", PRECISIONS[precision], overlapped=True, summed_apart=meanwhile > 0
+        )
         for s in SHAPES
     )
     assert got == want
     numel = sum(math.prod(s) for s in SHAPES)
-    if precision == "bf16":
-        assert want == 24 * numel
+    if precision in ("bf16", "fp32"):
+        assert want == (24 if meanwhile else 20) * numel
     mixed.land(0)
 
 

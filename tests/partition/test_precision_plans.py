@@ -97,14 +97,16 @@ def test_bf16_needs_less_memory_per_gpu_with_fp32_masters_counted(t5_3b):
         assert bf16.model["precision"] == "bf16"
 
 
-def test_llama_3_1_8b_fits_8_rtx4090_in_bf16_not_7():
-    """144.5 GB of weights, gradients and state: 18 GB a GPU on 8, with the activations that
+def test_llama_3_1_8b_fits_7_rtx4090_in_bf16_not_6():
+    """144.5 GB of weights, gradients and state: 20.6 GB a GPU on 7, with the activations that
     autograd keeps (`costs.saved`) the busiest GPU within 2% of a card less its reserve (the
-    CUDA context, communicators, fragmentation); 7 cards cannot hold the static state. (With
-    every op's output counted as kept, 8 did not fit: 9 were needed. Only a run on 8 cards
-    can say which is right; the plan's figure stayed above the measured one on the H200.)"""
+    CUDA context, communicators, fragmentation); 6 cards cannot hold the static state. (With
+    every op's output counted as kept, 8 did not fit: 9 were needed; with an fp32 copy of the
+    largest gradient counted, 2.1 GB for the embedding's, which CUDA never makes and the CPU
+    no longer does (`precision.add_into`), 7 did not. Only a run on 7 cards can say which is
+    right; the plan's figure stayed above the measured one on the H200.)"""
     graph = costed_graph("llama-3.1-8b", hardware="rtx4090", precision="bf16")[3]
-    problem = problem_from_graph(graph, 8)
+    problem = problem_from_graph(graph, 7)
     static = sum(problem.static_bytes[p.name] for p in graph.params if p.trainable)
     trainable = sum(math.prod(p.shape) for p in graph.params if p.trainable)
     assert static == 18 * trainable  # 2 bf16 + 4 grad + 4 master + 8 AdamW
@@ -113,5 +115,5 @@ def test_llama_3_1_8b_fits_8_rtx4090_in_bf16_not_7():
     assert (
         0.98 * result.plan.memory_bytes <= result.plan.max_memory_bytes <= result.plan.memory_bytes
     )
-    (seven,) = run_partitioners(replace(problem, gpus=7), ["pipedream"], progress=False)
-    assert not seven.feasible and "less the device's reserve" in seven.error
+    (six,) = run_partitioners(replace(problem, gpus=6), ["pipedream"], progress=False)
+    assert not six.feasible and "less the device's reserve" in six.error
