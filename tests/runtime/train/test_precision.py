@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
 from ftpipe_runtime.train.precision import CAST_CHUNK, add_grad, add_into
+from torch.profiler import ProfilerActivity, profile
 
 
 def _largest_allocation(fn) -> int:
