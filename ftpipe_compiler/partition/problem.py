@@ -96,10 +96,11 @@ class Problem:
     def memory(self) -> int:
         """What the partitioners may fill with their stages on one GPU: its capacity less the
         device's reserve (a GPU exchanging messages with two neighbours both ways), the largest
-        gradient a backward makes before adding it in, and the receive buffers two neighbours' messages keep posted (at most the
-        runtime's window of the largest ones). The plan then counts its own communicators and
-        buffers (`Plan.gpu_memory`); where a GPU is over, the partitioners cut again within
-        the room the plan left it (partition/fit.py); what does not fit then is no plan."""
+        gradient a backward makes before adding it in, and the receive buffers two neighbours'
+        messages keep posted (at most the runtime's window of the largest ones). The plan then
+        counts its own communicators and buffers (`Plan.gpu_memory`); where a GPU is over, the
+        partitioners cut again within the room the plan left it (partition/fit.py); what does
+        not fit then is no plan."""
         pairs = min(4, 2 * (self.gpus - 1))
         usable = self.hardware.memory_reserve.usable(self.capacity, pairs + 1)
         largest = max((w for w, s in self.param_split.values() if s), default=0)
