@@ -43,7 +43,8 @@ gradient into its fp32 sum making an fp32 copy of the whole embedding's (added a
 time since: `precision.add_into`), and its rank 1 1.18, a process's ~16 MiB beyond its
 tensors that the CPU's reserve did not count (`context_bytes` in configs/hardware/cpu.json
 since). At 480 wide then, Qwen2 in fp32 and bf16, T5 in fp32, gpipe, 2bw and gpipe-offload:
-0.945-1.058.
+0.945-1.058. One run of this file on two workers: every rank of every case 0.945-1.059 (zb1p,
+back with its receives posted on demand: 0.958 and 1.015).
 """
 
 from __future__ import annotations
@@ -71,10 +72,12 @@ POST_AHEAD_MB = 16  # one embedding-sized message posted ahead (the default woul
 
 
 def _post_ahead_mb(schedule: str) -> int:
-    """Under FTPipe the next version posted ahead lands before rank 1's peak or after it,
-    by the machine's timing (rank 1 at 0.85 or 1.02 x a plan counting it; 1.02 or 1.22 x
-    one that does not: `MemoryView.lands_late`): its receives are posted on demand here."""
-    return 0 if schedule == "ftpipe" else POST_AHEAD_MB
+    """Under FTPipe and zb1p the next version posted ahead lands before rank 1's peak or after
+    it, by the machine's timing (FTPipe's rank 1 at 0.85 or 1.02 x a plan counting it, 1.02
+    or 1.22 x one that does not: `MemoryView.lands_late`; zb1p's at 0.81 x, or 1.09-1.15 x
+    one that does not under CI's load, its split backward's last weight passes running while
+    rank 0 steps): their receives are posted on demand here (zb1p then 1.02-1.04 loaded)."""
+    return 0 if schedule in ("ftpipe", "zb1p") else POST_AHEAD_MB
 
 
 EVAL_SAMPLES = 32  # 16 batches of tiny-lm's 2 sequences of 16 tokens
@@ -140,10 +143,9 @@ def _offloaded(pkg, plan):
     return copy, plan.with_(stages=stages)
 
 
-# zb1p is left out: its rank 1 measured 1.09-1.11 x its plan here, 1.15 under CI's load
-# (timing; a split backward's W work runs after the tied gradient is sent); not yet found.
 @pytest.mark.parametrize(
-    "schedule", ["gpipe", "2bw", "ftpipe", "gpipe-offload", "ftpipe-offload", "gpipe-offload-bf16"]
+    "schedule",
+    ["gpipe", "2bw", "ftpipe", "zb1p", "gpipe-offload", "ftpipe-offload", "gpipe-offload-bf16"],
 )
 def test_each_rank_peaks_within_15_percent_of_its_plan(
     run_pipeline, package, package_bf16, tmp_path, schedule
