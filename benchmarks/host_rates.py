@@ -19,7 +19,8 @@ HOST_TENSORS = 4
 
 
 def measure_host(runs: int) -> dict:
-    """The offloaded step's, gradient sum's and landing copy's rates (see the module doc)."""
+    """The offloaded step's, gradient sum's and landing copy's rates (see the module doc), and
+    beside the sum's (`precision.add_into`, a chunk at a time) the same sum as one ATen add."""
     import os
 
     import torch
@@ -49,11 +50,14 @@ def measure_host(runs: int) -> dict:
         landing = torch.randn(HOST_NUMEL).to(torch.bfloat16)
         device_grad = torch.randn(HOST_NUMEL)
         buf = torch.empty(HOST_NUMEL)
-        sums, copies = [], []
+        sums, whole, copies = [], [], []
         for _ in range(runs):
             start = time.perf_counter()
             add_grad(masters[0], landing)  # the sum exists after the first: an add in place
             sums.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            masters[0].grad.add_(landing)  # one ATen add: an fp32 copy of it all first
+            whole.append(time.perf_counter() - start)
             start = time.perf_counter()
             buf.copy_(device_grad)
             copies.append(time.perf_counter() - start)
@@ -61,6 +65,8 @@ def measure_host(runs: int) -> dict:
             "step_s": min(step),
             "step_bandwidth": step_bytes / min(step),
             "sum_bandwidth": sum_bytes / min(sums),
+            # the same sum as the runtime made it before `precision.add_into`, to compare
+            "sum_whole_bandwidth": sum_bytes / min(whole),
             "copy_bandwidth": 4 * HOST_NUMEL / min(copies),
         }
     out["memory_bytes"] = memory_total_bytes()
