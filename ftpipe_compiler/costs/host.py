@@ -233,8 +233,8 @@ def stage_host_bytes(plan, stage, in_flight: int | None = None) -> int:
     # Overlapped wherever one replica steps it (`simulate.host.overlapped`; a GPU that sends
     # its weights at a synchronous step does not, and is counted as if it did: a bound).
     overlaps = plan.replicas == 1
-    apart = overlaps and not resolve_schedule(plan.schedule).synchronous
     if off.optimizer:
+        apart = overlaps and not resolve_schedule(plan.schedule).synchronous
         precision, params = _precision(plan), {p.name: p for p in plan.params}
         for name in stage.params:
             p = params[name]
