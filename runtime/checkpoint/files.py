@@ -21,6 +21,7 @@ __all__ = [
     "Summing",
     "default_dir",
     "difference",
+    "load_pickled",
     "new_run_id",
     "on_host",
     "plan_hash",
@@ -115,6 +116,18 @@ def read_tensors(path, device="cpu") -> dict:
         return load_file(str(path), device=str(device))
     except Exception as e:  # noqa: BLE001 - safetensors raises its own types on damage
         raise ValueError(f"not a safetensors file: {e}") from None
+
+
+def load_pickled(path, map_location="cpu"):
+    """`torch.load(path, weights_only=True)`: tensors, numbers and containers only. torch's
+    warnings about a file it cannot read (a foreign pickle protocol) are silenced: whoever
+    calls this turns the exception into one sentence naming the file, and a warning printed
+    above it would only bury that sentence."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return torch.load(path, map_location=map_location, weights_only=True)
 
 
 def difference(saved: dict, mine: dict) -> str | None:

@@ -52,6 +52,7 @@ from .files import (
     Summing,
     default_dir,
     difference,
+    load_pickled,
     new_run_id,
     on_host,
     plan_hash,
@@ -300,7 +301,7 @@ class Checkpoints:
             extra = folder / f"stage-{stage}.optimizer.pt"
             if optimizer is not None and extra.is_file():
                 where = state_device or device
-                optimizer.load_state_dict(torch.load(extra, map_location=where, weights_only=True))
+                optimizer.load_state_dict(load_pickled(extra, where))
         except FileNotFoundError:
             raise PipelineConfigError(f"{folder} has no stage {stage}: another plan?") from None
         except (RuntimeError, KeyError, ValueError) as e:
@@ -308,7 +309,7 @@ class Checkpoints:
 
     def load_rank(self, step: int) -> None:
         path = step_dir(self.root, step) / f"rank-{self.rank}.pt"
-        rng = torch.load(path, map_location="cpu", weights_only=True)
+        rng = load_pickled(path)
         torch.set_rng_state(rng["cpu"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])

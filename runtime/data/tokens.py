@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.files import load_pickled
 from ..errors import PipelineConfigError
 from .text import check_utf8
 
@@ -37,7 +38,7 @@ def read_token_ids(path: Path) -> dict[str, list[torch.Tensor]]:
 
 def _read_pt(path: Path) -> dict[str, list[torch.Tensor]]:
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = load_pickled(path)
     except Exception as e:  # noqa: BLE001 - empty, truncated, not a torch file, a pickle
         raise PipelineConfigError(
             f"{path} is not a torch file of token ids ({type(e).__name__}); save a 2-d integer "

@@ -16,6 +16,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from ..checkpoint.files import load_pickled
 from ..errors import PipelineConfigError
 
 __all__ = ["build_stages", "import_package", "load_init"]
@@ -79,7 +80,7 @@ def load_init(modules: dict, path: str, plan: dict) -> None:
 
             state = load_file(path)
         else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = load_pickled(path)
     except FileNotFoundError:
         raise PipelineConfigError(f"--init {path}: no such file") from None
     except Exception as e:  # noqa: BLE001 - damaged, not a state dict, or a blocked pickle

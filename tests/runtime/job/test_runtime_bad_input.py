@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -155,7 +156,8 @@ def _snapshot(folder):
 
 def _refused(plan, argv, code, message, tmp_path, capsys):
     before = _snapshot(tmp_path)
-    with pytest.raises(SystemExit) as stopped:
+    with pytest.raises(SystemExit) as stopped, warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
         run(plan, STAGES, argv)
     err = capsys.readouterr().err
     said = (
@@ -165,6 +167,8 @@ def _refused(plan, argv, code, message, tmp_path, capsys):
     assert "Traceback" not in err and "\n" not in said, said
     assert __import__("re").search(message, said), said
     assert "step 1/" not in err  # refused before training
+    # nothing printed above the sentence (torch's warning about a foreign pickle, say)
+    assert not [str(w.message) for w in warned], said
     assert _snapshot(tmp_path) == before
 
 
