@@ -18,7 +18,7 @@ Sections:
   allreduce gloo all-reduce on this machine against the simulator's ring model
   lora      Llama-3.1-8B on 4 x RTX 4090: full fine-tuning against LoRA, simulated
   memory    each rank's peak memory against its plan: a Qwen2.5-0.5B-shaped model on 2 CPU
-            ranks under ftpipe and 2bw, with evaluation (needs ~17 GB free)
+            ranks under ftpipe (bf16) and 2bw (fp32), with evaluation (needs ~17 GB free)
   offload   host offload chosen per stage: Llama-3.1-8B, Qwen2.5-14B-shaped and T5-11B on
             RTX 4090s, simulated; the offload path's cost on 2 CPU ranks, measured
 

@@ -4,9 +4,10 @@
 
 A Qwen2.5-0.5B-shaped model (494 M parameters; its tied 151,936 x 896 embedding is 545 MB in
 fp32), random weights written in bf16 by `save_pretrained` as 5 safetensors shards, compiled
-for 2 CPU ranks (even layers: the embedding on rank 0, the LM head reading it on rank 1) and
-trained in fp32 for 4 steps with an evaluation after the 3rd, under FTPipe (the default
-schedule) and PipeDream-2BW, and PipeDream-2BW with every stage's optimizer offloaded
+for 2 CPU ranks (even layers: the embedding on rank 0, the LM head reading it on rank 1) in
+fp32 and in bf16 (16-bit weights and activations; fp32 masters, gradient sums and AdamW
+state), trained for 4 steps with an evaluation after the 3rd: under FTPipe (the default
+schedule) in bf16, PipeDream-2BW in fp32, and PipeDream-2BW with every stage's optimizer offloaded
 (`--offload-optimizer`; on a CPU rank the host's masters, state, sums and buffers are the same
 memory: planned, the part `host` of `costs.gpu_memory`, `costs.host.stage_host_bytes` of the
 rank's stages).
@@ -52,16 +53,19 @@ SHAPE = {  # Qwen/Qwen2.5-0.5B's config.json, less its weights
     "tie_word_embeddings": True,
 }
 SHARD = "200MB"  # 988 MB of bf16 weights: 5 shards
-# (schedule, the run's options): the last keeps every stage's masters and AdamW state in
-# host memory, the CPU step beside the stage's actions on the older version (2BW), which on
-# a CPU rank is the same memory: planned, the GPU's part and the host's
-# (GPipe, a flush: tests/runtime/job/test_memory_plan.py, and here until 2026-11-29; a
-# fourth case would take the bench past 19 minutes. Run with this file's CASES set to gpipe,
-# 1f1b and zb1p on 2026-11-29: 0.961 / 0.966, 0.962 / 0.981, 1.049 / 0.923; set to gpipe and
-# 1f1b with --offload-optimizer on 2026-11-30: 0.954 / 0.955, 0.955 / 0.971, where the plan
-# before, counting a second gradient sum on the host that only an asynchronous schedule
-# fills, made them 0.84 / 0.86 and 0.84 / 0.87.)
-CASES = (("ftpipe", ()), ("2bw", ()), ("2bw", ("--offload-optimizer",)))
+# (schedule, precision, the run's options): FTPipe in bf16, what a GPU user trains in; the
+# last keeps every stage's masters and AdamW state in host memory, the CPU step beside the
+# stage's actions on the older version (2BW), which on a CPU rank is the same memory:
+# planned, the GPU's part and the host's. (GPipe, a flush: tests/runtime/job/test_memory_plan.py,
+# and here until 2026-11-29; a fourth case would take the bench past 19 minutes. Run with this
+# file's CASES set to gpipe, 1f1b and zb1p in fp32 on 2026-11-29: 0.961 / 0.966, 0.962 / 0.981,
+# 1.049 / 0.923; gpipe and 1f1b in fp32 with --offload-optimizer on 2026-11-30: 0.954 / 0.955,
+# 0.955 / 0.971, where the plan before, counting a second gradient sum on the host that only
+# an asynchronous schedule fills, made them 0.84 / 0.86 and 0.84 / 0.87. FTPipe in fp32, the
+# first case until 2026-11-30: 0.959 / 0.882; in bf16 on 2026-11-30 beside gpipe-offload and
+# 2bw in bf16: 0.961 / 0.916, 0.961 / 0.969, 0.998 / 0.977, the plans without an fp32 copy of
+# the largest gradient since `precision.add_into`.)
+CASES = (("ftpipe", "bf16", ()), ("2bw", "fp32", ()), ("2bw", "fp32", ("--offload-optimizer",)))
 # 2bw's peak is step 4's (its second weight version beside the state the evaluation left)
 GPUS, STEPS, EVERY = 2, 4, 3
 SEQ, MICRO_BATCHES, EVAL_SAMPLES = 128, 2, 4
@@ -71,15 +75,16 @@ TIMEOUT_S = 3600  # a run: loading 0.5 B parameters and 4 steps on 2 cores
 
 
 def set_up(work: Path, shape: dict = SHAPE, shard: str = SHARD) -> dict:
-    """The model written, its package compiled (analytic costs: nothing timed), the
-    evaluation set: paths."""
+    """The model written, its package compiled in each precision of `CASES` (analytic costs:
+    nothing timed), the evaluation set: paths."""
     folder = _write_model(work / "model", shape, shard)
-    info = compile_plan(work / "pkg", str(folder), GPUS, hardware="cpu", schedule="gpipe",
-                        partitioners="even-layers", task="wikitext2", seq_len=SEQ,
-                        micro_batch=1, batch=MICRO_BATCHES)  # fmt: skip
-    val = _eval_set(work / "val.pt", shape["vocab_size"])
-    return {"model": str(folder), "output": info["output"], "package": info["package"],
-            "val": str(val)}  # fmt: skip
+    made = {"model": str(folder), "val": str(_eval_set(work / "val.pt", shape["vocab_size"]))}
+    for dtype in dict.fromkeys(d for _, d, _ in CASES):
+        info = compile_plan(work / f"pkg-{dtype}", str(folder), GPUS, hardware="cpu",
+                            schedule="gpipe", partitioners="even-layers", task="wikitext2",
+                            seq_len=SEQ, micro_batch=1, batch=MICRO_BATCHES, dtype=dtype)  # fmt: skip
+        made[dtype] = {"output": info["output"], "package": info["package"]}
+    return made
 
 
 def measure(work: Path | None = None, shape: dict = SHAPE, shard: str = SHARD) -> dict:
@@ -87,10 +92,11 @@ def measure(work: Path | None = None, shape: dict = SHAPE, shard: str = SHARD) -
     if shape is SHAPE:
         _check_free_memory()
     made = take(work, partial(set_up, shape=shape, shard=shard))
-    folder, package, val = Path(made["model"]), Path(made["package"]), made["val"]
-    plan = Plan.load(Path(made["output"]) / "plan.json")
+    folder, val = Path(made["model"]), made["val"]
     rows, losses, offloaded = [], {}, {}
-    for schedule, extra in CASES:
+    for schedule, dtype, extra in CASES:
+        package = Path(made[dtype]["package"])
+        plan = Plan.load(Path(made[dtype]["output"]) / "plan.json")
         name = schedule + "-offload" * bool(extra)
         argv = ["--steps", str(STEPS), "--schedule", schedule, "--eval-data", str(val)]
         argv += ["--eval-every", str(EVERY), "--checkpoint-dir", str(work / "ckpt" / name)]
@@ -117,6 +123,7 @@ def measure(work: Path | None = None, shape: dict = SHAPE, shard: str = SHARD) -
             rows.append(
                 {
                     "schedule": name,
+                    "dtype": dtype,
                     "rank": rank,
                     "planned_bytes": parts.total,
                     "parts": parts.to_json(),
@@ -203,23 +210,25 @@ def markdown(data: dict) -> str:
         "## Memory: each rank's peak against its plan",
         "",
         f"A {data['model']} ({data['parameters'] / 1e6:,.0f} M parameters, {data['shards']} "
-        f"bf16 safetensors shards, a tied embedding), trained in fp32 on {data['gpus']} CPU "
-        f"ranks for {data['steps']} steps of {data['micro_batches']} micro-batches of 1 x "
+        f"bf16 safetensors shards, a tied embedding), trained in each row's precision on "
+        f"{data['gpus']} CPU ranks (bf16: 16-bit weights and activations, fp32 masters, "
+        f"gradient sums and AdamW state) for {data['steps']} steps of {data['micro_batches']} micro-batches of 1 x "
         f"{data['seq_len']} tokens, with an evaluation every {data['eval_every']}. Planned: the "
         "compiler's memory model for that rank and schedule (`costs.gpu_memory`); measured: the "
         "runtime's own report (the resident set grown since before the rank built its stages), "
         f"and the whole resident set. Target: within {data['target']:.0%} of the plan.",
         "",
-        "| schedule | rank | planned GiB | measured GiB | measured / planned | resident GiB | "
-        "largest parts planned (GiB) |",
-        "|---|---|---|---|---|---|---|",
+        "| schedule | precision | rank | planned GiB | measured GiB | measured / planned | "
+        "resident GiB | largest parts planned (GiB) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in data["rows"]:
         parts = {k: v for k, v in r["parts"].items() if k != "total" and v}
         top = sorted(parts.items(), key=lambda kv: -kv[1])[:4]
         said = ", ".join(f"{k.replace('_', ' ')} {v / gib:.2f}" for k, v in top)
         lines.append(
-            f"| {r['schedule']} | {r['rank']} | {r['planned_bytes'] / gib:.2f} | "
+            f"| {r['schedule']} | {r.get('dtype', 'fp32')} | {r['rank']} | "
+            f"{r['planned_bytes'] / gib:.2f} | "
             f"{r['measured_bytes'] / gib:.2f} | {r['ratio']:.3f} | "
             f"{r['resident_bytes'] / gib:.2f} | {said} |"
         )

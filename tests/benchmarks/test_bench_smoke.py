@@ -440,13 +440,13 @@ def test_memory_rows_say_planned_against_measured_and_the_verdict():
 
     gib = 2**30
     parts = {"stages": 5 * gib, "posted": gib // 2, "reserve": gib // 4, "replicas": 0}
-    row = {"schedule": "gpipe", "rank": 0, "planned_bytes": 6 * gib, "measured_bytes": 5.7 * gib,
+    row = {"schedule": "gpipe", "dtype": "bf16", "rank": 0, "planned_bytes": 6 * gib, "measured_bytes": 5.7 * gib,
            "resident_bytes": 6.2 * gib, "parts": {**parts, "total": 6 * gib}, "ratio": 0.95}  # fmt: skip
     data = {"model": "m", "parameters": 494_032_768, "shards": 5, "gpus": 2, "steps": 6,
             "eval_every": 3, "seq_len": 128, "micro_batches": 2, "target": 0.15}  # fmt: skip
     text = bench_memory.markdown({**data, "rows": [row], "met": True})
     assert (
-        "| gpipe | 0 | 6.00 | 5.70 | 0.950 | 6.20 | stages 5.00, posted 0.50, reserve 0.25 |"
+        "| gpipe | bf16 | 0 | 6.00 | 5.70 | 0.950 | 6.20 | stages 5.00, posted 0.50, reserve 0.25 |"
         in text
     )
     assert (
