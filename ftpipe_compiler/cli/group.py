@@ -70,6 +70,9 @@ class _Group(click.Group):
             ctx.exit(code)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise  # click's own: a usage error's line, an exit code
+        except BrokenPipeError:  # `ftpipe simulate plan.json | head`: the reader has gone
+            _quiet_stdout()
+            ctx.exit(SIGPIPE_EXIT)
         except Exception as e:  # noqa: BLE001 - a bug, or memory: one line, not a traceback
             if (ctx.obj or {}).get("debug"):
                 raise
@@ -88,6 +91,22 @@ class _Group(click.Group):
                 if came:
                     raise type(came[0])() from None
                 raise
+
+
+SIGPIPE_EXIT = 141  # what a shell reports for a process a closed pipe stopped (128 + SIGPIPE)
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's flush at exit does not raise
+    into the closed pipe again (the recipe of Python's `signal` docs, "Note on SIGPIPE")."""
+    import os
+    import sys
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real stdout (CliRunner): nothing to flush there
+        pass
 
 
 def _unexpected(e: Exception) -> str:

@@ -89,9 +89,13 @@ def micro_batches_option(help: str, *short: str):
     )
 
 
-def steps_option(default: int, minimum: int, help: str):
+def steps_option(default: int | None, minimum: int, help: str):
     return click.option(
-        "--steps", type=click.IntRange(min=minimum), default=default, show_default=True, help=help
+        "--steps",
+        type=click.IntRange(min=minimum),
+        default=default,
+        show_default=default is not None,
+        help=help,
     )
 
 

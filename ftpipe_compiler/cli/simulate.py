@@ -23,9 +23,11 @@ from ..units import mib
 from .echo import echo_json, echo_lines
 from .options import json_option, micro_batches_option, steps_option
 
+DEFAULT_STEPS = 10
+
 
 @click.command("simulate")
-@click.argument("plan_files", metavar="PLAN.json", nargs=-1, type=click.Path(dir_okay=False))
+@click.argument("plan_files", metavar="PLAN.json...", nargs=-1, type=click.Path(dir_okay=False))
 @click.option(
     "--schedule",
     default=None,
@@ -33,7 +35,12 @@ from .options import json_option, micro_batches_option, steps_option
     "several, comma-separated, to compare them (default: each plan's).",
 )
 @micro_batches_option("Micro-batches per optimizer step (default: the plan's).", "-M")
-@steps_option(10, 1, "Optimizer steps to simulate; the last half is the steady state.")
+@steps_option(
+    None,
+    1,
+    "Optimizer steps to simulate; the last half is the steady state (default: as many as "
+    "`compile` simulated the plan for, so both print the same figures; else 10).",
+)
 @click.option(
     "--report",
     type=click.Path(dir_okay=False),
@@ -64,6 +71,7 @@ def simulate_command(plan_files, schedule, micro_batches, steps, report, trace, 
     if trace and not one:
         raise click.UsageError("--compare sets one run beside one plan under one schedule")
     plans = [(f, Plan.load(f)) for f in plan_files]
+    steps = steps or _compiled_steps(plans[0][1])
     run = load_measured(trace, plans[0][1].gpus) if trace else None
     if run is not None:  # simulate what ran
         names = [names[0] or run.schedule or None]
@@ -94,6 +102,13 @@ def simulate_command(plan_files, schedule, micro_batches, steps, report, trace, 
     echo_lines(_lines(plan, result, steps, run))
     if report:
         click.echo(f"\nreport: {report}")
+
+
+def _compiled_steps(plan: Plan) -> int:
+    """The steps `compile` simulated its winner for (a search simulates as few as show the
+    steady state: `steady_steps`), so that `simulate` of its plan prints the same figures;
+    10 for a plan that does not say (`ftpipe partition`'s, or one written before 2026-11-30)."""
+    return int((plan.simulated or {}).get("steps") or DEFAULT_STEPS)
 
 
 def _schedule_names(schedule: str | None) -> list[str | None]:

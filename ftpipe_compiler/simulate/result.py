@@ -102,6 +102,7 @@ class SimResult:
             "schedule": self.schedule,
             "replicas": self.replicas,
             "micro_batches": self.micro_batches,
+            "steps": self.steps,
             "step_time_s": self.step_time_s,
             "samples_per_s": self.samples_per_s,
             "bubble_fraction": self.bubble_fraction,

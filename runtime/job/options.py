@@ -98,7 +98,10 @@ def parser(plan: dict, package: str = "<package>") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=f"python -m {package}",
         description=f"Fine-tune the pipeline: torchrun --nproc_per_node {plan.get('gpus', 'N')} "
-        f"-m {package} [options] (README.md: multi-node and SLURM launches).",
+        f"-m {package} [options] (README.md: multi-node and SLURM launches). Also: python -m "
+        f"{package} --check [--help] runs the stages chained in one process against the "
+        f"original model; python -m {package} export [--help] writes a checkpoint as a "
+        "HuggingFace folder.",
         formatter_class=_Help,
     )
     for group in (_training, _data, _checkpoints, _running, _outputs, _freezing):
@@ -249,7 +252,8 @@ def _training(p, plan: dict) -> None:
     p.add_argument(
         "--init",
         default=None,
-        help="a .pt state dict to start from, by name (default: the compiled weights)",
+        help="a .pt or .safetensors state dict to start from, by name (default: the compiled "
+        "weights)",
     )
     p.add_argument("--log-every", type=number(int, 1), default=1, help="a step line every N steps")
 
@@ -446,7 +450,7 @@ def _outputs(p, plan: dict) -> None:
     out.add_argument(
         "--save-hf-every-checkpoint",
         action="store_true",
-        help="also write each complete checkpoint as <save-hf>/step-N",
+        help="also write each complete checkpoint as a folder beside --save-hf DIR: DIR-step-NNNNNN",
     )
 
 

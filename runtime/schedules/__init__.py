@@ -12,7 +12,7 @@ m, B needs B of its consumer stages for m. Micro-batch numbers are global across
 (step k covers k*M .. k*M+M-1), so an asynchronous schedule is one continuous stream.
 
 A new schedule is one file in this folder defining `SCHEDULE = Schedule(...)` (see
-`ftpipe.py` for the smallest) and one line in `SCHEDULES` below.
+`gpipe.py`), its module in the import line and one line in `SCHEDULES` below.
 """
 
 from __future__ import annotations

@@ -128,9 +128,13 @@ def for_run(plan: dict, name: str, schedule) -> Precision:
     if why:
         raise PipelineConfigError(f"--dtype {name}: {why}")
     if precision.loss_scaling and not schedule.synchronous:
+        from ..schedules import SCHEDULES  # (the schedules import nothing of training)
+
+        sync = ", ".join(n for n, s in SCHEDULES.items() if s.synchronous)
         raise PipelineConfigError(
             f"--dtype fp16 scales the loss by a factor all stages change together at their "
-            f"steps, and {schedule.name} does not step them together; use gpipe or 1f1b, or bf16"
+            f"steps, and {schedule.name} does not step them together; use a synchronous "
+            f"schedule ({sync}), or bf16"
         )
     return precision
 

@@ -153,7 +153,7 @@ CASES = [
     ("simulate: an unknown schedule", _plan_edit(_set(["schedule"], "zigzag")), SIM, 1, "unknown schedule 'zigzag'; choose from"),
     ("simulate: format 3", _plan_edit(_set(["format"], 3)), SIM, 1, "plan format 3 was written by ftpipe"),
     ("simulate: no such file", _nothing, ["simulate", "nope.json"], 1, "plan file nope.json does not exist"),
-    ("simulate: a folder", _nothing, ["simulate", "out"], 2, "'PLAN.json': File 'out' is a directory"),
+    ("simulate: a folder", _nothing, ["simulate", "out"], 2, "'PLAN.json...': File 'out' is a directory"),
     ("simulate: --micro-batches 0", _nothing, ["simulate", "plan.json", "-M", "0"], 2, "0 is not in the range x>=1"),
     ("simulate: report in a missing folder", _nothing, ["simulate", "plan.json", "--report", "no/r.html"], 1, "cannot write the report no/r.html: the folder no does not exist"),
     ("profile: invalid config.json", _write("hf/config.json", '{"model_type": "gpt2",'), ["profile", "-m", "hf"], 1, "hf/config.json is not valid JSON \\(Expecting property name"),
@@ -416,3 +416,15 @@ def test_an_error_a_library_made_of_a_stop_is_that_stop(monkeypatch, sigterm_cau
     r = CliRunner().invoke(cli, ["profile", "-m", "gpt2-tiny"])
     assert r.exit_code == code, r.output
     assert r.output == f"{said}; outputs that existed are unchanged.\n", r.output
+
+
+def test_a_reader_that_went_away_ends_the_command_quietly():
+    """`ftpipe models | head -1`: the pipe closed before the command wrote; it printed
+    "unexpected error: BrokenPipeError" (from `simulate plan.json | head`). Now nothing on
+    stderr and 141, what a shell reports for a process SIGPIPE stopped."""
+    child = subprocess.Popen([sys.executable, "-m", "ftpipe_compiler", "models"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    child.stdout.close()  # before the child writes a byte
+    err = child.stderr.read().decode()
+    assert child.wait(timeout=60) == 141, err
+    assert err == ""

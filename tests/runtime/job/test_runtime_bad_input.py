@@ -145,7 +145,7 @@ PLANS = [
     ("a transfer backwards", _plan_with(transfers=[{**t, "producer": 3} if t["tensor"] == "h1" else t for t in one_rank_plan()["transfers"]]), 1, "stage 2 receives h1 from a later stage 3"),
     ("a loss stage that is not there", _plan_with(loss_stage=9), 1, "the loss stage 9 is not a stage of the plan"),
     ("more processes than the plan's GPUs", toy_plan("two-ranks"), 1, "the plan is for 2 GPUs but 1 processes started"),
-    ("fp16 under an asynchronous schedule", _plan_with(schedule="ftpipe", model={**one_rank_plan()["model"], "precision": "fp16", "compute_dtype": "float16"}), 1, "--dtype fp16 scales the loss by a factor all stages change together at their steps, and ftpipe does not step them together; use gpipe or 1f1b, or bf16"),
+    ("fp16 under an asynchronous schedule", _plan_with(schedule="ftpipe", model={**one_rank_plan()["model"], "precision": "fp16", "compute_dtype": "float16"}), 1, "--dtype fp16 scales the loss by a factor all stages change together at their steps, and ftpipe does not step them together; use a synchronous schedule \\(gpipe, 1f1b, zb1p, zbv, interleaved\\), or bf16"),
     ("a package compiled for fp16 run in bf16", _plan_with(model={**one_rank_plan()["model"], "precision": "bf16", "compute_dtype": "float16"}), 1, "--dtype bf16: it was compiled for float16; compile it again with --dtype bf16"),
 ]  # fmt: skip
 
