@@ -24,7 +24,8 @@ unpickles anything but tensors and numbers (safetensors, `torch.load(weights_onl
 A folder holds one run's checkpoints: each manifest names its run (`run_id`, made when the
 run starts and kept by every resume of it), a new run refuses a folder holding another run's
 (`refuse_foreign`) unless told to replace them (`start(replace=True)`:
---overwrite-checkpoints), and a step whose manifests name two runs is no checkpoint.
+--overwrite-checkpoints, which moves them into `.replaced/` and removes them once its own
+first checkpoint is complete), and a step whose manifests name two runs is no checkpoint.
 
 `choose` resumes from the newest complete checkpoint whose files are intact on every rank
 (one exchange between ranks per candidate); a damaged one is skipped with a warning. One
@@ -72,6 +73,10 @@ __all__ = [
     "tensor_bytes",
 ]
 
+# Where --overwrite-checkpoints keeps the replaced run's checkpoints until its own first one is
+# complete (inside the folder: a rename, never a copy; `_steps` does not list it).
+ASIDE = ".replaced"
+
 
 class Checkpoints:
     def __init__(self, root, rank: int, world: int, run: dict, keep: int = 3, say=print):
@@ -79,21 +84,47 @@ class Checkpoints:
         self.run, self.keep, self.say = run, keep, say
         self.run_id: str | None = None  # the run's name in its manifests (`start`)
         self._files: dict[int, dict[str, list[int]]] = {}  # step -> file -> [bytes, crc32]
+        self._replacing = False  # --overwrite-checkpoints: the old ones set aside until ours
 
     # --- writing ---
     def start(self, manifest: dict | None, agree=lambda x: [x], replace: bool = False) -> None:
         """Before the first save: the run's id, the resumed checkpoint's (`manifest`) or a new
-        one, rank 0's (`agree`: an all_gather) so that every rank writes the same. Rank 0
-        removes (the other ranks save only after the ranks' next barrier) every checkpoint
-        in the folder with `replace`, and a resumed run's abandoned saves after its step (a
-        save cut short by a full disk or a kill: the run saves those steps again)."""
+        one, rank 0's (`agree`: an all_gather) so that every rank writes the same. With
+        `replace` rank 0 moves every checkpoint in the folder aside (`ASIDE`; the other ranks
+        save only after the ranks' next barrier), removed once this run's first checkpoint
+        is complete (`prune`): a replacing run stopped before then leaves the old ones
+        whole. A resumed run's abandoned saves after its step go (a save cut short by a full
+        disk or a kill: the run saves those steps again)."""
         self.run_id = agree((manifest or {}).get("run_id") or new_run_id())[0]
+        self._replacing = replace
         if self.rank != 0 or not (replace or manifest):
+            return
+        if replace:
+            self._set_aside()
             return
         done = {step for step, _ in self.complete()}
         for step in self._steps():
-            if replace or (step > manifest["step"] and step not in done):
+            if step > manifest["step"] and step not in done:
                 self._remove(step)
+
+    def _set_aside(self) -> None:
+        """Every step folder into `ASIDE`. Where an earlier replacing run's are there already,
+        that run stopped before its first checkpoint: what it left in the folder is partial
+        and goes, the run it replaced stays aside."""
+        aside, earlier = self.root / ASIDE, bool(self.aside())
+        for step in self._steps():
+            if earlier:
+                self._remove(step)
+                continue
+            aside.mkdir(parents=True, exist_ok=True)
+            step_dir(self.root, step).rename(step_dir(aside, step))
+
+    def aside(self) -> list[int]:
+        """Steps an --overwrite-checkpoints run set aside and has not yet replaced."""
+        aside = self.root / ASIDE
+        if not aside.is_dir():
+            return []
+        return sorted(int(m.group(1)) for d in aside.iterdir() if (m := STEP_DIR.fullmatch(d.name)))
 
     def _save(self, step: int, name: str, obj) -> None:
         """`obj` into the step's folder: a dict of tensors as safetensors, else torch.save."""
@@ -267,11 +298,24 @@ class Checkpoints:
             raise PipelineConfigError(
                 f"every checkpoint in {self.root} is damaged; start afresh without --resume"
             )
+        if self.aside():
+            raise PipelineConfigError(self._aside_sentence())
         return 0, None
+
+    def _aside_sentence(self) -> str:
+        aside = self.root / ASIDE
+        return (
+            f"{aside} holds {len(self.aside())} checkpoints of another run, which an "
+            "--overwrite-checkpoints run set aside and stopped before its first checkpoint; "
+            f"move them back into {self.root} to resume them, replace them with "
+            "--overwrite-checkpoints, or choose another --checkpoint-dir"
+        )
 
     def refuse_foreign(self) -> None:
         """A new run must not save among another run's checkpoints: it would overwrite them,
         and a resume would mix the two. Any step a rank finished saving is another run's."""
+        if self.aside():  # (beside them at most the partial saves of the run that stopped)
+            raise PipelineConfigError(self._aside_sentence())
         held = [s for s in self._steps() if any(step_dir(self.root, s).glob("rank-*.json"))]
         if not held:
             return
@@ -332,10 +376,15 @@ class Checkpoints:
     # --- tidying ---
     def prune(self) -> None:
         """Keep the newest `keep` complete checkpoints (0: all); partial ones older than the
-        newest complete one are abandoned saves: they go too."""
+        newest complete one are abandoned saves: they go too. A replacing run's first
+        complete checkpoint lets the ones it set aside go."""
+        complete = self.complete()
+        if self._replacing and any(m[0].get("run_id") == self.run_id for _, m in complete):
+            shutil.rmtree(self.root / ASIDE, ignore_errors=True)
+            self._replacing = False
         if not self.keep:
             return
-        done = [step for step, _ in self.complete()]
+        done = [step for step, _ in complete]
         if not done:
             return
         for step in self._steps():

@@ -338,8 +338,8 @@ def _checkpoints(p, plan: dict) -> None:
     start.add_argument(
         "--overwrite-checkpoints",
         action="store_true",
-        help="a new run: remove the checkpoints of another run in --checkpoint-dir (default: "
-        "refuse to start)",
+        help="a new run: replace the checkpoints of another run in --checkpoint-dir, kept aside "
+        "until this run's first checkpoint is complete (default: refuse to start)",
     )
 
 

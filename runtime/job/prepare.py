@@ -28,6 +28,7 @@ from .context import Prepared, Settled
 from .device import use_tf32
 from .memory import memory_meter
 from .runlog import RunLog
+from .spare_inputs import check_outputs_spare_inputs
 
 __all__ = ["lr_changes", "prepare_rank", "sharded_stages"]
 
@@ -38,6 +39,7 @@ def prepare_rank(settled: Settled) -> Prepared:
     config, ckpt, say, precision = settled.config, settled.ckpt, settled.say, settled.precision
     plan, carried, place, topo = settled.plan, settled.carried, settled.place, settled.topo
     rank, gpu = place.rank, place.gpu
+    check_outputs_spare_inputs(config, plan, settled.stage_classes)
     if config.log_json and rank == 0:
         check_writable_file(config.log_json, "--log-json")
     if config.trace and rank == 0:

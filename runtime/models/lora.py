@@ -12,6 +12,8 @@ peft is imported inside the functions (`ftpipe[hf]`).
 
 from __future__ import annotations
 
+import math
+
 import re
 from dataclasses import dataclass
 
@@ -61,8 +63,12 @@ class LoraSpec:
             raise ValueError(
                 f"r must be an integer, alpha and dropout numbers; give {EXAMPLE}"
             ) from None
-        if r < 1 or alpha <= 0 or not 0 <= dropout < 1 or not targets:
-            raise ValueError("r must be >= 1, alpha > 0, dropout in [0, 1) and targets not empty")
+        # written as the ranges hold, so that nan (every comparison false) fails them too
+        if not (r >= 1 and 0 < alpha < math.inf and 0 <= dropout < 1 and targets):
+            raise ValueError(
+                "r must be >= 1, alpha > 0, dropout in [0, 1) and targets not empty (numbers "
+                "finite)"
+            )
         return cls(r, alpha, targets, dropout)
 
     def to_json(self) -> dict:

@@ -78,3 +78,14 @@ def test_lora_spec_parses_and_round_trips():
     assert spec == LoraSpec(16, 32.0, ("q_proj", "v_proj"), 0.05)
     assert LoraSpec.from_json(spec.to_json()) == spec
     assert LoraSpec.parse("targets=c_attn,r=2,alpha=4").targets == ("c_attn",)
+
+
+@pytest.mark.parametrize("bad", ["alpha=nan", "alpha=inf", "alpha=-1", "dropout=nan", "r=0"])
+def test_lora_spec_refuses_what_would_train_nan(bad):
+    """`alpha=nan` passed `alpha <= 0` (every comparison with nan is false): the plan held a
+    bare NaN and the package trained to loss nan, exit 0."""
+    fields = {"r": "4", "alpha": "8", "targets": "q_proj", "dropout": "0"}
+    key, value = bad.split("=")
+    text = ",".join(f"{k}={value if k == key else v}" for k, v in fields.items())
+    with pytest.raises(ValueError, match="alpha > 0, dropout in"):
+        LoraSpec.parse(text)

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 
 import pytest
 import torch
 from ftpipe_runtime import run
 from ftpipe_runtime.atomic import remove_temporaries
-from ftpipe_runtime.checkpoint.store import Checkpoints, default_dir, run_identity, step_dir
+from ftpipe_runtime.checkpoint.store import (
+    ASIDE,
+    Checkpoints,
+    default_dir,
+    run_identity,
+    step_dir,
+)
 from ftpipe_runtime.errors import PipelineConfigError
 from ftpipe_runtime.train.optim import make_optimizer
 from runtime_reference import checkpoint_params
@@ -205,8 +212,52 @@ def test_a_folder_holds_one_runs_checkpoints(tmp_path):
         ckpt.start(None, agree=lambda v: ["another"])
     _save_with(other[:1], 4)  # rank 0 of another run rewrote step 4, rank 1 not yet
     assert [step for step, _ in first[0].complete()] == [2]
-    other[0].start(None, replace=True)  # --overwrite-checkpoints: rank 0 empties the folder
-    assert list(tmp_path.iterdir()) == []
+    other[0].start(None, replace=True)  # --overwrite-checkpoints: rank 0 clears the folder
+    assert list(tmp_path.iterdir()) == [tmp_path / ASIDE] and other[0].aside() == [2, 4]
+
+
+def test_overwriting_keeps_the_old_run_until_the_new_one_has_a_checkpoint(tmp_path):
+    """--overwrite-checkpoints removed the old run's checkpoints at the start: a run that then
+    stopped before saving (a rank failed at step 1) left the folder empty (the bad-input
+    audit). Now they wait aside until its first checkpoint is complete on every rank."""
+    _save(tmp_path, 2, ranks=(0, 1))
+    _save(tmp_path, 4, ranks=(0, 1))
+    old = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    dead = [Checkpoints(tmp_path, r, 2, _identity()) for r in (0, 1)]
+    for ckpt in dead:
+        ckpt.start(None, agree=lambda v: ["dead"], replace=True)
+    _save_with(dead[:1], 1)  # rank 0 saved step 1, rank 1 failed before it: no checkpoint
+    assert dead[0].aside() == [2, 4]
+    # What the next run is told: nothing is lost, and where it is.
+    again = Checkpoints(tmp_path, 0, 2, _identity())
+    for look in (again.choose, again.refuse_foreign):
+        with pytest.raises(PipelineConfigError) as told:
+            look()
+        assert str(told.value) == (
+            f"{tmp_path / ASIDE} holds 2 checkpoints of another run, which an "
+            "--overwrite-checkpoints run set aside and stopped before its first checkpoint; "
+            f"move them back into {tmp_path} to resume them, replace them with "
+            "--overwrite-checkpoints, or choose another --checkpoint-dir"
+        )
+    # Moved back, they resume as they were.
+    for step in (2, 4):
+        step_dir(tmp_path / ASIDE, step).rename(step_dir(tmp_path, step))
+    shutil.rmtree(step_dir(tmp_path, 1))
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == old
+    assert Checkpoints(tmp_path, 1, 2, _identity()).choose()[0] == 4
+    # Replaced again: the first replacing run's partial step goes at once, the old run's
+    # checkpoints once the new run's step 1 is complete (rank 1's save completes it).
+    for ckpt in dead:
+        ckpt.start(None, agree=lambda v: ["dead"], replace=True)
+    _save_with(dead[:1], 1)
+    new = [Checkpoints(tmp_path, r, 2, _identity(), keep=0) for r in (0, 1)]
+    for ckpt in new:
+        ckpt.start(None, agree=lambda v: ["new"], replace=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ASIDE]
+    _save_with(new[:1], 1)
+    assert new[0].aside() == [2, 4]
+    _save_with(new[1:], 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001"]
 
 
 def _save_with(ckpts, step):

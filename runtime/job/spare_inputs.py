@@ -1,0 +1,87 @@
+"""A run's outputs never replace its inputs: `--log-json ../train.jsonl` wrote the summary over
+the data, `--log-jsonl <pkg>/plan.json` over the package's plan, and `--save-hf` into the model's
+own folder (a `save_pretrained` folder passes `check_replaceable`: it holds only what an
+export writes) over the weights the package loads (the bad-input audit of 2026-11-30).
+
+    check_outputs_spare_inputs(config, plan, stage_classes)   # one sentence, before any work
+
+Inputs: the data and evaluation files, `--init`, `--chat-template`, and the folders of the
+package, the model (its weights, as the run resolves them) and `--tokenizer`. An output file
+may not be one of those files nor an existing file inside one of those folders; `--save-hf`,
+a folder swapped in whole, may not be one of them or hold any of them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..errors import PipelineConfigError
+from ..spec.weights import model_folder
+from .config import RunConfig
+
+__all__ = ["check_outputs_spare_inputs"]
+
+OUTPUT_FILES = (("log_json", "--log-json"), ("log_jsonl", "--log-jsonl"), ("trace", "--trace"))
+INPUT_FILES = (("data", "--data"), ("eval_data", "--eval-data"), ("init", "--init"),
+               ("chat_template", "--chat-template"))  # fmt: skip
+
+
+def check_outputs_spare_inputs(config: RunConfig, plan: dict, stage_classes: dict) -> None:
+    files, folders = _inputs(config, plan, stage_classes)
+    for field, flag in OUTPUT_FILES:
+        out = getattr(config, field, None)
+        if not out or not Path(out).is_file():
+            continue  # a new file replaces nothing
+        where = Path(out).resolve()
+        what = files.get(where) or next(
+            (
+                f"a file of {name}"
+                for folder, name in folders.items()
+                if where.is_relative_to(folder)
+            ),
+            None,
+        )
+        if what:
+            raise PipelineConfigError(f"{flag} {out} is {what}; give another path")
+    if config.save_hf:
+        out = Path(config.save_hf).resolve()
+        held = [
+            name for path, name in [*files.items(), *folders.items()] if path.is_relative_to(out)
+        ]
+        if held:
+            raise PipelineConfigError(
+                f"--save-hf {config.save_hf} would replace {held[0]}, which the run reads; give "
+                "another folder"
+            )
+
+
+def _inputs(config: RunConfig, plan: dict, stage_classes: dict) -> tuple[dict, dict]:
+    """({resolved input file: what it is}, {resolved input folder: what it is})."""
+    files = {}
+    for field, flag in INPUT_FILES:
+        value = getattr(config, field, None)
+        if value and Path(value).is_file():
+            files.setdefault(Path(value).resolve(), f"the {flag} file")
+    folders = {}
+    package = _package_folder(stage_classes)
+    if package is not None:
+        folders[package] = "the package"
+    recorded = (plan.get("model") or {}).get("path")
+    if recorded and package is not None:
+        weights = Path(model_folder(recorded, package))
+        if weights.is_dir():
+            folders.setdefault(weights.resolve(), f"the model's folder {weights}")
+    if config.tokenizer and Path(config.tokenizer).is_dir():
+        folders.setdefault(Path(config.tokenizer).resolve(), "the --tokenizer folder")
+    return files, folders
+
+
+def _package_folder(stage_classes: dict) -> Path | None:
+    """The generated package's folder (its plan.json beside its stages), or None where the
+    stages come from elsewhere (a test's)."""
+    for cls in stage_classes.values():
+        path = getattr(sys.modules.get(cls.__module__), "__file__", None)
+        if path and (Path(path).parent / "plan.json").is_file():
+            return Path(path).parent.resolve()
+    return None
