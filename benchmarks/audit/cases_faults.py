@@ -119,9 +119,23 @@ def _complete_step_survives(folder: Path) -> str | None:
     return f"a partial checkpoint stayed: {later}" if later else None
 
 
+def _set_aside(*steps: int):
+    """The checkpoints --overwrite-checkpoints replaces wait whole in `ck/replaced/` until the
+    new run's first checkpoint is complete."""
+
+    def after(folder: Path) -> str | None:
+        for s in steps:
+            if not (folder / "ck" / "replaced" / f"step-{s:06d}" / "rank-1.json").exists():
+                return f"checkpoint {s} of the replaced run is gone"
+        return None
+
+    return after
+
+
 CASES = [
     # checkpoints and resumes
     Case("resume: a new run into another run's checkpoints", two("--steps", "2", "--save-every", "1", "--checkpoint-dir", "../ck", *FAST), 1, "another run", issue="32.4"),
+    Case("resume: --overwrite-checkpoints, rank 1 fails before the first save", two("--steps", "4", "--save-every", "4", "--checkpoint-dir", "../ck", "--overwrite-checkpoints", *FAST, env={"FTPIPE_FAULT": "1:1:exit"}), (1, 3), "FTPIPE_FAULT stops", writes=("ck/",), after=_set_aside(2, 4)),
     Case("resume: valid, 2bw's final checkpoint resumed", two("--steps", "6", "--save-every", "2", "--schedule", "2bw", "--checkpoint-dir", "../ck2", "--resume", *FAST), 0, setup=_earlier_run("--steps", "4", "--save-every", "2", "--schedule", "2bw"), writes=("ck2/",), issue="32.5"),
     Case("resume: valid, the newest checkpoint's manifest damaged", two(*RESUME), 0, setup=truncate("ck/step-000004/rank-1.json"), writes=("ck/",), after=_steps_kept(2, 6), issue="32"),
     Case("resume: valid, a stage file of the newest checkpoint damaged", two(*RESUME), 0, setup=garbage("ck/step-000004/stage-1.safetensors", 256), writes=("ck/",), issue="32"),

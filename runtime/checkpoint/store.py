@@ -24,7 +24,7 @@ unpickles anything but tensors and numbers (safetensors, `torch.load(weights_onl
 A folder holds one run's checkpoints: each manifest names its run (`run_id`, made when the
 run starts and kept by every resume of it), a new run refuses a folder holding another run's
 (`refuse_foreign`) unless told to replace them (`start(replace=True)`:
---overwrite-checkpoints, which moves them into `.replaced/` and removes them once its own
+--overwrite-checkpoints, which moves them into `replaced/` and removes them once its own
 first checkpoint is complete), and a step whose manifests name two runs is no checkpoint.
 
 `choose` resumes from the newest complete checkpoint whose files are intact on every rank
@@ -74,8 +74,9 @@ __all__ = [
 ]
 
 # Where --overwrite-checkpoints keeps the replaced run's checkpoints until its own first one is
-# complete (inside the folder: a rename, never a copy; `_steps` does not list it).
-ASIDE = ".replaced"
+# complete (inside the folder, where its user sees it: a rename, never a copy; `_steps` lists only
+# step folders).
+ASIDE = "replaced"
 
 
 class Checkpoints:
