@@ -13,7 +13,6 @@ peft is imported inside the functions (`ftpipe[hf]`).
 from __future__ import annotations
 
 import math
-
 import re
 from dataclasses import dataclass
 
