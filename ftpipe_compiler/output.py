@@ -14,6 +14,7 @@ swap in their own complete folder: the last one wins and none of them leaves deb
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 import tempfile
 from pathlib import Path
@@ -22,11 +23,19 @@ from ftpipe_runtime.atomic import new_folder
 
 from .errors import FtpipeError, OutputExistsError
 
-__all__ = ["check_writable", "output_folder"]
+__all__ = ["COMPILED", "check_apart", "check_writable", "output_folder"]
+
+# What `ftpipe compile` writes in its folder: anything else there (the model, the data, a
+# run's checkpoints, the user's notes) would go with the folder --force replaces.
+COMPILED = ("plan.json", "report.html", "*_pipeline/")
 
 
-def check_writable(out, force: bool) -> None:
-    """Refuse before any work is done, so a long compile does not end in this error."""
+def check_writable(out, force: bool, inputs: dict | None = None, written=None) -> None:
+    """Refuse before any work is done, so a long compile does not end in this error.
+
+    `inputs`: what the command reads ({"the model folder": path}, see `check_apart`);
+    `written`: the names the command writes in `out` (patterns, a folder's ending in /), when
+    a folder holding anything else must not be replaced."""
     out = Path(out)
     here = Path.cwd().resolve()
     try:
@@ -37,8 +46,20 @@ def check_writable(out, force: bool) -> None:
         raise OutputExistsError(
             f"{out} is the folder you are in (or holds it); choose another folder with -o"
         )
+    # A new folder inside the model folder changes none of its files (`cd model && ftpipe
+    # compile -m .` writes ./out); replacing one that holds them would delete them.
+    check_apart(out, inputs or {}, "choose another folder with -o", inside_ok=True)
     if out.exists() and not out.is_dir():
         raise OutputExistsError(f"{out} exists and is not a folder; choose another folder with -o")
+    if written is not None and out.is_dir():
+        # Said with or without --force: "pass --force" would only lead to this refusal.
+        foreign = sorted(p.name for p in out.iterdir() if not _written(p, written))
+        if foreign:
+            raise OutputExistsError(
+                f"{out} holds files ftpipe compile does not write ({', '.join(foreign[:3])}"
+                f"{', ...' if len(foreign) > 3 else ''}), which replacing it would delete; "
+                "move them, or choose another folder with -o"
+            )
     if out.exists() and not force and any(out.iterdir()):
         raise OutputExistsError(
             f"{out} already exists; pass --force to replace it, or choose another folder with -o"
@@ -56,11 +77,73 @@ def check_writable(out, force: bool) -> None:
         ) from None
 
 
+def check_apart(
+    out, inputs: dict, hint: str, name: str | None = None, inside_ok: bool = False
+) -> None:
+    """Refuse an output that is one of the command's inputs, holds one (replacing the folder
+    would delete it) or, unless `inside_ok`, lies inside an input folder (writing it would
+    change the input).
+
+    `inputs`: {"the model folder": path, "--data": path, ...}; those that do not exist are
+    left to the command's own error. `name`: the output as the message says it ("the
+    report r.html"; default its path); `hint`: what to do instead."""
+    name = name or str(out)
+    target = _resolved(out)
+    if target is None:
+        return  # (check_writable says why it cannot be resolved)
+    for what, given in inputs.items():
+        if given is None or not os.path.lexists(given):
+            continue
+        source = _resolved(given)
+        if source is None:
+            continue
+        said = f"{what} {given}"
+        if source == target or _same_file(out, given):
+            raise FtpipeError(f"{name} is {said}, which this command reads; {hint}")
+        if target in source.parents:
+            raise FtpipeError(
+                f"{name} holds {said}, which this command reads and replacing {out} would "
+                f"delete; {hint}"
+            )
+        if not inside_ok and source.is_dir() and source in target.parents:
+            raise FtpipeError(
+                f"{name} is inside {said}, which this command reads and must not change; {hint}"
+            )
+
+
+def _resolved(path) -> Path | None:
+    try:
+        return Path(path).resolve()
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python 3.11)
+        return None
+
+
+def _same_file(a, b) -> bool:
+    """One file under two names Path.resolve does not join (a hard link, a bind mount, a
+    case-insensitive file system)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist
+        return False
+
+
+def _written(entry: Path, patterns) -> bool:
+    """`entry` matches one of `patterns`: a file's name, or a folder's with a trailing /."""
+    for pattern in patterns:
+        folder = pattern.endswith("/")
+        if folder == entry.is_dir() and fnmatch.fnmatchcase(entry.name, pattern.rstrip("/")):
+            return True
+    return False
+
+
 @contextlib.contextmanager
-def output_folder(out, force: bool = False, needs: int | None = None):
-    """`needs`: the bytes it will hold, when known (said when the disk is full)."""
+def output_folder(
+    out, force: bool = False, needs: int | None = None, inputs: dict | None = None, written=None
+):
+    """`needs`: the bytes it will hold, when known (said when the disk is full); `inputs` and
+    `written`: as `check_writable`'s."""
     out = Path(out)
-    check_writable(out, force)
+    check_writable(out, force, inputs, written)
     with new_folder(
         out, force, FtpipeError, "; choose another folder with -o", exists=_appeared, needs=needs
     ) as tmp:

@@ -6,13 +6,14 @@ sheets give them.
     f"{mib(result.gpus[0].bytes_sent):.2f} MiB per step"   # a column of one unit
     size(11506667840)        # '10.7 GiB': the unit that fits, so a tiny model is not '0.00 GiB'
     duration(0.0123)         # '12.3 ms'
+    rate(1266.456)           # '1266.46' samples/s; rate(0.001317) '0.00132', not '0.00'
 """
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["GIB", "KIB", "MIB", "duration", "gib", "mib", "size"]
+__all__ = ["GIB", "KIB", "MIB", "duration", "gib", "mib", "rate", "size"]
 
 KIB = 2**10
 MIB = 2**20
@@ -57,3 +58,14 @@ def duration(seconds: float) -> str:
     if s >= 1e-3:
         return f"{_three(seconds * 1e3)} ms"
     return f"{_three(seconds * 1e6)} µs"
+
+
+def rate(per_s: float) -> str:
+    """A rate (samples/s) with two decimals, or three significant figures below 1: a big
+    model planned for a CPU trains 0.00132 samples/s, which two decimals print as 0.00."""
+    if per_s is None or not math.isfinite(per_s):
+        return "-"
+    if per_s == 0 or abs(per_s) >= 1:
+        return f"{per_s:.2f}"
+    decimals = 2 - math.floor(math.log10(abs(per_s)))
+    return f"{per_s:.{decimals}f}"

@@ -146,6 +146,9 @@ CASES = [
     Case("compile --force: -o on a full disk, over an earlier output", Ftpipe((*COMPILE[:-1], "disk/p2", "--force")), 1, "No space left", setup=both(copy("p2", "disk/p2"), full_disk("disk", keep=("disk/p2",)), what="disk/p2 an earlier output on a full disk"), needs_root=True, issue="32.2"),
     Case("profile: -o on a full disk", Ftpipe(("profile", *LLAMA, "-o", "disk/graph.json")), 1, "No space left", setup=full_disk("disk"), needs_root=True, issue="32.2"),
     # options
+    Case("compile --force: -o the model's own folder", Ftpipe(("compile", *LLAMA, "-g", "2", "-o", "tiny-llama", "--force")), 1, "holds the model folder|is the model folder"),
+    Case("compile --force: -o a folder of the user's files", Ftpipe((*COMPILE[:-1], "mine", "--force")), 1, "holds files ftpipe compile does not write", setup=write("mine/notes.txt", "the user's own notes", what="mine/ holds the user's notes.txt")),
+    Case("simulate: --report over the plan it reads", Ftpipe(("simulate", "p2/plan.json", "--report", "p2/plan.json")), 1, "which this command reads"),
     Case("compile: --gpus 0", Ftpipe(("compile", *LLAMA, "-g", "0", "-o", "new")), 2, "0 is not in the range"),
     Case("compile: --gpus a word", Ftpipe(("compile", *LLAMA, "-g", "two", "-o", "new")), 2, "'two' is not a valid integer"),
     Case("compile: --seq-len 10^6", Ftpipe(("compile", "-m", "tiny-llama", "-g", "2", "--seq-len", "1000000", "-o", "new")), 1, "positions"),

@@ -20,6 +20,7 @@ from ..costs.profilers import costed_graph
 from ..planner import Space, orientation_of, plan_shape
 from ..planner.search import Found, per_replica
 from ..planner.shapes import depths
+from ..units import rate
 
 __all__ = ["batch_note", "cluster_of", "describe_shapes", "plan_on_cluster"]
 
@@ -82,7 +83,7 @@ def describe_shapes(found: Found, cluster: Cluster, note: str | None = None) -> 
         sched = c.schedule + ("" if c.recompute else " keep")
         lines.append(
             f"  {f'{c.replicas} x {c.gpus}':<16} {f'{c.micro_batches} x {c.micro_batch}':>9} "
-            f"{sched:<16} {r.status:<11} {r.bound:9.2f} {r.samples_per_s:10.2f} "
+            f"{sched:<16} {r.status:<11} {rate(r.bound):>9} {rate(r.samples_per_s):>10} "
             f"{r.effective_speedup:8.1f}"
         )
     if note:

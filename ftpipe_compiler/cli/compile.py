@@ -19,7 +19,7 @@ from ftpipe_runtime.spec.plan import OFFLOAD_STEPS
 
 from ..errors import FtpipeError
 from ..model.data_shapes import SAMPLES, DataRequest
-from ..output import check_writable
+from ..output import COMPILED, check_writable
 from ..planner.matrix import GROUPS, schedule_names
 from ..planner.offload import MODES as OFFLOAD_MODES
 from ..planner.offload import SHARD_MODES
@@ -28,8 +28,10 @@ from .compile_phases import Job, pipeline_for
 from .driver import drive
 from .echo import command_line
 from .options import (
+    FiniteFloatRange,
     json_option,
     micro_batches_option,
+    model_folder,
     names,
     optimizer_option,
     partitioners_option,
@@ -70,7 +72,7 @@ def _data_options(f):
         ),
         click.option(
             "--len-percentile",
-            type=click.FloatRange(0, 100, min_open=True),
+            type=FiniteFloatRange(0, 100, min_open=True),
             default=99.0,
             show_default=True,
             help="With --data: the share of samples (nearest rank, %) the lengths fit; "
@@ -186,7 +188,7 @@ def _data_request(options: dict) -> DataRequest | None:
 @click.option(
     "--freeze-training",
     "freeze_alpha",
-    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    type=FiniteFloatRange(0, 1, min_open=True, max_open=True),
     default=None,
     metavar="ALPHA",
     help="Also write the plans a freeze-training run (PipeTransformer; run it with "
@@ -244,7 +246,13 @@ def compile_command(*, model, hardware, gpus, schedule, search_width, jobs, part
     """Compile a model into a pipeline package: the plan, a report and the package to torchrun."""
     data = _data_request(cost_options)
     out = Path(output or Path("out") / _folder_name(model))
-    check_writable(out, force)  # before minutes of work, not after
+    inputs = {
+        "the model folder": model_folder(model),
+        "the data": data and data.path,
+        "the chat template": data and data.text.chat_template,
+        "the cluster file": cluster_file,
+    }
+    check_writable(out, force, inputs, COMPILED)  # before minutes of work, not after
     planned = gpus_per_node or cluster_file or replicas
     if planned and offload in ("optimizer", "activations"):
         # The runtime cannot sum replicas' gradients where the masters are on the host (CUDA).
@@ -271,6 +279,7 @@ def compile_command(*, model, hardware, gpus, schedule, search_width, jobs, part
         out=out,
         force=force,
         command=command_line(),
+        inputs=inputs,
         cost_args=dict(model=model, hardware=hardware, **cost_options),
         gpus=gpus,
         schedules=schedule,

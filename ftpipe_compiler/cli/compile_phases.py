@@ -31,7 +31,7 @@ from ..model.data_shapes import data_shapes
 from ..model.frozen import describe_frozen
 from ..model.tasks import resolve_task
 from ..model.zoo import resolve_model
-from ..output import output_folder
+from ..output import COMPILED, output_folder
 from ..partition import problem_from_graph
 from ..planner.matrix import NothingFits, search_matrix, update_rule
 from ..planner.nofit import check_floor, explain, floor_fits
@@ -40,6 +40,7 @@ from ..planner.shrink import index_of, shrink_plans
 from ..simulate import write_report
 from ..simulate.network import shard_lines
 from ..simulate.simulator import offload_report
+from ..units import rate
 from .cluster import batch_note, describe_shapes, plan_on_cluster
 from .driver import Phase, Pipeline, Progress
 from .tables import matrix_table
@@ -70,6 +71,7 @@ class Job:
     offload: str = "auto"  # --offload (planner/offload.py's MODES)
     shard: str = "auto"  # --shard-optimizer (planner/offload.py's SHARD_MODES)
     offload_step: str = "exact"  # --offload-step (the plan's OFFLOAD_STEPS)
+    inputs: dict = field(default_factory=dict)  # what it reads, kept out of `out` (output.py)
     # --- added by the phases ---
     spec: object = None
     task: object = None
@@ -214,7 +216,8 @@ def freeze_training(job: Job, progress: Progress) -> None:
 def generate(job: Job, progress: Progress) -> None:
     """Write plan.json, report.html and the package into `out`, all or nothing; each
     shrink's package goes in the package's elastic/<name>/."""
-    with output_folder(job.out, job.force) as tmp:
+    # Checked again: the folder may have gained files in the minutes since compile began.
+    with output_folder(job.out, job.force, inputs=job.inputs, written=COMPILED) as tmp:
         write_report(tmp / "report.html", job.plan, job.sim, job.command)
         pkg = generate_package(job.traced, job.graph, job.plan, job.spec, tmp, job.command,
                                force=True)  # fmt: skip
@@ -275,7 +278,7 @@ def one_lines(job: Job, timings: dict) -> list[str]:
         *([describe_frozen(graph)] if describe_frozen(graph) else []),
         matrix_table(list(plan.competitors)),
         f"winner: {best.partitioner} under {best.schedule} ({len(plan.stages)} stages, "
-        f"{sim.samples_per_s:.2f} samples/s simulated, bubble {sim.bubble_fraction:.1%}); "
+        f"{rate(sim.samples_per_s)} samples/s simulated, bubble {sim.bubble_fraction:.1%}); "
         + _update_words(best.schedule),
         *_exact_line(job),
         *(f"  {line}" for line in offload_report(plan, sim)),
@@ -318,7 +321,7 @@ def _exact_line(job: Job) -> list[str]:
     slower = exact.step_s / job.best.step_s - 1
     return [
         f"  best synchronous plan: {exact.partitioner} under {exact.schedule}, "
-        f"{exact.sim.samples_per_s:.2f} samples/s ({slower:.0%} slower per step); "
+        f"{rate(exact.sim.samples_per_s)} samples/s ({slower:.0%} slower per step); "
         "--schedule sync plans only the synchronous schedules"
     ]
 

@@ -8,6 +8,9 @@ arrive as keywords for `costed_graph` (which hands the last four to `measured_co
 
 from __future__ import annotations
 
+import math
+import os
+
 import click
 from ftpipe_runtime.errors import unknown_name
 from ftpipe_runtime.models import HEADS
@@ -23,8 +26,10 @@ from .hardware import DEFAULT as DEFAULT_HARDWARE
 from .hardware import default_hardware
 
 __all__ = [
+    "FiniteFloatRange",
     "json_option",
     "micro_batches_option",
+    "model_folder",
     "names",
     "optimizer_option",
     "output_file_option",
@@ -51,6 +56,25 @@ def names(value: str | None) -> list[str] | None:
     if not value:
         return None
     return [n.strip() for n in value.split(",") if n.strip()] or None
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click.FloatRange that refuses nan and inf as usage errors: nan passes every range
+    check (each comparison is False) and both fail deep in the work as an unexpected error."""
+
+    def convert(self, value, param, ctx):
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value} is not a finite number", param, ctx)
+        return super().convert(number, param, ctx)
+
+
+def model_folder(spec: str) -> str | None:
+    """--model when it is a folder here (a shipped name wins over a folder of that name, as
+    `resolve_model` decides): an input no output may be, replace or (a file) lie in."""
+    if "/" not in spec and "\\" not in spec and spec in config_names("models"):
+        return None
+    return spec if os.path.isdir(spec) else None
 
 
 def _partitioners(ctx, param, value: str | None) -> str | None:
@@ -239,7 +263,7 @@ _measured = _all(
     click.option(
         "--memory-limit",
         "memory_limit_gb",
-        type=click.FloatRange(min=0, min_open=True),
+        type=FiniteFloatRange(min=0, min_open=True),
         default=None,
         help="GB a measured block may use on the device; a bigger block is an error "
         "(default: no limit).",

@@ -7,6 +7,7 @@ from ftpipe_runtime.atomic import check_writable_file
 from ftpipe_runtime.schedules import SCHEDULES
 
 from ..graph.opgraph import OpGraph
+from ..output import check_apart
 from ..partition import pick_best, problem_from_graph, run_partitioners
 from .echo import command_line, echo_json
 from .options import (
@@ -61,6 +62,12 @@ def partition(
     """Run the partitioners on a costed graph (from `ftpipe profile -o`) and keep the best plan."""
     if output:
         check_writable_file(output, "the plan")  # before partitioning, not after
+        check_apart(
+            output,
+            {"the graph": graph_file},
+            "choose another file with -o",
+            name=f"the plan {output}",
+        )
     graph = OpGraph.load(graph_file)
     problem = problem_from_graph(graph, gpus, hardware, schedule, optimizer, micro_batches, seed)
     results = run_partitioners(problem, names(partitioners))

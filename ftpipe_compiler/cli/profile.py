@@ -11,9 +11,10 @@ import click
 from ftpipe_runtime.atomic import check_writable_file
 
 from ..costs.profilers import costed_graph
+from ..output import check_apart
 from ..units import size
 from .echo import echo_json
-from .options import json_option, output_file_option, traced_options
+from .options import json_option, model_folder, output_file_option, traced_options
 
 
 @click.command()
@@ -26,6 +27,12 @@ def profile(
     """Trace a model into an operator graph and cost every node."""
     if output:
         check_writable_file(output, "the graph")  # before tracing, not after
+        check_apart(
+            output,
+            {"the model folder": model_folder(model)},
+            "choose another file with -o",
+            name=f"the graph {output}",
+        )
     t0 = time.perf_counter()
     # `options` holds head, target_len and batch, and the measured profiler's device,
     # memory_limit_gb, repeats and cache: costed_graph's keywords.

@@ -13,13 +13,14 @@ from ftpipe_runtime.atomic import check_writable_file
 from ftpipe_runtime.errors import unknown_name
 from ftpipe_runtime.schedules import SCHEDULES
 
+from ..output import check_apart
 from ..plan import Plan, describe_remat
 from ..simulate import compare, simulate, table
 from ..simulate.measured import load_measured
 from ..simulate.network import shard_lines
 from ..simulate.report import compare_line, write_report
 from ..simulate.simulator import offload_report
-from ..units import mib
+from ..units import mib, rate
 from .echo import echo_json, echo_lines
 from .options import json_option, micro_batches_option, steps_option
 
@@ -68,6 +69,9 @@ def simulate_command(plan_files, schedule, micro_batches, steps, report, trace, 
         if not one:
             raise click.UsageError("--report draws one plan under one schedule; give one of each")
         check_writable_file(report, "the report")  # before the simulation, not after
+        csv = names[0] if names[0] and names[0].lower().endswith(".csv") else None
+        read = {"the plan": plan_files[0], "the trace": trace, "the schedule": csv}
+        check_apart(report, read, "choose another file with --report", name=f"the report {report}")
     if trace and not one:
         raise click.UsageError("--compare sets one run beside one plan under one schedule")
     plans = [(f, Plan.load(f)) for f in plan_files]
@@ -135,7 +139,7 @@ def _lines(plan: Plan, result, steps: int, run) -> list[str]:
         f"{len(plan.stages)} stages, {steps} steps simulated",
         f"  step time   {result.step_time_s:10.4f} s   (plan estimate "
         f"{plan.period_s * result.micro_batches:.4f} s)",
-        f"  samples/s   {result.samples_per_s:10.2f}",
+        f"  samples/s   {rate(result.samples_per_s):>10}",
         f"  bubble      {100 * result.bubble_fraction:10.1f} %",
         f"  sent        {mib(sent):10.2f} MiB per step (all GPUs)",
     ]

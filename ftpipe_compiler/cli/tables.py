@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..partition import Result
-from ..units import duration, size
+from ..units import duration, rate, size
 
 __all__ = ["matrix_table", "partition_table"]
 
@@ -44,7 +44,7 @@ def matrix_table(rows: list[dict]) -> str:
             continue
         lines.append(
             f"{r['schedule']:<12} {r['update']:<6} {r['partitioner']:<11} "
-            f"{duration(r['simulated_step_time_s']):>8} {r['simulated_samples_per_s']:>10.2f} "
+            f"{duration(r['simulated_step_time_s']):>8} {rate(r['simulated_samples_per_s']):>10} "
             f"{r['bubble_fraction']:>6.1%} {size(r['max_memory_bytes']):>9} "
             f"{duration(r['search_seconds']):>8}  "
             + ("yes" if r["status"] == "ok" else f"no: {r['note']}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..errors import FtpipeError, UnknownNameError
+from ..units import rate
 from .simulator import simulate
 
 
@@ -76,7 +77,7 @@ def table(rows: list[Row]) -> str:
             lines.append(f"{start}  cannot run: {r.error}")
             continue
         lines.append(
-            f"{start} {r.samples_per_s:>10.2f} {r.step_time_s:>9.4f} "
+            f"{start} {rate(r.samples_per_s):>10} {r.step_time_s:>9.4f} "
             f"{100 * r.bubble_fraction:>6.1f}% {r.max_memory_bytes / 2**30:>8.2f} "
             f"{r.memory_bytes / 2**30:>7.2f}  {'yes' if r.fits else 'no'}"
         )

@@ -1,13 +1,20 @@
 import json
 
 import click
+import pytest
 from click.testing import CliRunner
 
-from ftpipe_compiler.cli import cli
+from ftpipe_compiler.cli import COMMANDS, cli
+from ftpipe_compiler.cli.options import FiniteFloatRange
 
 
 def run(*args):
     return CliRunner().invoke(cli, list(args))
+
+
+def commands():
+    """Every command, loaded (cli.commands holds only those a test in this process ran)."""
+    return {name: cli.get_command(None, name) for name in COMMANDS}
 
 
 def test_help_and_models():
@@ -66,7 +73,7 @@ def test_errors_are_one_sentence_and_exit_1():
 
 def test_every_option_has_help_and_says_its_default():
     """`--help` of every command explains every option and what it is when not given."""
-    for name, command in cli.commands.items():
+    for name, command in commands().items():
         for p in command.params:
             if not isinstance(p, click.Option) or p.name == "help":
                 continue
@@ -78,8 +85,20 @@ def test_every_option_has_help_and_says_its_default():
                 assert "default" in p.help, where  # in words: what happens without it
             else:
                 assert p.show_default, where
-        shown = run(name, "--help").output
-        assert "[default: " in shown or name == "models"
+        shown = run(name, "--help").output  # (simulate's defaults are all said in words)
+        assert "[default: " in shown or "(default: " in shown or name == "models", name
+
+
+def test_every_float_option_refuses_nan_and_inf():
+    """nan passes every range check (its comparisons are all False) and inf every open one:
+    each ended deep in the work as an "unexpected error"; every float option refuses both."""
+    for name, command in commands().items():
+        for p in command.params:
+            if isinstance(p.type, click.types.FloatParamType):
+                assert isinstance(p.type, FiniteFloatRange), f"ftpipe {name} {p.opts[0]}"
+                for bad in ("nan", "inf", "-inf"):
+                    with pytest.raises(click.BadParameter, match="is not a finite number"):
+                        p.type.convert(bad, p, None)
 
 
 def test_usage_errors_exit_2():

@@ -200,6 +200,26 @@ CASES = [
     ("partition: a node cost NaN", _graph_edit(lambda g: g["nodes"][3].update(fwd_s=float("nan"))), ["partition", "bad.json", "--gpus", "2"], 1, "bad.json is not a valid graph: node .* has a negative or non-finite cost"),
     ("simulate: --steps 10^9", _nothing, ["simulate", "plan.json", "--steps", "1000000000"], 1, "1000000000 steps of 4 micro-batches on 2 stages are 2.4e\\+10 actions to simulate, more than 5e\\+06"),
     ("simulate: --micro-batches 10^7", _nothing, ["simulate", "plan.json", "-M", "10000000"], 1, "actions to simulate, more than 5e\\+06 \\(minutes\\); lower --steps or --micro-batches"),
+    # an output that would delete or overwrite an input, or the user's files (--force)
+    ("compile --force: -o the model folder", _write("hf/config.json", json.dumps(LLAMA)), ["compile", "-m", "hf", "-g", "2", "-o", "hf", "--force"], 1, "hf is the model folder hf, which this command reads; choose another folder with -o"),
+    ("compile --force: -o a folder holding the model", _write("m/hf/config.json", json.dumps(LLAMA)), ["compile", "-m", "m/hf", "-g", "2", "-o", "m", "--force"], 1, "m holds the model folder m/hf, which this command reads and replacing m would delete; choose another folder with -o"),
+    ("compile --force: -o a folder holding the data", _write("d/train.jsonl", '{"text": "hi"}\n'), ["compile", "-m", "gpt2-tiny", "-g", "2", "--data", "d/train.jsonl", "-o", "d", "--force"], 1, "d holds the data d/train.jsonl, which this command reads and replacing d would delete"),
+    ("compile --force: -o a folder holding the chat template", _write("out/t.jinja", "{{ messages }}"), ["compile", "-m", "gpt2-tiny", "-g", "2", "--data", "train.jsonl", "--chat-field", "m", "--chat-template", "out/t.jinja", "-o", "out", "--force"], 1, "out holds the chat template out/t.jinja, which this command reads"),
+    ("compile --force: -o a folder holding the cluster file", _write("out/c.json", "{}"), ["compile", "-m", "gpt2-tiny", "-g", "4", "--cluster", "out/c.json", "-o", "out", "--force"], 1, "out holds the cluster file out/c.json, which this command reads"),
+    ("compile --force: -o a folder holding the user's notes", _write("out/notes.txt", "mine"), ["compile", "-m", "gpt2-tiny", "-g", "2", "-o", "out", "--force"], 1, "out holds files ftpipe compile does not write \\(notes.txt\\), which replacing it would delete; move them, or choose another folder with -o"),
+    ("compile: -o a folder holding a run's checkpoints", _write("out/checkpoints/step-1/stage-0.pt", b"weights"), ["compile", "-m", "gpt2-tiny", "-g", "2", "-o", "out"], 1, "out holds files ftpipe compile does not write \\(checkpoints\\)"),
+    ("simulate: --report the plan", _nothing, ["simulate", "plan.json", "--report", "plan.json"], 1, "the report plan.json is the plan plan.json, which this command reads; choose another file with --report"),
+    ("simulate: --report the plan by another path", _nothing, ["simulate", "plan.json", "--report", "out/../plan.json"], 1, "the report out/../plan.json is the plan plan.json"),
+    ("simulate: --report the trace", _write("t.json", "{}"), ["simulate", "plan.json", "--compare", "t.json", "--report", "t.json"], 1, "the report t.json is the trace t.json"),
+    ("partition: -o the graph", _nothing, [*PART, "-o", "graph.json"], 1, "the plan graph.json is the graph graph.json, which this command reads; choose another file with -o"),
+    ("partition: -o a hard link of the graph", lambda f: os.link(f / "graph.json", f / "g2.json"), [*PART, "-o", "g2.json"], 1, "the plan g2.json is the graph graph.json"),
+    ("profile: -o the model's config.json", _write("hf/config.json", json.dumps(LLAMA)), ["profile", "-m", "hf", "-o", "hf/config.json"], 1, "the graph hf/config.json is inside the model folder hf, which this command reads and must not change; choose another file with -o"),
+    # a float option of nan or inf (nan passed every range check)
+    ("profile: --memory-limit nan", _nothing, [*PROF, "--profile", "measured", "--memory-limit", "nan"], 2, "Invalid value for '--memory-limit': nan is not a finite number"),
+    ("profile: --memory-limit inf", _nothing, [*PROF, "--profile", "measured", "--memory-limit", "inf"], 2, "'--memory-limit': inf is not a finite number"),
+    ("compile: --memory-limit inf", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "2", "--profile", "measured", "--memory-limit", "inf", "-o", "new"], 2, "'--memory-limit': inf is not a finite number"),
+    ("compile: --freeze-training nan", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "2", "--freeze-training", "nan", "-o", "new"], 2, "'--freeze-training': nan is not a finite number"),
+    ("compile: --len-percentile nan", _nothing, ["compile", "-m", "gpt2-tiny", "-g", "2", "--data", "train.jsonl", "--len-percentile", "nan", "-o", "new"], 2, "'--len-percentile': nan is not a finite number"),
 ]  # fmt: skip
 
 

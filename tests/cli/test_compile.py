@@ -183,3 +183,30 @@ def test_compile_other_heads_and_check(tmp_path, head):
     assert r.exit_code == 0, r.output
     result = check_package(out / "bert_tiny_pipeline")
     assert result.ok and result.loss_rel_diff <= 1e-5, result
+
+
+def test_a_slow_plan_prints_its_samples_per_second(tmp_path):
+    """GPT-2 planned for CPUs trains well under one sample a second: every rate printed (the
+    table, the winner, the best synchronous plan, simulate, its comparison, the cluster's
+    shapes) has three significant figures, not "0.00"."""
+    small = r"0\.000\d\d\d"  # 0.000399 ...: three significant figures
+    argv = ["compile", "-m", "gpt2", "-g", "2", "--hardware", "cpu", "--dtype", "bf16"]
+    argv += ["-p", "even-layers", "--schedule", "gpipe,ftpipe", "-o", str(tmp_path / "a")]
+    r = CliRunner().invoke(cli, argv)
+    assert r.exit_code == 0, r.output
+    assert " 0.00 " not in r.output and "0.00 samples/s" not in r.output, r.output
+    rows = [line for line in r.output.splitlines() if re.match(r"\w+ +\w+ +even-layers ", line)]
+    assert len(rows) == 2 and all(re.search(f" {small} ", row) for row in rows), rows
+    assert re.search(f"winner: .*\\(2 stages, {small} samples/s simulated", r.output), r.output
+    assert re.search(f"best synchronous plan: .*, {small} samples/s \\(", r.output), r.output
+    plan = str(tmp_path / "a" / "plan.json")
+    r = CliRunner().invoke(cli, ["simulate", plan])
+    assert r.exit_code == 0 and re.search(f"\n  samples/s +{small}\n", r.output), r.output
+    r = CliRunner().invoke(cli, ["simulate", plan, "--schedule", "gpipe,ftpipe"])
+    assert r.exit_code == 0 and len(re.findall(f" 2 +{small} ", r.output)) == 2, r.output
+    argv = ["compile", "-m", "gpt2", "-g", "4", "--gpus-per-node", "2", "--hardware", "cpu"]
+    r = CliRunner().invoke(cli, [*argv, "-p", "even-layers", "--schedule", "gpipe",
+                                 "-o", str(tmp_path / "c")])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    chosen = next(line for line in r.output.splitlines() if " chosen " in line)
+    assert re.search(r" chosen +0\.0\d\d\d +0\.0\d\d\d ", chosen), chosen
