@@ -21,7 +21,7 @@ from ftpipe_runtime.atomic import write_atomic
 from .. import resources
 from ..graph.granularity import layer_key, layer_runs
 from ..plan import Plan, describe_remat
-from ..units import duration, size
+from ..units import duration, rate, size
 from ..version import __version__
 from .host import HOST_KINDS
 from .network import shard_lines
@@ -192,6 +192,7 @@ def render_report(plan: Plan, result: SimResult, command: str = "", measured=Non
         undefined=jinja2.StrictUndefined,
         autoescape=True,
     )
+    env.filters["rate"] = rate
     return env.get_template("report.html.j2").render(
         plan=plan,
         result=result,
@@ -266,7 +267,7 @@ COLUMNS = {  # in the order shown; keys no row has are left out
     "partitioner": Column("partitioner", str, figure=False),
     "status": Column("status", str, figure=False),
     "simulated_step_time_s": Column("step", duration, "simulated time per optimizer step"),
-    "simulated_samples_per_s": Column("samples/s", _fixed(2), "simulated throughput"),
+    "simulated_samples_per_s": Column("samples/s", rate, "simulated throughput"),
     "bubble_fraction": Column("bubble", lambda v: f"{100 * v:.1f}%", "idle share of GPU time"),
     "max_memory_bytes": Column("fullest GPU", size, "peak memory of the fullest GPU"),
     "stages": Column("stages", lambda v: f"{v:,}"),
