@@ -22,7 +22,14 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ftpipe_runtime.data.text import TextOptions, is_text_file, load_tokenizer, text_columns
+from ftpipe_runtime.data.checks import check_data_file
+from ftpipe_runtime.data.text import (
+    TOKENIZER_FILES,
+    TextOptions,
+    is_text_file,
+    load_tokenizer,
+    text_columns,
+)
 from ftpipe_runtime.data.tokens import read_token_ids
 from ftpipe_runtime.errors import PipelineConfigError
 
@@ -138,7 +145,8 @@ def data_shapes(spec, data, options: TextOptions, *, percentile: float = 99.0,
 
 def _columns(spec, data: Path, options: TextOptions, samples: int) -> dict:
     """Each sample's token ids: text tokenized as the package will, or a file of token ids."""
-    if Path(data).is_file() and not is_text_file(data):
+    check_data_file(data)  # before telling text from token ids, which it cannot
+    if not is_text_file(data, text=options.given()):
         if options.given():
             raise FtpipeError(f"{data} holds token ids; the text options are for text")
         columns = read_token_ids(data)
@@ -149,6 +157,14 @@ def _columns(spec, data: Path, options: TextOptions, samples: int) -> dict:
         raise FtpipeError(
             f"--data measures text with the model's tokenizer, and {spec.name} has no model "
             "folder; give --model a HuggingFace folder (with its tokenizer)"
+        )
+    if not any((Path(spec.path) / f).is_file() for f in TOKENIZER_FILES):
+        # compile has no --tokenizer: the package takes one when it runs
+        raise FtpipeError(
+            f"--data measures text with the model's tokenizer, and the model folder "
+            f"{spec.path} has no tokenizer files; save the tokenizer into it "
+            "(tokenizer.save_pretrained), or compile without --data (choosing --seq-len) and "
+            "run the package with --tokenizer FOLDER"
         )
     tokenizer = load_tokenizer(spec.path)
     return text_columns(data, spec.head, options, tokenizer, samples=samples)

@@ -27,7 +27,14 @@ import torch
 from ..errors import PipelineConfigError, unknown_name
 from ..models import HEADS, IGNORE, Vocab, decoder_inputs, shift_right, synthetic_batch
 from ..models.packing import POSITIONS
-from .text import TEXT_FORMATS, TextOptions, is_text_file, load_tokenizer, read_text
+from .checks import check_data_file
+from .text import (
+    TEXT_FORMATS,
+    TextOptions,
+    is_text_file,
+    load_tokenizer,
+    read_text,
+)
 from .tokens import TOKEN_COLUMNS, read_token_ids
 
 __all__ = ["IGNORE", "SOURCES", "EvalData", "FileData", "TextOptions", "make_data", "shift_right"]
@@ -253,9 +260,8 @@ def make_data(
                 f", a .pt / .jsonl file of token ids or a {' / '.join(TEXT_FORMATS)} file of text",
             )
         )
-    if Path(source).is_file() and Path(source).stat().st_size == 0:
-        raise PipelineConfigError(f"{source} is empty; give one sample per line or row")
-    if is_text_file(source, model.get("inputs") or {}):
+    check_data_file(source)  # before telling text from token ids, which it cannot
+    if is_text_file(source, model.get("inputs") or {}, text.given() or text.pack):
         if isinstance(tokenizer, (str, Path)) or tokenizer is None:
             tokenizer = load_tokenizer(tokenizer)
         columns = read_text(source, model, text, tokenizer, say or _warn)

@@ -30,7 +30,7 @@ from pathlib import Path
 from ..errors import PipelineConfigError
 from ..models import IGNORE
 
-__all__ = ["ROLES", "chat_columns", "chat_template"]
+__all__ = ["ROLES", "chat_columns", "chat_template", "template_name"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -56,9 +56,15 @@ def chat_template(tokenizer, file=None) -> str:
     return template
 
 
-def chat_columns(tokenizer, conversations: list, template: str, where) -> dict:
+def template_name(file=None) -> str:
+    """The template as sentences name it: `--chat-template FILE`'s, else the tokenizer's."""
+    return f"the chat template {file}" if file else "the tokenizer's chat template"
+
+
+def chat_columns(tokenizer, conversations: list, template: str, where, template_file=None) -> dict:
     """Input ids and labels (assistant turns only) of each conversation; `where(i)` names
-    sample i in errors ("train.jsonl line 3")."""
+    sample i in errors ("train.jsonl line 3"), `template_file` the template (None: the
+    tokenizer's)."""
     if not getattr(tokenizer, "is_fast", False):
         raise PipelineConfigError(
             "chat data needs a fast tokenizer (character offsets find the assistant turns); "
@@ -68,7 +74,7 @@ def chat_columns(tokenizer, conversations: list, template: str, where) -> dict:
     for i, messages in enumerate(conversations):
         sample = partial(where, i)  # its name, found only for an error
         messages = _check(messages, sample)
-        text, spans = _render(tokenizer, messages, template, sample)
+        text, spans = _render(tokenizer, messages, template, sample, template_file)
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         row = encoded["input_ids"]
         starts = [start for start, _ in encoded["offset_mapping"]]
@@ -81,7 +87,12 @@ def chat_columns(tokenizer, conversations: list, template: str, where) -> dict:
 
 def _check(messages, where) -> list[dict]:
     """A list of {role, content} with known roles and text content, or one sentence."""
-    if not isinstance(messages, list) or not messages:
+    if isinstance(messages, list) and not messages:
+        raise PipelineConfigError(
+            f"{where()}: the chat field holds no messages (an empty list); give a list of "
+            "{role, content} messages, or leave the sample out"
+        )
+    if not isinstance(messages, list):
         raise PipelineConfigError(
             f"{where()}: the chat field holds {type(messages).__name__}, not a list of "
             "{role, content} messages"
@@ -104,7 +115,7 @@ def _check(messages, where) -> list[dict]:
     return out
 
 
-def _render(tokenizer, messages: list[dict], template: str, where) -> tuple[str, list]:
+def _render(tokenizer, messages: list[dict], template: str, where, template_file=None) -> tuple:
     """The conversation's text and the character spans of its assistant turns."""
 
     def render(part, prompt=False) -> str:
@@ -113,6 +124,11 @@ def _render(tokenizer, messages: list[dict], template: str, where) -> tuple[str,
                 part, chat_template=template, tokenize=False, add_generation_prompt=prompt
             )
         except Exception as e:  # noqa: BLE001 - jinja raises many types, one meaning
+            if _syntax_error(e):  # the template's fault, whatever the sample
+                raise PipelineConfigError(
+                    f"{template_name(template_file)} has a syntax error on its line {e.lineno} ({e.message}); fix it, "
+                    "or pass another with --chat-template FILE"
+                ) from None
             raise PipelineConfigError(
                 f"{where()}: the chat template fails on it ({type(e).__name__}: {e})"
             ) from None
@@ -133,3 +149,11 @@ def _render(tokenizer, messages: list[dict], template: str, where) -> tuple[str,
         # to the turn's end, less the whitespace that separates it from the next message
         spans.append((at if at >= 0 else len(before), len(upto.rstrip())))
     return text, spans
+
+
+def _syntax_error(e: Exception) -> bool:
+    try:
+        from jinja2 import TemplateSyntaxError
+    except ImportError:  # (transformers renders with jinja2: without it nothing was rendered)
+        return False
+    return isinstance(e, TemplateSyntaxError)

@@ -58,7 +58,7 @@ def open_sources(plan: dict, config: RunConfig, micro_batches: int, say=print) -
     files = [f for f in (config.data, config.eval_data) if f and f not in SOURCES]
     inputs = model.get("inputs") or {}
     tokenizer = config.tokenizer or model.get("path")
-    if any(Path(f).is_file() and is_text_file(f, inputs) for f in files):
+    if any(Path(f).is_file() and is_text_file(f, inputs, text.given() or text.pack) for f in files):
         tokenizer = load_tokenizer(tokenizer)  # once, for both files
     seed = config.seed if config.shuffle_seed is None else config.shuffle_seed
     train = make_data(model, config.data, seed, text, tokenizer, say)

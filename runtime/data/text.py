@@ -26,11 +26,11 @@ longer than the compiled length is refused, naming it; `truncate=True` cuts it w
 
 from __future__ import annotations
 
-import codecs
 import json
 import random
 import tempfile
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -38,13 +38,13 @@ import torch
 from ..errors import PipelineConfigError
 from ..models import IGNORE
 from ..models.packing import packs_documents
-from .chat import chat_columns, chat_template
+from .chat import chat_columns, chat_template, template_name
+from .checks import check_data_file, check_lines, check_utf8
 from .packing import concatenate, end_documents, pack_documents
 
 __all__ = [
     "TEXT_FORMATS",
     "TextOptions",
-    "check_utf8",
     "is_text_file",
     "load_tokenizer",
     "read_text",
@@ -56,6 +56,7 @@ TEXT_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "p
 TEXT_HEADS = ("causal-lm", "seq2seq-lm")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                    "spiece.model", "vocab.txt")  # fmt: skip
+PEEK = 16  # the .jsonl lines `is_text_file` looks at for one that tells text from token ids
 
 
 @dataclass(frozen=True)
@@ -94,22 +95,32 @@ class TextOptions:
         return {k: v for k, v in self.__dict__.items() if v not in (None, False)}
 
 
-def is_text_file(path, model_inputs=()) -> bool:
+def is_text_file(path, model_inputs=(), text: bool = False) -> bool:
     """Whether `path` holds text (else token ids: `.pt`, or `.jsonl` of id lists). A `.jsonl`
-    is text unless its first record is a list or names a model input (`input_ids`...)."""
+    is text when its first record is an object naming no model input (`input_ids`...), token
+    ids when it is a list or names one. One that shows neither (blank, not UTF-8, no line of
+    JSON among the first) is text when the text options are given (`text`): the reader of
+    what the user meant then names what is wrong with it, not the other kind's reader."""
     suffix = Path(path).suffix
     if suffix not in TEXT_FORMATS:
         return False
     if suffix != ".jsonl":
         return True
+    ids = {"input_ids", "labels", "decoder_input_ids", *model_inputs}
     try:
         with open(path, encoding="utf-8-sig", errors="replace") as f:  # (only a peek)
-            first = next((line for line in f if line.strip()), "")
-        record = json.loads(first)
-    except (OSError, ValueError):
-        return False  # the token-id reader says what is wrong with it
-    ids = {"input_ids", "labels", "decoder_input_ids", *model_inputs}
-    return isinstance(record, dict) and not ids & set(record)
+            for line in islice((line for line in f if line.strip()), PEEK):
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # a broken line is the reader's to name; a later one may tell
+                if isinstance(record, list):
+                    return False
+                if isinstance(record, dict):
+                    return not ids & set(record)
+    except OSError:
+        pass
+    return text
 
 
 def load_tokenizer(folder):
@@ -176,7 +187,13 @@ def text_columns(path, head: str, options: TextOptions, tokenizer, samples: int 
     rows, index = _read_rows(path, fields, chat=options.chat_field is not None, samples=samples)
     if options.chat_field is not None:
         template = chat_template(tokenizer, options.chat_template)
-        return chat_columns(tokenizer, rows[fields[0]], template, lambda i: _where(path, index[i]))
+        talks = rows[fields[0]]
+        columns = chat_columns(
+            tokenizer, talks, template, lambda i: _where(path, index[i]), options.chat_template
+        )
+        if samples is None:  # (a sample of the file may lack the assistant turns it has)
+            _check_learnable(path, talks, columns["labels"], options.chat_template)
+        return columns
     if head == "seq2seq-lm":
         return {
             "input_ids": _ids(tokenizer, rows[fields[0]]),
@@ -188,10 +205,7 @@ def text_columns(path, head: str, options: TextOptions, tokenizer, samples: int 
 def _read_rows(path: Path, fields: list[str], chat: bool = False, samples: int | None = None):
     """The fields' values of the samples kept, and each one's row in the file. Text samples
     with an empty field are left out; chat samples (lists, checked by chat.py) are all kept."""
-    if not path.is_file():
-        raise PipelineConfigError(f"no data file {path}")
-    if path.stat().st_size == 0:
-        raise PipelineConfigError(f"{path} is empty; give one sample per line or row")
+    check_data_file(path)
     builder = TEXT_FORMATS[path.suffix]
     if builder != "parquet":  # the others are text
         check_utf8(path)
@@ -209,6 +223,8 @@ def _read_rows(path: Path, fields: list[str], chat: bool = False, samples: int |
                 builder, data_files=str(path), split="train", cache_dir=cache, keep_in_memory=True
             )
     except Exception as e:  # noqa: BLE001 - arrow, json and csv parsers raise many types
+        if path.suffix == ".jsonl":  # arrow counts rows from the start of its block, not the file
+            check_lines(path)
         cause = e.__cause__ or e.__context__ or e
         raise PipelineConfigError(
             f"{path} cannot be read as {builder} ({type(cause).__name__}: {_short(cause)})"
@@ -222,67 +238,90 @@ def _read_rows(path: Path, fields: list[str], chat: bool = False, samples: int |
             "name the text with --text-field, a pair with --prompt-field and --target-field, "
             "or chat messages with --chat-field"
         )
-    out = {f: table[f] for f in fields}
     rows = list(range(table.num_rows))
     if samples is not None and len(rows) > samples:
         rows = sorted(random.Random(0).sample(rows, samples))  # a seeded subset, in file order
+    # Each sample's values as a list, aligned with `rows`: reading a column whole is 4x
+    # faster than reading it value by value, which only pays for a small subset.
+    out = {f: list(table[f]) if len(rows) == table.num_rows else [table[f][i] for i in rows]
+           for f in fields}  # fmt: skip
+    for f, values in out.items():  # arrow fills a field a sample lacks with None
+        lacks = next((j for j, v in enumerate(values) if v is None), None)
+        if lacks is not None:
+            raise PipelineConfigError(_no_value(path, rows[lacks], f, _flag(f, fields, chat)))
     if chat:
-        return {f: [v[i] for i in rows] for f, v in out.items()}, rows
+        return out, rows
     for f, values in out.items():
-        bad = next((i for i in rows if not isinstance(values[i], str)), None)
+        bad = next((j for j, v in enumerate(values) if not isinstance(v, str)), None)
         if bad is not None:
             raise PipelineConfigError(
-                f"{path} sample {bad + 1}: field {f!r} holds {type(values[bad]).__name__}, not text"
+                f"{path} sample {rows[bad] + 1}: field {f!r} holds {type(values[bad]).__name__}, "
+                "not text"
             )
-    keep = [i for i in rows if all(out[f][i].strip() for f in fields)]
+    keep = [j for j in range(len(rows)) if all(out[f][j].strip() for f in fields)]
     if not keep:
         raise PipelineConfigError(f"{path} holds only empty texts")
-    return {f: [v[i] for i in keep] for f, v in out.items()}, keep
+    return {f: [v[j] for j in keep] for f, v in out.items()}, [rows[j] for j in keep]
 
 
 def _where(path: Path, row: int) -> str:
     """Sample `row` (from 0) named as a person finds it: its line in a .jsonl, else its number."""
+    line = _line(path, row)
+    return f"{path} line {line[0]}" if line else f"{path} sample {row + 1}"
+
+
+def _line(path: Path, row: int) -> tuple[int, str] | None:
+    """Sample `row`'s line number and text in a .jsonl (None in another format)."""
     if path.suffix != ".jsonl":
-        return f"{path} sample {row + 1}"
-    with open(path, encoding="utf-8") as f:  # datasets skips blank lines; count them here
+        return None
+    with open(path, encoding="utf-8-sig") as f:  # datasets skips blank lines; count them here
         seen = -1
         for line_number, line in enumerate(f, 1):
             seen += bool(line.strip())
             if seen == row:
-                return f"{path} line {line_number}"
-    return f"{path} sample {row + 1}"
+                return line_number, line
+    return None
 
 
-def check_utf8(path: Path, chunk: int = 1 << 20) -> None:
-    """A text file is UTF-8 without NUL bytes, or one sentence naming its first other byte.
-    pyarrow's readers take such a file and fail only when a row is read back (a raw
-    UnicodeDecodeError), and a NUL is a binary file's, never text's (the tokenizer would make
-    it an unknown word), so every byte is checked here first, a megabyte at a time."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    read = lines = 0  # bytes read before this piece, and the line ends among them
-    with open(path, "rb") as f:
-        while True:
-            piece = f.read(chunk)
-            held = len(decoder.getstate()[0])  # the start of a character cut by the last piece
-            try:
-                decoder.decode(piece, final=not piece)
-            except UnicodeDecodeError as e:
-                at = read - held + e.start  # the bad byte's offset in the file
-                line = lines + piece[: max(at - read, 0)].count(b"\n") + 1
-                raise PipelineConfigError(
-                    f"{path} line {line} (byte {at}) is not UTF-8 text ({e.reason}); save the "
-                    "file as UTF-8"
-                ) from None
-            if not piece:
-                return
-            if (nul := piece.find(b"\0")) >= 0:
-                line = lines + piece[:nul].count(b"\n") + 1
-                raise PipelineConfigError(
-                    f"{path} line {line} (byte {read + nul}) holds a NUL byte, which text does "
-                    "not; is it a binary file? save the text as UTF-8"
-                )
-            read += len(piece)
-            lines += piece.count(b"\n")
+def _flag(field: str, fields: list[str], chat: bool) -> str:
+    """The option that named `field` (`fields`: as `TextOptions.fields` gives them)."""
+    if chat:
+        return "--chat-field"
+    if len(fields) == 2:
+        return ("--prompt-field", "--target-field")[fields.index(field)]
+    return "--text-field"
+
+
+def _no_value(path: Path, row: int, field: str, flag: str) -> str:
+    """The sentence for sample `row` without a value in `field`: the fields its line has
+    instead (a field named differently in some lines), or that it is null or empty."""
+    where, line = _where(path, row), _line(path, row)
+    try:
+        record = json.loads(line[1]) if line else None
+    except ValueError:
+        record = None
+    if isinstance(record, dict) and field not in record:
+        return (
+            f"{where} has no field {field!r} (it has {', '.join(record) or 'none'}); give "
+            f"every sample the field {flag} names"
+        )
+    return f"{where} has no value in field {field!r}; give it one, or leave the sample out"
+
+
+def _check_learnable(path: Path, talks: list, labels: list, template_file) -> None:
+    """Chat data whose labels are all ignored trains on nothing (or, packed, only on the
+    end-of-sequence token each conversation gets): one sentence saying why instead."""
+    if any(t != IGNORE for row in labels for t in row):
+        return
+    if not any(m.get("role") == "assistant" for talk in talks for m in talk):
+        raise PipelineConfigError(
+            f"{path}: no conversation has an assistant turn to learn from (the loss is on the "
+            "assistant's messages only); give conversations with assistant replies"
+        )
+    raise PipelineConfigError(
+        f"{path}: {template_name(template_file)} never renders the assistant messages' content, so there is "
+        "nothing to learn; give a template that writes them (--chat-template FILE)"
+    )
 
 
 def _ids(tokenizer, texts: list[str], special: bool = True) -> list[list[int]]:

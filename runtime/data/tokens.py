@@ -15,15 +15,14 @@ import torch
 
 from ..checkpoint.files import load_pickled
 from ..errors import PipelineConfigError
-from .text import check_utf8
+from .checks import check_data_file, check_utf8
 
 __all__ = ["TOKEN_COLUMNS", "read_token_ids"]
 
 
 def read_token_ids(path: Path) -> dict[str, list[torch.Tensor]]:
     """Columns of token-id rows from `.pt` (a 2-d tensor or a dict of them) or `.jsonl`."""
-    if not path.is_file():
-        raise PipelineConfigError(f"no data file {path}")
+    check_data_file(path)
     if path.suffix == ".pt":
         cols = _read_pt(path)
     elif path.suffix == ".jsonl":

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import random
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -23,6 +25,8 @@ from click.testing import CliRunner  # noqa: E402
 from ftpipe_compiler.cli import cli  # noqa: E402
 
 CHAT_TEMPLATE = "{% for m in messages %}<s> {{ m['content'] }} </s> {% endfor %}"
+CHAT_LINE = json.dumps({"messages": [{"role": "user", "content": "one"},
+                                     {"role": "assistant", "content": "two"}]})  # fmt: skip
 
 
 def _expected(lengths, percentile) -> int:
@@ -178,3 +182,58 @@ def test_the_model_s_positions_cap_the_length_and_the_line_says_so(folders, tmp_
         f"--seq-len {positions} (percentile 99 is {_expected(lengths, 99)}, more than the "
         f"model's positions; longest {max(lengths)}): 50 of 50 samples longer"
     ) in shapes.line()
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"", "d.jsonl is empty; give one sample per line or row"),
+        (b"\n  \n", "d.jsonl holds no samples, only blank lines"),
+        ((CHAT_LINE + "\n").encode("utf-16"), "d.jsonl is not UTF-8 text but UTF-16"),
+        (b"{broken\n" + CHAT_LINE.encode(), "d.jsonl line 1 is not JSON \\(Expecting property"),
+    ],
+)
+def test_a_data_file_that_shows_neither_text_nor_token_ids_is_named_for_what_it_is(
+    folders, tmp_path, data, message
+):
+    """A blank, UTF-16 or broken .jsonl with the text options was "holds token ids; the text
+    options are for text" (and a blank one without them, "every column needs the same...")."""
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(data)
+    spec = resolve_model(str(folders["llama"]))
+    for options in (TextOptions(chat_field="messages"), TextOptions()):
+        with pytest.raises(FtpipeError, match=message) as refused:
+            data_shapes(spec, path, options)
+        assert "token ids" not in str(refused.value) and "non-zero" not in str(refused.value)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["compile", "--model", str(folders["llama"]), "--gpus", "2",
+                                      "--data", str(path), "--chat-field", "messages",
+                                      "-o", str(out)])  # fmt: skip
+    assert result.exit_code == 1 and re.search(message, result.output), result.output
+    assert not out.exists()
+
+
+def test_a_model_folder_without_a_tokenizer_is_told_what_compile_can_do(folders, tmp_path):
+    """compile has no --tokenizer: the sentence said "pass --tokenizer FOLDER" all the same."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in folders["llama"].iterdir():
+        if f.name in ("config.json", "model.safetensors"):
+            shutil.copy(f, bare / f.name)
+    with pytest.raises(FtpipeError) as refused:
+        data_shapes(resolve_model(str(bare)), folders["root"] / "chat.jsonl",
+                    TextOptions(chat_field="messages"))  # fmt: skip
+    assert str(refused.value) == (
+        f"--data measures text with the model's tokenizer, and the model folder {bare} has no "
+        "tokenizer files; save the tokenizer into it (tokenizer.save_pretrained), or compile "
+        "without --data (choosing --seq-len) and run the package with --tokenizer FOLDER"
+    )
+
+
+def test_a_broken_line_is_named_by_its_line_when_measuring(folders, tmp_path):
+    lines = [json.dumps({"text": t}) for t in sentences(20000, seed=4)]
+    lines[15000] = '{"text": "one" "two"}'
+    path = tmp_path / "big.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(FtpipeError, match="big.jsonl line 15001 is not JSON \\(Expecting ','"):
+        data_shapes(resolve_model(str(folders["llama"])), path, TextOptions())

@@ -46,6 +46,12 @@ CHAT_LINE = json.dumps(
     {"messages": [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two"}]}
 )
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+CHAT_ARGS = ["--chat-field", "messages", *TOK_ARG]
+USER_LINE = json.dumps({"messages": [{"role": "user", "content": "one two"}]})
+USER_TEMPLATE = (  # the assistant's messages left out
+    "{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['content'] }} {% endif %}"
+    "{% endfor %}"
+)
 GOOD_ROWS = [[1, 2, 3, 4, 5, 6]] * 4
 # (case, files to write first {name: writer}, argv, exit code, what the one sentence says)
 CASES = [
@@ -119,6 +125,28 @@ CASES = [
     ("a NUL byte in a .csv", {**TOK, "d.csv": _bytes(b"text\none two\nthree\x00four\n")}, ["--data", "d.csv", *TOK_ARG], 1, "d.csv line 3 \\(byte 18\\) holds a NUL byte, which text does not; is it a binary file\\?"),
     ("invalid UTF-8 in a .jsonl of token ids", {"d.jsonl": _bytes(b'[1, 2, 3]\n{"input_ids": [4, 5], "note\xff": [1]}\n')}, ["--data", "d.jsonl"], 1, "d.jsonl line 2 \\(byte 37\\) is not UTF-8 text \\(invalid start byte\\); save the file as UTF-8"),
     ("--log-dir a file", {"logs": _bytes(b"mine")}, ["--log-dir", "logs"], 1, "cannot make the log folder logs: it is a file"),
+    # a .jsonl that shows neither text nor token ids was read as token ids ("holds token ids")
+    ("missing .jsonl with text options", TOK, ["--data", "nope.jsonl", *CHAT_ARGS], 1, "ftpipe: no data file nope.jsonl$"),
+    ("a folder as data", {**TOK, "d.jsonl/x": _bytes(b"x")}, ["--data", "d.jsonl", *CHAT_ARGS], 1, "the data file d.jsonl is a folder; give a file"),
+    ("blank .jsonl with text options", {**TOK, "d.jsonl": _lines("", "  ", "")}, ["--data", "d.jsonl", *CHAT_ARGS], 1, "d.jsonl holds no samples, only blank lines; give one sample per line or row"),
+    ("blank .jsonl", {"d.jsonl": _lines("", "  ")}, ["--data", "d.jsonl"], 1, "d.jsonl holds no samples, only blank lines"),
+    ("blank eval .jsonl", {**TOK, "t.jinja": _lines(CHAT_TEMPLATE), "d.jsonl": _lines(CHAT_LINE), "v.jsonl": _lines(" ")}, ["--data", "d.jsonl", "--eval-data", "v.jsonl", *CHAT_ARGS, "--chat-template", "t.jinja"], 1, "v.jsonl holds no samples, only blank lines"),
+    ("missing eval .jsonl", {**TOK, "t.jinja": _lines(CHAT_TEMPLATE), "d.jsonl": _lines(CHAT_LINE)}, ["--data", "d.jsonl", "--eval-data", "v.jsonl", *CHAT_ARGS, "--chat-template", "t.jinja"], 1, "ftpipe: no data file v.jsonl$"),
+    ("UTF-16 .jsonl", {**TOK, "d.jsonl": _bytes((CHAT_LINE + "\n").encode("utf-16"))}, ["--data", "d.jsonl", *CHAT_ARGS], 1, "d.jsonl is not UTF-8 text but UTF-16 \\(it begins with UTF-16's byte-order mark\\); save the file as UTF-8"),
+    ("UTF-16 .jsonl without a byte-order mark", {**TOK, "d.jsonl": _bytes('{"text": "one two"}\n'.encode("utf-16-le"))}, ["--data", "d.jsonl", "--text-field", "text", *TOK_ARG], 1, "d.jsonl is not UTF-8 text but UTF-16 \\(a NUL byte beside every character\\)"),
+    ("UTF-16 .jsonl of token ids", {"d.jsonl": _bytes(b"[1, 2, 3]\n".decode().encode("utf-16"))}, ["--data", "d.jsonl"], 1, "d.jsonl is not UTF-8 text but UTF-16"),
+    ("first line not JSON with text options", {**TOK, "d.jsonl": _lines("{not json", CHAT_LINE)}, ["--data", "d.jsonl", *CHAT_ARGS], 1, "d.jsonl line 1 is not JSON \\(Expecting property name enclosed in double quotes at column 2\\); give one JSON object per line"),
+    ("a text .jsonl with its first line broken", {**TOK, "d.jsonl": _lines('{"text": "one', '{"text": "one two"}')}, ["--data", "d.jsonl", *TOK_ARG], 1, "d.jsonl line 1 is not JSON \\(Unterminated string starting at column 10\\)"),
+    ("line 6 not JSON", {**TOK, "d.jsonl": _lines(*['{"text": "one two"}'] * 4, "", '{"text": "one" "two"}', '{"text": "three"}')}, ["--data", "d.jsonl", *TOK_ARG], 1, "d.jsonl line 6 is not JSON \\(Expecting ',' delimiter at column 16\\)"),
+    ("an array among objects", {**TOK, "d.jsonl": _lines('{"text": "one two"}', "[1, 2]")}, ["--data", "d.jsonl", *TOK_ARG], 1, "d.jsonl line 2 holds a JSON array, not an object; give one JSON object of fields per line"),
+    ("no assistant turn", {**TOK, "t.jinja": _lines(CHAT_TEMPLATE), "d.jsonl": _lines(*[USER_LINE] * 40)}, ["--data", "d.jsonl", *CHAT_ARGS, "--chat-template", "t.jinja"], 1, "d.jsonl: no conversation has an assistant turn to learn from \\(the loss is on the assistant's messages only\\); give conversations with assistant replies"),
+    ("no assistant turn, packed", {**TOK, "t.jinja": _lines(CHAT_TEMPLATE), "d.jsonl": _lines(*[USER_LINE] * 40)}, ["--data", "d.jsonl", *CHAT_ARGS, "--chat-template", "t.jinja", "--pack"], 1, "d.jsonl: no conversation has an assistant turn to learn from"),
+    ("a template without the assistant's words", {**TOK, "t.jinja": _lines(USER_TEMPLATE), "d.jsonl": _lines(CHAT_LINE)}, ["--data", "d.jsonl", *CHAT_ARGS, "--chat-template", "t.jinja", "--pack"], 1, "d.jsonl: the chat template t.jinja never renders the assistant messages' content, so there is nothing to learn"),
+    ("an empty conversation", {**TOK, "t.jinja": _lines(CHAT_TEMPLATE), "d.jsonl": _lines('{"messages": []}')}, ["--data", "d.jsonl", *CHAT_ARGS, "--chat-template", "t.jinja"], 1, "d.jsonl line 1: the chat field holds no messages \\(an empty list\\); give a list of \\{role, content\\} messages, or leave the sample out"),
+    ("a line without the chat field", {**TOK, "t.jinja": _lines(CHAT_TEMPLATE), "d.jsonl": _lines(CHAT_LINE, "", '{"talk": [], "id": 2}')}, ["--data", "d.jsonl", *CHAT_ARGS, "--chat-template", "t.jinja"], 1, "d.jsonl line 3 has no field 'messages' \\(it has talk, id\\); give every sample the field --chat-field names"),
+    ("a line without the text field", {**TOK, "d.jsonl": _lines('{"text": "one two"}', '{"body": "one two"}')}, ["--data", "d.jsonl", *TOK_ARG], 1, "d.jsonl line 2 has no field 'text' \\(it has body\\); give every sample the field --text-field names"),
+    ("a null prompt", {**TOK, "d.jsonl": _lines('{"q": "one", "a": "two"}', '{"q": null, "a": "two"}')}, ["--data", "d.jsonl", "--prompt-field", "q", "--target-field", "a", *TOK_ARG], 1, "d.jsonl line 2 has no value in field 'q'; give it one, or leave the sample out"),
+    ("a chat template that does not parse", {**TOK, "t.jinja": _lines("{% for m in messages %}{{ m['content'] }"), "d.jsonl": _lines(CHAT_LINE)}, ["--data", "d.jsonl", *CHAT_ARGS, "--chat-template", "t.jinja"], 1, "ftpipe: the chat template t.jinja has a syntax error on its line 1 \\(unexpected '}'\\); fix it, or pass another with --chat-template FILE$"),
 ]  # fmt: skip
 
 
