@@ -66,7 +66,7 @@ def _compile_output(folder: Path):
     spec, traced, graph, plan = _compiled()
     job = types.SimpleNamespace(out=folder / "out", force=True, plan=plan, command="pytest",
                                 sim=simulate(plan, steps=2), traced=traced, graph=graph,
-                                spec=spec, shrinks=[])  # fmt: skip
+                                spec=spec, shrinks=[], inputs={})  # fmt: skip
     generate(job, lambda done, total, what: None)
 
 
