@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import datetime
 import logging
+import math
 import sys
 import threading
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from ..errors import PipelineConfigError
 from .logs import LOGGER
 
 __all__ = [
@@ -50,6 +52,24 @@ class Rates:
     tokens_per_step: int = 0
     flops_per_step: float = 0.0
     peak_flops: float = 0.0
+
+
+def _diverged(step: int, loss: float) -> None:
+    """Stop the run at a loss that is not a number (as Megatron-LM does by default): every step
+    after it would train on weights no longer finite, and each checkpoint would keep them. In
+    the main thread an exception (the run's own stop tells the other ranks); in rank 0's
+    listener, which hears the loss rank, `liveness.die`, which tells them too."""
+    why = (
+        f"the loss of step {step + 1} is {loss} (weights, a gradient or the data are no longer "
+        "finite numbers); the run stops here: lower --lr, check the weights the run starts "
+        f"from, or resume from a checkpoint before step {step} (the one of step {step} may "
+        "hold such weights already)"
+    )
+    if threading.current_thread() is threading.main_thread():
+        raise PipelineConfigError(why)
+    from .liveness import die
+
+    die(why, 1)
 
 
 class Progress:
@@ -126,6 +146,8 @@ class Progress:
         # each micro-batch's share of the step's loss (of every replica's): their sum
         self.losses[step] = float(message[:-1].sum())
         self.times[step] = float(message[-1])
+        if not math.isfinite(self.losses[step]):
+            _diverged(step, self.losses[step])
         if not self.enabled:
             return
         figures = self.figures(step)

@@ -24,9 +24,11 @@ norm sums the slices' over the replicas too (`zero.replica_norms`).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
+from ..errors import PipelineConfigError
 from .optim import clip_coef, squared_norm
 from .zero import replica_norms
 
@@ -145,8 +147,26 @@ class Stepper:
             self.on_norm(step, total)
         if scaled and not self.precision.checked(grads, total, step):
             return False
+        if not scaled:
+            _finite(total, step, ev.stages)
         if self.clip:
             coef = clip_coef(total, self.clip)
             for g in grads:
                 g.mul_(coef.to(g.device, g.dtype))  # offloaded: the gradients are on the host
         return True
+
+
+def _finite(total: torch.Tensor, step: int, stages) -> None:
+    """Stop before a step whose gradient norm is not a number: the step would make every
+    weight it touches nan, and each checkpoint after it would keep them (Megatron-LM checks
+    the same by default). Under fp16 such a step is an overflow, skipped instead (`checked`).
+    Reading the norm waits for the device once a step; the norm is computed anyway."""
+    value = float(total)
+    if not math.isfinite(value):
+        which = ", ".join(map(str, sorted(stages)))
+        raise PipelineConfigError(
+            f"the gradient norm of step {step + 1} is {math.sqrt(value) if value >= 0 else value} "
+            f"(stages {which}): a weight, an activation or the data is no longer a finite number; "
+            "the run stops before the step changes the weights: lower --lr, check the weights "
+            "it starts from, or resume from an earlier checkpoint"
+        )
