@@ -376,7 +376,14 @@ def _check_sizes(plan: Plan) -> None:
 
 def _check_stages(plan: Plan) -> None:
     seen: set[str] = set()
+    listed = {p.name for p in plan.params}  # (a hand-written plan may list none)
     for s in plan.stages:
+        unknown = [n for n in (*s.params, *s.reread) if listed and n not in listed]
+        if unknown:
+            raise PipelineConfigError(
+                f"stage {s.id} names the parameter {unknown[0]!r:.80}, which the plan's params "
+                "do not list; the plan file was edited or damaged: compile it again"
+            )
         dup = seen.intersection(s.nodes)
         if dup:
             raise PipelineConfigError(f"nodes {sorted(dup)[:3]} are in two stages")

@@ -144,6 +144,7 @@ CASES = [
     ("simulate: no stages", _plan_edit(lambda p: p.pop("stages")), SIM, 1, "the plan file is incomplete or damaged \\(KeyError: 'stages'\\)"),
     ("simulate: a stage's gpu as text", _plan_edit(_set(["stages", 0, "gpu"], "one")), SIM, 1, "Stage field 'gpu' cannot be 'one'"),
     ("simulate: stages as a dict", _plan_edit(_set(["stages"], {"0": {}})), SIM, 1, "incomplete or damaged \\(TypeError: Plan field 'stages' cannot be "),
+    ("simulate: a stage naming a parameter the plan lacks", _plan_edit(lambda p: p["stages"][0]["params"].append("bogus.weight")), SIM, 1, "stage 0 names the parameter 'bogus.weight', which the plan's params do not list"),
     ("simulate: a node in two stages", _plan_edit(_two_stages_share_a_node), SIM, 1, "bad.json is not a valid plan: nodes \\[.*\\] are in two stages"),
     ("simulate: a stage on a GPU that does not exist", _plan_edit(_set(["stages", 1, "gpu"], 7)), SIM, 1, "not a valid plan: stage 1 is on GPU 7, outside 0..1"),
     ("simulate: a negative time", _plan_edit(_set(["stages", 0, "fwd_s"], -1.0)), SIM, 1, "stage 0 has a negative or non-finite time"),
