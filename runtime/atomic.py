@@ -178,6 +178,9 @@ def check_writable_file(path, what: str = "") -> None:
         raise WriteFailed(f"cannot write {name}: it is a folder; give a file name")
     folder = path.parent
     if not folder.is_dir():
+        up = next((p for p in (folder, *folder.parents) if p.exists()), None)
+        if up is not None and not up.is_dir():  # a file where the path needs a folder
+            raise WriteFailed(f"cannot write {name}: {up} is a file, not a folder")
         raise WriteFailed(f"cannot write {name}: the folder {folder} does not exist")
     check_writable_folder(folder, name)
 

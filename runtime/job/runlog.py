@@ -88,6 +88,11 @@ class RunLog:
             self.board_dir = None
             return
         _quiet_board_threads()
+        up = next((p for p in (self.board_dir, *self.board_dir.parents) if p.exists()), None)
+        if up is not None and not up.is_dir():  # (SummaryWriter would say "Not a directory")
+            raise WriteFailed(
+                f"cannot make the TensorBoard folder {self.board_dir}: {up} is a file"
+            )
         board = self.board_dir / f"rank-{self.rank}"
         before = set(board.iterdir()) if board.is_dir() else set()
         try:

@@ -125,6 +125,8 @@ CASES = [
     ("a NUL byte in a .csv", {**TOK, "d.csv": _bytes(b"text\none two\nthree\x00four\n")}, ["--data", "d.csv", *TOK_ARG], 1, "d.csv line 3 \\(byte 18\\) holds a NUL byte, which text does not; is it a binary file\\?"),
     ("invalid UTF-8 in a .jsonl of token ids", {"d.jsonl": _bytes(b'[1, 2, 3]\n{"input_ids": [4, 5], "note\xff": [1]}\n')}, ["--data", "d.jsonl"], 1, "d.jsonl line 2 \\(byte 37\\) is not UTF-8 text \\(invalid start byte\\); save the file as UTF-8"),
     ("--log-dir a file", {"logs": _bytes(b"mine")}, ["--log-dir", "logs"], 1, "cannot make the log folder logs: it is a file"),
+    ("--trace in a file", {"afile": _bytes(b"mine")}, ["--trace", "afile/t.json"], 1, "cannot write --trace afile/t.json: afile is a file, not a folder"),
+    ("--tensorboard a file", {"afile": _bytes(b"mine")}, ["--tensorboard", "afile"], 1, "cannot make the TensorBoard folder afile: afile is a file"),
     # a .jsonl that shows neither text nor token ids was read as token ids ("holds token ids")
     ("missing .jsonl with text options", TOK, ["--data", "nope.jsonl", *CHAT_ARGS], 1, "ftpipe: no data file nope.jsonl$"),
     ("a folder as data", {**TOK, "d.jsonl/x": _bytes(b"x")}, ["--data", "d.jsonl", *CHAT_ARGS], 1, "the data file d.jsonl is a folder; give a file"),
