@@ -1,6 +1,7 @@
 """Text for fine-tuning tests: the demo's pieces (`tools/demo_text.py`) and tiny packages.
 
 texts = sentences(40, seed=0)                 # ["seven two nine ...", ...]
+make_data(CAUSAL, path, 0, options, tok)      # CAUSAL: a causal LM of L = 16 tokens
 write_tokenizer(folder, "llama")              # AutoTokenizer.from_pretrained(folder)
 packages = tiny_models(root)                  # {"llama": pkg folder, "t5": pkg folder}
 """
@@ -13,8 +14,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 from demo_text import WORDS, pairs, sentences, write_jsonl, write_model, write_tokenizer  # noqa: E402
 
-__all__ = ["WORDS", "eval_loss", "pairs", "sentences", "tiny_models", "write_jsonl",
-           "write_tokenizer"]  # fmt: skip
+__all__ = ["CAUSAL", "L", "WORDS", "eval_loss", "pairs", "sentences", "tiny_models",
+           "write_jsonl", "write_tokenizer"]  # fmt: skip
+
+# A causal LM's plan entry as the data readers see it: 2 x 16 tokens, 32 ids.
+L = 16
+CAUSAL = {
+    "head": "causal-lm",
+    "vocab": {"vocab_size": 32},
+    "inputs": {"input_ids": [[2, L], "int64"], "attention_mask": [[2, L], "int64"],
+               "labels": [[2, L], "int64"]},
+}  # fmt: skip
 
 
 def eval_loss(net, plan: dict, path: Path, text) -> float:

@@ -10,18 +10,11 @@ import pytest
 from ftpipe_runtime.data.batches import TextOptions, make_data
 from ftpipe_runtime.data.text import is_text_file
 from ftpipe_runtime.errors import PipelineConfigError
-from text_helpers import sentences, write_tokenizer
+from text_helpers import CAUSAL, sentences, write_tokenizer
 
 pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
 
-L = 16
-CAUSAL = {
-    "head": "causal-lm",
-    "vocab": {"vocab_size": 32},
-    "inputs": {"input_ids": [[2, L], "int64"], "attention_mask": [[2, L], "int64"],
-               "labels": [[2, L], "int64"]},
-}  # fmt: skip
 TEXT = '{"text": "one two"}\n'
 
 

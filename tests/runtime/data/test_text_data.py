@@ -9,18 +9,11 @@ import pytest
 import torch
 from ftpipe_runtime.data.batches import IGNORE, TextOptions, make_data
 from ftpipe_runtime.errors import PipelineConfigError
-from text_helpers import pairs, sentences, write_jsonl, write_tokenizer
+from text_helpers import CAUSAL, L, pairs, sentences, write_jsonl, write_tokenizer
 
 pytest.importorskip("datasets")
 transformers = pytest.importorskip("transformers")
 
-L = 16
-CAUSAL = {
-    "head": "causal-lm",
-    "vocab": {"vocab_size": 32},
-    "inputs": {"input_ids": [[2, L], "int64"], "attention_mask": [[2, L], "int64"],
-               "labels": [[2, L], "int64"]},
-}  # fmt: skip
 SEQ2SEQ = {
     "head": "seq2seq-lm",
     "model_type": "t5",
