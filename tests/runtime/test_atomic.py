@@ -93,8 +93,10 @@ def test_writability_is_checked_up_front(tmp_path):
     with pytest.raises(WriteFailed, match="it is a folder"):
         check_writable_file(tmp_path)
     (tmp_path / "file").write_text("")
-    with pytest.raises(WriteFailed, match="the report .*: the folder .* does not exist"):
+    with pytest.raises(WriteFailed, match="the report .*r.html: .*file is a file, not a folder"):
         check_writable_file(tmp_path / "file" / "r.html", "the report")
+    with pytest.raises(WriteFailed, match="the report .*r.html: .*file is a file, not a folder"):
+        check_writable_file(tmp_path / "file" / "deeper" / "r.html", "the report")
 
 
 def test_only_our_own_temporaries_are_removed(tmp_path):
