@@ -43,11 +43,23 @@ def stopped(e: BaseException, kept: str) -> tuple[str, int]:
 
 def catch_sigterm() -> None:
     """From now on SIGTERM raises Terminated in the main thread (where it is the default)."""
+    global _catcher
     if _main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        _catcher = os.getpid()
         signal.signal(signal.SIGTERM, _raise_terminated)
 
 
+_catcher: int | None = None  # the process that chose to catch SIGTERM
+
+
 def _raise_terminated(signum, frame):
+    # A child forked with this handler (the planner's workers, before their initializer
+    # sets the default) takes the default: Terminated raised inside multiprocessing's code
+    # was caught there as a task's error and the worker lived on (test_matrix's SIGTERM).
+    if _catcher is not None and os.getpid() != _catcher:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     raise Terminated()
 
 

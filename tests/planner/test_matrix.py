@@ -145,7 +145,9 @@ def test_a_worker_stopped_by_sigterm_stops_the_search(problem, monkeypatch, capf
     try:
         with matrix.CellPool(lambda key: matrix.evaluate(problem, key[1], 1.0, 20), 2) as cells:
             cells.want([("1f1b", "even-layers"), ("1f1b", "params")])
-            worker = multiprocessing.active_children()[0]
+            # this pool's own worker: active_children() lists every child of the process,
+            # an earlier test's pool's among them (CI once killed one of those and waited)
+            worker = cells._processes()[0]
             time.sleep(0.5)  # its cell begun
             os.kill(worker.pid, signal.SIGTERM)
             worker.join(timeout=10)
