@@ -154,16 +154,38 @@ def read_text(path, model: dict, options: TextOptions, tokenizer, say=print) -> 
     lengths = {n: shape[1] for n, (shape, _) in model["inputs"].items() if len(shape) > 1}
     if not options.pack:
         return _fit(columns, lengths, path.name, options.truncate, say)
+    learnable = _learnable(columns, path, say) if options.chat_field is not None else None
     columns = end_documents(columns, _eos(tokenizer))
     if packs_documents(model):
         rows = _fit(columns, {"input_ids": lengths["input_ids"]}, path.name, options.truncate, say)
-        return pack_documents(rows, lengths["input_ids"])
+        return pack_documents(_kept(rows, learnable), lengths["input_ids"])
     say(
         f"ftpipe: note: {path.name}: this package was compiled without --pack, so packed texts "
         "attend to each other and their positions run on; compile with `ftpipe compile --pack` "
         "to keep them apart"
     )
-    return concatenate(columns, lengths["input_ids"])
+    return concatenate(_kept(columns, learnable), lengths["input_ids"])
+
+
+def _learnable(columns: dict, path: Path, say) -> list[bool] | None:
+    """Which conversations have a token to learn before packing gives each an end-of-sequence
+    label (else one without an assistant turn would teach the model to end a user's turn);
+    unpacked, such samples are left out where the batches are made, with a note alike."""
+    mask = [any(t != IGNORE for t in row) for row in columns["labels"]]
+    if all(mask):
+        return None
+    say(
+        f"ftpipe: note: {path}: left out {mask.count(False)} conversations with nothing to "
+        "learn (no assistant turn)"
+    )
+    return mask
+
+
+def _kept(columns: dict, mask: list[bool] | None) -> dict:
+    """The rows `mask` keeps (after `_fit`, whose messages number the samples as the file)."""
+    if mask is None:
+        return columns
+    return {k: [r for r, keep in zip(rows, mask) if keep] for k, rows in columns.items()}
 
 
 def text_columns(path, head: str, options: TextOptions, tokenizer, samples: int | None = None):

@@ -223,6 +223,36 @@ def test_chat_rows_pack(word_tok, tmp_path):
     assert torch.equal(data.get("input_ids", 0)[0], torch.tensor(ids[:L]))
 
 
+# documents kept apart by their positions (compiled with --pack), or one stream cut into rows
+PACKED = {
+    **CAUSAL,
+    "inputs": {n: [[2, L], "int64"] for n in ("input_ids", "position_ids", "labels")},
+}
+
+
+@pytest.mark.parametrize("model", [PACKED, CAUSAL], ids=["documents", "stream"])
+def test_a_conversation_without_an_assistant_turn_is_left_out_of_packs(model, word_tok, tmp_path):
+    """Packed, every conversation gets an end-of-sequence label: one with no assistant turn
+    taught the model to end a user's turn (the bad-input audit). It is left out, as unpacked."""
+    template = tmp_path / "chat.jinja"
+    template.write_text(WORD_TEMPLATE)
+    lonely = [{"role": "user", "content": "twelve twelve twelve"}]
+    rows = [{"messages": m} for m in [TALKS[0], lonely, TALKS[1]]]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    options = TextOptions(chat_field="messages", chat_template=str(template), pack=True)
+    said = []
+    data = make_data(model, str(path), 0, options, word_tok, say=said.append, evaluation=True)
+    assert said[0] == (
+        f"ftpipe: note: {path}: left out 1 conversations with nothing to learn (no assistant turn)"
+    )
+    eos = word_tok.eos_token_id
+    learnt = [t for m in TALKS for t in [*_reference(word_tok, m)[1], eos] if t != IGNORE]
+    assert [t for row in _rows(data, "labels") for t in row if t != IGNORE] == learnt
+    lonely_ids = _reference(word_tok, lonely)[0]
+    flat = [t for row in _rows(data, "input_ids") for t in row]
+    assert not any(flat[k : k + len(lonely_ids)] == lonely_ids for k in range(len(flat)))
+
+
 def test_the_export_renders_chat_as_training_did(word_tok, tmp_path):
     """--chat-template FILE goes into the exported folder (chat_template.jinja), taking the
     place of a template the tokenizer's folder had."""
