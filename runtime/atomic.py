@@ -46,6 +46,7 @@ __all__ = [
     "check_writable_file",
     "check_writable_folder",
     "failure_reason",
+    "file_in_the_way",
     "new_folder",
     "remove_temporaries",
     "swap_folder",
@@ -169,6 +170,14 @@ def write_atomic(path, data: str | bytes) -> None:
         f.write(data)
 
 
+def file_in_the_way(path) -> Path | None:
+    """The nearest existing ancestor of `path` (or `path` itself) when it is a file: no folder
+    can be made there. None when that ancestor is a folder, or nothing exists."""
+    path = Path(path)
+    up = next((p for p in (path, *path.parents) if p.exists()), None)
+    return up if up is not None and not up.is_dir() else None
+
+
 def check_writable_file(path, what: str = "") -> None:
     """Raise WriteFailed now, before the work, if `path` could not be written at the end.
     `what` names the file in the message ("the report")."""
@@ -178,8 +187,7 @@ def check_writable_file(path, what: str = "") -> None:
         raise WriteFailed(f"cannot write {name}: it is a folder; give a file name")
     folder = path.parent
     if not folder.is_dir():
-        up = next((p for p in (folder, *folder.parents) if p.exists()), None)
-        if up is not None and not up.is_dir():  # a file where the path needs a folder
+        if (up := file_in_the_way(folder)) is not None:
             raise WriteFailed(f"cannot write {name}: {up} is a file, not a folder")
         raise WriteFailed(f"cannot write {name}: the folder {folder} does not exist")
     check_writable_folder(folder, name)

@@ -119,19 +119,16 @@ def _complete_step_survives(folder: Path) -> str | None:
     return f"a partial checkpoint stayed: {later}" if later else None
 
 
-@said("weights/: the model's weights, one of them all nan")
-def _nan_weights(folder: Path):
+@said("one of weights/model.safetensors' weights all nan")
+def _a_weight_nan(folder: Path):
     import torch
     from safetensors.torch import load_file, save_file
 
-    (folder / "weights").mkdir()
-    for f in (folder / "tiny-llama").iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            (folder / "weights" / f.name).write_bytes(f.read_bytes())
-    tensors = load_file(str(folder / "tiny-llama" / "model.safetensors"))
+    path = str(folder / "weights" / "model.safetensors")
+    tensors = load_file(path)
     name = next(n for n in sorted(tensors) if n.endswith("mlp.down_proj.weight"))
     tensors[name] = torch.full_like(tensors[name], float("nan"))
-    save_file(tensors, str(folder / "weights" / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def _set_aside(*steps: int):
@@ -173,7 +170,7 @@ CASES = [
     Case("ranks: SIGTERM to rank 1 mid-run", two(*LONG), 143, "SIGTERM", during=_on_line("step 2/", signal.SIGTERM, 1)),
     Case("ranks: SIGKILL to rank 1 mid-run", two(*LONG), (1, -9), "rank 1: its connection closed", during=_on_line("step 2/", signal.SIGKILL, 1), issue="32"),
     Case("ranks: SIGSTOP to rank 1 mid-run", two(*LONG), (1, -9), "rank 1", during=_on_line("step 2/", signal.SIGSTOP, 1, then_kill=1), issue="32"),
-    Case("ranks: weights of nan", two("--steps", "3", *FAST, env={"FTPIPE_WEIGHTS": "../weights"}), 1, "is nan", setup=_nan_weights),
+    Case("ranks: weights of nan", two("--steps", "3", *FAST, env={"FTPIPE_WEIGHTS": "../weights"}), 1, "is nan", setup=both(copy("tiny-llama", "weights"), _a_weight_nan)),
     Case("ranks: --timeout 1e308", two("--steps", "2", "--timeout", "1e308"), 2, "must be at most 1000000000"),
     Case("ranks: a checkpoint on a full disk", two("--steps", "3", "--save-every", "1", "--checkpoint-dir", "../disk/ck", *FAST), 1, "No space left", setup=full_disk("disk", size="400k", fill=False), after=_complete_step_survives, needs_root=True, issue="32.2"),
     Case("ranks: --save-hf on a full disk", two("--steps", "2", "--save-hf", "../disk/hf", *FAST), 1, "No space left", setup=full_disk("disk", size="64k"), needs_root=True, issue="32.2"),

@@ -66,6 +66,7 @@ SHARD = "200MB"  # 988 MB of bf16 weights: 5 shards
 # 2bw in bf16: 0.961 / 0.916, 0.961 / 0.969, 0.998 / 0.977, the plans without an fp32 copy of
 # the largest gradient since `precision.add_into`.)
 CASES = (("ftpipe", "bf16", ()), ("2bw", "fp32", ()), ("2bw", "fp32", ("--offload-optimizer",)))
+PRECISIONS = tuple(dict.fromkeys(d for _, d, _ in CASES))  # a package compiled for each
 # 2bw's peak is step 4's (its second weight version beside the state the evaluation left)
 GPUS, STEPS, EVERY = 2, 4, 3
 SEQ, MICRO_BATCHES, EVAL_SAMPLES = 128, 2, 4
@@ -79,7 +80,7 @@ def set_up(work: Path, shape: dict = SHAPE, shard: str = SHARD) -> dict:
     nothing timed), the evaluation set: paths."""
     folder = _write_model(work / "model", shape, shard)
     made = {"model": str(folder), "val": str(_eval_set(work / "val.pt", shape["vocab_size"]))}
-    for dtype in dict.fromkeys(d for _, d, _ in CASES):
+    for dtype in PRECISIONS:
         info = compile_plan(work / f"pkg-{dtype}", str(folder), GPUS, hardware="cpu",
                             schedule="gpipe", partitioners="even-layers", task="wikitext2",
                             seq_len=SEQ, micro_batch=1, batch=MICRO_BATCHES, dtype=dtype)  # fmt: skip
@@ -93,10 +94,10 @@ def measure(work: Path | None = None, shape: dict = SHAPE, shard: str = SHARD) -
         _check_free_memory()
     made = take(work, partial(set_up, shape=shape, shard=shard))
     folder, val = Path(made["model"]), made["val"]
+    plans = {d: Plan.load(Path(made[d]["output"]) / "plan.json") for d in PRECISIONS}
     rows, losses, offloaded = [], {}, {}
     for schedule, dtype, extra in CASES:
-        package = Path(made[dtype]["package"])
-        plan = Plan.load(Path(made[dtype]["output"]) / "plan.json")
+        package, plan = Path(made[dtype]["package"]), plans[dtype]
         name = schedule + "-offload" * bool(extra)
         argv = ["--steps", str(STEPS), "--schedule", schedule, "--eval-data", str(val)]
         argv += ["--eval-every", str(EVERY), "--checkpoint-dir", str(work / "ckpt" / name)]

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from ftpipe_runtime.data.checks import check_data_file
 from ftpipe_runtime.data.text import (
-    TOKENIZER_FILES,
     TextOptions,
+    has_tokenizer,
     is_text_file,
     load_tokenizer,
     text_columns,
@@ -158,7 +158,7 @@ def _columns(spec, data: Path, options: TextOptions, samples: int) -> dict:
             f"--data measures text with the model's tokenizer, and {spec.name} has no model "
             "folder; give --model a HuggingFace folder (with its tokenizer)"
         )
-    if not any((Path(spec.path) / f).is_file() for f in TOKENIZER_FILES):
+    if not has_tokenizer(spec.path):
         # compile has no --tokenizer: the package takes one when it runs
         raise FtpipeError(
             f"--data measures text with the model's tokenizer, and the model folder "

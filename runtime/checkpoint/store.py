@@ -299,14 +299,16 @@ class Checkpoints:
             raise PipelineConfigError(
                 f"every checkpoint in {self.root} is damaged; start afresh without --resume"
             )
-        if self.aside():
-            raise PipelineConfigError(self._aside_sentence())
+        self._refuse_aside()
         return 0, None
 
-    def _aside_sentence(self) -> str:
-        aside = self.root / ASIDE
-        return (
-            f"{aside} holds {len(self.aside())} checkpoints of another run, which an "
+    def _refuse_aside(self) -> None:
+        """One sentence when checkpoints an --overwrite-checkpoints run set aside wait there."""
+        steps = self.aside()
+        if not steps:
+            return
+        raise PipelineConfigError(
+            f"{self.root / ASIDE} holds {len(steps)} checkpoints of another run, which an "
             "--overwrite-checkpoints run set aside and stopped before its first checkpoint; "
             f"move them back into {self.root} to resume them, replace them with "
             "--overwrite-checkpoints, or choose another --checkpoint-dir"
@@ -315,8 +317,7 @@ class Checkpoints:
     def refuse_foreign(self) -> None:
         """A new run must not save among another run's checkpoints: it would overwrite them,
         and a resume would mix the two. Any step a rank finished saving is another run's."""
-        if self.aside():  # (beside them at most the partial saves of the run that stopped)
-            raise PipelineConfigError(self._aside_sentence())
+        self._refuse_aside()  # (beside them at most the partial saves of the run that stopped)
         held = [s for s in self._steps() if any(step_dir(self.root, s).glob("rank-*.json"))]
         if not held:
             return
@@ -379,6 +380,8 @@ class Checkpoints:
         """Keep the newest `keep` complete checkpoints (0: all); partial ones older than the
         newest complete one are abandoned saves: they go too. A replacing run's first
         complete checkpoint lets the ones it set aside go."""
+        if not (self.keep or self._replacing):
+            return
         complete = self.complete()
         if self._replacing and any(m[0].get("run_id") == self.run_id for _, m in complete):
             shutil.rmtree(self.root / ASIDE, ignore_errors=True)

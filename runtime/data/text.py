@@ -45,6 +45,7 @@ from .packing import concatenate, end_documents, pack_documents
 __all__ = [
     "TEXT_FORMATS",
     "TextOptions",
+    "has_tokenizer",
     "is_text_file",
     "load_tokenizer",
     "read_text",
@@ -123,9 +124,14 @@ def is_text_file(path, model_inputs=(), text: bool = False) -> bool:
     return text
 
 
+def has_tokenizer(folder) -> bool:
+    """Whether `folder` holds a tokenizer's files (`TOKENIZER_FILES`)."""
+    return bool(folder) and any((Path(folder) / f).is_file() for f in TOKENIZER_FILES)
+
+
 def load_tokenizer(folder):
     """The model's tokenizer (`AutoTokenizer`) from `folder`, or one sentence saying why not."""
-    if not folder or not any((Path(folder) / f).is_file() for f in TOKENIZER_FILES):
+    if not has_tokenizer(folder):
         where = f"{folder} has no tokenizer files" if folder else "the plan names no model folder"
         raise PipelineConfigError(
             f"text data needs the model's tokenizer, and {where}; pass --tokenizer FOLDER "
@@ -286,9 +292,10 @@ def _read_rows(path: Path, fields: list[str], chat: bool = False, samples: int |
     return {f: [v[j] for j in keep] for f, v in out.items()}, [rows[j] for j in keep]
 
 
-def _where(path: Path, row: int) -> str:
-    """Sample `row` (from 0) named as a person finds it: its line in a .jsonl, else its number."""
-    line = _line(path, row)
+def _where(path: Path, row: int, line=None) -> str:
+    """Sample `row` (from 0) named as a person finds it: its line in a .jsonl (`line`, when
+    the caller found it already: `_line`), else its number."""
+    line = line or _line(path, row)
     return f"{path} line {line[0]}" if line else f"{path} sample {row + 1}"
 
 
@@ -317,7 +324,8 @@ def _flag(field: str, fields: list[str], chat: bool) -> str:
 def _no_value(path: Path, row: int, field: str, flag: str) -> str:
     """The sentence for sample `row` without a value in `field`: the fields its line has
     instead (a field named differently in some lines), or that it is null or empty."""
-    where, line = _where(path, row), _line(path, row)
+    line = _line(path, row)
+    where = _where(path, row, line)
     try:
         record = json.loads(line[1]) if line else None
     except ValueError:

@@ -28,7 +28,13 @@ import threading
 import time
 from pathlib import Path
 
-from ..atomic import check_writable_file, check_writable_folder, failure_reason, write_atomic
+from ..atomic import (
+    check_writable_file,
+    check_writable_folder,
+    failure_reason,
+    file_in_the_way,
+    write_atomic,
+)
 from ..errors import PipelineConfigError, WriteFailed
 
 __all__ = ["RunLog"]
@@ -88,8 +94,8 @@ class RunLog:
             self.board_dir = None
             return
         _quiet_board_threads()
-        up = next((p for p in (self.board_dir, *self.board_dir.parents) if p.exists()), None)
-        if up is not None and not up.is_dir():  # (SummaryWriter would say "Not a directory")
+        up = file_in_the_way(self.board_dir)  # (SummaryWriter would say "Not a directory")
+        if up is not None:
             raise WriteFailed(
                 f"cannot make the TensorBoard folder {self.board_dir}: {up} is a file"
             )
