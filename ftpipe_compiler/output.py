@@ -19,7 +19,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from ftpipe_runtime.atomic import new_folder
+from ftpipe_runtime.atomic import new_folder, overlap
 
 from .errors import FtpipeError, OutputExistsError
 
@@ -87,44 +87,21 @@ def check_apart(
     `inputs`: {"the model folder": path, "--data": path, ...}; those that do not exist are
     left to the command's own error. `name`: the output as the message says it ("the
     report r.html"; default its path); `hint`: what to do instead."""
-    name = name or str(out)
-    target = _resolved(out)
-    if target is None:
-        return  # (check_writable says why it cannot be resolved)
-    for what, given in inputs.items():
-        if given is None or not os.path.lexists(given):
-            continue
-        source = _resolved(given)
-        if source is None:
-            continue
-        said = f"{what} {given}"
-        if source == target or _same_file(out, given):
-            raise FtpipeError(f"{name} is {said}, which this command reads; {hint}")
-        if target in source.parents:
-            raise FtpipeError(
-                f"{name} holds {said}, which this command reads and replacing {out} would "
-                f"delete; {hint}"
-            )
-        if not inside_ok and source.is_dir() and source in target.parents:
-            raise FtpipeError(
-                f"{name} is inside {said}, which this command reads and must not change; {hint}"
-            )
-
-
-def _resolved(path) -> Path | None:
-    try:
-        return Path(path).resolve()
-    except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python 3.11)
-        return None
-
-
-def _same_file(a, b) -> bool:
-    """One file under two names Path.resolve does not join (a hard link, a bind mount, a
-    case-insensitive file system)."""
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # one of them does not exist
-        return False
+    met = overlap(out, inputs, inside=not inside_ok)
+    if met is None:
+        return
+    how, what, given = met
+    name, said = name or str(out), f"{what} {given}"
+    if how == "is":
+        raise FtpipeError(f"{name} is {said}, which this command reads; {hint}")
+    if how == "holds":
+        raise FtpipeError(
+            f"{name} holds {said}, which this command reads and replacing {out} would delete; "
+            f"{hint}"
+        )
+    raise FtpipeError(
+        f"{name} is inside {said}, which this command reads and must not change; {hint}"
+    )
 
 
 def _written(entry: Path, patterns) -> bool:

@@ -48,6 +48,7 @@ __all__ = [
     "failure_reason",
     "file_in_the_way",
     "new_folder",
+    "overlap",
     "remove_temporaries",
     "swap_folder",
     "temporary_folder",
@@ -176,6 +177,50 @@ def file_in_the_way(path) -> Path | None:
     path = Path(path)
     up = next((p for p in (path, *path.parents) if p.exists()), None)
     return up if up is not None and not up.is_dir() else None
+
+
+def overlap(out, inputs: dict, inside: bool = True) -> tuple[str, str, object] | None:
+    """How an output meets what the command reads, for a caller to phrase: (how, what, path)
+    for the first input it meets, `how` one of "is" (the same file or folder, also under two
+    names: a hard link, a bind mount), "holds" (the input lies inside the output, which
+    replacing would delete) and, with `inside`, "inside" (the output lies inside an input
+    folder); None when apart. `inputs`: {what: path}; paths that do not exist or cannot be resolved are skipped
+    (the command's own error says why).
+
+        overlap("out", {"the model folder": "out/model"})  # ("holds", "the model folder", ...)
+    """
+    target = _resolved(out)
+    if target is None:
+        return None
+    for what, given in inputs.items():
+        if given is None or not os.path.lexists(given):
+            continue
+        source = _resolved(given)
+        if source is None:
+            continue
+        if source == target or _same_file(out, given):
+            return "is", what, given
+        if target in source.parents:
+            return "holds", what, given
+        if inside and source in target.parents and source.is_dir():
+            return "inside", what, given
+    return None
+
+
+def _resolved(path) -> Path | None:
+    try:
+        return Path(path).resolve()
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop (Python 3.11)
+        return None
+
+
+def _same_file(a, b) -> bool:
+    """One file under two names Path.resolve does not join (a hard link, a bind mount, a
+    case-insensitive file system)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist
+        return False
 
 
 def check_writable_file(path, what: str = "") -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ..atomic import overlap
 from ..errors import PipelineConfigError
 from ..spec.weights import model_folder
 from .config import RunConfig
@@ -28,36 +29,24 @@ INPUT_FILES = (("data", "--data"), ("eval_data", "--eval-data"), ("init", "--ini
 
 
 def check_outputs_spare_inputs(config: RunConfig, plan: dict, stage_classes: dict) -> None:
-    files, folders = _inputs(config, plan, stage_classes)
+    inputs = _inputs(config, plan, stage_classes)
     for field, flag in OUTPUT_FILES:
         out = getattr(config, field, None)
         if not out or not Path(out).is_file():
             continue  # a new file replaces nothing
-        where = Path(out).resolve()
-        what = files.get(where) or next(
-            (
-                f"a file of {name}"
-                for folder, name in folders.items()
-                if where.is_relative_to(folder)
-            ),
-            None,
-        )
-        if what:
+        if met := overlap(out, inputs):
+            how, what, _ = met
+            what = what if how == "is" else f"a file of {what}"
             raise PipelineConfigError(f"{flag} {out} is {what}; give another path")
-    if config.save_hf:
-        out = Path(config.save_hf).resolve()
-        held = [
-            name for path, name in [*files.items(), *folders.items()] if path.is_relative_to(out)
-        ]
-        if held:
-            raise PipelineConfigError(
-                f"--save-hf {config.save_hf} would replace {held[0]}, which the run reads; give "
-                "another folder"
-            )
+    if config.save_hf and (met := overlap(config.save_hf, inputs, inside=False)):
+        raise PipelineConfigError(
+            f"--save-hf {config.save_hf} would replace {met[1]}, which the run reads; give "
+            "another folder"
+        )
 
 
-def _inputs(config: RunConfig, plan: dict, stage_classes: dict) -> tuple[dict, dict]:
-    """({resolved input file: what it is}, {resolved input folder: what it is})."""
+def _inputs(config: RunConfig, plan: dict, stage_classes: dict) -> dict:
+    """{what it is: resolved path}: the input files, then the input folders (each once)."""
     files = {}
     for field, flag in INPUT_FILES:
         value = getattr(config, field, None)
@@ -74,7 +63,7 @@ def _inputs(config: RunConfig, plan: dict, stage_classes: dict) -> tuple[dict, d
             folders.setdefault(weights.resolve(), f"the model's folder {weights}")
     if config.tokenizer and Path(config.tokenizer).is_dir():
         folders.setdefault(Path(config.tokenizer).resolve(), "the --tokenizer folder")
-    return files, folders
+    return {what: path for path, what in [*files.items(), *folders.items()]}
 
 
 def _package_folder(stage_classes: dict) -> Path | None:

@@ -13,6 +13,7 @@ import pytest
 from ftpipe_runtime.atomic import (
     atomic_open,
     check_writable_file,
+    overlap,
     remove_temporaries,
     write_atomic,
 )
@@ -107,3 +108,23 @@ def test_only_our_own_temporaries_are_removed(tmp_path):
     theirs.write_text("a user's file")
     assert remove_temporaries(tmp_path) == [ours]
     assert theirs.exists()
+
+
+def test_overlap_says_how_an_output_meets_an_input(tmp_path):
+    """The one judgement behind compile's -o, simulate's --report and the run's --log-json and
+    --save-hf: the same path (or a hard link to it), an output folder holding an input, an
+    output inside an input folder; apart, or an input that does not exist: None."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data = tmp_path / "train.jsonl"
+    data.write_text("{}\n")
+    os.link(data, tmp_path / "linked.jsonl")
+    inputs = {"the model folder": model, "--data": data, "--init": tmp_path / "missing.pt"}
+    assert overlap(data, inputs) == ("is", "--data", data)
+    assert overlap(tmp_path / "linked.jsonl", inputs) == ("is", "--data", data)
+    assert overlap(tmp_path, inputs) == ("holds", "the model folder", model)
+    assert overlap(model / "out", inputs) == ("inside", "the model folder", model)
+    assert overlap(model / "out", inputs, inside=False) is None
+    assert overlap(tmp_path / "out", inputs) is None
+    assert overlap(tmp_path / "missing.pt", inputs) is None  # nothing there to lose
