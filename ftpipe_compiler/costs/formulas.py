@@ -125,10 +125,12 @@ def weight_copies(policy) -> int:
     """Copies of a stage's trainable weights the runtime holds at once. A schedule that pins
     versions (`weight_delay` > 0: PipeDream-2BW, WPipe) keeps `weight_versions` of them (the
     paper's count, the live weights among them), and one more where the stage holds several
-    micro-batches in flight: it then starts a step's forwards before it takes the step before,
-    and the executor sets the version they read aside at their first use, a copy of the live
-    weights until that step replaces them."""
-    ahead = bool(policy.weight_delay) and policy.in_flight > 1
+    micro-batches in flight and keeps their graphs (no recompute, or a split backward): it
+    then starts a step's forwards before it takes the step before, and the executor sets the
+    version they read aside at their first use, a copy of the live weights until that step
+    replaces them (a recomputing stage's forwards read the live weights, `Versions.use`)."""
+    keeps_graph = not policy.recompute or policy.split
+    ahead = bool(policy.weight_delay) and policy.in_flight > 1 and keeps_graph
     return policy.weight_versions + ahead
 
 

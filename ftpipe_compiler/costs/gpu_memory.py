@@ -26,8 +26,8 @@ it, each by the rule of the runtime code that holds it:
   its reduce-scatter reads and the 1/replicas chunk it lands in (the all-gather of the new
   weights after the step, at most two buckets at once, comes after those are let go);
 - during a backward, autograd's gradient of the largest tensor before it is added into its sum
-  (in the tensor's dtype; a stage on a set-aside version makes the new sum beside the old,
-  `executor._collect`; a stage reading it twice holds both its gradients, `Stage.reread`);
+  (in the tensor's dtype; a stage on a set-aside version copies its first one into the sum,
+  beside it, `precision.add_grad`; a stage reading it twice holds both, `Stage.reread`);
   under mixed precision the hook adds it into its fp32 sum with no fp32 copy of it
   (`precision.add_into`);
 - the device's reserve (`formulas.MemoryReserve`): context, a communicator per process group
@@ -107,9 +107,9 @@ def gpu_memory(
     )
     wgrads = [t.bytes for t in read if t.requires_grad]
     # Autograd's gradient of one tensor, in its own dtype, before it is added into its sum;
-    # a stage running on a set-aside version adds it to the weights' gradient out of place
-    # (`executor._collect`): the sum is made beside the old one. A stage reading a weight
-    # twice holds both its gradients before adding one into the other.
+    # a stage running on a set-aside version hands it to the weights' sum as autograd makes
+    # it (`executor._aside`), the first one copied there (`precision.add_grad`), beside it.
+    # A stage reading a weight twice holds both its gradients before adding one into the other.
     reread = {n for s in mine for n in s.reread}
     aside = any(policies[s.id].weight_delay for s in mine)
     own = [

@@ -24,7 +24,9 @@ fp32 masters at once, and the replicas' all-reduce told), not into the 16-bit we
 Weight versions (`schedules.Versions`, from the schedule's policy): an action whose version
 of its stage's weights is needed after the stage steps past it runs on a copy set aside
 (`torch.func.functional_call`), so kept graphs never see the step's in-place update; the
-copy's gradients are the parameters': added by the same path (`MixedPrecision.add_grad`).
+copy's gradients are the parameters': added by the same path (`MixedPrecision.add_grad`),
+each as autograd makes it (a hook on the copy), so a backward on a copy holds one of them
+at a time beside the sum, not a whole set of the stage's gradients until its end.
 A resumed run gets the copies its first steps need from the checkpoint (`restore_versions`).
 An offloaded stage's CPU step may run beside the actions after its S (`offload.HostOffload`):
 it lands wherever the stage's weights themselves are next read (a call on them, a copy set
@@ -50,6 +52,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
+from functools import partial
 
 import torch
 
@@ -200,6 +204,9 @@ class Executor:
         inputs, out, params = self.saved.pop((s, m))
         inputs = self.offload.fetch(s, m, inputs)
         if out is None:
+            # The version its forward read: the weights themselves then, set aside since
+            # if the stage stepped in between (`Versions.use`).
+            params = self._version(a)
             with self._seeded(s, m), torch.enable_grad():
                 out = self._call(s, params, inputs)
         roots, grads = [], []
@@ -242,7 +249,6 @@ class Executor:
                 torch.autograd.backward(roots, grads)
             for t in late:  # a leaf: its gradient adds into .grad (and GradSync sees it)
                 torch.autograd.backward(out[t], self._gather_grad(t, m))
-            self._collect(s, params)
             if sync is not None:
                 sync.after_backward(s, m)
         for t in self.flow.grad_order(s):
@@ -272,17 +278,6 @@ class Executor:
             self.precision.add_grad(own(leaf), self._gather_grad(t, a.mb))
         if sync is not None:
             sync.after_backward(a.stage, a.mb)
-
-    def _collect(self, s: int, params) -> None:
-        """A set-aside version's gradients (autograd put them in the copies' `.grad`) are
-        the stage's parameters'."""
-        if params is None:
-            return
-        own = self._owners(s, params)
-        for t in params.values():
-            if t.grad is not None:
-                g, t.grad = t.grad, None
-                self.precision.add_grad(own(t), g)
 
     def _owners(self, s: int, params):
         """tensor -> the stage's parameter it is (itself) or a set-aside copy of (`params`)."""
@@ -318,11 +313,11 @@ class Executor:
     def step(self, i: int, a) -> None:
         self.comm.settle(a.mb)  # S's mb is the step; once per step on this rank
         keep, drop = self.versions.step(a)
+        for key in drop:  # before the new copy: no action after this step reads them
+            self.stash.pop(key, None)
         if keep is not None and keep not in self.stash:
             self.stash[keep] = self._copy(a.stage)
         self.stepper.on_step(a, self.now.event)
-        for key in drop:
-            self.stash.pop(key, None)
         next_mb = (a.mb + 1) * self.m
         sends = dict.fromkeys(key[1] for _, key in self.now.sends)  # weights, new version
         if sends:
@@ -360,17 +355,23 @@ class Executor:
                 continue
             if key not in self.versions.aside:
                 continue
-            self.stash[key] = {
-                n: t.detach().to(self.device).requires_grad_(True) for n, t in params.items()
-            }
+            self.stash[key] = self._aside(
+                s, {n: t.detach().to(self.device) for n, t in params.items()}
+            )
 
     def _copy(self, s: int) -> dict[str, torch.Tensor]:
         self.precision.land(s, reading=True)
-        return {
-            n: p.detach().clone().requires_grad_(True)
-            for n, p in self.modules[s].named_parameters()
-            if p.requires_grad
-        }
+        params = self.modules[s].named_parameters()
+        return self._aside(s, {n: p.detach().clone() for n, p in params if p.requires_grad})
+
+    def _aside(self, s: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`tensors` (a version of stage s's trainable weights, by name) as leaves whose
+        gradient goes into its parameter's sum as soon as autograd has made it."""
+        own = dict(self.modules[s].named_parameters())
+        add = _adder(self.precision)
+        for n, t in tensors.items():
+            t.requires_grad_(True).register_post_accumulate_grad_hook(partial(add, own[n]))
+        return tensors
 
     def _call(self, s: int, params, inputs: dict):
         with pooled_weight_gradients(s not in self.topo.reread):
@@ -387,3 +388,17 @@ class Executor:
         with torch.random.fork_rng(devices=cuda):
             torch.manual_seed(((self.seed * 1_000_003 + stage) * 1_000_033 + mb) % 2**63)
             yield
+
+
+def _adder(precision):
+    """A copy's hook: its gradient, taken from it, into `owner`'s sum (`add_grad`). Through a
+    weak reference: the hook lives on the tensor's C++ side, out of the collector's sight."""
+    ref = weakref.ref(precision)
+
+    def add(owner: torch.Tensor, copy: torch.Tensor) -> None:
+        g, copy.grad = copy.grad, None
+        alive = ref()
+        if alive is not None:
+            alive.add_grad(owner, g)
+
+    return add

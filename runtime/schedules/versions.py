@@ -12,7 +12,11 @@ d >= 1 a version is still needed after the step that replaces it (the backwards 
 w + d come after the stage's step w + d - 1, which `validate` checks), so every version some
 step uses is run on a copy set aside at its first use or at the step replacing it,
 whichever comes first (kept graphs never see the step's in-place update), and dropped at
-the stage's step w + d, after the last micro-batch that uses it. Nothing here looks ahead:
+the stage's step w + d, after the last micro-batch that uses it, before that step sets its
+own version aside. A stage that recomputes (no split backward) keeps no graph of its weights
+past an action: its actions on the version the weights hold now run on them, and the step
+replacing it sets it aside, so the stage holds two copies (the paper's two versions), not
+a third from a step's first forward to the step before it. Nothing here looks ahead:
 a run of any length, or one resumed at step k with the versions k - d .. k - 1 restored
 from its checkpoint (`first=k`), is followed the same way. `steps` None: the run may go on
 past its end (resumed from its final checkpoint), so its last steps keep aside the versions
@@ -71,8 +75,17 @@ class Versions:
             )
         if not self._needed_after(s, v):
             return None  # used only before the step that replaces it: the weights themselves
+        if v == self.taken[s] and (s, v) not in self.aside and self._graph_free(s):
+            return None  # the weights are that version now; the step replacing it keeps it
         self.aside.add((s, v))
         return (s, v)
+
+    def _graph_free(self, s: int) -> bool:
+        """Do stage s's actions leave no graph of its weights behind them? A recomputing
+        stage's forward keeps its inputs, its backward recomputes and is done; a split
+        backward keeps its graph for the W after it."""
+        policy = self.policies[s]
+        return policy.recompute and not policy.split
 
     def step(self, a) -> tuple[Key | None, list[Key]]:
         """At stage a.stage's step: the version to set aside first (None: none, or already
@@ -98,6 +111,9 @@ class WeightPlan:
     version: dict[tuple[int, int], int] = field(default_factory=dict)  # (stage, mb) -> version
     stashed: set[Key] = field(default_factory=set)  # versions run on a set-aside copy
     most: dict[int, int] = field(default_factory=dict)  # stage -> most versions alive at once
+    # stage -> most copies of its weights held at once: the live ones and those set aside (a
+    # copy of the live version among them, where a kept graph reads it across a step)
+    copies: dict[int, int] = field(default_factory=dict)
 
 
 def weight_plan(
@@ -108,6 +124,7 @@ def weight_plan(
         steps = 1 + max((a.mb for a in acts if a.kind == "S"), default=0)
     follow = Versions(policies, micro_batches, steps)
     plan = WeightPlan(most=dict.fromkeys({a.stage for a in acts}, 1))
+    plan.copies = dict(plan.most)
     for a in acts:
         if not a.spec.trains:  # evaluation runs on the weights current at its turn
             continue
@@ -123,6 +140,8 @@ def weight_plan(
             if key:
                 plan.stashed.add(key)
         plan.most[a.stage] = max(plan.most[a.stage], follow.alive(a.stage))
+        held = 1 + sum(t == a.stage for t, _ in follow.aside)  # as the executor's stash
+        plan.copies[a.stage] = max(plan.copies[a.stage], held)
     return plan
 
 

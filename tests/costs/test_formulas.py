@@ -49,12 +49,16 @@ def test_parameter_bytes_by_optimizer_trainability_and_dtype():
 def test_stage_and_gpu_memory_follow_the_policy():
     kw = dict(trainable_bytes=100, frozen_bytes=30, state_bytes=200, input_bytes=7, act_bytes=50)
     # Recomputing, 3 in flight, two versions of the trainable weights (2BW, WPipe's G0): the
-    # runtime sets both aside beside the live weights (`weight_copies`); with one micro-batch
-    # in flight (2BW's loss stage) the live weights are the newer version.
+    # live weights and the older version set aside; keeping its graphs (no recompute, or a
+    # split backward) it also sets aside, at the next step's first forward, the version the
+    # live weights hold until that step (`weight_copies`); with one micro-batch in flight
+    # (2BW's loss stage) the live weights are the newer version.
     two = StagePolicy(recompute=True, in_flight=3, weight_versions=2, weight_delay=1)
-    assert weight_copies(two) == 3 and weight_copies(StagePolicy(True, 3)) == 1
-    assert weight_copies(replace(two, in_flight=1)) == 2
-    assert stage_memory(**kw, policy=two) == (3 * 100 + 30 + 200 + 3 * 7, 50)
+    assert weight_copies(two) == 2 and weight_copies(StagePolicy(True, 3)) == 1
+    assert weight_copies(replace(two, recompute=False)) == 3
+    assert weight_copies(replace(two, split=True)) == 3
+    assert weight_copies(replace(two, recompute=False, in_flight=1)) == 2
+    assert stage_memory(**kw, policy=two) == (2 * 100 + 30 + 200 + 3 * 7, 50)
     keeps = StagePolicy(recompute=False, in_flight=2)
     assert stage_memory(**kw, policy=keeps) == (100 + 30 + 200 + 2 * 50, 0)
     # A GPU: everything held, plus the largest recompute buffer (one backward at a time).
@@ -62,7 +66,7 @@ def test_stage_and_gpu_memory_follow_the_policy():
     # Arrays pass through (the partitioners' batched calls).
     arrays = {k: np.array([v, 2 * v]) for k, v in kw.items()}
     held, transient = stage_memory(**arrays, policy=two)
-    assert held.tolist() == [551, 1102] and transient.tolist() == [50, 100]
+    assert held.tolist() == [451, 902] and transient.tolist() == [50, 100]
 
 
 def test_an_optimizer_step_streams_what_each_parameter_holds_twice():

@@ -3,9 +3,10 @@
 Hand-built uniform pipelines: d stages (2BW) or 2d half-size stages in a loop (WPipe), each
 stage with `W` bytes of weights (SGD: one gradient buffer, no optimizer state), `INP` bytes
 of stage inputs and `ACT` bytes of activations per micro-batch. The figures are the stages'
-own (`GpuMemory.stages`: what the papers count), with one copy of the weights more than the
-papers where the runtime holds it (`formulas.weight_copies`: a stage running the next step's
-forwards before it steps sets their version aside, a copy of the live weights meanwhile).
+own (`GpuMemory.stages`: what the papers count): two copies of a versioned stage's weights, as
+the papers hold them (`formulas.weight_copies`; a recomputing stage runs the next step's
+forwards on the live weights, and the step replacing them sets their version aside). Until
+2026-11-30 the runtime set that version aside at those forwards: a third copy, counted.
 """
 
 from __future__ import annotations
@@ -63,9 +64,9 @@ def test_2bw_matches_its_worst_case_formula(plan_factory, d, m):
     model_w, model_inp, model_act = d * W, d * INP, d * (ACT + INP)
     paper = (2 * model_w + d * model_inp + model_act - model_inp) // d + W
     got = both(plan)
-    assert got[0] == (paper + W, paper + W)  # stage 0: the worst case, and the runtime's copy
+    assert got[0] == (paper, paper)  # stage 0: the worst case
     for i, (sim, planned) in enumerate(got[:-1]):
-        assert sim == planned == 3 * W + W + min(m, d - i) * INP + ACT
+        assert sim == planned == 2 * W + W + min(m, d - i) * INP + ACT
     # The loss stage keeps its activations for its one micro-batch instead of recomputing, and
     # steps before it runs ahead: the paper's two copies.
     assert got[-1] == (3 * W + ACT,) * 2
@@ -81,14 +82,14 @@ def test_wpipe_halves_2bw_weight_and_activation_redundancy(plan_factory, d, m):
         both(uniform(plan_factory, "wpipe", d, m, inputs=0)),
     )
     for g in range(d - 1):  # the last GPU holds the loss stage, which does not recompute
-        # Two versions and the runtime's copy, gradients, one activation.
-        assert two_bw[g] == (3 * W + W + ACT,) * 2
-        # G0: the same three copies of half the weights; G1: one; gradients of both; half an
+        # Two versions, gradients, one activation.
+        assert two_bw[g] == (2 * W + W + ACT,) * 2
+        # G0: two versions of half the weights; G1: one; gradients of both; half an
         # activation.
-        assert wpipe[g] == (3 * (W // 2) + W // 2 + W + ACT // 2,) * 2
-        # 2BW's redundancy on a GPU: 2 W (copies beyond the live weights) + ACT (the active
-        # activation); WPipe's half of it.
-        assert two_bw[g][0] - wpipe[g][0] == (2 * W + ACT) // 2
+        assert wpipe[g] == (2 * (W // 2) + W // 2 + W + ACT // 2,) * 2
+        # 2BW's redundancy on a GPU: W (the version beyond the live weights) + ACT (the
+        # active activation); WPipe's half of it.
+        assert two_bw[g][0] - wpipe[g][0] == (W + ACT) // 2
     # Summed over the GPUs: weight copies beyond the first, |W| for 2BW and |W| / 2 for WPipe.
     extra = {
         name: sum(
@@ -114,7 +115,7 @@ def test_wpipe_holds_the_inputs_its_streams_keep(plan_factory):
     )
     for g in sim.gpus:
         held = INP * (sim.in_flight[g.gpu] + sim.in_flight[d + g.gpu])
-        weights = 3 * (W // 2) + W // 2 + W  # G0's versions and the runtime's copy, G1's
+        weights = 2 * (W // 2) + W // 2 + W  # G0's two versions, G1's, the gradients
         act = ACT // 2 * (2 if g.gpu == d - 1 else 1)  # the loss stage keeps its activation
         assert (
             plan.gpu_memory_parts(g.gpu, dict(enumerate(sim.in_flight))).stages

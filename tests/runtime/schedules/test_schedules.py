@@ -246,6 +246,31 @@ def test_weight_versions_alive_match_the_policy(name):
             assert most == pols[s].weight_versions, (name, s)
 
 
+@pytest.mark.parametrize(
+    "name,recompute",
+    [(n, True) for n in sorted(SCHEDULES)]
+    + [(n, False) for n in sorted(SCHEDULES) if get_schedule(n).can_keep_activations],
+)
+def test_the_plan_counts_the_weight_copies_the_runtime_holds(name, recompute):
+    """`formulas.weight_copies` (the plan's memory) is the most copies of a stage's weights
+    the executor holds at once: the live ones and the versions set aside. A recomputing
+    2BW stage holds the paper's two (until 2026-11-30 it set the version the next step's
+    first forward read aside then, a third copy until the step); one keeping its graphs, three."""
+    from ftpipe_compiler.costs.formulas import weight_copies
+
+    m, k = 4, 3
+    stages = layout_for(name, k)
+    schedule = get_schedule(name)
+    schedule = schedule if recompute else schedule.without_recompute()
+    pols = schedule.policies(stages, m)
+    for acts in schedule.actions(stages, m, 4).values():
+        for s, held in weight_plan(acts, pols, m).copies.items():
+            in_flight = max(pols[s].in_flight, 1)
+            assert held <= weight_copies(pols[s]), (name, s, held)
+            if pols[s].weight_delay and in_flight > 1:
+                assert held == weight_copies(pols[s]), (name, s, held)
+
+
 def test_two_bw_runs_step_k_on_the_weights_after_k_minus_1_steps():
     m, stages = 4, chain(3)
     lists = actions("2bw", stages, m, 4)
