@@ -64,7 +64,12 @@ SHARD = "200MB"  # 988 MB of bf16 weights: 5 shards
 # an asynchronous schedule fills, made them 0.84 / 0.86 and 0.84 / 0.87. FTPipe in fp32, the
 # first case until 2026-11-30: 0.959 / 0.882; in bf16 on 2026-11-30 beside gpipe-offload and
 # 2bw in bf16: 0.961 / 0.916, 0.961 / 0.969, 0.998 / 0.977, the plans without an fp32 copy of
-# the largest gradient since `precision.add_into`.)
+# the largest gradient since `precision.add_into`. A T5-large shape (738 M parameters, tied
+# embedding, 128 source and 32 target tokens, even layers: the encoder on rank 0) on
+# 2026-11-30 (`python -m benchmarks.memory.t5_large [DTYPE SCHEDULES]`): FTPipe and GPipe in bf16
+# 0.944 / 0.926 and 0.944 / 0.967, FTPipe in fp32 0.951 / 0.916, 2BW in fp32 1.070 / 1.088
+# then, 0.948 / 0.922 once 2BW held two weight copies, not three, and a backward on a
+# set-aside version handed each gradient on as it was made: 7.44 / 8.37 GiB from 9.79 / 9.87.)
 CASES = (("ftpipe", "bf16", ()), ("2bw", "fp32", ()), ("2bw", "fp32", ("--offload-optimizer",)))
 PRECISIONS = tuple(dict.fromkeys(d for _, d, _ in CASES))  # a package compiled for each
 # 2bw's peak is step 4's (its second weight version beside the state the evaluation left)

@@ -61,10 +61,15 @@ def _cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def first_step(folder: Path, package: str, argv: list[str], tag: str, timeout=300) -> dict:
+def first_step(
+    folder: Path, package: str, argv: list[str], tag: str, logs_dir: Path, timeout=300
+) -> dict:
     """Launch GPUS ranks of `package` in `folder`; seconds until rank 0 logs step 1, and each
-    rank's peak memory then (MiB). The ranks are stopped there."""
-    store = folder / f"store-{tag}-{time.monotonic_ns()}"
+    rank's peak memory then (MiB). The ranks are stopped there. Their logs and rendezvous go
+    to `logs_dir`, not beside the package: the compile's folder holds only what compile writes
+    (a later `compile --force` there refuses to delete anything else)."""
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    store = logs_dir / f"store-{tag}-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", package, "--device", "cpu", "--log-every", "1"]
     cmd += ["--init-method", f"file://{store}", *argv]
     procs, logs = [], []
@@ -74,7 +79,7 @@ def first_step(folder: Path, package: str, argv: list[str], tag: str, timeout=30
         for rank in range(GPUS):
             env = child_env(pythonpath=[folder])
             env.update(RANK=str(rank), WORLD_SIZE=str(GPUS), LOCAL_RANK=str(rank))
-            log = folder / f"{tag}.rank{rank}.log"
+            log = logs_dir / f"{tag}.rank{rank}.log"
             logs.append(log)
             out = subprocess.PIPE if rank == 0 else open(log, "w")  # noqa: SIM115 - closed below
             procs.append(
@@ -133,7 +138,7 @@ def measure(work: Path | None = None, rounds: int = ROUNDS) -> dict:
                     tag = f"{schedule}{''.join(extra)}-{steps}"
                     tries = runs.setdefault(" ".join([schedule, *extra]), {})
                     tries.setdefault(str(steps), []).append(
-                        first_step(pkg.parent, pkg.name, argv, tag)
+                        first_step(pkg.parent, pkg.name, argv, tag, work / "logs")
                     )
     rows = [_row(case, by_steps) for case, by_steps in runs.items()]
     return {
