@@ -184,8 +184,8 @@ def overlap(out, inputs: dict, inside: bool = True) -> tuple[str, str, object] |
     for the first input it meets, `how` one of "is" (the same file or folder, also under two
     names: a hard link, a bind mount), "holds" (the input lies inside the output, which
     replacing would delete) and, with `inside`, "inside" (the output lies inside an input
-    folder); None when apart. `inputs`: {what: path}; paths that do not exist or cannot be resolved are skipped
-    (the command's own error says why).
+    folder); None when apart. `inputs`: {what: path}; paths that do not exist or cannot be
+    resolved are skipped (the command's own error says why).
 
         overlap("out", {"the model folder": "out/model"})  # ("holds", "the model folder", ...)
     """

@@ -47,23 +47,22 @@ def check_outputs_spare_inputs(config: RunConfig, plan: dict, stage_classes: dic
 
 def _inputs(config: RunConfig, plan: dict, stage_classes: dict) -> dict:
     """{what it is: resolved path}: the input files, then the input folders (each once)."""
-    files = {}
+    found = {}  # resolved path -> what it is: the first name given wins
     for field, flag in INPUT_FILES:
         value = getattr(config, field, None)
         if value and Path(value).is_file():
-            files.setdefault(Path(value).resolve(), f"the {flag} file")
-    folders = {}
+            found.setdefault(Path(value).resolve(), f"the {flag} file")
     package = _package_folder(stage_classes)
     if package is not None:
-        folders[package] = "the package"
+        found.setdefault(package, "the package")
     recorded = (plan.get("model") or {}).get("path")
     if recorded and package is not None:
         weights = Path(model_folder(recorded, package))
         if weights.is_dir():
-            folders.setdefault(weights.resolve(), f"the model's folder {weights}")
+            found.setdefault(weights.resolve(), f"the model's folder {weights}")
     if config.tokenizer and Path(config.tokenizer).is_dir():
-        folders.setdefault(Path(config.tokenizer).resolve(), "the --tokenizer folder")
-    return {what: path for path, what in [*files.items(), *folders.items()]}
+        found.setdefault(Path(config.tokenizer).resolve(), "the --tokenizer folder")
+    return {what: path for path, what in found.items()}
 
 
 def _package_folder(stage_classes: dict) -> Path | None:

@@ -105,6 +105,11 @@ class Versions:
         """Versions of stage s held now: the weights and the older ones set aside."""
         return len({self.taken[s]} | {w for t, w in self.aside if t == s})
 
+    def held(self, s: int) -> int:
+        """Copies of stage s's weights held now (the executor's stash): the live weights and
+        each version set aside, the live one among them where a kept graph reads it."""
+        return 1 + sum(t == s for t, _ in self.aside)
+
 
 @dataclass
 class WeightPlan:
@@ -123,8 +128,8 @@ def weight_plan(
     if steps is None:
         steps = 1 + max((a.mb for a in acts if a.kind == "S"), default=0)
     follow = Versions(policies, micro_batches, steps)
-    plan = WeightPlan(most=dict.fromkeys({a.stage for a in acts}, 1))
-    plan.copies = dict(plan.most)
+    stages = {a.stage for a in acts}
+    plan = WeightPlan(most=dict.fromkeys(stages, 1), copies=dict.fromkeys(stages, 1))
     for a in acts:
         if not a.spec.trains:  # evaluation runs on the weights current at its turn
             continue
@@ -140,8 +145,7 @@ def weight_plan(
             if key:
                 plan.stashed.add(key)
         plan.most[a.stage] = max(plan.most[a.stage], follow.alive(a.stage))
-        held = 1 + sum(t == a.stage for t, _ in follow.aside)  # as the executor's stash
-        plan.copies[a.stage] = max(plan.copies[a.stage], held)
+        plan.copies[a.stage] = max(plan.copies[a.stage], follow.held(a.stage))
     return plan
 
 
