@@ -31,9 +31,8 @@ first checkpoint is complete), and a step whose manifests name two runs is no ch
 (one exchange between ranks per candidate); a damaged one is skipped with a warning. One
 made by another run (another plan, schedule, seed, micro-batches, optimizer, data or
 learning-rate settings) is refused, naming the difference. After each save only the newest
-`keep` complete checkpoints stay. A save a rank cannot finish (a full disk) removes the
-step's files (`abandon`), but not those other ranks are writing then; what is left of it
-goes when the run resumes (`start`).
+`keep` complete checkpoints stay. A save a rank cannot finish (a full disk) removes its step
+(`abandon`); what other ranks saved of it goes when the run resumes (`start`).
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import TEMPORARY, atomic_open, write_atomic
+from ..atomic import atomic_open, write_atomic
 from ..errors import PipelineConfigError
 from .files import (
     FORMAT,
@@ -145,21 +144,10 @@ class Checkpoints:
         self._files[step][name] = [summed.size, summed.crc]
 
     def abandon(self, step: int) -> None:
-        """A save this rank could not finish (a full disk): the step's files go, every
-        rank's manifest first (the step can never be complete), the checkpoints before it
-        stay. Not a file another rank is writing now (an atomic write's temporary): removing
-        it, or the folder under it, made that rank fail with "No such file or directory",
-        hiding the full disk it was about to meet; it finishes, or fails on the disk, and the
-        last rank out removes the emptied folder (a resume removes what is left)."""
+        """A save this rank could not finish (a full disk): the step's folder goes whole (it
+        can never be complete), the checkpoints before it stay."""
         self._files.pop(step, None)
-        folder = step_dir(self.root, step)
-        files = sorted(folder.glob("*"), key=lambda f: not f.name.startswith("rank-"))
-        for f in files:
-            if not TEMPORARY.fullmatch(f.name):
-                with contextlib.suppress(OSError):
-                    f.unlink()
-        with contextlib.suppress(OSError):
-            folder.rmdir()  # only once empty
+        self._remove(step)
 
     def save_stage(self, step: int, stage: int, module, optimizer, tensors=None) -> None:
         """The stage's tensors (`tensors`, else its state dict) as safetensors; its optimizer

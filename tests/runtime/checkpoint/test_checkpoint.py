@@ -306,22 +306,3 @@ def test_the_plan_hash_ignores_where_the_optimizer_state_lives():
     assert plan_hash(filled) == plan_hash(bare)
     moved = {**bare, "stages": [{"id": 0, "gpu": 1}, {"id": 1, "gpu": 0}]}
     assert plan_hash(moved) != plan_hash(bare)
-
-
-def test_a_rank_giving_up_a_save_leaves_another_ranks_write_in_progress(tmp_path):
-    """Rank 1 meets a full disk at step 4 while rank 0 is writing there: the step's finished
-    files and manifests go, rank 0's temporary stays (removing it, or the folder, made rank
-    0's write fail with "No such file or directory", hiding the full disk), and the last
-    rank out removes the emptied folder; step 2 is untouched."""
-    _save(tmp_path, 2, ranks=(0, 1))
-    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    _save(tmp_path, 4, ranks=(0,))
-    folder = step_dir(tmp_path, 4)
-    writing = folder / ".stage-0.optimizer.pt.4242-0123abcd.tmp"
-    writing.write_bytes(b"half")
-    Checkpoints(tmp_path, 1, 2, _identity()).abandon(4)
-    assert sorted(p.name for p in folder.iterdir()) == [writing.name]
-    writing.unlink()  # rank 0's write, failed on the disk too: it gives the step up in turn
-    Checkpoints(tmp_path, 0, 2, _identity()).abandon(4)
-    assert not folder.exists()
-    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
