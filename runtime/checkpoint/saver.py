@@ -1,7 +1,8 @@
 """The step hook that checkpoints: every `every` steps and after the last one, each stage
 once its step is taken (an asynchronous schedule steps its stages at different times), then
-the rank's manifest once all of its stages are saved. A save that fails (a full disk) removes
-the step's folder and stops the run in one sentence; the checkpoints before it are intact.
+the rank's manifest once all of its stages are saved. A save that fails (a full disk) gives
+the step up (`Checkpoints.abandon`: no checkpoint, each rank's part removed as it leaves)
+and stops the run in one sentence; the checkpoints before it are intact.
 A stage with sharded optimizer state (`train.zero`) is gathered first, by every replica
 together, and written whole by the first: the files are those of an unsharded run.
 

@@ -31,8 +31,16 @@ first checkpoint is complete), and a step whose manifests name two runs is no ch
 (one exchange between ranks per candidate); a damaged one is skipped with a warning. One
 made by another run (another plan, schedule, seed, micro-batches, optimizer, data or
 learning-rate settings) is refused, naming the difference. After each save only the newest
-`keep` complete checkpoints stay. A save a rank cannot finish (a full disk) removes its step
-(`abandon`); what other ranks saved of it goes when the run resumes (`start`).
+`keep` complete checkpoints stay.
+
+A save a rank cannot finish (a full disk) gives its step up (`abandon`): a marker file
+(`ABANDONED`) says so, every manifest goes, and the rank removes its own files. Never
+another rank's, nor the folder under a rank still writing (that rank failed with "No
+such file or directory", hiding the disk it was about to find full): each rank removes its
+part on its way out (`leave`, also a rank stopped by its peer), and the last one out the
+folder. A step no longer completable goes the same way: one a rank stopped in the middle
+of, or one whose missing manifests belong to ranks that stopped. What a killed rank leaves
+goes when the run resumes (`start`).
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from pathlib import Path
 import torch
 
 from ..atomic import atomic_open, write_atomic
-from ..errors import PipelineConfigError
+from ..errors import PipelineConfigError, WriteFailed
 from .files import (
     FORMAT,
     STEP_DIR,
@@ -77,6 +85,9 @@ __all__ = [
 # complete (inside the folder, where its user sees it: a rename, never a copy; `_steps` lists only
 # step folders).
 ASIDE = "replaced"
+# In a step's folder: the step was given up and is no checkpoint (its ranks' parts go as
+# each leaves). Not a step file: `complete` and the resume's clean-up read it.
+ABANDONED = "abandoned"
 
 
 class Checkpoints:
@@ -85,6 +96,7 @@ class Checkpoints:
         self.run, self.keep, self.say = run, keep, say
         self.run_id: str | None = None  # the run's name in its manifests (`start`)
         self._files: dict[int, dict[str, list[int]]] = {}  # step -> file -> [bytes, crc32]
+        self._wrote: dict[int, set[str]] = {}  # step -> this rank's files there (to remove)
         self._replacing = False  # --overwrite-checkpoints: the old ones set aside until ours
 
     # --- writing ---
@@ -98,7 +110,12 @@ class Checkpoints:
         disk or a kill: the run saves those steps again)."""
         self.run_id = agree((manifest or {}).get("run_id") or new_run_id())[0]
         self._replacing = replace
-        if self.rank != 0 or not (replace or manifest):
+        if self.rank != 0:
+            return
+        for step in self._steps():  # what a killed rank left of a step given up
+            if (step_dir(self.root, step) / ABANDONED).exists():
+                self._remove(step)
+        if not (replace or manifest):
             return
         if replace:
             self._set_aside()
@@ -131,23 +148,59 @@ class Checkpoints:
         """`obj` into the step's folder: a dict of tensors as safetensors, else torch.save."""
         folder = step_dir(self.root, step)
         if step not in self._files:  # rewriting a step: incomplete until the manifest is back
-            folder.mkdir(parents=True, exist_ok=True)
             (folder / f"rank-{self.rank}.json").unlink(missing_ok=True)
             self._files[step] = {}
+        self._wrote.setdefault(step, set()).add(name)
         data = tensor_bytes(obj) if name.endswith(".safetensors") else None
-        with atomic_open(folder / name, "wb", needs=len(data) if data else None) as f:
-            summed = Summing(f)
-            if data is not None:
-                summed.write(data)
-            else:
-                torch.save(obj, summed)
+        for attempt in range(3):
+            # A peer that gave the step up removes the folder once it is empty: made again,
+            # and once this rank's temporary is in it, nobody can remove it under the write.
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                with atomic_open(folder / name, "wb", needs=len(data) if data else None) as f:
+                    summed = Summing(f)
+                    if data is not None:
+                        summed.write(data)
+                    else:
+                        torch.save(obj, summed)
+                break
+            except (FileExistsError, WriteFailed) as e:  # (mkdir: there, then gone at once)
+                gone = isinstance(e, FileExistsError) or isinstance(e.__cause__, FileNotFoundError)
+                if attempt == 2 or not gone or folder.exists():
+                    raise
         self._files[step][name] = [summed.size, summed.crc]
 
     def abandon(self, step: int) -> None:
-        """A save this rank could not finish (a full disk): the step's folder goes whole (it
-        can never be complete), the checkpoints before it stay."""
+        """Give the step up (a save this rank could not finish, or the run stops before the
+        step can be complete): marked `ABANDONED`, every rank's manifest removed (it can never
+        be complete), this rank's files removed; the folder goes with the last part in it.
+        The checkpoints before it stay."""
+        folder = step_dir(self.root, step)
         self._files.pop(step, None)
-        self._remove(step)
+        with contextlib.suppress(OSError):
+            (folder / ABANDONED).touch()
+        for manifest in folder.glob("rank-*.json"):
+            with contextlib.suppress(OSError):
+                manifest.unlink()
+        for name in self._wrote.pop(step, set()):
+            with contextlib.suppress(OSError):
+                (folder / name).unlink()
+        with contextlib.suppress(OSError):
+            if {p.name for p in folder.iterdir()} <= {ABANDONED}:
+                (folder / ABANDONED).unlink(missing_ok=True)
+                folder.rmdir()  # (fails where another rank wrote in between: its to remove)
+
+    def leave(self, stopped: set[int]) -> None:
+        """The run stops with an error (`stopped`: the ranks that write no more, this one
+        among them): this rank's part of every step that can no longer be complete goes.
+        Those are the steps given up, the ones it began and did not finish, and those whose
+        missing manifests are all of stopped ranks."""
+        done = {step for step, _ in self.complete()}
+        for step in sorted(set(self._wrote) - done):
+            folder = step_dir(self.root, step)
+            missing = {r for r in range(self.world) if not (folder / f"rank-{r}.json").exists()}
+            if (folder / ABANDONED).exists() or step in self._files or missing <= stopped:
+                self.abandon(step)
 
     def save_stage(self, step: int, stage: int, module, optimizer, tensors=None) -> None:
         """The stage's tensors (`tensors`, else its state dict) as safetensors; its optimizer
@@ -204,6 +257,10 @@ class Checkpoints:
             "files": self._files.pop(step),
         }
         write_atomic(step_dir(self.root, step) / f"rank-{self.rank}.json", json.dumps(manifest))
+        for saved in [s for s in self._wrote if s not in self._files]:
+            folder = step_dir(self.root, saved)  # every rank's part there: none to give up
+            if all((folder / f"rank-{r}.json").exists() for r in range(self.world)):
+                del self._wrote[saved]
         self.prune()
 
     # --- reading ---
@@ -238,7 +295,7 @@ class Checkpoints:
         out = []
         for step in self._steps():
             first = self._manifest(step, 0)
-            if first is None:
+            if first is None or (step_dir(self.root, step) / ABANDONED).exists():
                 continue
             world = first.get("world") if isinstance(first.get("world"), int) else self.world
             manifests = [first] + [self._manifest(step, r) for r in range(1, world)]

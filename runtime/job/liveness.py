@@ -64,8 +64,10 @@ __all__ = [
     "current",
     "die",
     "failure",
+    "on_failure",
     "short",
     "start",
+    "tidy",
     "waiting",
 ]
 
@@ -81,6 +83,8 @@ POLL_S = 0.05  # the meeting: how often to look for the others
 _current: Liveness | None = None
 _now = time.monotonic  # every time here is this rank's own (a test sets the clock)
 _ending = threading.Lock()  # one thread ends the process
+_tidying: dict = {}  # name -> fn(ranks that write no more): run on a failed exit (`tidy`)
+TIDY_S = 10.0  # at most this long tidying on the way out (a stuck disk must not hold it)
 
 
 def backstop(hang_s: float) -> timedelta:
@@ -143,7 +147,29 @@ def die(why: str, code: int):
     rank = live.rank if live is not None else int(os.environ.get("RANK", 0))
     print(f"ftpipe rank {rank}: {why}", file=sys.stderr, flush=True)
     sys.stdout.flush()
+    tidy({rank} | (live.lost() if live is not None else set()))
     os._exit(code)
+
+
+def on_failure(name: str, tidy_up) -> None:
+    """`tidy_up(stopped)` runs when this rank stops with an error (`die`, `tidy`), with the
+    ranks known to write no more (this one among them): a checkpoint's part that can never
+    be complete goes (`Checkpoints.leave`). One per name: a later one replaces it."""
+    _tidying[name] = tidy_up
+
+
+def tidy(stopped: set[int]) -> None:
+    """Run the `on_failure` hooks (each error swallowed: the rank is on its way out anyway),
+    for at most TIDY_S."""
+
+    def each():
+        for tidy_up in list(_tidying.values()):
+            with contextlib.suppress(Exception):
+                tidy_up(stopped)
+
+    tidier = threading.Thread(target=each, name="ftpipe-tidy", daemon=True)
+    tidier.start()
+    tidier.join(TIDY_S)
 
 
 def short(e: Exception) -> str:
@@ -225,6 +251,14 @@ class Liveness:
     def gone(self) -> tuple[str, int] | None:
         """(why a peer counts as gone, the exit code that follows), or None."""
         return self._stopped() or self._silent() or self._stuck()
+
+    def lost(self) -> set[int]:
+        """The peers that write no more: stopped, done, or silent past --timeout."""
+        return {
+            r
+            for r, p in self.peers.items()
+            if p.state in ("stopped", "done") or self.read_at - p.seen > self.timeout_s
+        }
 
     def _stopped(self) -> tuple[str, int] | None:
         for r, p in self.peers.items():

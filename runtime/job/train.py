@@ -117,6 +117,7 @@ def _stop(e: BaseException, debug: bool):
         if debug:
             traceback.print_exception(e)
         die(why, code)
+    liveness.tidy({int(os.environ.get("RANK", 0))})
     if debug or isinstance(e, SystemExit):
         raise e
     if code != 1:
@@ -247,6 +248,7 @@ class _Run:
         if config.save_every:  # the run's id in its manifests, and --overwrite-checkpoints
             agree = lambda v: all_gather(v, place.world, "naming the run")  # noqa: E731
             ckpt.start(manifest, agree, replace=config.overwrite_checkpoints)
+            liveness.on_failure("checkpoints", ckpt.leave)
         if first:  # the pipeline fills again from the checkpoint's step
             timeline = timeline.resumed(first)
             timeline.check(

@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from ftpipe_runtime import run
 from ftpipe_runtime.atomic import remove_temporaries
+from ftpipe_runtime.checkpoint import store
 from ftpipe_runtime.checkpoint.store import (
+    ABANDONED,
     ASIDE,
     Checkpoints,
     default_dir,
@@ -132,6 +135,99 @@ def test_old_checkpoints_and_abandoned_saves_are_pruned(tmp_path):
     ]
     _save(tmp_path, 8, ranks=(1,), keep=2, module=module, opt=opt)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000006", "step-000008"]
+
+
+def _ranks(root, world=2):
+    return [Checkpoints(root, r, world, _identity(), keep=0) for r in range(world)]
+
+
+def test_a_step_given_up_goes_with_its_last_rank_out_never_under_a_writer(tmp_path):
+    """Rank 1 gives step 2 up (a full disk) while rank 0 is in the middle of it: rank 0's
+    files and the folder stay under it, the step is no checkpoint however rank 0 goes on,
+    and rank 0's way out removes its part and the folder; step 1 stays whole."""
+    module, opt = _save(tmp_path, 1, ranks=(0, 1))
+    zero, one = _ranks(tmp_path)
+    zero.save_stage(2, 0, module, opt)
+    one.save_stage(2, 1, module, opt)
+    one.abandon(2)
+    folder = step_dir(tmp_path, 2)
+    assert sorted(p.name for p in folder.iterdir()) == [
+        ABANDONED,
+        "stage-0.optimizer.pt",
+        "stage-0.safetensors",
+    ]
+    zero.finish_rank(2, next_micro_batch=8)  # its save goes on: the step stays given up
+    assert [s for s, _ in zero.complete()] == [1]
+    one.leave({1})  # (nothing of rank 1's is left)
+    zero.leave({0})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001"]
+    assert Checkpoints(tmp_path, 0, 2, _identity()).choose()[0] == 1
+
+
+@pytest.mark.parametrize("when", ["before its temporary", "in its mkdir"])
+def test_a_save_makes_the_folder_again_when_a_peer_removed_it_under_it(tmp_path, monkeypatch, when):
+    """The last part of a given-up step removed (and the folder with it) just before this
+    rank writes there, or while its mkdir found the folder there: its write still lands, and
+    its way out removes it."""
+    module, opt = _trained()
+    zero, one = _ranks(tmp_path)
+    folder, removed = step_dir(tmp_path, 2), []
+    folder.mkdir()  # rank 1's, which it gives up having written nothing there
+
+    def peer_first(real, raises):
+        def call(self_or_path, *args, **kwargs):
+            if not removed and folder in (Path(self_or_path), Path(self_or_path).parent):
+                removed.append(when)
+                one.abandon(2)  # the emptied folder goes
+                assert not folder.exists()
+                if raises:
+                    raise FileExistsError(17, "File exists", str(folder))
+            return real(self_or_path, *args, **kwargs)
+
+        return call
+
+    if when == "in its mkdir":
+        monkeypatch.setattr(Path, "mkdir", peer_first(Path.mkdir, raises=True))
+    else:
+        monkeypatch.setattr(store, "atomic_open", peer_first(store.atomic_open, raises=False))
+    zero.save_stage(2, 0, module, opt)
+    assert removed and (folder / "stage-0.safetensors").exists()
+    zero.leave({0})  # its own step unfinished: it can never be complete
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_leaving_removes_only_what_can_never_be_complete(tmp_path):
+    """Rank 0's part of step 2 is finished: while rank 1 runs it may still finish its own,
+    so rank 0 stopping keeps it; once rank 1 has stopped too, it goes."""
+    _save(tmp_path, 1, ranks=(0, 1))
+    module, opt = _trained()
+    zero, one = _ranks(tmp_path)
+    zero.save_stage(2, 0, module, opt)
+    zero.finish_rank(2, next_micro_batch=8)
+    zero.leave({0})
+    assert (step_dir(tmp_path, 2) / "rank-0.json").exists()
+    one.save_stage(2, 1, module, opt)
+    one.finish_rank(2, next_micro_batch=8)  # complete after all
+    assert [s for s, _ in one.complete()] == [2, 1]
+    zero.save_stage(3, 0, module, opt)
+    zero.finish_rank(3, next_micro_batch=12)
+    zero.leave({0, 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001", "step-000002"]
+
+
+def test_a_run_starting_removes_what_a_killed_rank_left_of_a_given_up_step(tmp_path):
+    module, opt = _save(tmp_path, 1, ranks=(0, 1))
+    zero, one = _ranks(tmp_path)
+    zero.save_stage(2, 0, module, opt)
+    zero.finish_rank(2, next_micro_batch=8)
+    one.save_stage(2, 1, module, opt)
+    one.finish_rank(2, next_micro_batch=8)
+    (step_dir(tmp_path, 2) / ABANDONED).touch()  # rank 0 killed before it could leave
+    resumed = Checkpoints(tmp_path, 0, 2, _identity())
+    step, manifest = resumed.choose()
+    assert step == 1  # all manifests there, yet given up: no checkpoint
+    resumed.start(manifest)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001"]
 
 
 def test_a_killed_save_leaves_a_temporary_that_is_removed(tmp_path):

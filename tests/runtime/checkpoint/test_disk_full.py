@@ -154,7 +154,8 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_ones_before(tiny_disk, tmp_path):
 @pytest.mark.slow
 def test_a_full_disk_at_a_checkpoint_of_two_ranks(tiny_disk, run_pipeline):
     """Whichever rank meets the full disk says so; none prints a traceback; the checkpoint
-    before is intact, and a resume once there is space removes what the other rank began."""
+    before is intact and nothing is left of the one given up (each rank removes its own part
+    on its way out); a resume once there is space goes on from the one before."""
     disk = tiny_disk()
     ck = disk / "ck"
     plan, argv = toy_plan("two-ranks", "1f1b"), [*ARGV, "--checkpoint-dir", str(ck)]
@@ -166,12 +167,8 @@ def test_a_full_disk_at_a_checkpoint_of_two_ranks(tiny_disk, run_pipeline):
     err = ranks.stderr()
     assert codes == [1, 1] and "Traceback" not in err, err
     assert "No space left on device" in err and "the checkpoint of step 4 is removed" in err, err
-    assert {k: v for k, v in snapshot(ck).items() if k.startswith("step-000002")} == before
-    assert (
-        not (ck / "step-000004" / "rank-0.json").exists()
-        or not (ck / "step-000004" / "rank-1.json").exists()
-    )
-    assert not [p for p in ck.rglob(".*")]  # no temporaries
+    # Each rank removed its part of step 4 on its way out, the last one the folder.
+    assert snapshot(ck) == before and sorted(p.name for p in ck.iterdir()) == ["step-000002"]
     ballast.unlink()
     codes, ranks = run_pipeline(plan, [*argv, "--steps", "4", "--resume"], name="again")
     assert codes == [0, 0], ranks.stderr()

@@ -123,6 +123,27 @@ def test_a_finished_peer_is_not_watched(watched):
     assert live.gone() is None
 
 
+def test_the_ranks_that_write_no_more_are_the_stopped_the_done_and_the_silent(watched):
+    live, beat, clock = watched
+    beat(1, state="stopped", why="cannot write x: No space left on device")
+    beat(2)
+    assert live.lost() == {1}
+    beat(1, state="done")
+    clock.t += 61
+    live._read()  # rank 2 silent past --timeout
+    assert live.lost() == {1, 2}
+
+
+def test_a_failed_exit_tidies_with_the_ranks_that_write_no_more(monkeypatch):
+    monkeypatch.setattr(liveness, "_tidying", {})
+    seen = []
+    liveness.on_failure("fails", lambda stopped: 1 / 0)  # swallowed: the rank goes anyway
+    liveness.on_failure("files", seen.append)
+    liveness.on_failure("files", lambda stopped: seen.append(sorted(stopped)))  # replaces
+    liveness.tidy({0, 2})
+    assert seen == [[0, 2]]
+
+
 class _NcclWork:
     """An NCCL work as the CPU sees it: complete after a few polls; `wait` only orders the
     streams."""
