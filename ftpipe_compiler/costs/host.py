@@ -78,6 +78,7 @@ __all__ = [
     "optimizer_times",
     "stage_device_sum_bytes",
     "stage_host_bytes",
+    "sums_apart",
 ]
 
 DEFAULT_LINK_BANDWIDTH = 12e9  # PCIe 3.0 x16, as the hardware files count it (rtx2080ti)
@@ -159,11 +160,8 @@ def host_param_bytes(
     also stages the new weight for its copy back; summed on the device, a staging buffer of
     its own where the master's dtype is not the weight's (`HostOffload._staged`).
     `overlapped` (the CPU step beside the rank's next actions, `HostOffload.launch`), streamed:
-    a staging buffer of its own; `summed_apart` (the next step's gradients arrive while the
-    step runs: an asynchronous schedule's backwards on older weights), their sum beside the
-    one the step reads. Under a synchronous schedule the step lands before the stage's next
-    forward, which its next backwards follow: no sum apart (a 2-rank GPipe run's offloaded
-    rank measured 0.88 x a plan counting one).
+    a staging buffer of its own; `summed_apart` (the next step's gradients may arrive while
+    the step runs: `sums_apart`), their sum beside the one the step reads.
     `host_param_bytes((8, 8), "bfloat16", "adamw", bf16)` -> 64 x (4 + 8 + 4 + 2)."""
     numel = math.prod(shape)
     weight = _size(getattr(torch, dtype))
@@ -174,6 +172,48 @@ def host_param_bytes(
     staging = weight if streamed and master != weight else 0
     apart = master if streamed and summed_apart else 0
     return numel * (master + master + landing + staging + apart) + state
+
+
+def sums_apart(plan) -> frozenset[int]:
+    """Stages whose next step's gradients may arrive while their overlapped CPU step still
+    reads the last one's sum: `HostOffload._add` sums them apart until the step lands, the
+    two sums then held together. The schedule says where that can happen: a backward of the
+    stage (its W, split) between its S and the action that lands the step. The executor
+    lands it where the stage next runs on its live weights (a forward, or a backward that
+    recomputes one; `Executor._call`) or steps; not at a backward through a kept graph, nor
+    at one on a set-aside older version (PipeDream-2BW's, WPipe's), and a lagged stage's only
+    at its S. None under a synchronous schedule (the next forward lands it) nor under
+    FTPipe's policies (a stage with micro-batches in flight recomputes; one without runs
+    its next forward first). Where such a backward comes (2BW's, on the older version), its
+    gradient meets the step's sum only if the CPU step still runs then: timing, counted (a
+    CPU rank's step ended before it in the Qwen2.5-0.5B shape's run: BENCHMARKS.md, memory).
+    `Plan.sums_apart` keeps the answer."""
+    streamed = {s.id for s in plan.stages if s.offload.optimizer and not s.offload.sums_on_device}
+    sched = resolve_schedule(plan.schedule, plan.recompute)
+    if plan.replicas > 1 or not streamed or sched.synchronous:
+        return frozenset()
+    policies, m = plan.policies, plan.micro_batches
+    lags = {s.id for s in plan.stages if s.offload.lagged and may_lag(policies[s.id])}
+    ahead = max((p.in_flight for p in policies.values()), default=0)
+    lists = sched.actions(plan.stage_infos(), m, 2 + -(-ahead // m))  # a step and its next
+    split = {a.stage for acts in lists.values() for a in acts if a.kind == "W"}
+    out = set()
+    for acts in lists.values():
+        pending: dict[int, int] = {}  # stage -> the step whose CPU step has not landed
+        for a in acts:
+            s = a.stage
+            if s not in streamed:
+                continue
+            if s in pending:
+                v = policies[s].version(a.mb, m)
+                live = s not in lags and (v is None or v > pending[s])
+                if a.kind == "S" or (live and (a.kind == "F" or a.recompute)):
+                    del pending[s]
+                elif a.kind == ("W" if s in split else "B"):
+                    out.add(s)
+            if a.kind == "S":
+                pending[s] = a.mb
+    return frozenset(out)
 
 
 def device_sum_bytes(shape, dtype: str, precision: Precision) -> int:
@@ -234,7 +274,7 @@ def stage_host_bytes(plan, stage, in_flight: int | None = None) -> int:
     # its weights at a synchronous step does not, and is counted as if it did: a bound).
     overlaps = plan.replicas == 1
     if off.optimizer:
-        apart = overlaps and not resolve_schedule(plan.schedule).synchronous
+        apart = overlaps and stage.id in plan.sums_apart
         precision, params = _precision(plan), {p.name: p for p in plan.params}
         for name in stage.params:
             p = params[name]

@@ -33,7 +33,7 @@ from ftpipe_runtime.spec import plan as spec
 from ..costs.cluster import Cluster
 from ..costs.formulas import PRECISIONS, MemoryReserve, param_bytes, period_s, stage_memory
 from ..costs.gpu_memory import GpuMemory, MemoryView, gpu_memory
-from ..costs.host import Host, host_memory, stage_device_sum_bytes
+from ..costs.host import Host, host_memory, stage_device_sum_bytes, sums_apart
 from ..errors import FtpipeError, PlanFormatError
 from ..units import mib
 from ..version import __version__
@@ -115,6 +115,12 @@ class Plan(spec.Plan):
         except ScheduleError as e:
             raise FtpipeError(str(e)) from None
         return sched.policies(self.stage_infos(), self.micro_batches)
+
+    @functools.cached_property
+    def sums_apart(self) -> frozenset[int]:
+        """Stages whose offloaded step may hold a second gradient sum (`costs.host.sums_apart`),
+        found once: every memory figure of the plan asks."""
+        return sums_apart(self)
 
     def gpu_memory(
         self, gpu: int, in_flight: dict[int, int] | None = None, deferred: dict | None = None

@@ -223,3 +223,39 @@ def tiny_bf16_plan():
     plan = run_partitioner(problem, "even-layers").plan
     assert plan.model.get("precision") == "bf16"
     return plan
+
+
+@pytest.mark.parametrize(
+    "schedule,step",
+    [("gpipe", "exact"), ("1f1b", "exact"), ("ftpipe", "exact"), ("ftpipe", "lagged"),
+     ("2bw", "exact")],
+)  # fmt: skip
+def test_a_sum_apart_is_counted_where_the_runtime_can_make_one(tmp_path, monkeypatch, schedule,
+                                                                step):  # fmt: skip
+    """`sums_apart` against the runtime: the stages whose gradients came while their CPU
+    step had not landed (`HostOffload._add`'s sum apart; whether the step still held its
+    own sum then is the machine's timing) on the toy's four stages on one rank. FTPipe's
+    land at their next forward or recomputing backward: none; lagged, at their next step:
+    each; 2BW's backwards on the older version come before the new one is read."""
+    from ftpipe_runtime import run
+    from runtime_toy import STAGES, one_rank_plan
+
+    from ftpipe_compiler.plan import Plan
+
+    apart, add = set(), HostOffload._add
+
+    def spy(self, stage, master, g):
+        if stage in self._inflight:
+            apart.add(stage)
+        add(self, stage, master, g)
+
+    monkeypatch.setattr(HostOffload, "_add", spy)
+    toy = one_rank_plan(schedule)
+    argv = ["--steps", "3", "--offload-optimizer", "--offload-step", step]
+    run(toy, STAGES, [*argv, "--checkpoint-dir", str(tmp_path)])
+    plan = Plan.from_dict(toy)
+    plan = plan.with_(stages=tuple(
+        replace(s, offload=Offload(optimizer=True, step=step)) for s in plan.stages
+    ))  # fmt: skip
+    assert apart == set(plan.sums_apart)
+    assert bool(apart) == (schedule == "2bw" or step == "lagged")
