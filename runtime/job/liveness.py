@@ -154,16 +154,23 @@ def die(why: str, code: int):
 def on_failure(name: str, tidy_up) -> None:
     """`tidy_up(stopped)` runs when this rank stops with an error (`die`, `tidy`), with the
     ranks known to write no more (this one among them): a checkpoint's part that can never
-    be complete goes (`Checkpoints.leave`). One per name: a later one replaces it."""
-    _tidying[name] = tidy_up
+    be complete goes (`Checkpoints.leave`). One per name: a later one replaces it, None
+    removes it (a run that ended well: a later one in the process must not tidy for it)."""
+    if tidy_up is None:
+        _tidying.pop(name, None)
+    else:
+        _tidying[name] = tidy_up
 
 
 def tidy(stopped: set[int]) -> None:
     """Run the `on_failure` hooks (each error swallowed: the rank is on its way out anyway),
     for at most TIDY_S."""
 
+    hooks = list(_tidying.values())
+    _tidying.clear()  # once: the run they tidy for is over
+
     def each():
-        for tidy_up in list(_tidying.values()):
+        for tidy_up in hooks:
             with contextlib.suppress(Exception):
                 tidy_up(stopped)
 

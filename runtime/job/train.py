@@ -97,6 +97,7 @@ def run(plan: Plan | dict | str | os.PathLike, stages: dict, argv: list[str] | N
             carried, plan, stages = got, got.plan, got.stages
     except BaseException as e:  # noqa: BLE001 - every way out: one line, peers told, a code
         _stop(e, config.debug)
+    liveness.on_failure("checkpoints", None)
     if (live := liveness.current()) is not None:
         live.close()
     return got

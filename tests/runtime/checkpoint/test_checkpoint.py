@@ -215,6 +215,29 @@ def test_leaving_removes_only_what_can_never_be_complete(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000001", "step-000002"]
 
 
+def test_ctrl_c_in_the_middle_of_a_save_leaves_the_checkpoints_before_and_nothing_else(
+    tmp_path, monkeypatch
+):
+    """A rank stopped before its manifest of step 4 (Ctrl-C, mid-save): its part of step 4
+    goes on its way out (it can never be complete), step 2 stays whole and resumes."""
+    finish = Checkpoints.finish_rank
+
+    def interrupted(self, step, *args, **kwargs):
+        if step == 4:
+            raise KeyboardInterrupt
+        return finish(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpoints, "finish_rank", interrupted)
+    argv = ["--steps", "4", "--save-every", "2"]
+    with pytest.raises(SystemExit) as stopped:
+        _run(argv, tmp_path)
+    assert stopped.value.code == 130
+    ck = tmp_path / "ckpt"
+    assert sorted(p.name for p in ck.iterdir()) == ["step-000002"]
+    monkeypatch.setattr(Checkpoints, "finish_rank", finish)
+    assert _run([*argv, "--resume"], tmp_path)["first_step"] == 2
+
+
 def test_a_run_starting_removes_what_a_killed_rank_left_of_a_given_up_step(tmp_path):
     module, opt = _save(tmp_path, 1, ranks=(0, 1))
     zero, one = _ranks(tmp_path)

@@ -142,6 +142,12 @@ def test_a_failed_exit_tidies_with_the_ranks_that_write_no_more(monkeypatch):
     liveness.on_failure("files", lambda stopped: seen.append(sorted(stopped)))  # replaces
     liveness.tidy({0, 2})
     assert seen == [[0, 2]]
+    liveness.tidy({1})  # once: the run they tidied for is over
+    assert seen == [[0, 2]]
+    liveness.on_failure("files", seen.append)
+    liveness.on_failure("files", None)  # its run ended well
+    liveness.tidy({1})
+    assert seen == [[0, 2]]
 
 
 class _NcclWork:
