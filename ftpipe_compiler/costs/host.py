@@ -73,6 +73,7 @@ __all__ = [
     "host_step_bytes",
     "device_sum_bytes",
     "host_sum_bytes",
+    "lands",
     "upload_convert_bytes",
     "nodes_of",
     "optimizer_times",
@@ -179,10 +180,7 @@ def sums_apart(plan) -> frozenset[int]:
     reads the last one's sum: `HostOffload._add` sums them apart until the step lands, the
     two sums then held together. The schedule says where that can happen: a backward of the
     stage (its W, split) between its S and the action that lands the step. The executor
-    lands it where the stage next runs on its live weights (a forward, or a backward that
-    recomputes one; `Executor._call`) or steps; not at a backward through a kept graph, nor
-    at one on a set-aside older version (PipeDream-2BW's, WPipe's), and a lagged stage's only
-    at its S. None under a synchronous schedule (the next forward lands it) nor under
+    lands it where the stage next runs on its live weights or steps (`lands`). None under a synchronous schedule (the next forward lands it) nor under
     FTPipe's policies (a stage with micro-batches in flight recomputes; one without runs
     its next forward first). Where such a backward comes (2BW's, on the older version), its
     gradient meets the step's sum only if the CPU step still runs then: timing, counted (a
@@ -205,15 +203,27 @@ def sums_apart(plan) -> frozenset[int]:
             if s not in streamed:
                 continue
             if s in pending:
-                v = policies[s].version(a.mb, m)
-                live = s not in lags and (v is None or v > pending[s])
-                if a.kind == "S" or (live and (a.kind == "F" or a.recompute)):
+                if lands(a, policies[s], m, pending[s], lagged=s in lags):
                     del pending[s]
                 elif a.kind == ("W" if s in split else "B"):
                     out.add(s)
             if a.kind == "S":
                 pending[s] = a.mb
     return frozenset(out)
+
+
+def lands(a, policy, m: int, step: int, *, lagged: bool = False) -> bool:
+    """Does action `a` of a stage whose overlapped CPU step of `step` has not landed land it,
+    as the executor does? Its next S does; so, unless the stage is lagged, does a forward or
+    a recomputing backward on the live weights (`Executor._call`: no version pinned, or one
+    newer than `step`'s inputs); a backward through a kept graph does not, nor an action on
+    a set-aside older version (2BW's, WPipe's)."""
+    if a.kind == "S":
+        return True
+    if lagged or not (a.kind == "F" or a.recompute):
+        return False
+    v = policy.version(a.mb, m)
+    return v is None or v > step
 
 
 def device_sum_bytes(shape, dtype: str, precision: Precision) -> int:

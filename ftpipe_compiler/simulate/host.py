@@ -20,10 +20,10 @@ The CPU step (`step_bandwidth`, and the new weights' conversion at `sum_bandwidt
 on the rank's step thread, one stage's after another (`overlapped`: one replica; a GPU that
 sends weights at a synchronous step waits for it there, as `step_s` whole), beside the GPU's
 next actions, and lands before the first that reads the weights it makes, which waits for it
-and carries the upload (`landing`): the stage's next S, any action of a stage whose schedule
-reads the weights as they are (FTPipe's, a flush: its next forward), or under PipeDream-2BW
-and WPipe the first on the version it made (a step later); a lagged stage's
-(`Offload.lagged`) at its next S only. What the CPU step costs the step is then what neither
+and carries the upload (`landing`, by `costs.host.lands`): the stage's next S, or its next
+forward or recomputing backward on the weights the step made (FTPipe's and a flush's next
+forward; under PipeDream-2BW and WPipe the first on the new version, a step later; never a
+backward through a kept graph); a lagged stage's (`Offload.lagged`) at its next S only. What the CPU step costs the step is then what neither
 the GPU's own next actions nor the other GPUs hide: under FTPipe no GPU waits for another's
 step, so a GPU with slack absorbs it; under a flush only the next step's forwards of the
 stages before an offloaded one (which its own first forward waits for) hide it.
@@ -47,7 +47,7 @@ from dataclasses import replace
 
 from ftpipe_runtime.train.offload import may_lag
 
-from ..costs.host import Offload, host_memory, nodes_of, optimizer_times
+from ..costs.host import Offload, host_memory, lands, nodes_of, optimizer_times
 from ..plan import Plan
 from ..units import size
 from .result import Event, SimResult
@@ -179,20 +179,15 @@ class HostTraffic:
 
     def landing(self, g: int, a) -> tuple[float, float] | None:
         """Before `a` starts on GPU g: (when the overlapped step it waits for is done, the
-        upload it then adds to `a`), or None. A stage's step lands where its weights are
-        next read (`ftpipe_runtime.engine.executor`): its next S, or an action on a version
-        the step made (every action of a stage whose policy pins no older version); a
-        lagged one's at its next S only."""
+        upload it then adds to `a`), or None: where the executor lands it (`costs.host.lands`:
+        its next S, or a forward or recomputing backward on the weights the step made; a
+        lagged one's at its next S only)."""
         held = self.pending.get(a.stage)
         if held is None:
             return None
         k, done = held
-        if a.kind != "S":
-            if a.stage in self.lagged:
-                return None
-            v = self.policies[a.stage].version(a.mb, self.m)
-            if v is not None and v <= k:  # runs on a set-aside older version
-                return None
+        if not lands(a, self.policies[a.stage], self.m, k, lagged=a.stage in self.lagged):
+            return None
         del self.pending[a.stage]
         up = self.overlap[a.stage][1]
         self.uploading[g] = (a.stage, k, up)
