@@ -455,10 +455,14 @@ def test_memory_rows_say_planned_against_measured_and_the_verdict():
     )
     off = {"same_losses_as": "2bw", "same_losses": True,
            "per_step_s": [{"cpu_step": 1.0, "step_wait": 0.1}, {"cpu_step": 0.5, "step_wait": 0.0}]}  # fmt: skip
-    text = bench_memory.markdown({**data, "rows": [row], "met": True, "offloaded": off})
-    assert (
+    said = (
         "With the optimizer offloaded (2bw-offload): losses the same bit for bit as 2bw's "
         "without; rank 0: the CPU step 1.00 s a step on the step thread, the rank waited 0.10 s "
         "for it (90% overlapped); rank 1: the CPU step 0.50 s a step on the step thread, the "
-        "rank waited 0.00 s for it (100% overlapped)." in text
+        "rank waited 0.00 s for it (100% overlapped)."
     )
+    other = {**off, "same_losses_as": "ftpipe", "same_losses": False}
+    text = bench_memory.markdown({**data, "rows": [row], "met": True, "offloaded": [off, other]})
+    assert said in text and "(ftpipe-offload): losses DIFFERENT as ftpipe's without" in text
+    old = bench_memory.markdown({**data, "rows": [row], "met": True, "offloaded": off})
+    assert said in old  # BENCHMARKS.json's one case, before 2026-11-30
