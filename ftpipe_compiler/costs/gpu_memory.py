@@ -85,10 +85,13 @@ def gpu_memory(
     deferred: dict[int, int] | None = None,
     post_ahead_bytes: int = POST_AHEAD_BYTES,
     view: MemoryView | None = None,
+    apart=None,
 ) -> GpuMemory:
     """GPU `gpu` of `plan` at its peak; micro-batches in flight (and, split, between B and W)
-    per stage from the schedule unless given (the simulator's peaks). `view`: the plan's
-    `MemoryView`, made once where many GPUs or peaks of one plan are asked (`Plan`)."""
+    per stage from the schedule unless given (the simulator's peaks), and so the offloaded
+    stages holding a second gradient sum (`apart`: the simulator's, `host.stage_host_bytes`).
+    `view`: the plan's `MemoryView`, made once where many GPUs or peaks of one plan are asked
+    (`Plan`)."""
     view = view or MemoryView(plan)
     mine = plan.stages_on(gpu)
     policies = {}
@@ -129,7 +132,9 @@ def gpu_memory(
         replicas=view.replica_buffers(mine),
         transient=largest,
         reserve=0,
-        host=sum(stage_host_bytes(plan, s, in_flight[s.id] if in_flight else None) for s in mine)
+        host=sum(
+            stage_host_bytes(plan, s, in_flight[s.id] if in_flight else None, apart) for s in mine
+        )
         if plan.host.device_is_host
         else 0,
     )

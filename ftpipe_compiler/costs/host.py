@@ -273,25 +273,27 @@ def _precision(plan) -> Precision:
     return PRECISIONS[plan.model.get("precision") or "fp32"]
 
 
-def stage_host_bytes(plan, stage, in_flight: int | None = None) -> int:
+def stage_host_bytes(plan, stage, in_flight: int | None = None, apart=None) -> int:
     """Host bytes of what `stage` of `plan` offloads: its trainable parameters' masters,
     state, sums and landing buffers (optimizer), and what it keeps for the backwards of its
     micro-batches in flight beyond the `ACTIVATIONS_ON_GPU` the GPU holds (activations;
-    `in_flight`: the simulator's peak, else the schedule's)."""
+    `in_flight`: the simulator's peak, else the schedule's). `apart`: the stages whose
+    second gradient sum the simulator saw held beside the step's (its timing), else those
+    whose schedule may make one (`sums_apart`)."""
     off = stage.offload
     total = 0
     # Overlapped wherever one replica steps it (`simulate.host.overlapped`; a GPU that sends
     # its weights at a synchronous step does not, and is counted as if it did: a bound).
     overlaps = plan.replicas == 1
     if off.optimizer:
-        apart = overlaps and stage.id in plan.sums_apart
+        summed_apart = overlaps and stage.id in (plan.sums_apart if apart is None else apart)
         precision, params = _precision(plan), {p.name: p for p in plan.params}
         for name in stage.params:
             p = params[name]
             if p.trainable:
                 total += host_param_bytes(
                     p.shape, p.dtype, plan.optimizer, precision, on_device=off.sums_on_device,
-                    overlapped=overlaps, summed_apart=apart,
+                    overlapped=overlaps, summed_apart=summed_apart,
                 )  # fmt: skip
     if off.activations and not stage.forward_only:
         policy = plan.policies[stage.id]
@@ -389,9 +391,10 @@ def nodes_of(plan) -> dict[int, list[int]]:
     return out
 
 
-def host_memory(plan, in_flight: dict[int, int] | None = None) -> dict[int, int]:
+def host_memory(plan, in_flight: dict[int, int] | None = None, apart=None) -> dict[int, int]:
     """Node -> host bytes its ranks' offloaded stages hold (`stage_host_bytes`)."""
     per_gpu = {g: 0 for g in range(plan.gpus)}
     for s in plan.stages:
-        per_gpu[s.gpu] += stage_host_bytes(plan, s, None if in_flight is None else in_flight[s.id])
+        n = None if in_flight is None else in_flight[s.id]
+        per_gpu[s.gpu] += stage_host_bytes(plan, s, n, apart)
     return {node: sum(per_gpu[g] for g in gpus) for node, gpus in nodes_of(plan).items()}

@@ -123,13 +123,15 @@ class Plan(spec.Plan):
         return sums_apart(self)
 
     def gpu_memory(
-        self, gpu: int, in_flight: dict[int, int] | None = None, deferred: dict | None = None
-    ) -> int:
+        self, gpu: int, in_flight: dict[int, int] | None = None, deferred: dict | None = None,
+        apart=None,
+    ) -> int:  # fmt: skip
         """Peak bytes on a GPU (`costs.gpu_memory`: its stages, the runtime's messages and
         buffers, the device's reserve); micro-batches in flight (and, split, between B and W)
-        per stage from the schedule unless given."""
-        if in_flight or deferred:
-            return self.gpu_memory_parts(gpu, in_flight, deferred).total
+        per stage, and the stages holding a second gradient sum, from the schedule unless
+        given (the simulator's)."""
+        if in_flight or deferred or apart is not None:
+            return self.gpu_memory_parts(gpu, in_flight, deferred, apart).total
         got = self._peaks.get(gpu)
         if got is None:
             got = self._peaks[gpu] = self.gpu_memory_parts(gpu).total
@@ -142,10 +144,11 @@ class Plan(spec.Plan):
         return {}
 
     def gpu_memory_parts(
-        self, gpu: int, in_flight: dict[int, int] | None = None, deferred: dict | None = None
-    ) -> GpuMemory:
+        self, gpu: int, in_flight: dict[int, int] | None = None, deferred: dict | None = None,
+        apart=None,
+    ) -> GpuMemory:  # fmt: skip
         """The same peak, by what holds it."""
-        return gpu_memory(self, gpu, in_flight, deferred, view=self._memory_view)
+        return gpu_memory(self, gpu, in_flight, deferred, view=self._memory_view, apart=apart)
 
     @functools.cached_property
     def _memory_view(self) -> MemoryView:

@@ -92,6 +92,9 @@ class HostTraffic:
         overlap = overlapped(plan, synchronous)
         self.overlap: dict[int, tuple[float, float]] = {}  # stage -> (on the CPU, upload)
         self.pending: dict[int, tuple[int, float]] = {}  # stage -> (its step, when done)
+        # Stages whose next gradients came while their CPU step still ran: the second sum
+        # (`HostOffload._add`'s, apart) held beside the step's (`costs.host.sums_apart`).
+        self.apart: set[int] = set()
         self.cpu_free: dict[int, float] = {}  # GPU -> when its rank's step thread is free
         self.uploading: dict[int, tuple[int, int, float]] = {}  # GPU -> (stage, step, s)
         self.m = plan.micro_batches
@@ -216,6 +219,8 @@ class HostTraffic:
             done = self.out_done[(s, a.mb)] = self.d2h_free[g] = begin + self.kept[s] / self.link[g]
             self._mark(g, s, "O", a.mb, begin, done)
         elif s in self.grad_s and (a.kind == "W" or (a.kind == "B" and s not in self.split)):
+            if s in self.pending and start < self.pending[s][1]:  # (its first gradient: soon)
+                self.apart.add(s)
             copy = self.grad_bytes[s] / self.link[g]
             begin = end - self.grad_s[s]
             self.d2h_free[g] = max(self.d2h_free.get(g, 0.0), begin + copy)

@@ -79,6 +79,9 @@ class SimResult:
     window_s: tuple[float, float]  # the steady-state window the fractions are measured over
     step_ends_s: tuple[float, ...]  # E_k for every step
     in_flight: tuple[int, ...]  # per stage: most micro-batches held between F and B at once
+    # Offloaded stages whose next gradients came while their CPU step ran: a second sum
+    # held beside the step's (`costs.host.sums_apart`), counted in their GPU's peak.
+    sums_apart: tuple[int, ...]
     gpus: tuple[GpuResult, ...]
     timeline: tuple[Event, ...] = ()  # the first few steps, for the report
     replicas: int = 1  # data-parallel copies of the pipeline (samples/s counts them all)
@@ -139,10 +142,12 @@ class SimResult:
     @classmethod
     def from_json(cls, d: dict) -> SimResult:
         try:
-            names = {f.name for f in fields(cls)} - {"gpus", "timeline", "replicas", "nodes"}
+            later = {"gpus", "timeline", "replicas", "nodes", "sums_apart"}
+            names = {f.name for f in fields(cls)} - later
             return cls(
                 **{k: tuple(d[k]) if isinstance(d[k], list) else d[k] for k in names},
                 replicas=d.get("replicas", 1),
+                sums_apart=tuple(d.get("sums_apart", ())),  # (none before 2026-11-30)
                 gpus=tuple(GpuResult(**{**g, "stages": tuple(g["stages"])}) for g in d["gpus"]),
                 timeline=tuple(Event(*row) for row in d.get("timeline", ())),
                 nodes=tuple(NodeResult(**n) for n in d.get("nodes", ())),

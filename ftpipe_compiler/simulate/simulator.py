@@ -237,13 +237,14 @@ def _result(plan: Plan, run: EventLoop, name: str, steps: int, m: int, run_steps
         for g in range(plan.gpus)
     }
     in_flight = {s.id: run.peak[s.id] for s in plan.stages}
+    apart = frozenset(host.apart) if host is not None else None
     traffic = host.per_step(m) if host is not None else {}
     none = {"down": 0, "up": 0, "cpu_s": 0.0}
     gpus = tuple(
         GpuResult(
             gpu=g,
             busy_fraction=busy[g],
-            peak_memory_bytes=plan.gpu_memory(g, in_flight, run.peak_deferred),
+            peak_memory_bytes=plan.gpu_memory(g, in_flight, run.peak_deferred, apart),
             memory_bytes=plan.memory_bytes,
             stages=tuple(s.id for s in plan.stages_on(g)),
             bytes_sent=round(sum(run.sent_in.get((g, k), 0) for k in measured) / len(measured)),
@@ -255,7 +256,7 @@ def _result(plan: Plan, run: EventLoop, name: str, steps: int, m: int, run_steps
     )
     nodes = ()
     if host is not None:
-        held = host_memory(plan, in_flight)
+        held = host_memory(plan, in_flight, apart)
         nodes = tuple(NodeResult(n, b, plan.host.memory_bytes) for n, b in sorted(held.items()))
     used = [busy[g] for g in range(plan.gpus) if plan.stages_on(g)]
     size = int(plan.model.get("micro_batch", 1))
@@ -270,6 +271,7 @@ def _result(plan: Plan, run: EventLoop, name: str, steps: int, m: int, run_steps
         window_s=window,
         step_ends_s=tuple(ends),
         in_flight=tuple(in_flight[s.id] for s in plan.stages),
+        sums_apart=tuple(sorted(apart or ())),
         gpus=gpus,
         timeline=(*run.timeline, *(host.events if host is not None else ())),
         replicas=plan.replicas,

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 from sim_plans import make_plan
 
-from ftpipe_compiler.costs.host import Host, Offload
+from ftpipe_compiler.costs.host import Host, Offload, host_memory
 from ftpipe_compiler.plan import PlanParam
 from ftpipe_compiler.planner.offload import choose_offload
 from ftpipe_compiler.simulate import render_report, simulate
@@ -128,6 +128,28 @@ def test_2bw_overlaps_the_cpu_step_with_the_stage_actions_on_the_older_version()
     assert c.start == s0.end and u.start == f.start > c.end
     ftpipe = _plan(costs, "ftpipe", offload={0, 1}, m=m)
     assert cpu_step_hidden(ftpipe, simulate(ftpipe)) == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("costs,meets", [((0.01, 0.02, 0.0), True), ((1.0, 2.0, 0.0), False)])
+def test_a_second_gradient_sum_is_held_where_a_backward_meets_the_cpu_step(costs, meets):
+    """Under 2BW a stage's backwards on the older version follow its S: one that starts
+    while the CPU step still runs has its gradient summed apart beside the step's sum
+    (`HostOffload._add`: 4 B an element in fp32), and the node's simulated host memory counts
+    it (on a CPU rank, `device_is_host`, the rank's peak); where the step ends first (slower
+    compute), the sum it read is gone by then. The plan alone cannot tell, and counts it
+    (`costs.host.sums_apart`)."""
+    plan = _plan([costs, costs], "2bw", offload={0, 1}, m=4)
+    sim = simulate(plan)
+    assert sim.sums_apart == ((0, 1) if meets else ())
+    assert plan.sums_apart == {0, 1}
+    in_flight = dict(enumerate(sim.in_flight))
+    both, one = (host_memory(plan, in_flight, apart)[0] for apart in ({0, 1}, set()))
+    assert both - one == 2 * 4 * NUMEL
+    assert sim.nodes[0].host_bytes == (both if meets else one)
+    on_cpu = plan.with_(host=replace(HOST, device_is_host=True))
+    peaks = [g.peak_memory_bytes for g in simulate(on_cpu).gpus]
+    assert peaks == [on_cpu.gpu_memory(g, in_flight, apart=(set(), {0, 1})[meets]) for g in (0, 1)]
+    assert all(on_cpu.gpu_memory(g) - p == (0 if meets else 4 * NUMEL) for g, p in enumerate(peaks))
 
 
 def _lagged(plan):
