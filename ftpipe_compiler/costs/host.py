@@ -180,12 +180,13 @@ def sums_apart(plan) -> frozenset[int]:
     reads the last one's sum: `HostOffload._add` sums them apart until the step lands, the
     two sums then held together. The schedule says where that can happen: a backward of the
     stage (its W, split) between its S and the action that lands the step. The executor
-    lands it where the stage next runs on its live weights or steps (`lands`). None under a synchronous schedule (the next forward lands it) nor under
-    FTPipe's policies (a stage with micro-batches in flight recomputes; one without runs
-    its next forward first). Where such a backward comes (2BW's, on the older version), its
-    gradient meets the step's sum only if the CPU step still runs then: timing, counted (a
-    CPU rank's step ended before it in the Qwen2.5-0.5B shape's run: BENCHMARKS.md, memory).
-    `Plan.sums_apart` keeps the answer."""
+    lands it where the stage next runs on its live weights or steps (`lands`). None under a
+    synchronous schedule (the next forward lands it) nor under FTPipe's policies (a stage
+    with micro-batches in flight recomputes; one without runs its next forward first). Where
+    such a backward comes (2BW's, on the older version), its gradient meets the step's sum
+    only if the CPU step still runs then: timing, which the simulator sees
+    (`simulate.host.HostTraffic.apart`) and the plan alone counts. `Plan.sums_apart` keeps
+    the answer."""
     streamed = {s.id for s in plan.stages if s.offload.optimizer and not s.offload.sums_on_device}
     sched = resolve_schedule(plan.schedule, plan.recompute)
     if plan.replicas > 1 or not streamed or sched.synchronous:

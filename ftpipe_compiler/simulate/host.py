@@ -16,17 +16,18 @@ of the host link, plus the sum's bytes over its share of the CPUs' `sum_bandwidt
 backward's W makes them). A stage that sums its gradients on the device
 (`Offload.sums_on_device`) adds nothing to its backwards: its S copies the sums down once (4
 bytes an element under mixed precision, on the link: not overlapped with any backward).
-The CPU step (`step_bandwidth`, and the new weights' conversion at `sum_bandwidth`) then runs
-on the rank's step thread, one stage's after another (`overlapped`: one replica; a GPU that
-sends weights at a synchronous step waits for it there, as `step_s` whole), beside the GPU's
-next actions, and lands before the first that reads the weights it makes, which waits for it
-and carries the upload (`landing`, by `costs.host.lands`): the stage's next S, or its next
-forward or recomputing backward on the weights the step made (FTPipe's and a flush's next
-forward; under PipeDream-2BW and WPipe the first on the new version, a step later; never a
-backward through a kept graph); a lagged stage's (`Offload.lagged`) at its next S only. What the CPU step costs the step is then what neither
-the GPU's own next actions nor the other GPUs hide: under FTPipe no GPU waits for another's
-step, so a GPU with slack absorbs it; under a flush only the next step's forwards of the
-stages before an offloaded one (which its own first forward waits for) hide it.
+The CPU step (`step_bandwidth`, and the new weights' conversion at `sum_bandwidth`) then
+runs on the rank's step thread, one stage's after another (`overlapped`: one replica; a GPU
+that sends weights at a synchronous step waits for it there, as `step_s` whole), beside the
+GPU's next actions, and lands before the first that reads the weights it makes, which waits
+for it and carries the upload (`landing`, by `costs.host.lands`): the stage's next S, or its
+next forward or recomputing backward on the weights the step made (FTPipe's and a flush's
+next forward; under PipeDream-2BW and WPipe the first on the new version, a step later;
+never a backward through a kept graph); a lagged stage's (`Offload.lagged`) at its next S
+only. What the CPU step costs the step is then what neither the GPU's own next actions nor
+the other GPUs hide: under FTPipe no GPU waits for another's step, so a GPU with slack
+absorbs it; under a flush only the next step's forwards of the stages before an offloaded
+one (which its own first forward waits for) hide it.
 
 A stage whose activations are offloaded copies what it keeps for a backward (its inputs
 where it recomputes, else its activations) to the host after each forward, on a copy stream

@@ -179,9 +179,7 @@ class Checkpoints:
         self._files.pop(step, None)
         with contextlib.suppress(OSError):
             (folder / ABANDONED).touch()
-        for manifest in folder.glob("rank-*.json"):
-            with contextlib.suppress(OSError):
-                manifest.unlink()
+        _drop_manifests(folder)
         for name in self._wrote.pop(step, set()):
             with contextlib.suppress(OSError):
                 (folder / name).unlink()
@@ -455,10 +453,15 @@ class Checkpoints:
     def _remove(self, step: int) -> None:
         """Manifests first, so a checkpoint being removed is never taken for a complete one."""
         folder = step_dir(self.root, step)
-        for manifest in folder.glob("rank-*.json"):
-            with contextlib.suppress(OSError):
-                manifest.unlink()
+        _drop_manifests(folder)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _drop_manifests(folder: Path) -> None:
+    """Every rank's manifest in a step's folder: the step is no checkpoint from then on."""
+    for manifest in folder.glob("rank-*.json"):
+        with contextlib.suppress(OSError):
+            manifest.unlink()
 
 
 def _well_typed(m: dict) -> bool:

@@ -165,7 +165,6 @@ def on_failure(name: str, tidy_up) -> None:
 def tidy(stopped: set[int]) -> None:
     """Run the `on_failure` hooks (each error swallowed: the rank is on its way out anyway),
     for at most TIDY_S."""
-
     hooks = list(_tidying.values())
     _tidying.clear()  # once: the run they tidy for is over
 

@@ -36,18 +36,18 @@ wait for a micro-batch's inputs, and, under a schedule that runs on set-aside we
 (PipeDream-2BW, WPipe), the stage's own actions on the older version: up to a whole step).
 The new weights go to the device when the stage's weights are next read (`land`: its next
 forward, or backward recomputing one, on the weights themselves, a copy of them set aside,
-its next step, a checkpoint), which is where the step without overlap would have left them: the same weights
-reach the same actions, so the run is the same, bit for bit. A `lagged` stage's step lands at
-its next S instead (`--offload-step lagged`, FTPipe's schedule): its actions until then read
-the weights one step older, a rule of its own (the tests' reference: `train_stale` with
-`lag=1`), and the whole CPU step overlaps them; its checkpoint keeps those older weights
-beside the masters (`defer` puts them back on resume). Meanwhile the stage's next
-gradients are summed apart (the step reads the masters' `.grad`) and become the `.grad` at
-`land`: the same additions in the same order. The thread converts the new weights into
-staging buffers of their own (the landing buffers are busy with the next gradients): host
-memory per element, streamed, +2 in bf16, and +4 for the second sum where a backward can
-come before the step lands (2BW's and WPipe's on the older version, a lagged stage's; not
-FTPipe's nor a flush's: `costs.host.sums_apart`).
+its next step, a checkpoint), which is where the step without overlap would have left them:
+the same weights reach the same actions, so the run is the same, bit for bit. A `lagged`
+stage's step lands at its next S instead (`--offload-step lagged`, FTPipe's schedule): its
+actions until then read the weights one step older, a rule of its own (the tests' reference:
+`train_stale` with `lag=1`), and the whole CPU step overlaps them; its checkpoint keeps
+those older weights beside the masters (`defer` puts them back on resume). Meanwhile the
+stage's next gradients are summed apart (the step reads the masters' `.grad`) and become the
+`.grad` at `land`: the same additions in the same order. The thread converts the new weights
+into staging buffers of their own (the landing buffers are busy with the next gradients):
+host memory per element, streamed, +2 in bf16, and +4 for the second sum where a backward
+can come before the step lands (2BW's and WPipe's on the older version, a lagged stage's;
+not FTPipe's nor a flush's: `costs.host.sums_apart`).
 
 A stage in `on_device` (the plan's `offload.gradients == "device"`) streams nothing during its
 backwards: its gradients sum on the device, in the master's dtype, into an accumulator per
